@@ -6,6 +6,8 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -681,7 +683,7 @@ static int pread_full(int fd, void *buf, size_t len, uint64_t off, const char *l
 
 /* Read the index file fully (it is small: 7.4 MB for the real model). */
 static int read_index(const char *path, ds41_st_index *idx, ds41_error *err) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not hang us */
     if (fd < 0) return ds41_fail(err, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
     uint8_t *buf = NULL;
@@ -718,7 +720,10 @@ out:
  * "missing shard" message. */
 static int open_shard(shard *s, const char *first_tensor, ds41_error *err) {
     char nb[SHOW_MAX];
-    s->fd = open(s->path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK so that a FIFO planted under a shard's name cannot hang
+     * us; it is cleared once the file is known to be regular (io_uring
+     * would otherwise fail reads with EAGAIN instead of waiting). */
+    s->fd = open(s->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (s->fd < 0) {
         int e = errno;
         if (e == ENOENT && first_tensor)
@@ -729,6 +734,9 @@ static int open_shard(shard *s, const char *first_tensor, ds41_error *err) {
     struct stat st;
     if (fstat(s->fd, &st) != 0) return ds41_fail(err, "%s: cannot stat: %s", s->path, strerror(errno));
     if (!S_ISREG(st.st_mode)) return ds41_fail(err, "%s: not a regular file", s->path);
+    int fl = fcntl(s->fd, F_GETFL);
+    if (fl < 0 || fcntl(s->fd, F_SETFL, fl & ~O_NONBLOCK) != 0)
+        return ds41_fail(err, "%s: fcntl failed: %s", s->path, strerror(errno));
     s->size = (uint64_t)st.st_size;
     if (s->size > (uint64_t)SIZE_MAX)
         return ds41_fail(err, "%s: %" PRIu64 " bytes do not fit the address space", s->path, s->size);
@@ -761,6 +769,64 @@ static int open_shard(shard *s, const char *first_tensor, ds41_error *err) {
      * single pages instead of reading ahead. */
     (void)madvise(m, (size_t)s->size, MADV_RANDOM);
     return 0;
+}
+
+/* Shards are independent until the merge, and parsing 48 headers of ~10 MB
+ * JSON in all is most of the open time: parse them on a few threads.  Every
+ * shard is attempted, and the lowest-numbered failure is reported, so the
+ * message does not depend on scheduling. */
+typedef struct shard_job {
+    ds41_checkpoint *c;
+    const char *const *first_tensor;
+    ds41_error *errs;
+    int *rcs;
+    atomic_size_t next;
+} shard_job;
+
+static void *shard_worker(void *arg) {
+    shard_job *job = arg;
+    for (;;) {
+        size_t i = atomic_fetch_add(&job->next, 1);
+        if (i >= job->c->shard_count) return NULL;
+        job->rcs[i] = open_shard(&job->c->shards[i], job->first_tensor ? job->first_tensor[i] : NULL, &job->errs[i]);
+    }
+}
+
+static int open_all_shards(ds41_checkpoint *c, const char *const *first_tensor, ds41_error *err) {
+    size_t n = c->shard_count;
+    shard_job job = {.c = c, .first_tensor = first_tensor};
+    atomic_init(&job.next, 0);
+    job.errs = calloc(n, sizeof *job.errs);
+    job.rcs = calloc(n, sizeof *job.rcs);
+    if (!job.errs || !job.rcs) {
+        free(job.errs);
+        free(job.rcs);
+        return ds41_fail(err, "%s: out of memory", c->dir);
+    }
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    size_t nthreads = cpus > 1 ? (size_t)cpus : 1;
+    if (nthreads > 16) nthreads = 16;
+    if (nthreads > n) nthreads = n;
+    pthread_t tids[16];
+    size_t started = 0;
+    /* The calling thread works too; failing to start a helper only slows
+     * things down. */
+    for (size_t i = 1; i < nthreads; i++, started++)
+        if (pthread_create(&tids[started], NULL, shard_worker, &job) != 0) break;
+    shard_worker(&job);
+    for (size_t i = 0; i < started; i++) pthread_join(tids[i], NULL);
+
+    int rc = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (job.rcs[i] != 0) {
+            if (err) *err = job.errs[i];
+            rc = -1;
+            break;
+        }
+    }
+    free(job.errs);
+    free(job.rcs);
+    return rc;
 }
 
 /* Merge every shard's tensors into one name-sorted array with a hash index;
@@ -900,8 +966,7 @@ ds41_checkpoint *ds41_checkpoint_open(const char *dir, ds41_error *err) {
         goto fail;
     }
 
-    for (size_t i = 0; i < c->shard_count; i++)
-        if (open_shard(&c->shards[i], indexed ? idx.shard_first_tensor[i] : NULL, err) != 0) goto fail;
+    if (open_all_shards(c, indexed ? idx.shard_first_tensor : NULL, err) != 0) goto fail;
     if (merge_tensors(c, err) != 0) goto fail;
     if (indexed && check_index_agrees(c, &idx, index_path, err) != 0) goto fail;
 

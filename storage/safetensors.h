@@ -189,9 +189,15 @@ typedef struct ds41_checkpoint ds41_checkpoint;
  *     name appears in two shards.
  * Shards are numbered in strcmp order of their file names.
  *
+ * Shard headers are parsed on up to 16 threads; with several bad shards the
+ * error is about the first by name, so messages do not depend on timing.
+ *
  * Returns the checkpoint (release with ds41_checkpoint_close) or NULL with
  * err filled.  Symlinks are followed (Hugging Face cache snapshots are
- * symlinks to blobs). */
+ * symlinks to blobs).  After opening, the checkpoint is read-only: every
+ * query below is safe from any number of threads.  The shard files must not
+ * be truncated or rewritten while the checkpoint is open (a mapping of a
+ * truncated file raises SIGBUS on access). */
 ds41_checkpoint *ds41_checkpoint_open(const char *dir, ds41_error *err);
 
 /* Unmap every shard, close every descriptor, free everything.  Every pointer

@@ -585,6 +585,14 @@ static void test_malformed_shards(void) {
     write_text(dir, DS41_ST_INDEX_NAME, INDEX_OK);
     expect_fail(dir, SHARD_B, NULL, "file shorter than the 8-byte length");
 
+    dir = new_dir("fifo");
+    write_st(dir, SHARD_A, JSON_A, 20);
+    char fifo[PATH_MAX];
+    path_in(fifo, dir, SHARD_B);
+    if (mkfifo(fifo, 0644) != 0) perror("mkfifo");
+    write_text(dir, DS41_ST_INDEX_NAME, INDEX_OK);
+    expect_fail(dir, SHARD_B, NULL, "a FIFO in place of a shard (must not hang)");
+
     expect_fail(bad_b("bad-json", "{\"b.weight\":{\"dtype\":\"F8_E4M3\",", 13), SHARD_B, NULL, "invalid JSON");
     expect_fail(bad_b("not-object", "[1,2,3]", 13), SHARD_B, NULL, "header is an array");
     expect_fail(bad_b("trailing", JSON_B "x", 13), SHARD_B, NULL, "garbage after the JSON");
@@ -731,6 +739,28 @@ static void test_malformed_index(void) {
     write_st(dir, SHARD_B, JSON_B, 13);
     write_text(dir, DS41_ST_INDEX_NAME, INDEX_OK);
     expect_fail(dir, SHARD_A, "b.scale", "same tensor name in two shards");
+
+    /* Shards are parsed in parallel; with several broken, the message is
+     * still about the first by name, every time. */
+    dir = new_dir("many-broken");
+    char name[64];
+    char index[4096] = "{\"weight_map\":{";
+    for (int i = 1; i <= 12; i++) {
+        snprintf(name, sizeof name, "model-%05d-of-00012.safetensors", i);
+        if (i < 5) write_st(dir, name, "{\"t\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1);
+        else write_st(dir, name, "{\"t\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,1]}}", 1);
+        snprintf(index + strlen(index), sizeof index - strlen(index), "%s\"t%d\":\"%s\"", i > 1 ? "," : "", i, name);
+    }
+    strcat(index, "}}");
+    write_text(dir, DS41_ST_INDEX_NAME, index);
+    bool same = true;
+    for (int r = 0; r < 8; r++) {
+        ds41_error e1;
+        ds41_checkpoint *c1 = ds41_checkpoint_open(dir, &e1);
+        if (c1 || !strstr(e1.msg, "model-00005-of-00012.safetensors: tensor 't': shape [2]")) same = false;
+        ds41_checkpoint_close(c1);
+    }
+    TAP_CHECK(same, "with shards 5..12 broken, every open reports shard 5");
 
     /* total_size written as an integral float still agrees. */
     dir = bad_index("total-size-float", "{\"metadata\":{\"total_size\":33.0},\"weight_map\":{\"a.weight\":\"" SHARD_A
