@@ -76,7 +76,11 @@ typedef struct ds41_tensor {
     uint64_t nbytes;            /* product(shape) * dtype size == end - begin */
     uint32_t shard;             /* index into the checkpoint's shards (0 from the parser) */
     uint64_t file_offset;       /* absolute offset of the payload in the shard file */
-    const void *data;           /* payload inside the read-only mapping (NULL from the parser) */
+    const void *data;           /* payload inside the read-only mapping (NULL from the parser);
+                                 * aligned to the element size when the writer below (or
+                                 * Hugging Face) wrote the file, not guaranteed for others;
+                                 * never dereference it when nbytes is 0.  Touching it
+                                 * faults pages in from disk. */
 } ds41_tensor;
 
 /* ------------------------------------------------- header parser (pure) */
@@ -119,7 +123,8 @@ typedef struct ds41_st_header {
  *   - product(shape) * dtype size, computed with overflow checks, equals
  *     end - begin; end lies inside the data region (file_size - 8 - N);
  *   - no two non-empty payload spans overlap (gaps are accepted; empty
- *     tensors may sit anywhere in the data region).
+ *     tensors may sit anywhere in the data region; bytes after the last
+ *     payload are accepted too -- the safetensors library is stricter).
  *
  * On success fills *out (which the caller then owns: release it with
  * ds41_st_header_free) and returns 0.  On failure returns -1 and leaves *out
