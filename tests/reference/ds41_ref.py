@@ -86,7 +86,8 @@ R6 = f32(1.0 / 6.0)       # 0.1666666716337204
 def e8m0_value(b):
     """F8_E8M0 byte -> float32 2^(b-127); 255 -> NaN; 0 -> 2^-127 (an fp32 subnormal, exact)."""
     b = np.asarray(b, np.uint8)
-    v = np.ldexp(np.ones(b.shape, np.float32), b.astype(np.int32) - 127).astype(np.float32)
+    with np.errstate(over='ignore'):
+        v = np.ldexp(np.ones(b.shape, np.float32), b.astype(np.int32) - 127).astype(np.float32)
     return np.where(b == 255, np.float32(np.nan), v).astype(np.float32)
 
 

@@ -47,7 +47,7 @@ LAYOUT = dict(
 )
 
 PRESETS = {
-    'small': dict(vocab_size=320, dim=64, moe_inter_dim=64, n_mtp_layers=2, n_heads=4, head_dim=64,
+    'small': dict(vocab_size=400, dim=64, moe_inter_dim=64, n_mtp_layers=2, n_heads=4, head_dim=64,
                   rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=8,
                   n_activated_experts=2, n_shared_experts=1, route_scale=2.0, swiglu_limit=6.0,
                   window_size=16, candidate_topk_blocks=3, candidate_block_size=2, index_n_heads=4,
@@ -56,7 +56,7 @@ PRESETS = {
                   engram_vocab_size=500, engram_max_ngram_size=3, engram_n_heads=4,
                   engram_head_dim=32, dspark_block_size=3, dspark_markov_rank=32,
                   dspark_n_routed_experts=4, dspark_n_activated_experts=2),
-    'wide': dict(vocab_size=384, dim=128, moe_inter_dim=64, n_mtp_layers=3, n_heads=8, head_dim=64,
+    'wide': dict(vocab_size=448, dim=128, moe_inter_dim=64, n_mtp_layers=3, n_heads=8, head_dim=64,
                  rope_head_dim=16, q_lora_rank=96, o_groups=4, o_lora_rank=32, n_routed_experts=16,
                  n_activated_experts=3, n_shared_experts=1, route_scale=1.25, swiglu_limit=8.0,
                  window_size=48, candidate_topk_blocks=12, candidate_block_size=4, index_n_heads=8,
