@@ -575,6 +575,7 @@ def hc_split_sinkhorn(mixes, scale, base, hc, iters, eps):
 
 def hc_pre(x, pre):
     """bf16(((p0*x0 + p1*x1) + p2*x2) + p3*x3): x [S,hc,D] bf16 values, pre [S,hc] fp32."""
+    # DECISION: the short sum starts with the first product (no leading 0 + ...).
     acc = pre[:, 0, None] * x[:, 0]
     for c in range(1, x.shape[1]):
         acc = acc + pre[:, c, None] * x[:, c]
@@ -602,6 +603,11 @@ def hc_post(o, res, post, comb):
 def sparse_attn(q, rows, sink, scale):
     """q [H, hd] bf16 values; rows [L, hd] the canonical list (window ascending, then compressed
     ascending); sink [H] fp32; returns bf16 [H, hd]."""
+    # DECISION: per 64-chunk of the canonical list, with every operation rounded to fp32:
+    #   z = fp32(exact(q.kv) ) * scale, m' = max(m, max z), corr = exp(m - m'), p = exp(z - m'),
+    #   den = fp32(den * corr) + fp32(exact sum of the chunk's p),
+    #   acc = fp32(acc * corr) + fp32(exact sum over the chunk of bf16(p) * kv),
+    # then den = den + exp(sink - m_final) and out = bf16(acc / den).
     H, hd = q.shape
     z = xdot(q, rows) * scale                             # [H, L]
     m = np.full(H, f32(-1e30), np.float32)
@@ -1022,9 +1028,8 @@ class Config:
                 raise RefError(f"{where}: {k} must be a multiple of {m}")
         if self.rd % 2 or self.rd > self.head_dim:
             raise RefError(f"{where}: rope_head_dim must be even and <= head_dim")
-        if self.n_heads % self.o_groups or (self.n_heads // self.o_groups * self.head_dim) % 32 \
-                or (self.o_groups * self.o_lora) % 32:
-            raise RefError(f"{where}: o_groups / o_lora_rank incompatible with 32-wide blocks")
+        if self.n_heads % self.o_groups or (self.o_groups * self.o_lora) % 32:
+            raise RefError(f"{where}: n_heads must be a multiple of o_groups and o_groups*o_lora_rank of 32")
         if self.topk_experts > self.n_experts:
             raise RefError(f"{where}: n_activated_experts > n_routed_experts")
 
@@ -1351,6 +1356,8 @@ class Model:
                     kv = np.stack([c[0] for c in st.carry[L]])      # [r, hd]
                     sc = np.stack([c[1] for c in st.carry[L]])
                     st.carry[L] = []
+                    # DECISION: per channel m = max_t sc, e_t = exp(sc_t - m), w_t = e_t / (short
+                    # sum of e), pooled = short sum of fp32(kv_t * w_t), all in token order.
                     mx = np.max(sc, axis=0)
                     e = f_exp(sc - mx[None])
                     den = seqsum(e, axis=0)
@@ -1372,7 +1379,18 @@ class Model:
 
     # ---------------------------------------------------------------------------------------------
     def indexer(self, L, st, ctx, x, qr, pos):
-        """Top-k compressed positions for every query of the chunk (index-source layer L)."""
+        """Top-k compressed positions for every query of the chunk (index-source layer L).
+
+        # DECISION: selection is formulated per query at absolute position a: the reachable
+        # positions are t < (a+1)//r; the candidate mask, the candidate masking and the top
+        # min(index_topk, (a+1)//r) run over exactly those.  With the tie rule of 9.2 this selects
+        # the same set as the reference's chunk-wide top-k with its causal -inf mask and -1
+        # clean-up (future positions are -inf and lose every tie against lower positions), and it
+        # is what a decode step computes, so chunked prefill == decode by construction.
+        # DECISION: a -inf pick below the query's compress_len (a candidate user whose candidate
+        # mask holds fewer than k positions) is kept and attended, as REFERENCE.md 2.10 step 7
+        # says the reference does; consumers reuse such lists verbatim.
+        """
         cfg = self.cfg
         w = self.layers[L]
         src = cfg.kv_src[L]
@@ -1485,6 +1503,8 @@ class Model:
             rw = rw / (seqsum(rw, axis=1) + f32(1e-20))[:, None]
         # DECISION: route_scale multiplies the weights for every k (also k == 1).
         rw = rw * cfg.route_scale
+        # DECISION: the MoE accumulator starts at +0.0 (torch zeros) and every expert output,
+        # then the shared expert's, is added with one fp32 rounding each.
         y = np.zeros((S, cfg.dim), np.float32)
         for e in np.unique(sel):
             tok, slot = np.nonzero(sel == e)

@@ -629,9 +629,32 @@ def test_cli(ck, model):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_load_errors(ck):
+def test_load_errors(ck, model):
     tmp = tempfile.mkdtemp(prefix='ds41ref-bad-')
     try:
+        one = os.path.join(tmp, 'single')
+        os.makedirs(os.path.join(one, 'inference'))
+        shutil.copy(os.path.join(ck, 'inference', 'config.json'), os.path.join(one, 'inference'))
+        shutil.copy(os.path.join(ck, 'tokenizer.json'), one)
+        ckp = R.Checkpoint(ck)
+        tens = []
+        for name, f in ckp.where.items():
+            buf, dt, shape = f.raw(name)
+            tens.append((name, dt, np.array(buf, np.uint8)))
+        # write raw bytes with the original dtype strings and shapes
+        hdr, off, blobs = {}, 0, []
+        for name, dt, b in tens:
+            shape = ckp.where[name].tensors[name][1]
+            hdr[name] = {'dtype': dt, 'shape': shape, 'data_offsets': [off, off + b.nbytes]}
+            off += b.nbytes
+            blobs.append(b.tobytes())
+        h = json.dumps(hdr).encode()
+        with open(os.path.join(one, 'model.safetensors'), 'wb') as fh:
+            fh.write(len(h).to_bytes(8, 'little') + h + b''.join(blobs))
+        m1 = R.Model(one)
+        ids = [0, 5, 9, 300, 17, 17, 2]
+        T.ok(same_bits(m1.forward(m1.new_state(), ids), model.forward(model.new_state(), ids)),
+             "load: a single model.safetensors gives the same logits as the sharded checkpoint")
         bad = os.path.join(tmp, 'ck')
         shutil.copytree(ck, bad)
         idx = os.path.join(bad, 'model.safetensors.index.json')
@@ -686,7 +709,7 @@ def main():
         T.run('model small', small_model)
         if 'm' in holder:
             T.run('cli', lambda: test_cli(small, holder['m']))
-        T.run('load errors', lambda: test_load_errors(small))
+            T.run('loading', lambda: test_load_errors(small, holder['m']))
         wide = os.path.join(tmp, 'wide')
         G.build('wide', 2, wide)
         T.run('layout wide', lambda: test_checkpoint_layout(wide, 'wide'))
