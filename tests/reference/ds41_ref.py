@@ -978,7 +978,11 @@ class Config:
                 raise RefError(f"{where}: missing key {k}")
 
         def g(k):
-            return d[k] if k in d and d[k] is not None else _DEFAULTS[k]
+            if k in d and d[k] is not None:
+                return d[k]
+            if k not in _DEFAULTS:
+                raise RefError(f"{where}: missing key {k}")
+            return _DEFAULTS[k]
 
         def gi(k, lo=None):
             v = g(k)

@@ -300,6 +300,21 @@ def test_release_roles():
     ok = all(c.rope_params(L) == (10000.0, None) for L in (0, 1)) and \
         all(c.rope_params(L) == (160000.0, (65536.0, 16.0, 32.0, 1.0)) for L in range(2, 40))
     T.ok(ok, "release rope: ratio-0 layers theta 10000 no YaRN; ratio>0 layers 160000 + YaRN")
+    msgs = []
+    for key, val in (('index_topk', None), ('compress_ratios', None), ('kv_source_layers', [2, 3])):
+        d = dict(c.raw)
+        if val is None:
+            del d[key]
+        else:
+            d[key] = val
+        try:
+            R.Config(d)
+            msgs.append((key, 'accepted'))
+        except R.RefError as e:
+            msgs.append((key, str(e)))
+    T.ok('missing key index_topk' in msgs[0][1] and 'missing key compress_ratios' in msgs[1][1] and
+         ('layer 3' in msgs[2][1] or 'KV source 3' in msgs[2][1]),
+         "config errors name the key / layer (missing keys, a consumer whose KV source has another ratio)", msgs)
 
 
 def test_rope():
