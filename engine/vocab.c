@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <jansson.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,53 +11,33 @@
  * GPT-2 byte alphabet
  * ====================================================================== */
 
-/* Printable bytes keep their code point; the 68 others (0x00-0x20, 0x7F-0xA0,
- * 0xAD), in ascending order, become U+0100.. U+0143. */
+/* Printable bytes keep their code point; the 68 others, in ascending order
+ * (0x00-0x20, 0x7F-0xA0, 0xAD), become U+0100..U+0143. */
 static bool byte_is_printable(unsigned b) {
     return (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
 }
 
 uint32_t ds41_byte_level_char(uint8_t byte) {
     if (byte_is_printable(byte)) return byte;
-    unsigned n = 0; /* how many non-printable bytes come before this one */
-    for (unsigned b = 0; b < byte; b++)
-        if (!byte_is_printable(b)) n++;
-    return 0x100 + n;
+    if (byte <= 0x20) return 0x100 + byte;               /* 33 of them: U+0100..U+0120 */
+    if (byte <= 0xA0) return 0x100 + 33 + (byte - 0x7F); /* 34: U+0121..U+0142 */
+    return 0x143;                                        /* 0xAD */
 }
 
 int ds41_byte_level_byte(uint32_t cp) {
     if (cp < 0x100) return byte_is_printable(cp) ? (int)cp : -1;
-    if (cp > 0x143) return -1;
-    unsigned want = cp - 0x100, n = 0;
-    for (unsigned b = 0; b < 256; b++) {
-        if (byte_is_printable(b)) continue;
-        if (n == want) return (int)b;
-        n++;
-    }
-    return -1;
+    uint32_t k = cp - 0x100;
+    if (k <= 32) return (int)k;
+    if (k <= 66) return (int)(0x7F + k - 33);
+    return k == 67 ? 0xAD : -1;
 }
 
 int ds41_byte_level_rank(uint8_t byte) {
-    /* 188 printable bytes first, in byte order, then the 68 others. */
-    int printable_before = 0, other_before = 0;
-    for (unsigned b = 0; b < byte; b++) {
-        if (byte_is_printable(b))
-            printable_before++;
-        else
-            other_before++;
-    }
-    return byte_is_printable(byte) ? printable_before : 188 + other_before;
-}
-
-/* Code point -> byte for U+0000..U+0143, -1 outside the alphabet; built once. */
-static int16_t alphabet_byte[0x144];
-static bool alphabet_ready;
-
-static void alphabet_init(void) {
-    /* Idempotent and deterministic, so a benign race only writes the same values. */
-    if (__atomic_load_n(&alphabet_ready, __ATOMIC_ACQUIRE)) return;
-    for (unsigned cp = 0; cp < 0x144; cp++) alphabet_byte[cp] = (int16_t)ds41_byte_level_byte(cp);
-    __atomic_store_n(&alphabet_ready, true, __ATOMIC_RELEASE);
+    /* The 188 printable bytes first, in byte order, then the 68 others. */
+    if (byte >= 0x21 && byte <= 0x7E) return byte - 0x21;        /* 94 */
+    if (byte >= 0xA1 && byte <= 0xAC) return 94 + (byte - 0xA1); /* 12 */
+    if (byte >= 0xAE) return 106 + (byte - 0xAE);                /* 82 */
+    return 188 + (int)(ds41_byte_level_char(byte) - 0x100);
 }
 
 /* ======================================================================
@@ -727,7 +706,7 @@ out:
 
 /* ---- parse --------------------------------------------------------------- */
 
-static int parse_root(ds41_vocab *v, json_t *root, size_t json_len, const char *label, ds41_error *err) {
+static int parse_root(ds41_vocab *v, json_t *root, const char *label, ds41_error *err) {
     if (!json_is_object(root)) return ds41_fail(err, "%s: the top level must be a JSON object", label);
     json_t *version = json_object_get(root, "version");
     if (version && !(json_is_string(version) && strcmp(json_string_value(version), "1.0") == 0))
@@ -777,8 +756,8 @@ static int parse_root(ds41_vocab *v, json_t *root, size_t json_len, const char *
         strings += clen + 1;
         if (clen > max_len) max_len = clen;
     }
-    if (strings > json_len + 1 + n_added + json_object_size(vocab) || strings >= UINT32_MAX)
-        return ds41_fail(err, "%s: too large", label);
+    /* The string arena is addressed by 32-bit offsets. */
+    if (strings >= UINT32_MAX) return ds41_fail(err, "%s: token strings too large", label);
 
     v->size = (uint32_t)max_id + 1;
     v->model_count = (uint32_t)json_object_size(vocab);
@@ -832,7 +811,6 @@ static int parse_root(ds41_vocab *v, json_t *root, size_t json_len, const char *
 
 ds41_vocab *ds41_vocab_parse(const char *json, size_t len, const char *label, ds41_error *err) {
     label = lbl(label);
-    alphabet_init();
     if (!json && len) {
         ds41_fail(err, "%s: no data", label);
         return NULL;
@@ -857,7 +835,7 @@ ds41_vocab *ds41_vocab_parse(const char *json, size_t len, const char *label, ds
         return NULL;
     }
     v->bos = v->eos = v->pad = -1;
-    int rc = parse_root(v, root, len, label, err);
+    int rc = parse_root(v, root, label, err);
     json_decref(root);
     if (rc) {
         ds41_vocab_free(v);
@@ -1172,7 +1150,6 @@ int ds41_vocab_decode_id(const ds41_vocab *v, uint32_t id, uint8_t *buf, size_t 
         if (len) *len = 0;
         return -1;
     }
-    alphabet_init();
     /* Map every character back to its byte; stop at the first one outside
      * the alphabet, in which case the token's UTF-8 is the answer. */
     size_t i = 0, o = 0;
@@ -1180,11 +1157,12 @@ int ds41_vocab_decode_id(const ds41_vocab *v, uint32_t id, uint8_t *buf, size_t 
     while (i < n) {
         uint32_t cp;
         size_t k = utf8_next(s + i, n - i, &cp);
-        if (!k || cp >= 0x144 || alphabet_byte[cp] < 0) {
+        int byte = k ? ds41_byte_level_byte(cp) : -1;
+        if (byte < 0) {
             all_mapped = false;
             break;
         }
-        if (o < cap) buf[o] = (uint8_t)alphabet_byte[cp];
+        if (o < cap) buf[o] = (uint8_t)byte;
         o++;
         i += k;
     }
