@@ -64,7 +64,7 @@ rc=$?
 check "release config: exit 1 (weights missing)" test $rc -eq 1
 check "release config: 890 bytes/token (720 + 170)" grep -q '890 bytes/token (latents 720, index keys 170)' "$work/rel.log"
 check "release config: all 96085 tensors listed as missing" grep -q 'missing 96085, unexpected 0' "$work/rel.log"
-check "release config: missing lines name tensors" grep -q '^  missing     layers.39.ffn.experts.383.w3.scale F8_E8M0 \[2304,80\]' "$work/rel.log"
+check "release config: missing lines name tensors" grep -q '^  missing     layers.39.ffn.experts.383.w3.scale F8_E8M0 \[2304,160\]' "$work/rel.log"
 check "release config: layer roles" grep -Eq '^  24 +1 +index source \(keys of 20\), candidate user' "$work/rel.log"
 
 # A checkpoint that disagrees with its config: every problem kind is named.
