@@ -1,0 +1,151 @@
+/* ds41_kv_cache: the per-sequence attention state of DeepSeek-V4.1, packed.
+ *
+ * What a sequence keeps (REFERENCE §1.6, §2.8-2.10, §6.3):
+ *  - compressed entries, per kv source layer, one per `ratio` tokens: the
+ *    latent (head_dim values, FP4 e2m1 + one e4m3 scale per 16) and the index
+ *    key (index_head_dim values, FP4 e2m1 + one ue8m0 scale per 32).  At the
+ *    released config that is 288 + 68 bytes per entry and 890 bytes per token
+ *    over the four sources.  They live in fixed-size pages from a shared
+ *    pool; a sequence has a page table per source.  This is the only copy:
+ *    readers decode one row at a time from the packed codes.
+ *  - window rings, one per attention layer: window_size rows of the rotated
+ *    window KV as e4m3 codes + ue8m0 scales per 32 (the reference's FP8 QDQ).
+ *  - compressor carries, per kv source with ratio > 1: the kv and score
+ *    state of the incomplete group (fp32, ratio x head_dim each).
+ *  - the Engram n-gram history.
+ *
+ * The reference stores dequantized bf16 values; the packed codes here decode
+ * to exactly those values (e2m1 x e4m3 and e4m3 x 2^k are exact in bf16 for
+ * every scale the quantizers produce), so storing codes changes no bit.
+ *
+ * Sequences fork in O(pages): the child shares every compressed page
+ * (reference counted) and copies the small fixed state; the first append to
+ * a shared, partly filled page copies that page (copy on write).  Freed
+ * pages return to the pool's free list and are reused before the pool grows;
+ * the pool never holds more than its budget.
+ *
+ * Thread safety: the pool is safe to share (allocation and reference counts
+ * take its lock); a sequence is used by one thread at a time. */
+#ifndef DS41_ENGINE_KV_CACHE_H
+#define DS41_ENGINE_KV_CACHE_H
+
+#include "config/error.h"
+#include "config/model_config.h"
+#include "engine/engram_layout.h"
+
+#include <stdint.h>
+
+#define DS41_KV_MAX_SOURCES 16
+#define DS41_KV_DEFAULT_ENTRIES_PER_PAGE 64
+
+/* Geometry derived from the config; the same for every sequence of a pool. */
+typedef struct ds41_kv_layout {
+    int n_layers;                          /* config roles (backbone + mtp) */
+    int n_sources;                         /* kv source layers */
+    int source_layer[DS41_KV_MAX_SOURCES]; /* layer id of each source, ascending */
+    int source_ratio[DS41_KV_MAX_SOURCES];
+    int source_carry[DS41_KV_MAX_SOURCES]; /* index into the carries, -1 for ratio 1 */
+    int *source_of_layer;                  /* [n_layers]: source a layer reads (role.kv_from), -1 */
+    int *ring_of_layer;                    /* [n_layers]: window ring of a present layer, -1 */
+    int n_rings;
+    int n_carries;
+
+    uint32_t latent_dim;      /* head_dim */
+    uint32_t index_dim;       /* index_head_dim */
+    uint32_t latent_bytes;    /* latent_dim/2 codes + latent_dim/16 e4m3 scales */
+    uint32_t index_bytes;     /* index_dim/2 codes + index_dim/32 ue8m0 scales */
+    uint32_t entry_bytes;     /* latent_bytes + index_bytes */
+    uint32_t entries_per_page;
+    uint32_t page_bytes;      /* entries_per_page * entry_bytes */
+
+    uint32_t window;          /* window_size */
+    uint32_t ring_row_bytes;  /* head_dim e4m3 codes + head_dim/32 ue8m0 scales */
+} ds41_kv_layout;
+
+typedef struct ds41_kv_pool ds41_kv_pool;
+typedef struct ds41_kv_seq ds41_kv_seq;
+
+typedef struct ds41_kv_pool_stats {
+    uint64_t page_bytes;
+    uint64_t pages_in_use;    /* referenced by at least one sequence */
+    uint64_t pages_allocated; /* memory the pool holds (in use + free list) */
+    uint64_t pages_max;       /* budget / page_bytes */
+    uint64_t bytes_in_use;    /* pages_in_use * page_bytes */
+    uint64_t sequences;       /* live sequences */
+} ds41_kv_pool_stats;
+
+/* A pool for a finalized config.  budget_bytes caps the compressed pages
+ * (0 = unlimited); entries_per_page 0 = DS41_KV_DEFAULT_ENTRIES_PER_PAGE.
+ * Memory is taken lazily.  Errors: unfinalized config, a dim that does not
+ * fit the packing (head_dim % 16, index_head_dim % 32), more kv sources than
+ * DS41_KV_MAX_SOURCES, out of memory. */
+ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_bytes, uint32_t entries_per_page,
+                               ds41_error *err);
+/* Frees the pool; every sequence must have been freed before. */
+void ds41_kv_pool_free(ds41_kv_pool *pool);
+const ds41_kv_layout *ds41_kv_pool_layout(const ds41_kv_pool *pool);
+void ds41_kv_pool_get_stats(ds41_kv_pool *pool, ds41_kv_pool_stats *out);
+
+/* A new empty sequence (position 0, rings empty, carries reset, Engram
+ * history empty).  NULL on out of memory (err says so). */
+ds41_kv_seq *ds41_kv_seq_new(ds41_kv_pool *pool, ds41_error *err);
+/* A copy of seq sharing its compressed pages (copy on write). */
+ds41_kv_seq *ds41_kv_seq_fork(const ds41_kv_seq *seq, ds41_error *err);
+/* Release the sequence and its page references.  NULL is allowed. */
+void ds41_kv_seq_free(ds41_kv_seq *seq);
+ds41_kv_pool *ds41_kv_seq_pool(const ds41_kv_seq *seq);
+
+/* Tokens the sequence has consumed (the next token's position).  The
+ * forward pass advances it after a chunk's state is complete. */
+uint64_t ds41_kv_seq_tokens(const ds41_kv_seq *seq);
+void ds41_kv_seq_set_tokens(ds41_kv_seq *seq, uint64_t n);
+
+/* ---- compressed entries -------------------------------------------------- */
+
+/* Entries stored for a source (= compressed positions 0 .. n-1). */
+uint64_t ds41_kv_seq_entries(const ds41_kv_seq *seq, int source);
+
+/* Append the next entry of a source: `latent` (latent_dim values, rotated,
+ * bf16-representable) is FP4 1x16 e4m3-scale quantized, `index_key`
+ * (index_dim values, rotated) FP4 1x32 ue8m0 quantized, both packed into the
+ * entry.  Error (the sequence unchanged) when the pool's budget is exhausted:
+ * "KV cache full (N pages of B bytes)". */
+int ds41_kv_seq_append(ds41_kv_seq *seq, int source, const float *latent, const float *index_key,
+                       ds41_error *err);
+
+/* The packed entry `entry` (< ds41_kv_seq_entries) of a source; valid until
+ * the next append to the sequence or its release. */
+const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t entry);
+
+/* Decode a packed entry's latent / index key to its exact values. */
+void ds41_kv_decode_latent(const ds41_kv_layout *l, const uint8_t *entry, float *out);
+void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, float *out);
+
+/* ---- window rings ---------------------------------------------------------- */
+
+/* Store the rotated window KV of token `pos` of a layer (head_dim values,
+ * bf16-representable) in slot pos % window as e4m3 + ue8m0 per 32 (the
+ * reference's act_quant QDQ). */
+void ds41_kv_ring_write(ds41_kv_seq *seq, int layer, uint64_t pos, const float *kv);
+/* The packed row in a slot, and its decoding (exact values). */
+const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *seq, int layer, uint32_t slot);
+void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float *out);
+
+/* ---- compressor carries and Engram history ------------------------------ */
+
+/* The carry of a ratio > 1 source: kv_state and score_state, each
+ * [ratio][latent_dim] fp32, slot = position % ratio.  NULL for ratio 1. */
+float *ds41_kv_carry_kv(ds41_kv_seq *seq, int source);
+float *ds41_kv_carry_score(ds41_kv_seq *seq, int source);
+
+ds41_engram_history *ds41_kv_seq_engram(ds41_kv_seq *seq);
+
+/* ---- accounting ------------------------------------------------------------ */
+
+/* Pages the sequence references (shared pages included) and their bytes. */
+uint64_t ds41_kv_seq_pages(const ds41_kv_seq *seq);
+uint64_t ds41_kv_seq_page_bytes(const ds41_kv_seq *seq);
+/* Fixed per-sequence state: rings + carries + history. */
+uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *seq);
+
+#endif
