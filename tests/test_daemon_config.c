@@ -17,6 +17,7 @@
 #define DEFAULT_FILE "packaging/ds41d.yaml"
 #define MAN_PAGE "packaging/ds41d.yaml.5"
 #define HEADER "config/daemon_config.h"
+#define FUZZ_SEED "tests/fuzz/corpus/daemon_config/default.yaml"
 
 static char *slurp(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
@@ -76,6 +77,11 @@ static void test_default_file(void) {
     TAP_CHECK(rc == 0, "the packaged %s parses (%s)", DEFAULT_FILE, rc ? err.msg : "ok");
     TAP_CHECK(rc == 0 && ds41_daemon_config_equal(&def, &file), "the packaged file equals the built-in defaults");
     TAP_CHECK(rc == 0 && file.source && strcmp(file.source, DEFAULT_FILE) == 0, "source names the file");
+    size_t a_len = 0, b_len = 0;
+    char *a = slurp(DEFAULT_FILE, &a_len), *b = slurp(FUZZ_SEED, &b_len);
+    TAP_CHECK(a && b && a_len == b_len && memcmp(a, b, a_len) == 0, "the fuzz seed %s is the packaged file", FUZZ_SEED);
+    free(a);
+    free(b);
     TAP_CHECK(ds41_daemon_config_validate(&def, &err) == 0, "the defaults pass validation");
     TAP_CHECK(ds41_daemon_config_default_model(&def) == NULL && def.embedded_model.enabled,
               "by default no model is configured and the embedded model is served");
