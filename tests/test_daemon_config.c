@@ -574,6 +574,8 @@ static void test_overrides(void) {
     rc = ds41_daemon_config_set(&cfg, "listen.socket", "relative.sock", &err);
     TAP_CHECK(rc == -1 && starts(err.msg, "key 'listen.socket':") && strcmp(cfg.listen.socket, "/tmp/x/ds41.sock") == 0,
               "a bad override names the key and leaves the value (%s)", err.msg);
+    rc = ds41_daemon_config_set(&cfg, "listen.socket", "/run/\xff\xfe.sock", &err);
+    TAP_CHECK(rc == -1 && has(err.msg, "not valid UTF-8"), "an override that is not UTF-8 is refused: %s", err.msg);
     rc = ds41_daemon_config_set(&cfg, "engine.thread", "1", &err);
     TAP_CHECK(rc == -1 && has(err.msg, "unknown key"), "an unknown override key: %s", err.msg);
     rc = ds41_daemon_config_set(&cfg, "models[].path", "/x", &err);
