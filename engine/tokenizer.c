@@ -192,11 +192,22 @@ static void set_invert(cpset *s) {
  * A growable string
  * ====================================================================== */
 
+typedef struct class_defs class_defs;
+
 typedef struct strbuf {
     char *s;
     size_t n, cap;
     bool oom;
+    class_defs *defs; /* not NULL: classes outside brackets become subroutine calls */
 } strbuf;
+
+/* Classes outside brackets defined once at the end of the pattern,
+ * (?(DEFINE)(?<ds41cN>[...])), and called as (?&ds41cN): used when the
+ * inline form exceeds PCRE2's compiled-size limit. */
+struct class_defs {
+    char **text;
+    size_t n;
+};
 
 static bool sb_reserve(strbuf *b, size_t extra) {
     if (b->oom) return false;
@@ -390,10 +401,30 @@ static void emit_class(strbuf *b, cls_kind kind, prop_kind pk, uint32_t mask, bo
     if (in_class) {
         if (negate) set_invert(s);
         sb_set_items(b, s);
-    } else {
+    } else if (!b->defs) {
         sb_str(b, negate ? "[^" : "[");
         sb_set_items(b, s);
         sb_str(b, "]");
+    } else {
+        strbuf c = {0};
+        sb_str(&c, negate ? "[^" : "[");
+        sb_set_items(&c, s);
+        sb_str(&c, "]");
+        class_defs *d = b->defs;
+        size_t k = 0;
+        while (!c.oom && k < d->n && strcmp(d->text[k], c.s)) k++;
+        if (!c.oom && k == d->n) {
+            char **p = realloc(d->text, (d->n + 1) * sizeof *p);
+            if (!p) c.oom = true;
+            else {
+                d->text = p;
+                d->text[d->n++] = c.s;
+                c.s = NULL;
+            }
+        }
+        if (c.oom) b->oom = true;
+        free(c.s);
+        sb_fmt(b, "(?&ds41c%zu)", k);
     }
     free(s);
 }
@@ -432,7 +463,7 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
             return j;
         }
         {
-            strbuf w = {0};
+            strbuf w = {.defs = b->defs};
             emit_class(&w, CLS_WORD, PROP_NONE, 0, false, false);
             if (w.oom) {
                 free(w.s);
@@ -550,8 +581,8 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
     return 0;
 }
 
-char *ds41_tokenizer_translate_regex(const char *p, size_t n, ds41_error *err) {
-    strbuf b = {0};
+static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *err) {
+    strbuf b = {.defs = defs};
     sb_reserve(&b, n + 16);
     size_t i = 0;
     bool in_class = false, class_first = false;
@@ -677,10 +708,19 @@ char *ds41_tokenizer_translate_regex(const char *p, size_t n, ds41_error *err) {
         ds41_fail(err, "out of memory translating a regex");
         goto fail;
     }
+    if (defs && defs->n) {
+        sb_str(&b, "(?(DEFINE)");
+        for (size_t k = 0; k < defs->n; k++) {
+            sb_fmt(&b, "(?<ds41c%zu>", k);
+            sb_str(&b, defs->text[k]);
+            sb_str(&b, ")");
+        }
+        sb_str(&b, ")");
+    }
     if (!b.s) sb_reserve(&b, 1);
-    if (!b.s) {
+    if (!b.s || b.oom) {
         ds41_fail(err, "out of memory translating a regex");
-        return NULL;
+        goto fail;
     }
     b.s[b.n] = 0;
     return b.s;
@@ -689,31 +729,52 @@ fail:
     return NULL;
 }
 
-/* Compile PATTERN (Oniguruma syntax, or a literal) for matching. */
-static pcre2_code *compile_regex(const char *pattern, size_t len, bool literal, ds41_error *err) {
-    char *translated = NULL;
-    const char *src = pattern;
-    size_t src_len = len;
-    if (!literal) {
-        translated = ds41_tokenizer_translate_regex(pattern, len, err);
-        if (!translated) return NULL;
-        src = translated;
-        src_len = strlen(translated);
-    }
+char *ds41_tokenizer_translate_regex(const char *p, size_t n, ds41_error *err) {
+    return translate(p, n, NULL, err);
+}
+
+static void defs_free(class_defs *d) {
+    for (size_t k = 0; k < d->n; k++) free(d->text[k]);
+    free(d->text);
+}
+
+static pcre2_code *compile_translated(const char *src, size_t src_len, bool literal, int *code) {
     pcre2_compile_context *cc = pcre2_compile_context_create(NULL);
     if (!cc) {
-        free(translated);
-        ds41_fail(err, "out of memory compiling a regex");
+        *code = PCRE2_ERROR_NOMEMORY;
         return NULL;
     }
     pcre2_set_newline(cc, PCRE2_NEWLINE_LF);
     pcre2_set_bsr(cc, PCRE2_BSR_UNICODE);
-    int code;
     PCRE2_SIZE off;
-    uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : PCRE2_MULTILINE);
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)src, src_len, opts, &code, &off, cc);
+    uint32_t opts = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)src, src_len, opts, code, &off, cc);
     pcre2_compile_context_free(cc);
-    free(translated);
+    return re;
+}
+
+/* Compile PATTERN (Oniguruma syntax, or a literal) for matching: classes
+ * inline (fastest), or, when that is too large for PCRE2, defined once and
+ * called. */
+static pcre2_code *compile_regex(const char *pattern, size_t len, bool literal, ds41_error *err) {
+    int code = 0;
+    pcre2_code *re = NULL;
+    if (literal) {
+        re = compile_translated(pattern, len, true, &code);
+    } else {
+        for (int attempt = 0; attempt < 2 && !re; attempt++) {
+            class_defs defs = {0};
+            char *src = translate(pattern, len, attempt ? &defs : NULL, err);
+            if (!src) {
+                defs_free(&defs);
+                return NULL;
+            }
+            re = compile_translated(src, strlen(src), false, &code);
+            free(src);
+            defs_free(&defs);
+            if (!re && code != PCRE2_ERROR_PATTERN_TOO_LARGE) break;
+        }
+    }
     if (!re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(code, msg, sizeof msg);
