@@ -867,6 +867,9 @@ static bool trie_find(const trie *t, const uint8_t *s, size_t n, size_t from, si
  * The tokenizer
  * ====================================================================== */
 
+/* Split steps at most (each level of pieces has its own buffer). */
+#define MAX_DEPTH 64
+
 typedef enum { BEH_REMOVED, BEH_ISOLATED, BEH_MERGED_PREV, BEH_MERGED_NEXT, BEH_CONTIGUOUS } split_behavior;
 
 typedef struct split_step {
@@ -973,11 +976,6 @@ const ds41_vocab *ds41_tokenizer_vocab(const ds41_tokenizer *t) {
     return t->vocab;
 }
 
-static const char *vocab_label(const ds41_vocab *v) {
-    (void)v;
-    return "tokenizer.json";
-}
-
 /* The pre_tokenizer: Split steps then exactly one ByteLevel. */
 static int add_pretok(ds41_tokenizer *t, json_t *node, const char *path, bool *seen_byte_level, ds41_error *err) {
     if (json_is_null(node)) return 0;
@@ -1010,6 +1008,7 @@ static int add_pretok(ds41_tokenizer *t, json_t *node, const char *path, bool *s
     }
     if (!strcmp(type, "Split")) {
         if (*seen_byte_level) return ds41_fail(err, "%s: a Split after ByteLevel is not supported", path);
+        if (t->n_steps >= MAX_DEPTH) return ds41_fail(err, "%s: more than %d Split steps", path, MAX_DEPTH);
         json_t *pat = json_object_get(node, "pattern");
         json_t *rx = json_object_get(pat, "Regex"), *str = json_object_get(pat, "String");
         if (!json_is_string(rx) && !json_is_string(str))
@@ -1143,7 +1142,7 @@ static int build_decode(ds41_tokenizer *t, ds41_error *err) {
 ds41_tokenizer *ds41_tokenizer_new(const ds41_vocab *vocab, ds41_error *err) {
     ds41_tokenizer *t = calloc(1, sizeof *t);
     if (!t) {
-        ds41_fail(err, "%s: out of memory", vocab_label(vocab));
+        ds41_fail(err, "out of memory");
         return NULL;
     }
     t->vocab = vocab;
@@ -1218,7 +1217,6 @@ typedef struct cache_slot {
 
 #define CACHE_SLOTS 16384u
 #define CACHE_MAX_KEY 96u
-#define MAX_DEPTH 64
 
 typedef struct enc {
     const ds41_tokenizer *t;

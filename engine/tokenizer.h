@@ -104,13 +104,14 @@ void ds41_token_ids_free(ds41_token_ids *ids);
 /* ---- building ------------------------------------------------------------ */
 
 /* A tokenizer over VOCAB, which it borrows: VOCAB must outlive it.  Returns
- * NULL with err filled ("LABEL: pre_tokenizer.pretokenizers[1]: ...", where
- * LABEL is the vocabulary's file) when a component is not supported (see
- * above) or memory runs out.  Builds the merge table, the added-token tries,
+ * NULL with err filled ("pre_tokenizer.pretokenizers[1].pattern: ...") when a
+ * component is not supported (see above; also more than 64 Split steps) or
+ * memory runs out.  Builds the merge table, the added-token tries,
  * the decode table and compiles (and JIT-compiles) the regexes. */
 ds41_tokenizer *ds41_tokenizer_new(const ds41_vocab *vocab, ds41_error *err);
 
-/* Load PATH (a tokenizer.json) and build a tokenizer that owns the vocabulary. */
+/* Load PATH (a tokenizer.json) and build a tokenizer that owns the
+ * vocabulary; errors start with PATH. */
 ds41_tokenizer *ds41_tokenizer_load(const char *path, ds41_error *err);
 
 /* NULL is allowed.  Frees the vocabulary only if the tokenizer owns it. */
