@@ -1263,11 +1263,12 @@ int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *
         ls->daemon = MHD_start_daemon(
             MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
                 MHD_USE_ITC | MHD_USE_ERROR_LOG,
-            0, accept_policy, ls, on_request, ls, MHD_OPTION_LISTEN_SOCKET, ls->fd,
+            0, accept_policy, ls, on_request, ls, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, s,
+            MHD_OPTION_LISTEN_SOCKET, ls->fd,
             MHD_OPTION_CONNECTION_LIMIT, s->cfg.max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
             s->cfg.idle_timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)HEADER_MEMORY_LIMIT,
             MHD_OPTION_NOTIFY_COMPLETED, on_completed, ls, MHD_OPTION_NOTIFY_CONNECTION,
-            on_connection, ls, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, s, MHD_OPTION_END);
+            on_connection, ls, MHD_OPTION_END);
         if (!ls->daemon) {
             ds41_fail(err, "http server: libmicrohttpd refused to start on fd %d", fd);
             goto fail;

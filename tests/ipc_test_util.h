@@ -95,7 +95,7 @@ __attribute__((unused)) static json_t *sse_split(const char *body, size_t len, i
             if (n == 12 && memcmp(body + i + 6, "[DONE]", 6) == 0) {
                 json_array_append_new(events, json_string("[DONE]"));
             } else {
-                json_t *j = json_loadb(body + i + 6, n - 6, 0, NULL);
+                json_t *j = json_loadb(body + i + 6, n - 6, JSON_ALLOW_NUL, NULL);
                 if (!j) {
                     snprintf(why, why_len, "event at byte %zu is not JSON", i);
                     json_decref(events);
