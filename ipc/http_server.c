@@ -482,6 +482,8 @@ ds41_http_wait_result ds41_http_wait(ds41_http_exchange *ex, ds41_http_signal *s
 struct ds41_http_stream {
     pthread_mutex_t mu;
     int efd;
+    int sock_fd;                 /* the client's socket once attached over MHD, else -1 */
+    ds41_http_metrics *metrics;  /* once attached */
     char *buf;
     size_t off, len, cap;
     size_t max_buffer;
@@ -506,6 +508,7 @@ ds41_http_stream *ds41_http_stream_new(void (*on_abandon)(void *ctx), void *ctx,
     }
     pthread_mutex_init(&s->mu, NULL);
     s->refs = 1;
+    s->sock_fd = -1;
     s->max_buffer = DEFAULT_STREAM_BUFFER;
     s->on_abandon = on_abandon;
     s->ctx = ctx;
@@ -541,8 +544,16 @@ int ds41_http_stream_write(ds41_http_stream *s, const void *data, size_t len) {
     }
     size_t pending = s->len - s->off;
     if (pending + len > s->max_buffer) {
+        /* The client stopped reading.  Its connection thread is blocked
+         * waiting to write, so it would only notice at the idle timeout:
+         * shut the socket down now (the fd is open while the connection
+         * holds the stream, i.e. while consumer_gone is false), which makes
+         * it let go of the stream and so cancel the generation. */
         s->overflow = true;
+        if (s->sock_fd >= 0) shutdown(s->sock_fd, SHUT_RDWR);
+        ds41_http_metrics *m = s->metrics;
         pthread_mutex_unlock(&s->mu);
+        ds41_http_metrics_event(m, DS41_HTTP_EV_STALLED);
         stream_wake(s);
         return -1;
     }
@@ -587,6 +598,7 @@ void ds41_http_stream_end(ds41_http_stream *s) {
 static void stream_release_consumer(ds41_http_stream *s) {
     pthread_mutex_lock(&s->mu);
     s->consumer_gone = true;
+    s->sock_fd = -1;
     bool abandon = !s->ended && !s->abandon_done;
     s->abandon_done = true;
     pthread_mutex_unlock(&s->mu);
@@ -640,10 +652,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         size_t n = stream_take(c->s, buf, max, &ended, &overflow);
         if (n) return (ssize_t)n;
         if (ended) return MHD_CONTENT_READER_END_OF_STREAM;
-        if (overflow) {
-            ds41_http_metrics_event(c->metrics, DS41_HTTP_EV_STALLED);
-            return MHD_CONTENT_READER_END_WITH_ERROR;
-        }
+        if (overflow) return MHD_CONTENT_READER_END_WITH_ERROR;
         struct pollfd p[3] = {
             {.fd = c->s->efd, .events = POLLIN},
             {.fd = c->sock_fd, .events = POLLRDHUP},
@@ -708,6 +717,10 @@ int ds41_http_respond_stream(ds41_http_exchange *ex, int status, const char *con
         stream_release_consumer(s);
         return -1;
     }
+    pthread_mutex_lock(&s->mu);
+    s->sock_fd = ex->sock_fd;
+    s->metrics = ex->router->metrics;
+    pthread_mutex_unlock(&s->mu);
     c->s = s;
     c->sock_fd = ex->sock_fd;
     c->abort_fd = ex->abort_fd;

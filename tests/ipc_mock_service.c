@@ -12,7 +12,7 @@
 
 #define MAX_STEPS 16
 
-typedef enum { MODE_NORMAL, MODE_SLOW, MODE_GATED, MODE_HANG } job_mode;
+typedef enum { MODE_NORMAL, MODE_SLOW, MODE_GATED, MODE_HANG, MODE_FLOOD } job_mode;
 
 typedef struct step {
     ds41_gen_event_type type;
@@ -39,6 +39,7 @@ typedef struct job {
     bool logprobs;
     int top_logprobs;
     ds41_gen_usage usage;
+    unsigned flood_tokens;
 } job;
 
 struct mock_service {
@@ -197,8 +198,35 @@ static void finish_cancelled(job *j) {
     j->sink.event(j->sink.sink_ctx, &ev);
 }
 
+/* "flood": as many 64-byte deltas as max_tokens asks, as fast as possible. */
+static void run_flood(job *j) {
+    mock_service *m = j->m;
+    static const char piece[] = "flood flood flood flood flood flood flood flood flood flood floo";
+    for (unsigned i = 0; i < j->flood_tokens; i++) {
+        pthread_mutex_lock(&m->mu);
+        bool cancelled = j->cancelled;
+        if (cancelled) job_unlink_locked(m, j);
+        pthread_mutex_unlock(&m->mu);
+        if (cancelled) {
+            finish_cancelled(j);
+            return;
+        }
+        ds41_gen_event ev = {.type = DS41_GEN_DELTA, .content = piece, .content_len = sizeof piece - 1};
+        j->sink.event(j->sink.sink_ctx, &ev);
+    }
+    pthread_mutex_lock(&m->mu);
+    job_unlink_locked(m, j);
+    pthread_mutex_unlock(&m->mu);
+    ds41_gen_event fin = {.type = DS41_GEN_FINISH, .finish_reason = DS41_FINISH_LENGTH, .usage = j->usage};
+    j->sink.event(j->sink.sink_ctx, &fin);
+}
+
 static void run_job(job *j) {
     mock_service *m = j->m;
+    if (j->mode == MODE_FLOOD) {
+        run_flood(j);
+        return;
+    }
     for (int i = 0; i < j->n_steps; i++) {
         bool terminal = j->steps[i].type == DS41_GEN_FINISH || j->steps[i].type == DS41_GEN_ERROR;
         if (m->async) {
@@ -325,7 +353,9 @@ static int mock_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_si
         if (strcmp(model, "slow") == 0) j->mode = MODE_SLOW;
         if (strcmp(model, "gated") == 0) j->mode = MODE_GATED;
         if (strcmp(model, "hang") == 0) j->mode = MODE_HANG;
+        if (strcmp(model, "flood") == 0) j->mode = MODE_FLOOD;
     }
+    j->flood_tokens = req->max_tokens;
     plan(j, req);
     snprintf(accept->model, sizeof accept->model, "%s", model ? model : "mock-model");
     pthread_mutex_lock(&m->mu);

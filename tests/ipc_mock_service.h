@@ -14,7 +14,8 @@
  *   error event (kv_full); "cancel-self" -> finishes as cancelled;
  * and, in async mode only (events from a worker thread per request):
  *   "slow" -> 20 ms between events; "gated" -> each event waits for
- *   mock_service_gate(); "hang" -> one delta, then nothing until cancelled.
+ *   mock_service_gate(); "hang" -> one delta, then nothing until cancelled;
+ *   "flood" -> max_tokens deltas of 64 bytes as fast as possible.
  * Sync mode delivers every event inside submit(). */
 #ifndef DS41_TESTS_IPC_MOCK_SERVICE_H
 #define DS41_TESTS_IPC_MOCK_SERVICE_H

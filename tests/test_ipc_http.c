@@ -652,7 +652,9 @@ static void test_streaming(void) {
     if (fd >= 0) close(fd);
     unsigned after = wait_cancels(before + 1, 5000);
     int64_t took = now_ms() - t0;
-    TAP_CHECK(h == RD_FOUND && after == before + 1 && took < 2000,
+    /* well under the 300 ms keep-alive period: noticed by polling the socket,
+     * not by a failing write */
+    TAP_CHECK(h == RD_FOUND && after == before + 1 && took < 250,
               "client disconnect mid-stream -> the service's cancel within %lld ms", (long long)took);
     TAP_CHECK(mock_service_wait_idle(mock, 5000), "the cancelled stream's generation ends (terminal event)");
 
@@ -672,6 +674,22 @@ static void test_streaming(void) {
     TAP_CHECK(after == before + 1 && took < 2000,
               "client disconnect during a non-streaming request -> cancel within %lld ms", (long long)took);
     TAP_CHECK(mock_service_wait_idle(mock, 5000), "the cancelled request's generation ends");
+
+    /* a client that stops reading a stream is cut off and its generation cancelled */
+    before = mock_service_cancels(mock);
+    fd = connect_unix(sock_path);
+    req = (raw){0};
+    build_request(&req, "POST", "/v1/chat/completions",
+                  chat("\"model\":\"flood\",\"stream\":true,\"max_tokens\":1000000"), NULL, true);
+    if (fd >= 0) send_all(fd, req.p, req.len);
+    free(req.p);
+    t0 = now_ms();
+    after = wait_cancels(before + 1, 10000);
+    took = now_ms() - t0;
+    TAP_CHECK(after == before + 1 && took < 5000,
+              "a client that stops reading a stream is cut off and the generation cancelled (%lld ms)", (long long)took);
+    TAP_CHECK(mock_service_wait_idle(mock, 5000), "the stalled stream's generation ends");
+    if (fd >= 0) close(fd);
 
     /* an admin deleting a live request's session ends its stream with an error */
     fd = connect_unix(sock_path);
@@ -1016,9 +1034,10 @@ static void test_metrics_after(void) {
     bool nonzero_timeout = strstr(b, "ds41_http_events_total{event=\"request_timeout\"} 0\n") == NULL;
     bool nonzero_large = strstr(b, "ds41_http_events_total{event=\"body_too_large\"} 0\n") == NULL;
     bool nonzero_gone = strstr(b, "ds41_http_events_total{event=\"client_gone\"} 0\n") == NULL;
+    bool nonzero_stalled = strstr(b, "ds41_http_events_total{event=\"stream_stalled\"} 0\n") == NULL;
     TAP_CHECK(r.status == 200 && strstr(b, "ds41_http_events_total{event=\"request_timeout\"}") && nonzero_timeout &&
-                  nonzero_large && nonzero_gone && strstr(b, "ds41_http_connections "),
-              "GET /metrics counts timeouts, oversized bodies and client disconnects");
+                  nonzero_large && nonzero_gone && nonzero_stalled && strstr(b, "ds41_http_connections "),
+              "GET /metrics counts timeouts, oversized bodies, client disconnects and stalled streams");
     resp_free(&r);
 }
 
@@ -1159,6 +1178,7 @@ int main(void) {
                             .request_timeout_ms = REQUEST_TIMEOUT_MS,
                             .idle_timeout_s = 10,
                             .sse_keepalive_ms = 300,
+                            .max_stream_buffer = 256 << 10,
                             .log = count_log};
     if (ds41_http_server_start(&cfg, ds41_api_router(api), &server, &err) != 0) {
         TAP_CHECK(0, "server start: %s", err.msg);
