@@ -49,8 +49,10 @@
  *     assistant, tool; content a string, an array of {"type":"text","text"}
  *     parts, or null for an assistant; name; assistant tool_calls,
  *     reasoning_content, prefix; tool tool_call_id; the fields the OpenAI SDK
- *     echoes back -- refusal, annotations, audio:null, function_call:null --
- *     are accepted and dropped; image/audio/file parts -> 400 unsupported),
+ *     puts in the assistant messages it hands back -- refusal, annotations,
+ *     audio:null, function_call:null, parsed, and tool_calls[].index /
+ *     function.parsed_arguments -- are accepted and dropped; image/audio/file
+ *     parts -> 400 unsupported),
  *   model (string; absent = the service's default),
  *   temperature [0,2], top_p [0,1], max_tokens / max_completion_tokens
  *     (integer >= 1; both given and different -> 400), stop (string or array
@@ -119,7 +121,23 @@
  *
  * Service errors map to statuses per ds41_svc_status (429 and 503 carry
  * Retry-After).  A client that disconnects while its request runs (streamed
- * or not) makes the api call the service's cancel(). */
+ * or not) makes the api call the service's cancel().
+ *
+ * Wiring (what the daemon does):
+ *     metrics = ds41_http_metrics_new();
+ *     ds41_api_new(&service, metrics, &opts, &api, &err);
+ *     fd = <socket from systemd> or ds41_unix_listen(path, 0660, group, 128, &err);
+ *     ds41_http_listener l[] = {{.fd = fd}};        // + an optional loopback TCP one
+ *     ds41_http_config cfg = {.listeners = l, .n_listeners = 1,
+ *                             .has_admin_gid = true, .admin_gid = admin_group};
+ *     ds41_http_server_start(&cfg, ds41_api_router(api), &server, &err);
+ *     ...                                           // READY=1
+ *     ds41_http_server_stop(server, drain_ms);      // SIGTERM: STOPPING=1, drain
+ *     <the service delivers the terminal event of every accepted generation>
+ *     ds41_api_free(api); ds41_http_metrics_free(metrics); close(fd);
+ * A generation's state is freed by its terminal event, so the service must
+ * deliver it (or cancel and then deliver it) even after the server stopped;
+ * the api itself may be freed once the server is stopped. */
 #ifndef DS41_IPC_API_H
 #define DS41_IPC_API_H
 

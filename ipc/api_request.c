@@ -259,7 +259,7 @@ static int parse_tool_calls(const json_t *tc, const char *mpath, json_t *norm, d
             return type_error(err, cpath, "an object", call);
         }
         static const char *const keys[] = {"id", "type", "function", "index", NULL};
-        static const char *const fkeys[] = {"name", "arguments", NULL};
+        static const char *const fkeys[] = {"name", "arguments", "parsed_arguments", NULL};
         const char *id, *type, *name;
         if (ds41_api_check_keys(call, cpath, keys, err) ||
             ds41_api_get_string(call, cpath, "id", true, &id, err) ||
@@ -335,7 +335,7 @@ int ds41_api_parse_messages(const json_t *messages, char **out_json, ds41_svc_er
         static const char *const asst_keys[] = {"role",        "content",     "name",
                                                 "tool_calls",  "reasoning_content", "refusal",
                                                 "annotations", "audio",       "function_call",
-                                                "prefix",      NULL};
+                                                "prefix",      "parsed",      NULL};
         bool is_asst = strcmp(role, "assistant") == 0;
         bool is_tool = strcmp(role, "tool") == 0;
         if (!is_asst && !is_tool && strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&

@@ -61,8 +61,19 @@
  *   - max_connections: further connections are closed by MHD at once.
  *   - a stream whose client does not read while max_stream_buffer bytes pile
  *     up is cut off and its generation cancelled.
- *   - broken framing (bad chunked encoding, oversized headers, malformed
- *     request line) is answered by MHD itself with a 4xx and a close.
+ *   - broken framing (bad chunked encoding, oversized headers over 64 KiB,
+ *     malformed request line) is answered by MHD itself with a 4xx and a
+ *     close; MHD's diagnostics about it go to cfg.log.
+ *   - a route with a body accepts Content-Type application/json, text/plain,
+ *     application/x-www-form-urlencoded (what `curl -d` sends) or none; any
+ *     other type is a 415.
+ *   - a client that half-closes its socket (shutdown(SHUT_WR)) while its
+ *     request runs is treated as gone, like one that closed it.
+ *
+ * Blocking service calls.  The drain deadline interrupts waits on the
+ * service (ds41_http_wait) and streams, not a service function that is
+ * itself slow to return (e.g. a tokenize call); stop waits for those to
+ * return before it closes the last connections.
  *
  * Stopping.  ds41_http_server_stop() stops accepting (the listening fds stay
  * open in the caller's hands, so queued clients wait for the next instance),

@@ -194,7 +194,7 @@ typedef struct ds41_gen_request {
      *                 "tool_calls": [{"id","type":"function","function":{"name","arguments"}}]}
      *                 (arguments: string or object, as the client sent it);
      *                 fields the OpenAI SDK echoes back (refusal, annotations, audio:null,
-     *                 function_call:null) are dropped.
+     *                 function_call:null, parsed, parsed_arguments) are dropped.
      *  tools_json: the "tools" array as given (order of keys preserved), or NULL.
      *  tool_choice_json: "none" | "auto" | "required" as a JSON string, or the
      *                 {"type":"function","function":{"name":...}} object; NULL = not given.
