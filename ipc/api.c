@@ -83,21 +83,30 @@ static json_t *jlogprob(double v) {
     return json_real(v);
 }
 
-static int64_t unix_now(void) { return (int64_t)time(NULL); }
+static int64_t unix_now(void) {
+    return (int64_t)time(NULL);
+}
 
 int ds41_api_http_status(ds41_svc_status status) {
     switch (status) {
     case DS41_SVC_BAD_REQUEST:
-    case DS41_SVC_CONTEXT_LENGTH: return 400;
-    case DS41_SVC_FORBIDDEN: return 403;
-    case DS41_SVC_NOT_FOUND: return 404;
-    case DS41_SVC_CONFLICT: return 409;
-    case DS41_SVC_QUEUE_FULL: return 429;
+    case DS41_SVC_CONTEXT_LENGTH:
+        return 400;
+    case DS41_SVC_FORBIDDEN:
+        return 403;
+    case DS41_SVC_NOT_FOUND:
+        return 404;
+    case DS41_SVC_CONFLICT:
+        return 409;
+    case DS41_SVC_QUEUE_FULL:
+        return 429;
     case DS41_SVC_KV_FULL:
     case DS41_SVC_UNAVAILABLE:
-    case DS41_SVC_CANCELLED: return 503;
+    case DS41_SVC_CANCELLED:
+        return 503;
     case DS41_SVC_OK:
-    case DS41_SVC_INTERNAL: return 500;
+    case DS41_SVC_INTERNAL:
+        return 500;
     }
     return 500;
 }
@@ -132,7 +141,9 @@ static void respond_json(ds41_http_exchange *ex, int status, json_t *v) {
     free(text);
 }
 
-static void bad_request(ds41_http_exchange *ex, const ds41_svc_error *e) { respond_svc_error(ex, e); }
+static void bad_request(ds41_http_exchange *ex, const ds41_svc_error *e) {
+    respond_svc_error(ex, e);
+}
 
 static int parse_body(ds41_http_exchange *ex, json_t **root) {
     size_t len;
@@ -145,8 +156,8 @@ static int parse_body(ds41_http_exchange *ex, json_t **root) {
     return 0;
 }
 
-static bool need(ds41_http_exchange *ex, const void *fn, const char *what) {
-    if (fn) return true;
+static bool need(ds41_http_exchange *ex, bool implemented, const char *what) {
+    if (implemented) return true;
     ds41_http_respond_error(ex, 501, "server_error", "not_implemented", NULL,
                             "the service does not implement %s", what);
     return false;
@@ -185,8 +196,8 @@ typedef struct gen_ctx {
     uint64_t text_offset;
     /* non-stream */
     buf content, reasoning;
-    json_t *lp_content, *lp_reasoning;                   /* chat */
-    json_t *c_tokens, *c_lps, *c_tops, *c_offsets;      /* completions */
+    json_t *lp_content, *lp_reasoning;             /* chat */
+    json_t *c_tokens, *c_lps, *c_tops, *c_offsets; /* completions */
     tool_acc tools[MAX_TOOL_CALLS];
     /* terminal */
     bool failed;
@@ -224,9 +235,12 @@ static void gen_unref(gen_ctx *g) {
 
 static const char *finish_name(ds41_finish_reason r) {
     switch (r) {
-    case DS41_FINISH_LENGTH: return "length";
-    case DS41_FINISH_TOOL_CALLS: return "tool_calls";
-    default: return "stop";
+    case DS41_FINISH_LENGTH:
+        return "length";
+    case DS41_FINISH_TOOL_CALLS:
+        return "tool_calls";
+    default:
+        return "stop";
     }
 }
 
@@ -300,8 +314,8 @@ static int chat_logprobs_append(const gen_ctx *g, const ds41_gen_event *ev, json
 }
 
 /* Completion-style logprobs for the event's tokens, appended to the arrays. */
-static int completion_logprobs_append(gen_ctx *g, const ds41_gen_event *ev, json_t *tokens,
-                                      json_t *lps, json_t *tops, json_t *offsets) {
+static int completion_logprobs_append(gen_ctx *g, const ds41_gen_event *ev, json_t *tokens, json_t *lps,
+                                      json_t *tops, json_t *offsets) {
     for (size_t i = 0; i < ev->n_logprobs; i++) {
         const ds41_gen_logprob *lp = &ev->logprobs[i];
         json_t *top = json_object();
@@ -393,12 +407,10 @@ static void start_stream_locked(gen_ctx *g) {
     if (g->started) return;
     g->started = true;
     if (g->kind == DS41_GEN_CHAT) {
-        emit_chunk_locked(g, chat_choice(json_pack("{s:s,s:s}", "role", "assistant", "content", ""),
-                                         NULL, NULL),
-                          NULL);
+        emit_chunk_locked(
+            g, chat_choice(json_pack("{s:s,s:s}", "role", "assistant", "content", ""), NULL, NULL), NULL);
     } else if (g->echo) {
-        emit_chunk_locked(g, text_choice(ds41_json_string_lossy(g->echo, g->echo_len), NULL, NULL),
-                          NULL);
+        emit_chunk_locked(g, text_choice(ds41_json_string_lossy(g->echo, g->echo_len), NULL, NULL), NULL);
         g->text_offset = g->echo_len;
     }
 }
@@ -422,10 +434,9 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
             json_t *lp = NULL;
             if (g->logprobs && ev->n_logprobs) {
                 json_t *tok = json_array(), *lps = json_array(), *tops = json_array(), *off = json_array();
-                if (tok && lps && tops && off &&
-                    !completion_logprobs_append(g, ev, tok, lps, tops, off))
-                    lp = json_pack("{s:O,s:O,s:O,s:O}", "tokens", tok, "token_logprobs", lps,
-                                   "top_logprobs", tops, "text_offset", off);
+                if (tok && lps && tops && off && !completion_logprobs_append(g, ev, tok, lps, tops, off))
+                    lp = json_pack("{s:O,s:O,s:O,s:O}", "tokens", tok, "token_logprobs", lps, "top_logprobs",
+                                   tops, "text_offset", off);
                 json_decref(tok);
                 json_decref(lps);
                 json_decref(tops);
@@ -433,15 +444,18 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
             } else {
                 g->text_offset += t.len;
             }
-            if (t.len || lp) emit_chunk_locked(g, text_choice(ds41_json_string_lossy(t.p, t.len), lp, NULL), NULL);
-            else json_decref(lp);
+            if (t.len || lp)
+                emit_chunk_locked(g, text_choice(ds41_json_string_lossy(t.p, t.len), lp, NULL), NULL);
+            else
+                json_decref(lp);
             free(t.p);
             return;
         }
         json_t *delta = json_object();
         if (!delta) return;
         if (ev->reasoning_len)
-            ds41_json_set_new(delta, "reasoning_content", ds41_json_string_lossy(ev->reasoning, ev->reasoning_len));
+            ds41_json_set_new(delta, "reasoning_content",
+                              ds41_json_string_lossy(ev->reasoning, ev->reasoning_len));
         if (ev->content_len)
             ds41_json_set_new(delta, "content", ds41_json_string_lossy(ev->content, ev->content_len));
         json_t *lp = NULL;
@@ -557,8 +571,7 @@ static void accumulate_locked(gen_ctx *g, const ds41_gen_event *ev) {
         if (g->logprobs && ev->n_logprobs) {
             if (!g->lp_content) g->lp_content = json_array();
             if (!g->lp_reasoning) g->lp_reasoning = json_array();
-            if (g->lp_content && g->lp_reasoning)
-                chat_logprobs_append(g, ev, g->lp_content, g->lp_reasoning);
+            if (g->lp_content && g->lp_reasoning) chat_logprobs_append(g, ev, g->lp_content, g->lp_reasoning);
         }
         return;
     case DS41_GEN_TOOL_CALL: {
@@ -572,7 +585,8 @@ static void accumulate_locked(gen_ctx *g, const ds41_gen_event *ev) {
         buf_add(&t->args, ev->arguments, ev->arguments_len);
         return;
     }
-    default: return;
+    default:
+        return;
     }
 }
 
@@ -599,8 +613,7 @@ static void sink_event(void *ctx, const ds41_gen_event *ev) {
             if (ev->type == DS41_GEN_ERROR)
                 g->error = ev->error;
             else
-                ds41_svc_fail(&g->error, DS41_SVC_CANCELLED, NULL,
-                              "the request was cancelled by the server");
+                ds41_svc_fail(&g->error, DS41_SVC_CANCELLED, NULL, "the request was cancelled by the server");
             g->error.message[sizeof g->error.message - 1] = 0;
             g->error.param[sizeof g->error.param - 1] = 0;
             g->error.code[sizeof g->error.code - 1] = 0;
@@ -706,9 +719,8 @@ static json_t *build_completion_response(gen_ctx *g) {
     }
     json_t *o = json_pack("{s:s,s:s,s:I,s:s,s:[{s:i,s:o,s:o,s:s}],s:o}", "id", g->response_id, "object",
                           "text_completion", "created", (json_int_t)g->created, "model", g->accept.model,
-                          "choices", "index", 0, "text", ds41_json_string_lossy(text.p, text.len),
-                          "logprobs", lp, "finish_reason", finish_name(g->finish), "usage",
-                          usage_json(&g->usage));
+                          "choices", "index", 0, "text", ds41_json_string_lossy(text.p, text.len), "logprobs",
+                          lp, "finish_reason", finish_name(g->finish), "usage", usage_json(&g->usage));
     free(text.p);
     return o;
 }
@@ -845,7 +857,9 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     gen_unref(g);
 }
 
-static void route_chat(ds41_http_exchange *ex, void *ctx) { handle_generation(ex, ctx, DS41_GEN_CHAT); }
+static void route_chat(ds41_http_exchange *ex, void *ctx) {
+    handle_generation(ex, ctx, DS41_GEN_CHAT);
+}
 static void route_completions(ds41_http_exchange *ex, void *ctx) {
     handle_generation(ex, ctx, DS41_GEN_COMPLETION);
 }
@@ -872,10 +886,14 @@ static void route_health(ds41_http_exchange *ex, void *ctx) {
 
 static const char *model_state_name(ds41_model_state s) {
     switch (s) {
-    case DS41_MODEL_UNLOADED: return "unloaded";
-    case DS41_MODEL_LOADING: return "loading";
-    case DS41_MODEL_READY: return "ready";
-    case DS41_MODEL_FAILED: return "failed";
+    case DS41_MODEL_UNLOADED:
+        return "unloaded";
+    case DS41_MODEL_LOADING:
+        return "loading";
+    case DS41_MODEL_READY:
+        return "ready";
+    case DS41_MODEL_FAILED:
+        return "failed";
     }
     return "unknown";
 }
@@ -937,7 +955,7 @@ static void model_emit(void *accp, const ds41_svc_model *m) {
 }
 
 static void list_models(ds41_http_exchange *ex, ds41_api *api, bool admin, const char *only_id) {
-    if (!need(ex, (const void *)api->svc.list_models, "model listing")) return;
+    if (!need(ex, api->svc.list_models != NULL, "model listing")) return;
     model_acc acc = {.list = json_array(), .admin = admin, .only_id = only_id};
     ds41_svc_error err = {0};
     if (!acc.list) {
@@ -969,20 +987,25 @@ static void list_models(ds41_http_exchange *ex, ds41_api *api, bool admin, const
     respond_json(ex, 200, json_pack("{s:s,s:o}", "object", "list", "data", acc.list));
 }
 
-static void route_models(ds41_http_exchange *ex, void *ctx) { list_models(ex, ctx, false, NULL); }
+static void route_models(ds41_http_exchange *ex, void *ctx) {
+    list_models(ex, ctx, false, NULL);
+}
 static void route_model_one(ds41_http_exchange *ex, void *ctx) {
     list_models(ex, ctx, false, ds41_http_path_param(ex));
 }
-static void route_admin_models(ds41_http_exchange *ex, void *ctx) { list_models(ex, ctx, true, NULL); }
+static void route_admin_models(ds41_http_exchange *ex, void *ctx) {
+    list_models(ex, ctx, true, NULL);
+}
 
 static void route_tokenize(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.tokenize, "tokenization")) return;
+    if (!need(ex, api->svc.tokenize != NULL, "tokenization")) return;
     json_t *root;
     if (parse_body(ex, &root)) return;
-    static const char *const keys[] = {"model", "content", "prompt", "add_special",
-                                       "add_special_tokens", "messages", "tools", "thinking",
-                                       "reasoning_effort", "chat_template_kwargs", NULL};
+    static const char *const keys[] = {
+        "model",    "content", "prompt",   "add_special",      "add_special_tokens",
+        "messages", "tools",   "thinking", "reasoning_effort", "chat_template_kwargs",
+        NULL};
     ds41_svc_error err = {0};
     ds41_tokenize_request tr = {0};
     char *messages = NULL, *tools = NULL;
@@ -1053,7 +1076,7 @@ bad:
 
 static void route_detokenize(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.detokenize, "detokenization")) return;
+    if (!need(ex, api->svc.detokenize != NULL, "detokenization")) return;
     json_t *root;
     if (parse_body(ex, &root)) return;
     static const char *const keys[] = {"model", "tokens", NULL};
@@ -1177,7 +1200,7 @@ static bool model_path_ok(const char *p, char *why, size_t why_len) {
 
 static void route_admin_load(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.load_model, "model loading")) return;
+    if (!need(ex, api->svc.load_model != NULL, "model loading")) return;
     json_t *root;
     if (parse_body(ex, &root)) return;
     static const char *const keys[] = {"name", "path", NULL};
@@ -1216,7 +1239,7 @@ bad:
 
 static void route_admin_unload(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.unload_model, "model unloading")) return;
+    if (!need(ex, api->svc.unload_model != NULL, "model unloading")) return;
     json_t *root;
     if (parse_body(ex, &root)) return;
     static const char *const keys[] = {"name", NULL};
@@ -1265,7 +1288,7 @@ static void session_emit(void *accp, const ds41_svc_session *s) {
 
 static void route_admin_sessions(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.list_sessions, "session listing")) return;
+    if (!need(ex, api->svc.list_sessions != NULL, "session listing")) return;
     list_acc acc = {.list = json_array()};
     ds41_svc_error err = {0};
     if (!acc.list) {
@@ -1287,7 +1310,7 @@ static void route_admin_sessions(ds41_http_exchange *ex, void *ctx) {
 
 static void route_admin_session_delete(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.delete_session, "session deletion")) return;
+    if (!need(ex, api->svc.delete_session != NULL, "session deletion")) return;
     const char *id = ds41_http_path_param(ex);
     ds41_svc_error err = {0};
     if (api->svc.delete_session(api->svc.ctx, id, &err) != 0) {
@@ -1317,8 +1340,8 @@ static void cache_emit(void *accp, const ds41_svc_cache *c) {
              !ds41_json_set_new(to, "capacity_bytes", ju64(t->capacity_bytes)) &&
              !ds41_json_set_new(to, "hits", ju64(t->hits)) &&
              !ds41_json_set_new(to, "misses", ju64(t->misses)) &&
-             !ds41_json_set_new(to, "hit_rate", lookups ? jreal((double)t->hits / (double)lookups)
-                                                        : json_null());
+             !ds41_json_set_new(to, "hit_rate",
+                                lookups ? jreal((double)t->hits / (double)lookups) : json_null());
     }
     ok = ok && !ds41_json_set_new(o, "page_tokens", ju64(c->page_tokens)) &&
          !ds41_json_set_new(o, "page_bytes", ju64(c->page_bytes)) &&
@@ -1337,7 +1360,7 @@ static void cache_emit(void *accp, const ds41_svc_cache *c) {
 
 static void route_admin_cache(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, (const void *)api->svc.cache_info, "cache statistics")) return;
+    if (!need(ex, api->svc.cache_info != NULL, "cache statistics")) return;
     cache_acc acc = {0};
     ds41_svc_error err = {0};
     if (api->svc.cache_info(api->svc.ctx, cache_emit, &acc, &err) != 0) {
@@ -1379,8 +1402,7 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"GET", "/metrics", DS41_AUTH_INFERENCE, false, "metrics", route_metrics},
         {"GET", "/admin/models", DS41_AUTH_ADMIN, false, "admin_models", route_admin_models},
         {"POST", "/admin/models/load", DS41_AUTH_ADMIN, true, "admin_models_load", route_admin_load},
-        {"POST", "/admin/models/unload", DS41_AUTH_ADMIN, true, "admin_models_unload",
-         route_admin_unload},
+        {"POST", "/admin/models/unload", DS41_AUTH_ADMIN, true, "admin_models_unload", route_admin_unload},
         {"GET", "/admin/sessions", DS41_AUTH_ADMIN, false, "admin_sessions", route_admin_sessions},
         {"DELETE", "/admin/sessions/*", DS41_AUTH_ADMIN, false, "admin_session_delete",
          route_admin_session_delete},
@@ -1396,6 +1418,10 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
     return 0;
 }
 
-void ds41_api_free(ds41_api *api) { free(api); }
+void ds41_api_free(ds41_api *api) {
+    free(api);
+}
 
-const ds41_http_router *ds41_api_router(const ds41_api *api) { return &api->router; }
+const ds41_http_router *ds41_api_router(const ds41_api *api) {
+    return &api->router;
+}

@@ -149,8 +149,8 @@
 #include "ipc/service.h"
 
 typedef struct ds41_api_options {
-    size_t max_body_bytes;            /* 0 = 32 MiB */
-    unsigned completion_max_tokens;   /* default max_tokens of /v1/completions; 0 = 16 */
+    size_t max_body_bytes;          /* 0 = 32 MiB */
+    unsigned completion_max_tokens; /* default max_tokens of /v1/completions; 0 = 16 */
 } ds41_api_options;
 
 typedef struct ds41_api ds41_api;
@@ -172,8 +172,8 @@ const ds41_http_router *ds41_api_router(const ds41_api *api);
 /* A parsed generation request: gen points into the owned storage below. */
 typedef struct ds41_api_request {
     ds41_gen_request gen;
-    bool include_usage;   /* stream_options.include_usage */
-    bool echo;            /* completions: prepend the prompt to the text */
+    bool include_usage; /* stream_options.include_usage */
+    bool echo;          /* completions: prepend the prompt to the text */
     /* owned storage */
     char *model;
     char *messages_json;

@@ -25,8 +25,8 @@ int ds41_api_get_string(const json_t *obj, const char *prefix, const char *key, 
                         const char **out, ds41_svc_error *err);
 int ds41_api_get_bool(const json_t *obj, const char *prefix, const char *key, bool *has, bool *out,
                       ds41_svc_error *err);
-int ds41_api_get_int(const json_t *obj, const char *prefix, const char *key, long long lo,
-                     long long hi, bool *has, long long *out, ds41_svc_error *err);
+int ds41_api_get_int(const json_t *obj, const char *prefix, const char *key, long long lo, long long hi,
+                     bool *has, long long *out, ds41_svc_error *err);
 
 /* Validate "messages" and produce the normalized compact JSON (malloc()ed). */
 int ds41_api_parse_messages(const json_t *messages, char **out_json, ds41_svc_error *err);
@@ -36,7 +36,6 @@ int ds41_api_parse_messages(const json_t *messages, char **out_json, ds41_svc_er
 int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, ds41_svc_error *err);
 
 /* thinking / chat_template_kwargs / reasoning_effort -> mode and effort. */
-int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort,
-                            ds41_svc_error *err);
+int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort, ds41_svc_error *err);
 
 #endif

@@ -20,8 +20,8 @@
 
 /* ----------------------------------------------------------- error helpers */
 
-__attribute__((format(printf, 4, 5))) static int bad(ds41_svc_error *err, const char *param,
-                                                     const char *code, const char *fmt, ...) {
+__attribute__((format(printf, 4, 5))) static int bad(ds41_svc_error *err, const char *param, const char *code,
+                                                     const char *fmt, ...) {
     if (!err) return -1;
     err->status = DS41_SVC_BAD_REQUEST;
     err->retry_after_s = 0;
@@ -40,14 +40,21 @@ static int oom(ds41_svc_error *err) {
 
 const char *ds41_api_json_type_name(const json_t *v) {
     switch (json_typeof(v)) {
-    case JSON_OBJECT: return "object";
-    case JSON_ARRAY: return "array";
-    case JSON_STRING: return "string";
-    case JSON_INTEGER: return "integer";
-    case JSON_REAL: return "number";
+    case JSON_OBJECT:
+        return "object";
+    case JSON_ARRAY:
+        return "array";
+    case JSON_STRING:
+        return "string";
+    case JSON_INTEGER:
+        return "integer";
+    case JSON_REAL:
+        return "number";
     case JSON_TRUE:
-    case JSON_FALSE: return "boolean";
-    case JSON_NULL: return "null";
+    case JSON_FALSE:
+        return "boolean";
+    case JSON_NULL:
+        return "null";
     }
     return "value";
 }
@@ -68,8 +75,8 @@ int ds41_api_parse_json(const char *body, size_t len, json_t **out, ds41_svc_err
     *out = NULL;
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
     if (!root)
-        return bad(err, NULL, "invalid_json", "the body is not valid JSON: %s (line %d, column %d)",
-                   je.text, je.line, je.column);
+        return bad(err, NULL, "invalid_json", "the body is not valid JSON: %s (line %d, column %d)", je.text,
+                   je.line, je.column);
     if (!json_is_object(root)) {
         int rc = bad(err, NULL, "invalid_json", "the body must be a JSON object, not %s",
                      ds41_api_json_type_name(root));
@@ -107,8 +114,7 @@ static json_t *get(const json_t *obj, const char *key) {
 }
 
 static int type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v) {
-    return bad(err, path, "invalid_type", "'%s' must be %s, not %s", path, want,
-               ds41_api_json_type_name(v));
+    return bad(err, path, "invalid_type", "'%s' must be %s, not %s", path, want, ds41_api_json_type_name(v));
 }
 
 int ds41_api_get_string(const json_t *obj, const char *prefix, const char *key, bool required,
@@ -144,15 +150,15 @@ static int get_number(const json_t *obj, const char *key, double lo, bool lo_ope
     if (!json_is_number(v)) return type_error(err, key, "a number", v);
     double x = json_number_value(v);
     if (!isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
-        return bad(err, key, "invalid_value", "'%s' must be in %c%g, %g], got %g", key,
-                   lo_open ? '(' : '[', lo, hi, x);
+        return bad(err, key, "invalid_value", "'%s' must be in %c%g, %g], got %g", key, lo_open ? '(' : '[',
+                   lo, hi, x);
     out->set = true;
     out->value = x;
     return 0;
 }
 
-int ds41_api_get_int(const json_t *obj, const char *prefix, const char *key, long long lo,
-                     long long hi, bool *has, long long *out, ds41_svc_error *err) {
+int ds41_api_get_int(const json_t *obj, const char *prefix, const char *key, long long lo, long long hi,
+                     bool *has, long long *out, ds41_svc_error *err) {
     char path[160];
     join_path(path, sizeof path, prefix, key);
     json_t *v = get(obj, key);
@@ -161,15 +167,13 @@ int ds41_api_get_int(const json_t *obj, const char *prefix, const char *key, lon
     if (!json_is_integer(v)) return type_error(err, path, "an integer", v);
     long long x = json_integer_value(v);
     if (x < lo || x > hi)
-        return bad(err, path, "invalid_value", "'%s' must be in [%lld, %lld], got %lld", path, lo,
-                   hi, x);
+        return bad(err, path, "invalid_value", "'%s' must be in [%lld, %lld], got %lld", path, lo, hi, x);
     *has = true;
     *out = x;
     return 0;
 }
 
-static int refuse_if_set(const json_t *root, const char *key, const char *why,
-                         ds41_svc_error *err) {
+static int refuse_if_set(const json_t *root, const char *key, const char *why, ds41_svc_error *err) {
     if (get(root, key)) return bad(err, key, "unsupported_parameter", "'%s' is not supported: %s", key, why);
     return 0;
 }
@@ -298,8 +302,8 @@ static int parse_tool_calls(const json_t *tc, const char *mpath, json_t *norm, d
             type_error(err, apath, "a string or an object", args);
             goto fail;
         }
-        json_t *nc = json_pack("{s:s,s:s,s:{s:s,s:O}}", "id", id, "type", "function", "function",
-                               "name", name, "arguments", args);
+        json_t *nc = json_pack("{s:s,s:s,s:{s:s,s:O}}", "id", id, "type", "function", "function", "name",
+                               name, "arguments", args);
         if (!nc || json_array_append_new(out, nc)) {
             json_decref(out);
             return oom(err);
@@ -332,22 +336,21 @@ int ds41_api_parse_messages(const json_t *messages, char **out_json, ds41_svc_er
         if (ds41_api_get_string(m, mpath, "role", true, &role, err)) goto fail;
         static const char *const common_keys[] = {"role", "content", "name", NULL};
         static const char *const tool_keys[] = {"role", "content", "name", "tool_call_id", NULL};
-        static const char *const asst_keys[] = {"role",        "content",     "name",
-                                                "tool_calls",  "reasoning_content", "refusal",
-                                                "annotations", "audio",       "function_call",
-                                                "prefix",      "parsed",      NULL};
+        static const char *const asst_keys[] = {
+            "role",    "content",     "name",  "tool_calls",    "reasoning_content",
+            "refusal", "annotations", "audio", "function_call", "prefix",
+            "parsed",  NULL};
         bool is_asst = strcmp(role, "assistant") == 0;
         bool is_tool = strcmp(role, "tool") == 0;
         if (!is_asst && !is_tool && strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
             strcmp(role, "developer") != 0) {
             char rpath[80];
             join_path(rpath, sizeof rpath, mpath, "role");
-            bad(err, rpath, "invalid_value",
-                "unknown role '%s' (system, developer, user, assistant, tool)", role);
+            bad(err, rpath, "invalid_value", "unknown role '%s' (system, developer, user, assistant, tool)",
+                role);
             goto fail;
         }
-        if (ds41_api_check_keys(m, mpath, is_asst ? asst_keys : is_tool ? tool_keys : common_keys,
-                                err))
+        if (ds41_api_check_keys(m, mpath, is_asst ? asst_keys : is_tool ? tool_keys : common_keys, err))
             goto fail;
         json_t *norm = json_object();
         if (!norm || json_array_append_new(norm_all, norm)) {
@@ -389,12 +392,14 @@ int ds41_api_parse_messages(const json_t *messages, char **out_json, ds41_svc_er
             json_t *audio = get(m, "audio");
             if (audio) {
                 join_path(p2, sizeof p2, mpath, "audio");
-                bad(err, p2, "unsupported_parameter", "'%s' is not supported: this model takes text only", p2);
+                bad(err, p2, "unsupported_parameter", "'%s' is not supported: this model takes text only",
+                    p2);
                 goto fail;
             }
             if (get(m, "function_call")) {
                 join_path(p2, sizeof p2, mpath, "function_call");
-                bad(err, p2, "unsupported_parameter", "'%s' is deprecated and not supported; use tool_calls", p2);
+                bad(err, p2, "unsupported_parameter", "'%s' is deprecated and not supported; use tool_calls",
+                    p2);
                 goto fail;
             }
             json_t *tc = get(m, "tool_calls");
@@ -422,8 +427,8 @@ static bool tool_name_ok(const char *s) {
     if (n == 0 || n > MAX_TOOL_NAME) return false;
     for (size_t i = 0; i < n; i++) {
         char c = s[i];
-        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '_' || c == '-' || c == '.' || c == ':'))
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+              c == '-' || c == '.' || c == ':'))
             return false;
     }
     return true;
@@ -438,8 +443,7 @@ static int check_namespace(const json_t *holder, const char *prefix, ds41_svc_er
     if (!json_is_object(ns)) return type_error(err, path, "a string or an object", ns);
     static const char *const keys[] = {"name", "description", NULL};
     const char *s;
-    if (ds41_api_check_keys(ns, path, keys, err) ||
-        ds41_api_get_string(ns, path, "name", true, &s, err) ||
+    if (ds41_api_check_keys(ns, path, keys, err) || ds41_api_get_string(ns, path, "name", true, &s, err) ||
         ds41_api_get_string(ns, path, "description", false, &s, err))
         return -1;
     return 0;
@@ -464,8 +468,7 @@ int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, d
             goto fail;
         }
         static const char *const keys[] = {"type", "function", "namespace", NULL};
-        static const char *const fkeys[] = {"name", "description", "parameters", "strict",
-                                            "namespace", NULL};
+        static const char *const fkeys[] = {"name", "description", "parameters", "strict", "namespace", NULL};
         const char *type, *name, *desc;
         if (ds41_api_check_keys(t, tpath, keys, err) ||
             ds41_api_get_string(t, tpath, "type", true, &type, err))
@@ -495,8 +498,8 @@ int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, d
         if (!tool_name_ok(name)) {
             char p2[80];
             join_path(p2, sizeof p2, fpath, "name");
-            bad(err, p2, "invalid_value",
-                "tool name must be 1..%d characters of [A-Za-z0-9_.:-]", MAX_TOOL_NAME);
+            bad(err, p2, "invalid_value", "tool name must be 1..%d characters of [A-Za-z0-9_.:-]",
+                MAX_TOOL_NAME);
             goto fail;
         }
         json_t *params = get(fn, "parameters");
@@ -524,8 +527,7 @@ fail:
     return -1;
 }
 
-static int parse_tool_choice(const json_t *root, const json_t *names, char **out,
-                             ds41_svc_error *err) {
+static int parse_tool_choice(const json_t *root, const json_t *names, char **out, ds41_svc_error *err) {
     *out = NULL;
     json_t *tc = get(root, "tool_choice");
     if (!tc) return 0;
@@ -597,8 +599,7 @@ static int parse_response_format(const json_t *root, char **out, ds41_svc_error 
 
 /* ---------------------------------------------------------------- thinking */
 
-int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort,
-                            ds41_svc_error *err) {
+int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort, ds41_svc_error *err) {
     *mode = DS41_THINKING_DEFAULT;
     *effort = 0;
     ds41_thinking explicit_mode = DS41_THINKING_DEFAULT;
@@ -655,7 +656,7 @@ int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort
             static const struct {
                 const char *name;
                 int level;
-            } map[] = {{"none", 0},  {"minimal", 25}, {"low", 50},  {"medium", 75},
+            } map[] = {{"none", 0},  {"minimal", 25}, {"low", 50}, {"medium", 75},
                        {"high", 75}, {"xhigh", 100},  {"max", 100}};
             const char *s = json_string_value(re);
             size_t i;
@@ -717,8 +718,7 @@ static int parse_stop(const json_t *root, ds41_api_request *r, ds41_svc_error *e
         if (!json_is_string(s)) return type_error(err, path, "a string", s);
         size_t len = json_string_length(s);
         if (len == 0 || len > MAX_STOP_BYTES)
-            return bad(err, path, "invalid_value", "stop strings must have 1..%d bytes",
-                       MAX_STOP_BYTES);
+            return bad(err, path, "invalid_value", "stop strings must have 1..%d bytes", MAX_STOP_BYTES);
         if (memchr(json_string_value(s), 0, len))
             return bad(err, path, "invalid_value", "stop strings must not contain NUL");
         r->stop[i] = strdup(json_string_value(s));
@@ -767,8 +767,7 @@ static int parse_logit_bias(const json_t *root, ds41_api_request *r, ds41_svc_er
 static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error *err) {
     ds41_gen_request *g = &r->gen;
     const char *s;
-    if (ds41_api_get_string(root, NULL, "model", false, &s, err) || dup_string(s, &r->model, err))
-        return -1;
+    if (ds41_api_get_string(root, NULL, "model", false, &s, err) || dup_string(s, &r->model, err)) return -1;
     g->model = r->model;
     if (get_number(root, "temperature", 0, false, 2, &g->temperature, err) ||
         get_number(root, "top_p", 0, false, 1, &g->top_p, err) ||
@@ -807,8 +806,7 @@ static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error 
             return -1;
         r->include_usage = has && b;
     }
-    if (ds41_api_get_string(root, NULL, "user", false, &s, err) || dup_string(s, &r->user, err))
-        return -1;
+    if (ds41_api_get_string(root, NULL, "user", false, &s, err) || dup_string(s, &r->user, err)) return -1;
     g->user = r->user;
     if (parse_stop(root, r, err) || parse_logit_bias(root, r, err)) return -1;
     return 0;
@@ -838,14 +836,47 @@ void ds41_api_request_free(ds41_api_request *r) {
 
 /* ------------------------------------------------------------------- chat */
 
-static const char *const chat_keys[] = {
-    "messages", "model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
-    "seed", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format",
-    "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "user",
-    "parallel_tool_calls", "reasoning_effort", "thinking", "chat_template_kwargs", "top_k",
-    "min_p", "repetition_penalty", "ignore_eos", "store", "metadata", "service_tier",
-    "modalities", "prompt_cache_key", "safety_identifier", "verbosity", "audio", "prediction",
-    "web_search_options", "functions", "function_call", NULL};
+static const char *const chat_keys[] = {"messages",
+                                        "model",
+                                        "temperature",
+                                        "top_p",
+                                        "max_tokens",
+                                        "max_completion_tokens",
+                                        "stop",
+                                        "seed",
+                                        "logit_bias",
+                                        "logprobs",
+                                        "top_logprobs",
+                                        "tools",
+                                        "tool_choice",
+                                        "response_format",
+                                        "stream",
+                                        "stream_options",
+                                        "n",
+                                        "presence_penalty",
+                                        "frequency_penalty",
+                                        "user",
+                                        "parallel_tool_calls",
+                                        "reasoning_effort",
+                                        "thinking",
+                                        "chat_template_kwargs",
+                                        "top_k",
+                                        "min_p",
+                                        "repetition_penalty",
+                                        "ignore_eos",
+                                        "store",
+                                        "metadata",
+                                        "service_tier",
+                                        "modalities",
+                                        "prompt_cache_key",
+                                        "safety_identifier",
+                                        "verbosity",
+                                        "audio",
+                                        "prediction",
+                                        "web_search_options",
+                                        "functions",
+                                        "function_call",
+                                        NULL};
 
 static int parse_ignored_chat_fields(const json_t *root, ds41_svc_error *err) {
     bool has, b;
@@ -944,14 +975,31 @@ fail:
 
 /* ------------------------------------------------------------- completions */
 
-static const char *const completion_keys[] = {
-    "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
-    "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
-    "best_of", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-    NULL};
+static const char *const completion_keys[] = {"model",
+                                              "prompt",
+                                              "suffix",
+                                              "max_tokens",
+                                              "temperature",
+                                              "top_p",
+                                              "n",
+                                              "stream",
+                                              "stream_options",
+                                              "logprobs",
+                                              "echo",
+                                              "stop",
+                                              "presence_penalty",
+                                              "frequency_penalty",
+                                              "best_of",
+                                              "logit_bias",
+                                              "seed",
+                                              "user",
+                                              "top_k",
+                                              "min_p",
+                                              "repetition_penalty",
+                                              "ignore_eos",
+                                              NULL};
 
-static int parse_token_ids(const json_t *arr, const char *path, ds41_api_request *r,
-                           ds41_svc_error *err) {
+static int parse_token_ids(const json_t *arr, const char *path, ds41_api_request *r, ds41_svc_error *err) {
     size_t n = json_array_size(arr);
     if (n == 0) return bad(err, path, "invalid_value", "'%s' must not be empty", path);
     r->prompt_tokens = malloc(n * sizeof *r->prompt_tokens);
@@ -1033,7 +1081,8 @@ int ds41_api_parse_completion(const char *body, size_t len, unsigned default_max
         goto fail;
     }
     if (out->echo && g->logprobs) {
-        bad(err, "echo", "unsupported_parameter", "'echo' with 'logprobs' (prompt logprobs) is not supported");
+        bad(err, "echo", "unsupported_parameter",
+            "'echo' with 'logprobs' (prompt logprobs) is not supported");
         goto fail;
     }
     json_decref(root);

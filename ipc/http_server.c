@@ -10,6 +10,7 @@
 #include <grp.h>
 #include <inttypes.h>
 #include <microhttpd.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <pwd.h>
@@ -18,7 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <netinet/in.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -164,13 +164,12 @@ char *ds41_http_metrics_render(ds41_http_metrics *m, size_t *len) {
         sb_printf(&b, "# HELP ds41_http_requests_total HTTP requests answered, by route and status.\n"
                       "# TYPE ds41_http_requests_total counter\n");
         for (size_t i = 0; i < m->n_req; i++)
-            sb_printf(&b, "ds41_http_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n",
-                      m->req[i].route, m->req[i].status, m->req[i].count);
+            sb_printf(&b, "ds41_http_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n", m->req[i].route,
+                      m->req[i].status, m->req[i].count);
         sb_printf(&b, "# HELP ds41_http_events_total Connections refused or cut, by reason.\n"
                       "# TYPE ds41_http_events_total counter\n");
         for (int e = 0; e < DS41_HTTP_EV_COUNT; e++)
-            sb_printf(&b, "ds41_http_events_total{event=\"%s\"} %" PRIu64 "\n", event_names[e],
-                      m->events[e]);
+            sb_printf(&b, "ds41_http_events_total{event=\"%s\"} %" PRIu64 "\n", event_names[e], m->events[e]);
         sb_printf(&b,
                   "# HELP ds41_http_connections Open client connections.\n"
                   "# TYPE ds41_http_connections gauge\n"
@@ -248,11 +247,11 @@ struct ds41_http_exchange {
     enum ex_kind kind;
     const ds41_http_router *router;
     const ds41_http_route *route;
-    ds41_http_server *srv;      /* EX_MHD */
-    struct conn_rec *rec;       /* EX_MHD */
+    ds41_http_server *srv; /* EX_MHD */
+    struct conn_rec *rec;  /* EX_MHD */
     struct MHD_Connection *conn;
-    int sock_fd;                /* -1 in memory */
-    int abort_fd;               /* -1 in memory */
+    int sock_fd;  /* -1 in memory */
+    int abort_fd; /* -1 in memory */
     char method[16];
     char *path;
     const char *param;
@@ -273,11 +272,21 @@ struct ds41_http_exchange {
     ds41_http_stream *mem_stream;
 };
 
-const char *ds41_http_method(const ds41_http_exchange *ex) { return ex->method; }
-const char *ds41_http_path(const ds41_http_exchange *ex) { return ex->path ? ex->path : ""; }
-const char *ds41_http_path_param(const ds41_http_exchange *ex) { return ex->param; }
-ds41_auth_class ds41_http_auth(const ds41_http_exchange *ex) { return ex->auth; }
-const ds41_http_peer *ds41_http_peer_info(const ds41_http_exchange *ex) { return &ex->peer; }
+const char *ds41_http_method(const ds41_http_exchange *ex) {
+    return ex->method;
+}
+const char *ds41_http_path(const ds41_http_exchange *ex) {
+    return ex->path ? ex->path : "";
+}
+const char *ds41_http_path_param(const ds41_http_exchange *ex) {
+    return ex->param;
+}
+ds41_auth_class ds41_http_auth(const ds41_http_exchange *ex) {
+    return ex->auth;
+}
+const ds41_http_peer *ds41_http_peer_info(const ds41_http_exchange *ex) {
+    return &ex->peer;
+}
 
 const char *ds41_http_body(const ds41_http_exchange *ex, size_t *len) {
     if (len) *len = ex->body_len;
@@ -296,11 +305,16 @@ int ds41_http_add_header(ds41_http_exchange *ex, const char *name, const char *v
 
 static const char *default_error_type(int status) {
     switch (status) {
-    case 401: return "authentication_error";
-    case 403: return "permission_error";
-    case 404: return "not_found_error";
-    case 429: return "rate_limit_error";
-    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    case 401:
+        return "authentication_error";
+    case 403:
+        return "permission_error";
+    case 404:
+        return "not_found_error";
+    case 429:
+        return "rate_limit_error";
+    default:
+        return status >= 500 ? "server_error" : "invalid_request_error";
     }
 }
 
@@ -482,8 +496,8 @@ ds41_http_wait_result ds41_http_wait(ds41_http_exchange *ex, ds41_http_signal *s
 struct ds41_http_stream {
     pthread_mutex_t mu;
     int efd;
-    int sock_fd;                 /* the client's socket once attached over MHD, else -1 */
-    ds41_http_metrics *metrics;  /* once attached */
+    int sock_fd;                /* the client's socket once attached over MHD, else -1 */
+    ds41_http_metrics *metrics; /* once attached */
     char *buf;
     size_t off, len, cap;
     size_t max_buffer;
@@ -727,8 +741,8 @@ int ds41_http_respond_stream(ds41_http_exchange *ex, int status, const char *con
     c->keepalive_ms = ex->srv->cfg.sse_keepalive_ms;
     c->metrics = ex->router->metrics;
     c->stop_event = stop_event ? strdup(stop_event) : NULL;
-    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK,
-                                                               stream_reader, c, stream_consumer_free);
+    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_reader,
+                                                               c, stream_consumer_free);
     if (!r) {
         ex->abandoned = true;
         stream_consumer_free(c);
@@ -788,12 +802,10 @@ static bool method_matches(const char *route_method, const char *method) {
 static bool content_type_ok(const char *ct) {
     if (!ct) return true;
     while (*ct == ' ' || *ct == '\t') ct++;
-    static const char *const ok[] = {"application/json", "text/plain",
-                                     "application/x-www-form-urlencoded"};
+    static const char *const ok[] = {"application/json", "text/plain", "application/x-www-form-urlencoded"};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         size_t n = strlen(ok[i]);
-        if (strncasecmp(ct, ok[i], n) == 0 && (ct[n] == 0 || ct[n] == ';' || ct[n] == ' '))
-            return true;
+        if (strncasecmp(ct, ok[i], n) == 0 && (ct[n] == 0 || ct[n] == ';' || ct[n] == ' ')) return true;
     }
     return false;
 }
@@ -804,8 +816,8 @@ static size_t router_max_body(const ds41_http_router *r) {
 
 /* Pick the route and check everything that can be refused before the body
  * is read.  Returns true when the exchange was answered here. */
-static bool route_request(ds41_http_exchange *ex, const char *method, const char *url,
-                          bool has_length, uint64_t content_length, const char *content_type) {
+static bool route_request(ds41_http_exchange *ex, const char *method, const char *url, bool has_length,
+                          uint64_t content_length, const char *content_type) {
     const ds41_http_router *r = ex->router;
     snprintf(ex->method, sizeof ex->method, "%s", method);
     ex->path = strdup(url);
@@ -832,11 +844,10 @@ static bool route_request(ds41_http_exchange *ex, const char *method, const char
         if (path_known) {
             ds41_http_add_header(ex, "Allow", allow);
             ds41_http_respond_error(ex, 405, NULL, "method_not_allowed", NULL,
-                                    "method %s is not allowed on this path (allowed: %s)", ex->method,
-                                    allow);
+                                    "method %s is not allowed on this path (allowed: %s)", ex->method, allow);
         } else {
-            ds41_http_respond_error(ex, 404, NULL, "not_found", NULL, "no route for %s %s",
-                                    ex->method, ex->path);
+            ds41_http_respond_error(ex, 404, NULL, "not_found", NULL, "no route for %s %s", ex->method,
+                                    ex->path);
         }
         return true;
     }
@@ -931,8 +942,8 @@ static void read_peer(ds41_http_server *srv, struct conn_rec *rec) {
             }
         }
     }
-    rec->auth = ds41_http_classify(cred.uid, cred.gid, groups, n_groups, srv->cfg.has_admin_gid,
-                                   srv->cfg.admin_gid);
+    rec->auth =
+        ds41_http_classify(cred.uid, cred.gid, groups, n_groups, srv->cfg.has_admin_gid, srv->cfg.admin_gid);
     if (heap) free(groups);
 }
 
@@ -944,8 +955,7 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
         struct conn_rec *rec = calloc(1, sizeof *rec);
         *socket_context = rec;
         if (!rec) return; /* the access handler refuses a connection without a record */
-        const union MHD_ConnectionInfo *ci =
-            MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
         rec->fd = ci ? ci->connect_fd : -1;
         if (ls->is_unix && rec->fd >= 0)
             read_peer(srv, rec);
@@ -1006,9 +1016,9 @@ static void cut_locked(ds41_http_server *srv, struct conn_rec *rec, int status, 
 
 /* ===================================================== MHD: access handler */
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
-                                  const char *method, const char *version, const char *upload_data,
-                                  size_t *upload_data_size, void **con_cls) {
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
+                                  const char *version, const char *upload_data, size_t *upload_data_size,
+                                  void **con_cls) {
     (void)version;
     struct listener_state *ls = cls;
     ds41_http_server *srv = ls->srv;
@@ -1130,8 +1140,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     *con_cls = NULL;
     if (toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED)
         ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_TIMEOUT);
-    ds41_http_metrics_request(srv->router->metrics, ex->route ? ex->route->name : NULL,
-                              ex->status);
+    ds41_http_metrics_request(srv->router->metrics, ex->route ? ex->route->name : NULL, ex->status);
     pthread_mutex_lock(&srv->mu);
     if (ex->counted_active) srv->active--;
     if (ex->rec && !ex->rec->cut)
@@ -1258,15 +1267,14 @@ int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *
         vl = sizeof v;
         if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &v, &vl) != 0 ||
             (v != AF_UNIX && v != AF_INET && v != AF_INET6)) {
-            ds41_fail(err, "http server: listener %zu (fd %d) has an unsupported address family", i,
-                      fd);
+            ds41_fail(err, "http server: listener %zu (fd %d) has an unsupported address family", i, fd);
             goto fail;
         }
         struct listener_state *ls = &s->ls[i];
         ls->srv = s;
         ls->is_unix = v == AF_UNIX;
-        ls->credless_class = cfg->listeners[i].credless_class ? cfg->listeners[i].credless_class
-                                                              : DS41_AUTH_INFERENCE;
+        ls->credless_class =
+            cfg->listeners[i].credless_class ? cfg->listeners[i].credless_class : DS41_AUTH_INFERENCE;
         ls->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
         s->n_ls = i + 1;
         if (ls->fd < 0) {
@@ -1274,14 +1282,13 @@ int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *
             goto fail;
         }
         ls->daemon = MHD_start_daemon(
-            MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                MHD_USE_ITC | MHD_USE_ERROR_LOG,
+            MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL | MHD_USE_ITC |
+                MHD_USE_ERROR_LOG,
             0, accept_policy, ls, on_request, ls, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, s,
-            MHD_OPTION_LISTEN_SOCKET, ls->fd,
-            MHD_OPTION_CONNECTION_LIMIT, s->cfg.max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
-            s->cfg.idle_timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)HEADER_MEMORY_LIMIT,
-            MHD_OPTION_NOTIFY_COMPLETED, on_completed, ls, MHD_OPTION_NOTIFY_CONNECTION,
-            on_connection, ls, MHD_OPTION_END);
+            MHD_OPTION_LISTEN_SOCKET, ls->fd, MHD_OPTION_CONNECTION_LIMIT, s->cfg.max_connections,
+            MHD_OPTION_CONNECTION_TIMEOUT, s->cfg.idle_timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+            (size_t)HEADER_MEMORY_LIMIT, MHD_OPTION_NOTIFY_COMPLETED, on_completed, ls,
+            MHD_OPTION_NOTIFY_CONNECTION, on_connection, ls, MHD_OPTION_END);
         if (!ls->daemon) {
             ds41_fail(err, "http server: libmicrohttpd refused to start on fd %d", fd);
             goto fail;

@@ -122,13 +122,13 @@ typedef struct ds41_http_exchange ds41_http_exchange;
 typedef void (*ds41_http_handler)(ds41_http_exchange *ex, void *ctx);
 
 typedef struct ds41_http_route {
-    const char *method;        /* "GET", "POST", "DELETE"; GET routes also answer HEAD */
-    const char *path;          /* exact path, or a prefix ending in "/" followed by '*',
-                                  matching the prefix plus one non-empty segment of
-                                  [A-Za-z0-9._:-] (ds41_http_path_param) */
-    ds41_auth_class required;  /* weakest class allowed */
-    bool has_body;             /* POST-like: Content-Type checked, body collected */
-    const char *name;          /* metrics label, e.g. "chat_completions" */
+    const char *method;       /* "GET", "POST", "DELETE"; GET routes also answer HEAD */
+    const char *path;         /* exact path, or a prefix ending in "/" followed by '*',
+                                 matching the prefix plus one non-empty segment of
+                                 [A-Za-z0-9._:-] (ds41_http_path_param) */
+    ds41_auth_class required; /* weakest class allowed */
+    bool has_body;            /* POST-like: Content-Type checked, body collected */
+    const char *name;         /* metrics label, e.g. "chat_completions" */
     ds41_http_handler handler;
 } ds41_http_route;
 
@@ -139,7 +139,7 @@ typedef struct ds41_http_router {
     const ds41_http_route *routes;
     size_t n_routes;
     void *ctx;
-    size_t max_body_bytes;            /* 0 = 32 MiB */
+    size_t max_body_bytes;             /* 0 = 32 MiB */
     struct ds41_http_metrics *metrics; /* may be NULL */
 } ds41_http_router;
 
@@ -159,8 +159,8 @@ int ds41_http_add_header(ds41_http_exchange *ex, const char *name, const char *v
 
 /* Answer with a complete body (copied).  content_type NULL = application/json.
  * Returns 0, -1 if already answered. */
-int ds41_http_respond(ds41_http_exchange *ex, int status, const char *content_type,
-                      const void *body, size_t len);
+int ds41_http_respond(ds41_http_exchange *ex, int status, const char *content_type, const void *body,
+                      size_t len);
 
 /* Answer with the OpenAI error shape
  *   {"error":{"message":...,"type":...,"param":...|null,"code":...|null}}
@@ -168,8 +168,7 @@ int ds41_http_respond(ds41_http_exchange *ex, int status, const char *content_ty
  * 401 authentication_error, 403 permission_error, 404 not_found_error,
  * 429 rate_limit_error, 5xx server_error); code/param NULL or "" = null. */
 int ds41_http_respond_error(ds41_http_exchange *ex, int status, const char *type, const char *code,
-                            const char *param, const char *fmt, ...)
-    __attribute__((format(printf, 6, 7)));
+                            const char *param, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
 /* The error shape as a malloc()ed JSON text (*len set when len != NULL);
  * NULL only when out of memory.  Used for SSE error events too. */
@@ -212,8 +211,7 @@ ds41_http_wait_result ds41_http_wait(ds41_http_exchange *ex, ds41_http_signal *s
  * reference goes.  Either callback may be NULL. */
 typedef struct ds41_http_stream ds41_http_stream;
 
-ds41_http_stream *ds41_http_stream_new(void (*on_abandon)(void *ctx), void *ctx,
-                                       void (*ctx_free)(void *ctx));
+ds41_http_stream *ds41_http_stream_new(void (*on_abandon)(void *ctx), void *ctx, void (*ctx_free)(void *ctx));
 
 /* Append bytes (copied; thread-safe; each write is flushed to the client as
  * soon as the connection's thread wakes).  Returns 0, or -1 when the client
@@ -265,14 +263,14 @@ typedef struct ds41_http_listener {
 
 typedef struct ds41_http_config {
     const ds41_http_listener *listeners;
-    size_t n_listeners;           /* 1..8 */
+    size_t n_listeners; /* 1..8 */
     bool has_admin_gid;
     gid_t admin_gid;
-    unsigned max_connections;     /* per listener; 0 = 256 */
-    unsigned request_timeout_ms;  /* 0 = 30000 */
-    unsigned idle_timeout_s;      /* 0 = 60 */
-    unsigned sse_keepalive_ms;    /* 0 = 15000 */
-    size_t max_stream_buffer;     /* 0 = 8 MiB */
+    unsigned max_connections;    /* per listener; 0 = 256 */
+    unsigned request_timeout_ms; /* 0 = 30000 */
+    unsigned idle_timeout_s;     /* 0 = 60 */
+    unsigned sse_keepalive_ms;   /* 0 = 15000 */
+    size_t max_stream_buffer;    /* 0 = 8 MiB */
     /* MHD's and the server's own diagnostics; NULL = stderr with "ds41 http: " */
     void (*log)(void *log_ctx, const char *message);
     void *log_ctx;
@@ -302,10 +300,10 @@ unsigned ds41_http_server_active_requests(ds41_http_server *s);
  * collected until the producer ends it or timeout_ms passes (then the
  * stream is abandoned: its on_abandon runs, timed_out is set). */
 typedef struct ds41_http_memory_response {
-    int status;           /* 0 = abandoned without answer */
-    char *content_type;   /* malloc()ed or NULL */
-    char *headers;        /* extra headers as "Name: value\n" lines, malloc()ed or NULL */
-    char *body;           /* malloc()ed, NUL-terminated (not counted) */
+    int status;         /* 0 = abandoned without answer */
+    char *content_type; /* malloc()ed or NULL */
+    char *headers;      /* extra headers as "Name: value\n" lines, malloc()ed or NULL */
+    char *body;         /* malloc()ed, NUL-terminated (not counted) */
     size_t body_len;
     bool streamed;
     bool timed_out;

@@ -4,8 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param, const char *fmt,
-                  ...) {
+int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param, const char *fmt, ...) {
     if (!err) return -1;
     err->status = status;
     err->retry_after_s = 0;
@@ -20,17 +19,28 @@ int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param
 
 const char *ds41_svc_status_code(ds41_svc_status status) {
     switch (status) {
-    case DS41_SVC_OK: return "ok";
-    case DS41_SVC_BAD_REQUEST: return "invalid_value";
-    case DS41_SVC_CONTEXT_LENGTH: return "context_length_exceeded";
-    case DS41_SVC_FORBIDDEN: return "forbidden";
-    case DS41_SVC_NOT_FOUND: return "not_found";
-    case DS41_SVC_CONFLICT: return "conflict";
-    case DS41_SVC_QUEUE_FULL: return "queue_full";
-    case DS41_SVC_KV_FULL: return "kv_full";
-    case DS41_SVC_UNAVAILABLE: return "unavailable";
-    case DS41_SVC_CANCELLED: return "cancelled";
-    case DS41_SVC_INTERNAL: return "internal_error";
+    case DS41_SVC_OK:
+        return "ok";
+    case DS41_SVC_BAD_REQUEST:
+        return "invalid_value";
+    case DS41_SVC_CONTEXT_LENGTH:
+        return "context_length_exceeded";
+    case DS41_SVC_FORBIDDEN:
+        return "forbidden";
+    case DS41_SVC_NOT_FOUND:
+        return "not_found";
+    case DS41_SVC_CONFLICT:
+        return "conflict";
+    case DS41_SVC_QUEUE_FULL:
+        return "queue_full";
+    case DS41_SVC_KV_FULL:
+        return "kv_full";
+    case DS41_SVC_UNAVAILABLE:
+        return "unavailable";
+    case DS41_SVC_CANCELLED:
+        return "cancelled";
+    case DS41_SVC_INTERNAL:
+        return "internal_error";
     }
     return "internal_error";
 }

@@ -40,16 +40,16 @@
 /* Outcome classes and the HTTP answer the ipc layer gives for each. */
 typedef enum ds41_svc_status {
     DS41_SVC_OK = 0,
-    DS41_SVC_BAD_REQUEST,      /* 400 invalid_request_error (bad value the api layer cannot know) */
-    DS41_SVC_CONTEXT_LENGTH,   /* 400 invalid_request_error, code context_length_exceeded */
-    DS41_SVC_FORBIDDEN,        /* 403 permission_error (e.g. model path outside model dirs) */
-    DS41_SVC_NOT_FOUND,        /* 404 not_found_error (unknown model: code model_not_found; session) */
-    DS41_SVC_CONFLICT,         /* 409 invalid_request_error (model busy, already loading) */
-    DS41_SVC_QUEUE_FULL,       /* 429 rate_limit_error + Retry-After: the request queue is full */
-    DS41_SVC_KV_FULL,          /* 503 server_error + Retry-After: KV memory cannot hold the request */
-    DS41_SVC_UNAVAILABLE,      /* 503 server_error + Retry-After: loading, stopping, no model */
-    DS41_SVC_CANCELLED,        /* terminal status after cancel(); never shown to a client */
-    DS41_SVC_INTERNAL,         /* 500 server_error */
+    DS41_SVC_BAD_REQUEST,    /* 400 invalid_request_error (bad value the api layer cannot know) */
+    DS41_SVC_CONTEXT_LENGTH, /* 400 invalid_request_error, code context_length_exceeded */
+    DS41_SVC_FORBIDDEN,      /* 403 permission_error (e.g. model path outside model dirs) */
+    DS41_SVC_NOT_FOUND,      /* 404 not_found_error (unknown model: code model_not_found; session) */
+    DS41_SVC_CONFLICT,       /* 409 invalid_request_error (model busy, already loading) */
+    DS41_SVC_QUEUE_FULL,     /* 429 rate_limit_error + Retry-After: the request queue is full */
+    DS41_SVC_KV_FULL,        /* 503 server_error + Retry-After: KV memory cannot hold the request */
+    DS41_SVC_UNAVAILABLE,    /* 503 server_error + Retry-After: loading, stopping, no model */
+    DS41_SVC_CANCELLED,      /* terminal status after cancel(); never shown to a client */
+    DS41_SVC_INTERNAL,       /* 500 server_error */
 } ds41_svc_status;
 
 typedef struct ds41_svc_error {
@@ -62,8 +62,8 @@ typedef struct ds41_svc_error {
 
 /* Fill err (if not NULL): status, param (NULL = none) and a printf-style
  * message; code and retry_after_s are cleared.  Always returns -1. */
-int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param, const char *fmt,
-                  ...) __attribute__((format(printf, 4, 5)));
+int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 /* The default machine code for a status ("queue_full", "kv_full", ...). */
 const char *ds41_svc_status_code(ds41_svc_status status);
@@ -71,9 +71,9 @@ const char *ds41_svc_status_code(ds41_svc_status status);
 /* ------------------------------------------------------------------ health */
 
 typedef enum ds41_health_state {
-    DS41_HEALTH_OK = 0,   /* GET /health -> 200 {"status":"ok"} */
-    DS41_HEALTH_LOADING,  /* 503 {"status":"loading","detail":...} + Retry-After */
-    DS41_HEALTH_ERROR,    /* 503 {"status":"error","detail":...} */
+    DS41_HEALTH_OK = 0,  /* GET /health -> 200 {"status":"ok"} */
+    DS41_HEALTH_LOADING, /* 503 {"status":"loading","detail":...} + Retry-After */
+    DS41_HEALTH_ERROR,   /* 503 {"status":"error","detail":...} */
 } ds41_health_state;
 
 typedef struct ds41_svc_health {
@@ -97,12 +97,12 @@ typedef struct ds41_svc_tier_bytes {
 } ds41_svc_tier_bytes;
 
 typedef struct ds41_svc_model {
-    const char *id;           /* served name, e.g. "ds41-tiny" (required) */
-    const char *path;         /* checkpoint directory (admin listing only; may be NULL) */
+    const char *id;   /* served name, e.g. "ds41-tiny" (required) */
+    const char *path; /* checkpoint directory (admin listing only; may be NULL) */
     ds41_model_state state;
-    int64_t created;          /* unix seconds */
-    uint64_t context_length;  /* tokens; 0 = unknown */
-    const char *detail;       /* progress or failure text; may be NULL */
+    int64_t created;         /* unix seconds */
+    uint64_t context_length; /* tokens; 0 = unknown */
+    const char *detail;      /* progress or failure text; may be NULL */
     const ds41_svc_tier_bytes *tiers;
     size_t n_tiers;
 } ds41_svc_model;
@@ -116,10 +116,10 @@ typedef void (*ds41_svc_model_emit)(void *acc, const ds41_svc_model *model);
 /* A session is the engine's unit of KV memory: a running or queued request,
  * or a finished one whose pages are kept for prefix re-use. */
 typedef struct ds41_svc_session {
-    const char *id;         /* stable id, [A-Za-z0-9._-]{1,128} (used by DELETE /admin/sessions/{id}) */
+    const char *id; /* stable id, [A-Za-z0-9._-]{1,128} (used by DELETE /admin/sessions/{id}) */
     const char *model;
-    const char *state;      /* "queued", "prefill", "decode", "cached", ... */
-    uint64_t request_id;    /* ds41_gen_request.id of the live request; 0 = none */
+    const char *state;   /* "queued", "prefill", "decode", "cached", ... */
+    uint64_t request_id; /* ds41_gen_request.id of the live request; 0 = none */
     uint64_t prompt_tokens;
     uint64_t generated_tokens;
     uint64_t cached_tokens; /* prompt tokens served from the prefix cache */
@@ -135,7 +135,7 @@ typedef void (*ds41_svc_session_emit)(void *acc, const ds41_svc_session *session
 /* ------------------------------------------------------------------- cache */
 
 typedef struct ds41_svc_cache_tier {
-    const char *name;       /* "kv", "prefix", "experts-vram", "experts-ram", "engram", ... */
+    const char *name; /* "kv", "prefix", "experts-vram", "experts-ram", "engram", ... */
     uint64_t used_bytes;
     uint64_t capacity_bytes;
     uint64_t hits;
@@ -143,12 +143,12 @@ typedef struct ds41_svc_cache_tier {
 } ds41_svc_cache_tier;
 
 typedef struct ds41_svc_cache {
-    uint64_t page_tokens;     /* tokens per KV page */
-    uint64_t page_bytes;      /* bytes per KV page */
+    uint64_t page_tokens; /* tokens per KV page */
+    uint64_t page_bytes;  /* bytes per KV page */
     uint64_t pages_total;
     uint64_t pages_used;
     uint64_t pages_free;
-    double bytes_per_token;   /* KV bytes per token of context */
+    double bytes_per_token; /* KV bytes per token of context */
     const ds41_svc_cache_tier *tiers;
     size_t n_tiers;
 } ds41_svc_cache;
@@ -163,8 +163,8 @@ typedef enum ds41_gen_kind {
 /* Thinking mode as requested; the service decides DEFAULT. */
 typedef enum ds41_thinking {
     DS41_THINKING_DEFAULT = 0,
-    DS41_THINKING_DISABLED,  /* chat mode: header </think>, no reasoning */
-    DS41_THINKING_ENABLED,   /* thinking mode: header <think>, reasoning_content streamed */
+    DS41_THINKING_DISABLED, /* chat mode: header </think>, no reasoning */
+    DS41_THINKING_ENABLED,  /* thinking mode: header <think>, reasoning_content streamed */
 } ds41_thinking;
 
 typedef struct ds41_opt_double {
@@ -181,10 +181,10 @@ typedef struct ds41_logit_bias {
  * map here).  Optional numbers come as ds41_opt_double with set=false when
  * the client did not give them (or gave null). */
 typedef struct ds41_gen_request {
-    uint64_t id;              /* unique in this process, assigned by the ipc layer; used by cancel() */
-    const char *response_id;  /* "chatcmpl-..." / "cmpl-...", as the client will see it */
+    uint64_t id;             /* unique in this process, assigned by the ipc layer; used by cancel() */
+    const char *response_id; /* "chatcmpl-..." / "cmpl-...", as the client will see it */
     ds41_gen_kind kind;
-    const char *model;        /* requested model name; NULL = the service's default model */
+    const char *model; /* requested model name; NULL = the service's default model */
 
     /* DS41_GEN_CHAT: compact JSON texts, validated and normalized:
      *  messages_json: array of {"role": "system"|"developer"|"user"|"assistant"|"tool",
@@ -203,9 +203,9 @@ typedef struct ds41_gen_request {
     const char *tools_json;
     const char *tool_choice_json;
     const char *response_format_json;
-    bool parallel_tool_calls;  /* default true */
+    bool parallel_tool_calls; /* default true */
     ds41_thinking thinking;
-    int reasoning_effort;      /* 0 = not given, else 1..100 (see ipc/api.h for the mapping) */
+    int reasoning_effort; /* 0 = not given, else 1..100 (see ipc/api.h for the mapping) */
 
     /* DS41_GEN_COMPLETION: exactly one of prompt / prompt_tokens is set. */
     const char *prompt;
@@ -225,23 +225,23 @@ typedef struct ds41_gen_request {
     int64_t seed;
     const ds41_logit_bias *logit_bias;
     size_t n_logit_bias;
-    uint32_t max_tokens;      /* 0 = not given: the service's limit (context) applies */
-    const char *const *stop;  /* stop strings (each non-empty) */
+    uint32_t max_tokens;     /* 0 = not given: the service's limit (context) applies */
+    const char *const *stop; /* stop strings (each non-empty) */
     size_t n_stop;
-    bool ignore_eos;          /* keep generating past EOS (benchmarks) */
+    bool ignore_eos; /* keep generating past EOS (benchmarks) */
 
     /* output options */
-    bool logprobs;            /* deliver per-token logprobs in DELTA events */
-    int top_logprobs;         /* 0..20 alternatives per token */
-    bool stream;              /* informational: the ipc layer handles the transport */
-    const char *user;         /* end-user id, opaque; may be NULL */
+    bool logprobs;    /* deliver per-token logprobs in DELTA events */
+    int top_logprobs; /* 0..20 alternatives per token */
+    bool stream;      /* informational: the ipc layer handles the transport */
+    const char *user; /* end-user id, opaque; may be NULL */
 } ds41_gen_request;
 
 typedef enum ds41_gen_event_type {
-    DS41_GEN_DELTA = 1,     /* generated text (content and/or reasoning) + optional logprobs */
-    DS41_GEN_TOOL_CALL,     /* a fragment of a tool call */
-    DS41_GEN_FINISH,        /* terminal: finish reason + usage */
-    DS41_GEN_ERROR,         /* terminal: error (status, message) */
+    DS41_GEN_DELTA = 1, /* generated text (content and/or reasoning) + optional logprobs */
+    DS41_GEN_TOOL_CALL, /* a fragment of a tool call */
+    DS41_GEN_FINISH,    /* terminal: finish reason + usage */
+    DS41_GEN_ERROR,     /* terminal: error (status, message) */
 } ds41_gen_event_type;
 
 typedef enum ds41_finish_reason {
@@ -259,18 +259,18 @@ typedef struct ds41_gen_usage {
 } ds41_gen_usage;
 
 typedef struct ds41_gen_top_logprob {
-    const char *token;   /* the token's bytes (may be a partial UTF-8 sequence) */
+    const char *token; /* the token's bytes (may be a partial UTF-8 sequence) */
     size_t token_len;
     double logprob;
 } ds41_gen_top_logprob;
 
 typedef struct ds41_gen_logprob {
-    const char *token;   /* the sampled token's bytes */
+    const char *token; /* the sampled token's bytes */
     size_t token_len;
     double logprob;
     const ds41_gen_top_logprob *top;
     size_t n_top;
-    bool reasoning;      /* the token belongs to the reasoning, not the content */
+    bool reasoning; /* the token belongs to the reasoning, not the content */
 } ds41_gen_logprob;
 
 /* One event.  Only the fields of its type are read. */
@@ -314,20 +314,20 @@ typedef struct ds41_gen_sink {
 
 /* What submit() reports back on acceptance. */
 typedef struct ds41_gen_accept {
-    char model[128];          /* the served model name that will answer (shown to the client) */
+    char model[128]; /* the served model name that will answer (shown to the client) */
 } ds41_gen_accept;
 
 /* ------------------------------------------------------------ tokenization */
 
 typedef struct ds41_tokenize_request {
-    const char *model;        /* NULL = default model */
-    const char *text;         /* raw text mode (messages_json == NULL) */
+    const char *model; /* NULL = default model */
+    const char *text;  /* raw text mode (messages_json == NULL) */
     size_t text_len;
-    bool add_special;         /* add the tokenizer's special tokens (BOS) */
+    bool add_special;          /* add the tokenizer's special tokens (BOS) */
     const char *messages_json; /* chat mode: normalized messages as for generation, or NULL */
-    const char *tools_json;   /* chat mode: tools or NULL */
-    ds41_thinking thinking;   /* chat mode */
-    int reasoning_effort;     /* chat mode, 0 = default */
+    const char *tools_json;    /* chat mode: tools or NULL */
+    ds41_thinking thinking;    /* chat mode */
+    int reasoning_effort;      /* chat mode, 0 = default */
 } ds41_tokenize_request;
 
 /* ----------------------------------------------------------------- service */
@@ -354,8 +354,8 @@ typedef struct ds41_service {
      * DS41_SVC_CANCELLED.  No call to the sink after the terminal event.
      * Events may be delivered before submit() returns.  req is valid only
      * during the call. */
-    int (*submit)(void *ctx, const ds41_gen_request *req, const ds41_gen_sink *sink,
-                  ds41_gen_accept *accept, ds41_svc_error *err);
+    int (*submit)(void *ctx, const ds41_gen_request *req, const ds41_gen_sink *sink, ds41_gen_accept *accept,
+                  ds41_svc_error *err);
 
     /* Ask for the generation with this id to stop soon (client gone, server
      * stopping).  Any thread, any time, also concurrently with its events;
@@ -369,8 +369,8 @@ typedef struct ds41_service {
 
     /* POST /detokenize: ids not in the vocabulary -> DS41_SVC_BAD_REQUEST.
      * *text is malloc()ed (UTF-8; invalid sequences are replaced by the ipc). */
-    int (*detokenize)(void *ctx, const char *model, const int32_t *tokens, size_t n_tokens,
-                      char **text, size_t *text_len, ds41_svc_error *err);
+    int (*detokenize)(void *ctx, const char *model, const int32_t *tokens, size_t n_tokens, char **text,
+                      size_t *text_len, ds41_svc_error *err);
 
     /* GET /metrics: Prometheus text exposition (malloc()ed); the ipc layer
      * appends its own ds41_http_* series. */

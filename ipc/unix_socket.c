@@ -30,12 +30,13 @@ int ds41_unix_listen(const char *path, mode_t mode, gid_t group, int backlog, ds
 
     struct stat st;
     if (lstat(path, &st) == 0) {
-        if (!S_ISSOCK(st.st_mode))
-            return ds41_fail(err, "%s: exists and is not a socket (left alone)", path);
+        if (!S_ISSOCK(st.st_mode)) return ds41_fail(err, "%s: exists and is not a socket (left alone)", path);
         int live = socket_is_live(&addr);
         if (live == 1) return ds41_fail(err, "%s: another server is accepting on this socket", path);
-        if (live < 0) return ds41_fail(err, "%s: cannot tell whether the socket is in use: %s", path, strerror(errno));
-        if (unlink(path) != 0) return ds41_fail(err, "%s: cannot remove the stale socket: %s", path, strerror(errno));
+        if (live < 0)
+            return ds41_fail(err, "%s: cannot tell whether the socket is in use: %s", path, strerror(errno));
+        if (unlink(path) != 0)
+            return ds41_fail(err, "%s: cannot remove the stale socket: %s", path, strerror(errno));
     } else if (errno != ENOENT) {
         return ds41_fail(err, "%s: %s", path, strerror(errno));
     }
@@ -76,13 +77,15 @@ int ds41_tcp_listen_loopback(const char *host, uint16_t port, int backlog, ds41_
     struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&ss;
     if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
         if ((ntohl(a4->sin_addr.s_addr) >> 24) != 127)
-            return ds41_fail(err, "tcp listen %s: only loopback addresses (127.0.0.0/8, ::1) are allowed", host);
+            return ds41_fail(err, "tcp listen %s: only loopback addresses (127.0.0.0/8, ::1) are allowed",
+                             host);
         a4->sin_family = AF_INET;
         a4->sin_port = htons(port);
         sl = sizeof *a4;
     } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
         if (!IN6_IS_ADDR_LOOPBACK(&a6->sin6_addr))
-            return ds41_fail(err, "tcp listen %s: only loopback addresses (127.0.0.0/8, ::1) are allowed", host);
+            return ds41_fail(err, "tcp listen %s: only loopback addresses (127.0.0.0/8, ::1) are allowed",
+                             host);
         a6->sin6_family = AF_INET6;
         a6->sin6_port = htons(port);
         sl = sizeof *a6;

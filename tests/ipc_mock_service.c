@@ -75,8 +75,8 @@ static void plan(job *j, const ds41_gen_request *req) {
     char tool_name[160] = "";
     if (req->tools_json && !(req->tool_choice_json && strcmp(req->tool_choice_json, "\"none\"") == 0)) {
         json_t *tools = json_loads(req->tools_json, 0, NULL);
-        const char *name = json_string_value(
-            json_object_get(json_object_get(json_array_get(tools, 0), "function"), "name"));
+        const char *name =
+            json_string_value(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "name"));
         if (name) {
             snprintf(tool_name, sizeof tool_name, "%s", name);
             tool_call = true;
@@ -120,11 +120,12 @@ static void plan(job *j, const ds41_gen_request *req) {
             j->steps[n++].finish = limit < 5 ? DS41_FINISH_LENGTH : DS41_FINISH_STOP;
         }
     }
-    if (req->model && strcmp(req->model, "cancel-self") == 0) j->steps[n - 1] = (step){.type = DS41_GEN_FINISH, .finish = DS41_FINISH_CANCELLED};
+    if (req->model && strcmp(req->model, "cancel-self") == 0)
+        j->steps[n - 1] = (step){.type = DS41_GEN_FINISH, .finish = DS41_FINISH_CANCELLED};
     j->n_steps = n;
     size_t in = req->messages_json ? strlen(req->messages_json)
-                : req->prompt       ? req->prompt_len
-                                    : req->n_prompt_tokens * 4;
+                : req->prompt      ? req->prompt_len
+                                   : req->n_prompt_tokens * 4;
     j->usage.prompt_tokens = in / 4 + 1;
     j->usage.cached_tokens = j->usage.prompt_tokens > 2 ? 2 : 0;
     j->logprobs = req->logprobs;
@@ -289,10 +290,18 @@ static int mock_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41
     (void)ctx;
     (void)err;
     ds41_svc_tier_bytes tiers[2] = {{"vram", 1000}, {"ram", 2000}};
-    ds41_svc_model a = {.id = "mock-model", .path = "/models/mock", .state = DS41_MODEL_READY,
-                        .created = 1700000000, .context_length = 4096, .tiers = tiers, .n_tiers = 2};
-    ds41_svc_model b = {.id = "other", .path = "/models/other", .state = DS41_MODEL_UNLOADED,
-                        .created = 1700000001, .detail = "not loaded"};
+    ds41_svc_model a = {.id = "mock-model",
+                        .path = "/models/mock",
+                        .state = DS41_MODEL_READY,
+                        .created = 1700000000,
+                        .context_length = 4096,
+                        .tiers = tiers,
+                        .n_tiers = 2};
+    ds41_svc_model b = {.id = "other",
+                        .path = "/models/other",
+                        .state = DS41_MODEL_UNLOADED,
+                        .created = 1700000001,
+                        .detail = "not loaded"};
     emit(acc, &a);
     emit(acc, &b);
     return 0;
@@ -310,12 +319,11 @@ static void summarize(mock_service *m, const ds41_gen_request *r) {
              "tools=%s;tool_choice=%s;response_format=%s;prompt_tokens=%zu;messages=%s",
              (int)r->kind, r->model ? r->model : "(default)", (int)r->thinking, r->reasoning_effort,
              r->max_tokens, r->temperature.set ? "" : "unset:", r->temperature.value,
-             r->top_p.set ? "" : "unset:", r->top_p.value, r->top_k, r->has_seed ? "" : "unset:",
-             (long long)r->seed, stop, r->n_logit_bias, r->n_logit_bias ? "@" : "",
-             r->n_logit_bias ? r->logit_bias[0].token : 0,
-             r->n_logit_bias ? (double)r->logit_bias[0].bias : 0.0, (int)r->logprobs,
-             r->top_logprobs, (int)r->stream, r->tools_json ? "yes" : "no",
-             r->tool_choice_json ? r->tool_choice_json : "-",
+             r->top_p.set ? "" : "unset:", r->top_p.value, r->top_k,
+             r->has_seed ? "" : "unset:", (long long)r->seed, stop, r->n_logit_bias,
+             r->n_logit_bias ? "@" : "", r->n_logit_bias ? r->logit_bias[0].token : 0,
+             r->n_logit_bias ? (double)r->logit_bias[0].bias : 0.0, (int)r->logprobs, r->top_logprobs,
+             (int)r->stream, r->tools_json ? "yes" : "no", r->tool_choice_json ? r->tool_choice_json : "-",
              r->response_format_json ? r->response_format_json : "-", r->n_prompt_tokens,
              r->messages_json ? r->messages_json : "-");
 }
@@ -425,7 +433,8 @@ static int mock_detokenize(void *ctx, const char *model, const int32_t *tokens, 
         if (tokens[i] > 255) {
             char p[32];
             snprintf(p, sizeof p, "tokens[%zu]", i);
-            return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, p, "token id %d is not in the vocabulary", tokens[i]);
+            return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, p, "token id %d is not in the vocabulary",
+                                 tokens[i]);
         }
     *text = malloc(n + 1);
     if (!*text) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
@@ -439,7 +448,8 @@ static int mock_metrics(void *ctx, char **text, size_t *len, ds41_svc_error *err
     mock_service *m = ctx;
     char buf[256];
     pthread_mutex_lock(&m->mu);
-    int k = snprintf(buf, sizeof buf, "# TYPE mock_requests_total counter\nmock_requests_total %u", m->requests);
+    int k =
+        snprintf(buf, sizeof buf, "# TYPE mock_requests_total counter\nmock_requests_total %u", m->requests);
     pthread_mutex_unlock(&m->mu);
     *text = strdup(buf);
     if (!*text) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
@@ -451,11 +461,13 @@ static int mock_load(void *ctx, const char *name, const char *path, ds41_svc_err
     (void)ctx;
     if (path) {
         if (strncmp(path, "/models/", 8) != 0)
-            return ds41_svc_fail(err, DS41_SVC_FORBIDDEN, "path", "'%s' is outside the model directories", path);
+            return ds41_svc_fail(err, DS41_SVC_FORBIDDEN, "path", "'%s' is outside the model directories",
+                                 path);
         return 1;
     }
     if (strcmp(name, "mock-model") == 0) return 0;
-    if (strcmp(name, "busy") == 0) return ds41_svc_fail(err, DS41_SVC_CONFLICT, "name", "a load is in progress");
+    if (strcmp(name, "busy") == 0)
+        return ds41_svc_fail(err, DS41_SVC_CONFLICT, "name", "a load is in progress");
     return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "name", "no model named '%s'", name);
 }
 
@@ -468,17 +480,29 @@ static int mock_unload(void *ctx, const char *name, ds41_svc_error *err) {
 static int mock_sessions(void *ctx, ds41_svc_session_emit emit, void *acc, ds41_svc_error *err) {
     mock_service *m = ctx;
     (void)err;
-    ds41_svc_session s = {.id = "sess-cached", .model = "mock-model", .state = "cached",
-                          .prompt_tokens = 10, .generated_tokens = 5, .cached_tokens = 2,
-                          .kv_tokens = 15, .kv_pages = 1, .kv_bytes = 13350, .created = 1700000000,
+    ds41_svc_session s = {.id = "sess-cached",
+                          .model = "mock-model",
+                          .state = "cached",
+                          .prompt_tokens = 10,
+                          .generated_tokens = 5,
+                          .cached_tokens = 2,
+                          .kv_tokens = 15,
+                          .kv_pages = 1,
+                          .kv_bytes = 13350,
+                          .created = 1700000000,
                           .last_used = 1700000100};
     emit(acc, &s);
     pthread_mutex_lock(&m->mu);
     for (job *j = m->live; j; j = j->next) {
         char id[40];
         snprintf(id, sizeof id, "req-%llu", (unsigned long long)j->id);
-        ds41_svc_session live = {.id = id, .model = "mock-model", .state = "decode",
-                                 .request_id = j->id, .kv_tokens = 3, .kv_pages = 1, .kv_bytes = 2670};
+        ds41_svc_session live = {.id = id,
+                                 .model = "mock-model",
+                                 .state = "decode",
+                                 .request_id = j->id,
+                                 .kv_tokens = 3,
+                                 .kv_pages = 1,
+                                 .kv_bytes = 2670};
         emit(acc, &live);
     }
     pthread_mutex_unlock(&m->mu);
@@ -509,8 +533,14 @@ static int mock_cache(void *ctx, void (*emit)(void *acc, const ds41_svc_cache *c
     (void)ctx;
     (void)err;
     ds41_svc_cache_tier tiers[2] = {{"kv", 26700, 267000, 0, 0}, {"prefix", 13350, 267000, 3, 1}};
-    ds41_svc_cache c = {.page_tokens = 15, .page_bytes = 13350, .pages_total = 20, .pages_used = 2,
-                        .pages_free = 18, .bytes_per_token = 890.0, .tiers = tiers, .n_tiers = 2};
+    ds41_svc_cache c = {.page_tokens = 15,
+                        .page_bytes = 13350,
+                        .pages_total = 20,
+                        .pages_used = 2,
+                        .pages_free = 18,
+                        .bytes_per_token = 890.0,
+                        .tiers = tiers,
+                        .n_tiers = 2};
     emit(acc, &c);
     return 0;
 }
@@ -552,7 +582,9 @@ void mock_service_free(mock_service *m) {
     free(m);
 }
 
-const ds41_service *mock_service_iface(mock_service *m) { return &m->iface; }
+const ds41_service *mock_service_iface(mock_service *m) {
+    return &m->iface;
+}
 
 void mock_service_set_health(mock_service *m, ds41_health_state state, const char *detail) {
     pthread_mutex_lock(&m->mu);

@@ -272,7 +272,8 @@ static void build_request(raw *out, const char *method, const char *path, const 
                      close_conn ? "Connection: close\r\n" : "", extra_headers ? extra_headers : "");
     raw_add(out, head, (size_t)n);
     if (body) {
-        n = snprintf(head, sizeof head, "Content-Type: application/json\r\nContent-Length: %zu\r\n", strlen(body));
+        n = snprintf(head, sizeof head, "Content-Type: application/json\r\nContent-Length: %zu\r\n",
+                     strlen(body));
         raw_add(out, head, (size_t)n);
     }
     raw_add(out, "\r\n", 2);
@@ -300,8 +301,8 @@ static resp request(const char *method, const char *path, const char *body) {
 
 static const char *chat(const char *extra) {
     static char body[1024];
-    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]%s%s}", extra ? "," : "",
-             extra ? extra : "");
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]%s%s}",
+             extra ? "," : "", extra ? extra : "");
     return body;
 }
 
@@ -358,12 +359,14 @@ static void test_routes(void) {
     r = request("POST", "/v1/chat/completions", chat("\"model\":\"mock-model\""));
     char v[128];
     TAP_CHECK(r.status == 200 && r.json &&
-                  strcmp(jstr(r.json, "choices[0].message.content"), "Hello from the mock \xe2\x9c\x93") == 0 &&
+                  strcmp(jstr(r.json, "choices[0].message.content"), "Hello from the mock \xe2\x9c\x93") ==
+                      0 &&
                   header_value(&r, "Content-Type", v, sizeof v) && strcmp(v, "application/json") == 0,
               "POST /v1/chat/completions non-stream over the socket");
     resp_free(&r);
 
-    r = request("POST", "/v1/chat/completions", chat("\"stream\":true,\"stream_options\":{\"include_usage\":true}"));
+    r = request("POST", "/v1/chat/completions",
+                chat("\"stream\":true,\"stream_options\":{\"include_usage\":true}"));
     char why[128] = "";
     json_t *ev = r.status == 200 ? sse_split(r.body.p, r.body.len, NULL, why, sizeof why) : NULL;
     size_t n = json_array_size(ev);
@@ -373,7 +376,8 @@ static void test_routes(void) {
                   strcmp(v, "chunked") == 0 && header_value(&r, "Cache-Control", v, sizeof v) &&
                   strcmp(v, "no-cache") == 0,
               "chat stream: text/event-stream, chunked, no-cache");
-    TAP_CHECK(ev && n == 9 && strcmp(jstr(json_array_get(ev, 0), "choices[0].delta.role"), "assistant") == 0 &&
+    TAP_CHECK(ev && n == 9 &&
+                  strcmp(jstr(json_array_get(ev, 0), "choices[0].delta.role"), "assistant") == 0 &&
                   strcmp(jstr(json_array_get(ev, 6), "choices[0].finish_reason"), "stop") == 0 &&
                   jint(json_array_get(ev, 7), "usage.total_tokens") > 5 &&
                   strcmp(json_string_value(json_array_get(ev, 8)), "[DONE]") == 0 &&
@@ -388,7 +392,8 @@ static void test_routes(void) {
     resp_free(&r);
     r = request("POST", "/v1/completions", "{\"prompt\":\"x\",\"stream\":true}");
     ev = r.status == 200 ? sse_split(r.body.p, r.body.len, NULL, why, sizeof why) : NULL;
-    TAP_CHECK(ev && json_array_size(ev) == 7 && strcmp(json_string_value(json_array_get(ev, 6)), "[DONE]") == 0,
+    TAP_CHECK(ev && json_array_size(ev) == 7 &&
+                  strcmp(json_string_value(json_array_get(ev, 6)), "[DONE]") == 0,
               "POST /v1/completions stream");
     json_decref(ev);
     resp_free(&r);
@@ -399,7 +404,8 @@ static void test_routes(void) {
     TAP_CHECK(r.status == 200 && r.json && strcmp(jstr(r.json, "content"), "ok") == 0, "POST /detokenize");
     resp_free(&r);
     r = request("GET", "/admin/cache", NULL);
-    TAP_CHECK(r.status == 200 && r.json && jint(r.json, "pages_total") == 20, "root is admin: GET /admin/cache");
+    TAP_CHECK(r.status == 200 && r.json && jint(r.json, "pages_total") == 20,
+              "root is admin: GET /admin/cache");
     resp_free(&r);
     r = request("DELETE", "/admin/sessions/sess-cached", NULL);
     TAP_CHECK(r.status == 200, "root: DELETE /admin/sessions/{id}");
@@ -470,11 +476,13 @@ static void test_bad_input(void) {
               "socket: invalid JSON -> 400 invalid_json");
     resp_free(&r);
     r = request("POST", "/v1/chat/completions", chat("\"frobnicate\":true"));
-    TAP_CHECK(r.status == 400 && is_error_shape(r.json, "invalid_request_error", "unknown_field", "frobnicate"),
+    TAP_CHECK(r.status == 400 &&
+                  is_error_shape(r.json, "invalid_request_error", "unknown_field", "frobnicate"),
               "socket: unknown field -> 400 naming it");
     resp_free(&r);
     r = request("POST", "/v1/chat/completions", chat("\"temperature\":\"warm\""));
-    TAP_CHECK(r.status == 400 && is_error_shape(r.json, "invalid_request_error", "invalid_type", "temperature"),
+    TAP_CHECK(r.status == 400 &&
+                  is_error_shape(r.json, "invalid_request_error", "invalid_type", "temperature"),
               "socket: wrong type -> 400 naming the field");
     resp_free(&r);
     r = request("PUT", "/v1/models", "{}");
@@ -509,7 +517,8 @@ static void test_bad_input(void) {
     raw got = {0};
     if (fd >= 0) send_all(fd, head, strlen(head));
     if (fd >= 0) read_until(fd, &got, "\r\n\r\n", 5000);
-    TAP_CHECK(got.p && strncmp(got.p, "HTTP/1.1 413", 12) == 0, "Expect: 100-continue with a too large body -> 413 at once");
+    TAP_CHECK(got.p && strncmp(got.p, "HTTP/1.1 413", 12) == 0,
+              "Expect: 100-continue with a too large body -> 413 at once");
     free(got.p);
     if (fd >= 0) close(fd);
 
@@ -554,7 +563,8 @@ static void test_bad_input(void) {
         resp_free(&b);
         if (fd >= 0) close(fd);
     }
-    TAP_CHECK(bad_at == nb, "broken framing (bad chunk sizes, bad headers) -> 4xx or closed (case %zu got %d)", bad_at,
+    TAP_CHECK(bad_at == nb,
+              "broken framing (bad chunk sizes, bad headers) -> 4xx or closed (case %zu got %d)", bad_at,
               bad_status);
     r = request("GET", "/health", NULL);
     TAP_CHECK(r.status == 200, "the server keeps serving after broken framing");
@@ -565,7 +575,8 @@ static void test_bad_input(void) {
 static void test_slow_clients(void) {
     /* body dribbled one byte at a time */
     int fd = connect_unix(sock_path);
-    const char *head = "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 60\r\n\r\n";
+    const char *head =
+        "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 60\r\n\r\n";
     int64_t t0 = now_ms();
     if (fd >= 0) send_all(fd, head, strlen(head));
     raw got = {0};
@@ -579,8 +590,8 @@ static void test_slow_clients(void) {
     if (rr == RD_FOUND) rr = read_until(fd, &got, "\x01", 3000);
     TAP_CHECK(got.p && strncmp(got.p, "HTTP/1.1 408", 12) == 0 && strstr(got.p, "request_timeout") &&
                   rr == RD_CLOSED && took >= REQUEST_TIMEOUT_MS - 100 && took < REQUEST_TIMEOUT_MS + 2500,
-              "slow-drip body: 408 request_timeout after ~%d ms (took %lld ms), then closed", REQUEST_TIMEOUT_MS,
-              (long long)took);
+              "slow-drip body: 408 request_timeout after ~%d ms (took %lld ms), then closed",
+              REQUEST_TIMEOUT_MS, (long long)took);
     free(got.p);
     if (fd >= 0) close(fd);
 
@@ -619,7 +630,8 @@ static void test_streaming(void) {
     /* flush per event: the gated mock emits the next token only when told */
     int fd = connect_unix(sock_path);
     raw req = {0}, got = {0};
-    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"gated\",\"stream\":true"), NULL, true);
+    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"gated\",\"stream\":true"), NULL,
+                  true);
     if (fd >= 0) send_all(fd, req.p, req.len);
     free(req.p);
     rd_result r1 = fd >= 0 ? read_until(fd, &got, "\"content\":\"Hello\"", 5000) : RD_TIMEOUT;
@@ -643,7 +655,8 @@ static void test_streaming(void) {
     fd = connect_unix(sock_path);
     req = (raw){0};
     got = (raw){0};
-    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"hang\",\"stream\":true"), NULL, true);
+    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"hang\",\"stream\":true"), NULL,
+                  true);
     if (fd >= 0) send_all(fd, req.p, req.len);
     free(req.p);
     rd_result h = fd >= 0 ? read_until(fd, &got, "\"content\":\"Hello\"", 5000) : RD_TIMEOUT;
@@ -652,9 +665,9 @@ static void test_streaming(void) {
     if (fd >= 0) close(fd);
     unsigned after = wait_cancels(before + 1, 5000);
     int64_t took = now_ms() - t0;
-    /* well under the 300 ms keep-alive period: noticed by polling the socket,
+    /* well under the 1 s keep-alive period: noticed by polling the socket,
      * not by a failing write */
-    TAP_CHECK(h == RD_FOUND && after == before + 1 && took < 250,
+    TAP_CHECK(h == RD_FOUND && after == before + 1 && took < 800,
               "client disconnect mid-stream -> the service's cancel within %lld ms", (long long)took);
     TAP_CHECK(mock_service_wait_idle(mock, 5000), "the cancelled stream's generation ends (terminal event)");
 
@@ -687,7 +700,8 @@ static void test_streaming(void) {
     after = wait_cancels(before + 1, 10000);
     took = now_ms() - t0;
     TAP_CHECK(after == before + 1 && took < 5000,
-              "a client that stops reading a stream is cut off and the generation cancelled (%lld ms)", (long long)took);
+              "a client that stops reading a stream is cut off and the generation cancelled (%lld ms)",
+              (long long)took);
     TAP_CHECK(mock_service_wait_idle(mock, 5000), "the stalled stream's generation ends");
     if (fd >= 0) close(fd);
 
@@ -695,7 +709,8 @@ static void test_streaming(void) {
     fd = connect_unix(sock_path);
     req = (raw){0};
     got = (raw){0};
-    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"hang\",\"stream\":true"), NULL, true);
+    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"hang\",\"stream\":true"), NULL,
+                  true);
     if (fd >= 0) send_all(fd, req.p, req.len);
     free(req.p);
     read_until(fd, &got, "\"content\":\"Hello\"", 5000);
@@ -788,7 +803,8 @@ static void test_auth(void) {
     probe(g3, 1, out, sizeof out);
     char want[32];
     snprintf(want, sizeof want, "connect=%d", EACCES);
-    TAP_CHECK(strcmp(out, want) == 0, "a uid outside the socket group cannot connect (socket mode 0660) (got '%s')", out);
+    TAP_CHECK(strcmp(out, want) == 0,
+              "a uid outside the socket group cannot connect (socket mode 0660) (got '%s')", out);
 }
 
 static void test_tcp_and_odd_peers(void) {
@@ -812,11 +828,13 @@ static void test_tcp_and_odd_peers(void) {
     snprintf(ca.sun_path, sizeof ca.sun_path, "%s", cpath);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock_path);
-    bool bound = bind(c, (struct sockaddr *)&ca, sizeof ca) == 0 && connect(c, (struct sockaddr *)&sa, sizeof sa) == 0;
+    bool bound =
+        bind(c, (struct sockaddr *)&ca, sizeof ca) == 0 && connect(c, (struct sockaddr *)&sa, sizeof sa) == 0;
     r = request_fd(bound ? c : -1, "GET", "/health", NULL, NULL);
     close(c);
     unlink(cpath);
-    TAP_CHECK(bound && r.status == 0, "a client bound to a long socket name is refused before MHD copies its address");
+    TAP_CHECK(bound && r.status == 0,
+              "a client bound to a long socket name is refused before MHD copies its address");
     resp_free(&r);
     r = request("GET", "/health", NULL);
     TAP_CHECK(r.status == 200, "the server keeps serving after the refused peer");
@@ -841,16 +859,23 @@ static const seed seeds[] = {
     {"GET", "/health", NULL},
     {"GET", "/v1/models", NULL},
     {"POST", "/v1/chat/completions",
-     "{\"model\":\"mock-model\",\"messages\":[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"user\",\"content\":"
-     "[{\"type\":\"text\",\"text\":\"hi\"}]}],\"temperature\":0.5,\"max_tokens\":4,\"stop\":[\"x\"],\"seed\":1}"},
+     "{\"model\":\"mock-model\",\"messages\":[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"user\","
+     "\"content\":"
+     "[{\"type\":\"text\",\"text\":\"hi\"}]}],\"temperature\":0.5,\"max_tokens\":4,\"stop\":[\"x\"],\"seed\":"
+     "1}"},
     {"POST", "/v1/chat/completions",
-     "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"stream\":true,\"stream_options\":{\"include_usage\":true},"
+     "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"stream\":true,\"stream_options\":{\"include_"
+     "usage\":true},"
      "\"logprobs\":true,\"top_logprobs\":2,\"reasoning_effort\":\"low\"}"},
     {"POST", "/v1/chat/completions",
-     "{\"messages\":[{\"role\":\"user\",\"content\":\"w\"},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":"
-     "\"c\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},{\"role\":\"tool\",\"tool_call_id\":"
-     "\"c\",\"content\":\"r\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{}}}],"
-     "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}},\"response_format\":{\"type\":\"json_object\"}}"},
+     "{\"messages\":[{\"role\":\"user\",\"content\":\"w\"},{\"role\":\"assistant\",\"content\":null,\"tool_"
+     "calls\":[{\"id\":"
+     "\"c\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},{\"role\":\"tool\","
+     "\"tool_call_id\":"
+     "\"c\",\"content\":\"r\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"parameters\":{}}}],"
+     "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}},\"response_format\":{\"type\":"
+     "\"json_object\"}}"},
     {"POST", "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3,\"logprobs\":2,\"stream\":true}"},
     {"POST", "/v1/completions", "{\"prompt\":[[1,2,3]],\"echo\":false,\"logit_bias\":{\"12\":-5}}"},
     {"POST", "/tokenize", "{\"content\":\"hello\",\"add_special\":true}"},
@@ -861,9 +886,24 @@ static const seed seeds[] = {
     {"DELETE", "/admin/sessions/abc", NULL},
 };
 
-static const char *const json_bits[] = {"null", "1e999", "\"\\ud800\"", "[]", "{}", "-0", "99999999999999999999",
-                                        "true", "\"\\u0000\"", "[[[[[[[[", "\"x\":", ",", "}", "\xff\xfe", "1.5",
-                                        "\"stream\":true", "\"n\":2", "{\"role\":\"tool\"}"};
+static const char *const json_bits[] = {"null",
+                                        "1e999",
+                                        "\"\\ud800\"",
+                                        "[]",
+                                        "{}",
+                                        "-0",
+                                        "99999999999999999999",
+                                        "true",
+                                        "\"\\u0000\"",
+                                        "[[[[[[[[",
+                                        "\"x\":",
+                                        ",",
+                                        "}",
+                                        "\xff\xfe",
+                                        "1.5",
+                                        "\"stream\":true",
+                                        "\"n\":2",
+                                        "{\"role\":\"tool\"}"};
 
 static void mutate_body(raw *b) {
     int rounds = 1 + (int)(rnd() % 4);
@@ -938,8 +978,8 @@ static void fuzz_request(raw *req, bool *complete) {
         size_t l = strlen(path);
         path[rnd() % l] = (char)(33 + rnd() % 94);
     }
-    int n = snprintf(line, sizeof line, "%s %s HTTP/1.%d\r\nHost: ds41\r\nConnection: close\r\n", method, path,
-                     hm == 10 ? 0 : 1);
+    int n = snprintf(line, sizeof line, "%s %s HTTP/1.%d\r\nHost: ds41\r\nConnection: close\r\n", method,
+                     path, hm == 10 ? 0 : 1);
     raw_add(req, line, (size_t)n);
     if (hm >= 11 && hm < 15) {
         raw_add(req, "Transfer-Encoding: chunked\r\n\r\n", 31);
@@ -961,7 +1001,8 @@ static void fuzz_request(raw *req, bool *complete) {
         } else if (hm == 19) {
             n = snprintf(line, sizeof line, "Content-Length: %zu\r\nBroken header line\r\n", body.len);
         } else {
-            n = snprintf(line, sizeof line, "Content-Type: application/json\r\nContent-Length: %zu\r\n", body.len);
+            n = snprintf(line, sizeof line, "Content-Type: application/json\r\nContent-Length: %zu\r\n",
+                         body.len);
         }
         raw_add(req, line, (size_t)n);
         if (hm == 20) {
@@ -1017,8 +1058,8 @@ static void test_fuzz_clients(void) {
         resp_free(&r);
         free(req.p);
     }
-    TAP_NOTE("fuzz: %d answered (%d with 2xx), %d closed without answer, %d timeouts, %lld ms", answered, ok2xx,
-             closed, timeouts, (long long)(now_ms() - t0));
+    TAP_NOTE("fuzz: %d answered (%d with 2xx), %d closed without answer, %d timeouts, %lld ms", answered,
+             ok2xx, closed, timeouts, (long long)(now_ms() - t0));
     TAP_CHECK(server_errors == 0 && timeouts == 0 && answered > N / 2,
               "10,000 fuzzed requests: each answered 2xx/4xx or closed, none 5xx or hanging (%s)",
               first_bad[0] ? first_bad : "ok");
@@ -1035,8 +1076,9 @@ static void test_metrics_after(void) {
     bool nonzero_large = strstr(b, "ds41_http_events_total{event=\"body_too_large\"} 0\n") == NULL;
     bool nonzero_gone = strstr(b, "ds41_http_events_total{event=\"client_gone\"} 0\n") == NULL;
     bool nonzero_stalled = strstr(b, "ds41_http_events_total{event=\"stream_stalled\"} 0\n") == NULL;
-    TAP_CHECK(r.status == 200 && strstr(b, "ds41_http_events_total{event=\"request_timeout\"}") && nonzero_timeout &&
-                  nonzero_large && nonzero_gone && nonzero_stalled && strstr(b, "ds41_http_connections "),
+    TAP_CHECK(r.status == 200 && strstr(b, "ds41_http_events_total{event=\"request_timeout\"}") &&
+                  nonzero_timeout && nonzero_large && nonzero_gone && nonzero_stalled &&
+                  strstr(b, "ds41_http_connections "),
               "GET /metrics counts timeouts, oversized bodies, client disconnects and stalled streams");
     resp_free(&r);
 }
@@ -1061,7 +1103,10 @@ static void test_stop(void) {
     ds41_error err;
     int lfd = ds41_unix_listen(path, 0600, (gid_t)-1, 16, &err);
     ds41_http_listener l = {.fd = lfd};
-    ds41_http_config cfg = {.listeners = &l, .n_listeners = 1, .request_timeout_ms = 5000, .sse_keepalive_ms = 200,
+    ds41_http_config cfg = {.listeners = &l,
+                            .n_listeners = 1,
+                            .request_timeout_ms = 5000,
+                            .sse_keepalive_ms = 200,
                             .log = count_log};
     ds41_http_server *srv = NULL;
     if (lfd < 0 || ds41_http_server_start(&cfg, ds41_api_router(api), &srv, &err) != 0) {
@@ -1071,7 +1116,8 @@ static void test_stop(void) {
     /* a running stream finishes inside the drain window */
     int fd = connect_unix(path);
     raw req = {0}, got = {0};
-    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"slow\",\"stream\":true"), NULL, true);
+    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"slow\",\"stream\":true"), NULL,
+                  true);
     if (fd >= 0) send_all(fd, req.p, req.len);
     free(req.p);
     read_until(fd, &got, "\"role\"", 5000);
@@ -1080,7 +1126,8 @@ static void test_stop(void) {
     pthread_create(&t, NULL, stop_thread, &a);
     rd_result done = read_until(fd, &got, "data: [DONE]\n\n", 8000);
     pthread_join(t, NULL);
-    TAP_CHECK(done == RD_FOUND && a.aborted == 0, "graceful stop lets a running stream finish (aborted %u)", a.aborted);
+    TAP_CHECK(done == RD_FOUND && a.aborted == 0, "graceful stop lets a running stream finish (aborted %u)",
+              a.aborted);
     int probe_fd = connect_unix(path);
     TAP_CHECK(fcntl(lfd, F_GETFD) != -1 && probe_fd >= 0,
               "after stop the caller's listening fd is still open (clients queue for the next server)");
@@ -1099,7 +1146,8 @@ static void test_stop(void) {
     fd = connect_unix(path);
     req = (raw){0};
     got = (raw){0};
-    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"hang\",\"stream\":true"), NULL, true);
+    build_request(&req, "POST", "/v1/chat/completions", chat("\"model\":\"hang\",\"stream\":true"), NULL,
+                  true);
     if (fd >= 0) send_all(fd, req.p, req.len);
     free(req.p);
     read_until(fd, &got, "\"content\":\"Hello\"", 5000);
@@ -1118,10 +1166,11 @@ static void test_stop(void) {
     read_response(fd2, &r2, 8000);
     pthread_join(t, NULL);
     int64_t took = now_ms() - t0;
-    TAP_CHECK(a.aborted == 2 && end == RD_FOUND && strstr(got.p, "\"code\":\"shutting_down\"") &&
-                  !strstr(got.p, "[DONE]") && took < 4000,
-              "stop at the drain deadline: the stream gets a shutting_down error event and a clean end (%lld ms)",
-              (long long)took);
+    TAP_CHECK(
+        a.aborted == 2 && end == RD_FOUND && strstr(got.p, "\"code\":\"shutting_down\"") &&
+            !strstr(got.p, "[DONE]") && took < 4000,
+        "stop at the drain deadline: the stream gets a shutting_down error event and a clean end (%lld ms)",
+        (long long)took);
     TAP_CHECK(r2.status == 503 && is_error_shape(r2.json, "server_error", "shutting_down", NULL),
               "stop at the drain deadline: a waiting non-stream request gets 503 shutting_down");
     TAP_CHECK(wait_cancels(before + 2, 5000) == before + 2 && mock_service_wait_idle(mock, 5000),
@@ -1140,11 +1189,13 @@ static void test_start_errors(void) {
     ds41_http_listener l = {.fd = not_listening};
     ds41_http_config cfg = {.listeners = &l, .n_listeners = 1};
     ds41_http_server *srv = NULL;
-    TAP_CHECK(ds41_http_server_start(&cfg, ds41_api_router(api), &srv, &err) == -1 && strstr(err.msg, "listening"),
+    TAP_CHECK(ds41_http_server_start(&cfg, ds41_api_router(api), &srv, &err) == -1 &&
+                  strstr(err.msg, "listening"),
               "start refuses a socket that is not listening: %s", err.msg);
     close(not_listening);
     cfg.n_listeners = 0;
-    TAP_CHECK(ds41_http_server_start(&cfg, ds41_api_router(api), &srv, &err) == -1, "start refuses no listeners");
+    TAP_CHECK(ds41_http_server_start(&cfg, ds41_api_router(api), &srv, &err) == -1,
+              "start refuses no listeners");
 }
 
 int main(void) {
@@ -1177,7 +1228,7 @@ int main(void) {
                             .max_connections = 512,
                             .request_timeout_ms = REQUEST_TIMEOUT_MS,
                             .idle_timeout_s = 10,
-                            .sse_keepalive_ms = 300,
+                            .sse_keepalive_ms = 1000,
                             .max_stream_buffer = 256 << 10,
                             .log = count_log};
     if (ds41_http_server_start(&cfg, ds41_api_router(api), &server, &err) != 0) {

@@ -59,7 +59,8 @@ static void check_response(const ds41_http_memory_response *r) {
         if (!ev) fail(why, r);
         json_t *last = json_array_get(ev, json_array_size(ev) - 1);
         bool done = json_is_string(last) && strcmp(json_string_value(last), "[DONE]") == 0;
-        if (!done && !is_error_shape(last, NULL, NULL, NULL)) fail("stream ends without [DONE] or an error", r);
+        if (!done && !is_error_shape(last, NULL, NULL, NULL))
+            fail("stream ends without [DONE] or an error", r);
         json_decref(ev);
         return;
     }
@@ -73,7 +74,8 @@ static void check_response(const ds41_http_memory_response *r) {
 static void check_parser_agrees(bool chat, const char *body, size_t len, const ds41_http_memory_response *r) {
     ds41_api_request req;
     ds41_svc_error err = {0};
-    int rc = chat ? ds41_api_parse_chat(body, len, &req, &err) : ds41_api_parse_completion(body, len, 16, &req, &err);
+    int rc = chat ? ds41_api_parse_chat(body, len, &req, &err)
+                  : ds41_api_parse_completion(body, len, 16, &req, &err);
     if (rc != 0) {
         if (r->status != 400 && r->status != 413) fail("the parser refuses what the route accepted", r);
         if (r->status == 400) {
@@ -105,17 +107,29 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *method = "POST", *path;
     char dyn[160];
     switch ((data[0] & 0x7f) % 9) {
-    case 0: path = "/v1/chat/completions"; break;
-    case 1: path = "/v1/completions"; break;
-    case 2: path = "/tokenize"; break;
-    case 3: path = "/detokenize"; break;
-    case 4: path = "/admin/models/load"; break;
-    case 5: path = "/admin/models/unload"; break;
+    case 0:
+        path = "/v1/chat/completions";
+        break;
+    case 1:
+        path = "/v1/completions";
+        break;
+    case 2:
+        path = "/tokenize";
+        break;
+    case 3:
+        path = "/detokenize";
+        break;
+    case 4:
+        path = "/admin/models/load";
+        break;
+    case 5:
+        path = "/admin/models/unload";
+        break;
     case 6:
     case 7: { /* the bytes as a path segment */
         size_t n = len < 100 ? len : 100;
-        snprintf(dyn, sizeof dyn, "%s%.*s", (data[0] & 0x7f) % 9 == 6 ? "/admin/sessions/" : "/v1/models/", (int)n,
-                 body);
+        snprintf(dyn, sizeof dyn, "%s%.*s", (data[0] & 0x7f) % 9 == 6 ? "/admin/sessions/" : "/v1/models/",
+                 (int)n, body);
         method = (data[0] & 0x7f) % 9 == 6 ? "DELETE" : "GET";
         path = dyn;
         len = 0;
@@ -136,8 +150,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         body = nl + 1;
         ds41_http_memory_response r;
         ds41_error err;
-        if (ds41_http_dispatch_memory(ds41_api_router(api), method, path, auth, "application/json", body, len, 10000,
-                                      &r, &err) != 0)
+        if (ds41_http_dispatch_memory(ds41_api_router(api), method, path, auth, "application/json", body, len,
+                                      10000, &r, &err) != 0)
             abort();
         if (r.status != 0) check_response(&r);
         ds41_http_memory_response_free(&r);
@@ -146,8 +160,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     ds41_http_memory_response r;
     ds41_error err;
-    if (ds41_http_dispatch_memory(ds41_api_router(api), method, path, auth, "application/json", body, len, 10000, &r,
-                                  &err) != 0)
+    if (ds41_http_dispatch_memory(ds41_api_router(api), method, path, auth, "application/json", body, len,
+                                  10000, &r, &err) != 0)
         abort();
     check_response(&r);
     int route = (data[0] & 0x7f) % 9;
