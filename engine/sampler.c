@@ -4,6 +4,7 @@
 #include "engine/pcg64.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -447,23 +448,32 @@ static int has_adjustments(const ds41_sampler *s) {
            (s->track_generated && s->generated.len > 0);
 }
 
+/* Overflow of a finite logit saturates: FLT_MAX instead of +inf (bias or a penalty below 1 pushed
+ * it up as far as it goes), while -inf stays -inf; so steps 1-3 never create NaN or +inf. */
+static inline float saturate(float v) {
+    return v > FLT_MAX ? FLT_MAX : v;
+}
+
 static void process_logits(const ds41_sampler *s, const float *logits, float *out) {
     if (out != logits) memcpy(out, logits, (size_t)s->n_vocab * sizeof *out);
-    for (uint32_t i = 0; i < s->params.n_logit_bias; i++) out[s->bias[i].token] += s->bias[i].bias;
+    for (uint32_t i = 0; i < s->params.n_logit_bias; i++) {
+        const uint32_t t = s->bias[i].token;
+        if (isfinite(out[t])) out[t] = saturate(out[t] + s->bias[i].bias);
+    }
     if (s->track_repetition && s->repetition.len > 0) {
         const float penalty = s->params.repetition_penalty;
         for (size_t i = 0; i < ((size_t)1 << s->repetition.bits); i++) {
             const uint32_t t = s->repetition.slots[i].token;
-            if (t == SLOT_EMPTY) continue;
-            out[t] = out[t] > 0.0f ? out[t] / penalty : out[t] * penalty;
+            if (t == SLOT_EMPTY || !isfinite(out[t])) continue;
+            out[t] = saturate(out[t] > 0.0f ? out[t] / penalty : out[t] * penalty);
         }
     }
     if (s->track_generated && s->generated.len > 0) {
         const float frequency = s->params.frequency_penalty, presence = s->params.presence_penalty;
         for (size_t i = 0; i < ((size_t)1 << s->generated.bits); i++) {
             const count_slot slot = s->generated.slots[i];
-            if (slot.token == SLOT_EMPTY) continue;
-            out[slot.token] = out[slot.token] - ((float)slot.count * frequency + presence);
+            if (slot.token == SLOT_EMPTY || !isfinite(out[slot.token])) continue;
+            out[slot.token] = saturate(out[slot.token] - ((float)slot.count * frequency + presence));
         }
     }
 }
@@ -524,8 +534,8 @@ static int scan_max(const float *v, uint32_t n, float *max, uint32_t *arg, uint3
 }
 
 /* Checks sizes, applies steps 1-3 (into scratch, or not at all when nothing applies) and finds the
- * maximum.  *l is the processed logits.  Fails on NaN / +inf (raw ones stay NaN / +inf through
- * steps 1-3, so this also covers the model's logits) and when every logit is -inf. */
+ * maximum.  *l is the processed logits.  Fails on NaN / +inf (steps 1-3 leave non-finite logits
+ * alone and never make one, so these are the model's) and when every logit is -inf. */
 static int prepare(const ds41_sampler *s, ds41_sampler_scratch *sc, const float *logits, uint32_t n,
                    const float **l, uint32_t *argmax, ds41_error *err) {
     if (n != s->n_vocab)
@@ -541,12 +551,8 @@ static int prepare(const ds41_sampler *s, ds41_sampler_scratch *sc, const float 
     }
     float max;
     uint32_t bad;
-    if (scan_max(out, n, &max, argmax, &bad) != 0) {
-        if (!(logits[bad] < INFINITY))
-            return ds41_fail(err, "sampler: logit of token %u is %s", bad, isnan(logits[bad]) ? "NaN" : "+inf");
-        return ds41_fail(err, "sampler: logit of token %u became %s through logit_bias or penalties", bad,
-                         isnan(out[bad]) ? "NaN" : "+inf");
-    }
+    if (scan_max(out, n, &max, argmax, &bad) != 0)
+        return ds41_fail(err, "sampler: logit of token %u is %s", bad, isnan(logits[bad]) ? "NaN" : "+inf");
     if (*argmax == UINT32_MAX) return ds41_fail(err, "sampler: every logit is -inf, no token can be chosen");
     *l = out;
     return 0;

@@ -51,9 +51,10 @@
  *   Logprobs of tokens whose logit is -inf are -INFINITY (JSON cannot carry that: the API layer maps
  *   it).
  *
- * Logits: -inf is allowed (the token can never be chosen); NaN or +inf in the model's logits, or
- * produced by the penalties, is an error (it means a broken forward pass, better reported than
- * hidden).  Every logit being -inf is an error too.
+ * Logits: -inf is allowed (the token can never be chosen, and steps 1-3 leave it -inf: a bias
+ * cannot bring back a masked token); NaN or +inf in the model's logits is an error (it means a
+ * broken forward pass, better reported than hidden), and so is every logit being -inf.  Steps 1-3
+ * saturate: a finite logit that overflows becomes FLT_MAX, never +inf.
  *
  * Threads: no global state.  A ds41_sampler (one per sequence) and a ds41_sampler_scratch (one per
  * thread: the large work buffers, shared by all sequences that thread samples) must not be used by

@@ -116,7 +116,7 @@ static void drop_returned(ds41_stop_matcher *m) {
 
 static void set_output(ds41_stop_matcher *m, size_t n, ds41_stop_output *out) {
     m->returned = n;
-    out->text = (const char *)m->buf;
+    out->text = m->buf ? (const char *)m->buf : ""; /* never NULL, so callers may memcpy from it */
     out->len = n;
     out->stopped = m->stopped;
     out->stop_index = m->stop_index;

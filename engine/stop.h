@@ -33,7 +33,7 @@
 typedef struct ds41_stop_matcher ds41_stop_matcher;
 
 typedef struct ds41_stop_output {
-    const char *text; /* bytes safe to emit now (not NUL-terminated); owned by the matcher, valid
+    const char *text; /* bytes safe to emit now (never NULL, not NUL-terminated); owned by the matcher, valid
                          until the next call on it */
     size_t len;
     int stopped;      /* 1 once a stop string has completed: generation is over */

@@ -6,6 +6,7 @@
 #include "engine/sampler.h"
 #include "tests/tap.h"
 
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdint.h>
@@ -601,6 +602,23 @@ static void test_penalties(void) {
     TAP_CHECK(outside == 0 && chi_ok(chi, cells),
                "bias + penalties: draws follow softmax of the penalized logits (chi2 %.1f), bias -100 never drawn", chi);
     ds41_sampler_free(s);
+
+    /* saturation: overflow gives FLT_MAX, a -inf logit stays -inf whatever the bias */
+    {
+        const ds41_logit_bias b3[2] = {{0, 100.0f}, {1, 3e38f}};
+        p = ds41_sampler_params_default();
+        p.repetition_penalty = 1e-38f;
+        p.logit_bias = b3;
+        p.n_logit_bias = 2;
+        s = make(&p, 4);
+        const float ls[4] = {-INFINITY, 3e38f, 20.0f, -1.0f};
+        float out[4];
+        ds41_sampler_accept_prompt(s, (uint32_t[2]){2, 3}, 2, &err);
+        ds41_sampler_process_logits(s, ls, 4, out, &err);
+        TAP_CHECK(out[0] == -INFINITY && out[1] == FLT_MAX && out[2] == FLT_MAX && out[3] == -1e-38f,
+                  "overflowing bias or penalty saturates at FLT_MAX; a -inf logit stays -inf despite a bias");
+        ds41_sampler_free(s);
+    }
 
     /* +100 bias forces a token */
     const ds41_logit_bias force[1] = {{6, 100.0f}};

@@ -220,9 +220,9 @@ static void test_errors(void) {
 /* Reference: on the whole text, the first end offset where some stop string completes; the
  * longest there, then the lowest index. */
 static size_t reference(const char *text, size_t len, const char *const *stops, size_t n, int *index) {
+    *index = -1;
     for (size_t end = 1; end <= len; end++) {
         size_t best = 0;
-        *index = -1;
         for (size_t k = 0; k < n; k++) {
             const size_t sl = strlen(stops[k]);
             if (sl <= end && sl > best && memcmp(text + end - sl, stops[k], sl) == 0) {

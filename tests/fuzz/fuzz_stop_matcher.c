@@ -20,9 +20,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static size_t reference(const uint8_t *text, size_t len, char stops[][8], const size_t *lens, size_t n,
                         int *index) {
+    *index = -1;
     for (size_t end = 1; end <= len; end++) {
         size_t best = 0;
-        *index = -1;
         for (size_t k = 0; k < n; k++)
             if (lens[k] <= end && lens[k] > best && memcmp(text + end - lens[k], stops[k], lens[k]) == 0) {
                 best = lens[k];
