@@ -63,9 +63,9 @@ static inline f32x4 exp_nonpos4(f32x4 x) {
     const f32x4 p =
         splat(1.0f) +
         r * (splat(1.0f) +
-             r * (splat(0.5f) +
-                  r * (splat(1.66666672e-1f) +
-                       r * (splat(4.16666679e-2f) + r * (splat(8.33333377e-3f) + r * splat(1.38888892e-3f))))));
+             r * (splat(0.5f) + r * (splat(1.66666672e-1f) +
+                                     r * (splat(4.16666679e-2f) +
+                                          r * (splat(8.33333377e-3f) + r * splat(1.38888892e-3f))))));
     const i32x4 ni = __builtin_convertvector(n, i32x4);
     const f32x4 scale = (f32x4)((u32x4)(ni + 127) << 23);
     return (f32x4)((u32x4)(p * scale) & ~under);
@@ -195,7 +195,7 @@ struct ds41_sampler {
     count_map repetition;
     uint32_t *ring;
     uint32_t ring_cap, ring_len, ring_head; /* ring_head: oldest entry once the ring is full */
-    count_map generated; /* presence / frequency counts of generated tokens */
+    count_map generated;                    /* presence / frequency counts of generated tokens */
 };
 
 struct ds41_sampler_scratch {
@@ -251,11 +251,10 @@ int ds41_sampler_params_check(const ds41_sampler_params *p, uint32_t n_vocab, ds
     if (!isfinite(p->presence_penalty))
         return ds41_fail(err, "sampler: presence_penalty %g must be finite", (double)p->presence_penalty);
     if (!isfinite(p->frequency_penalty))
-        return ds41_fail(err, "sampler: frequency_penalty %g must be finite",
-                         (double)p->frequency_penalty);
+        return ds41_fail(err, "sampler: frequency_penalty %g must be finite", (double)p->frequency_penalty);
     if (p->n_logit_bias > DS41_SAMPLER_MAX_LOGIT_BIAS)
-        return ds41_fail(err, "sampler: logit_bias has %u entries, at most %u are accepted",
-                         p->n_logit_bias, DS41_SAMPLER_MAX_LOGIT_BIAS);
+        return ds41_fail(err, "sampler: logit_bias has %u entries, at most %u are accepted", p->n_logit_bias,
+                         DS41_SAMPLER_MAX_LOGIT_BIAS);
     if (p->n_logit_bias > 0 && !p->logit_bias)
         return ds41_fail(err, "sampler: logit_bias has %u entries but no array", p->n_logit_bias);
     uint32_t ids[DS41_SAMPLER_MAX_LOGIT_BIAS];
@@ -478,8 +477,8 @@ static void process_logits(const ds41_sampler *s, const float *logits, float *ou
     }
 }
 
-int ds41_sampler_process_logits(const ds41_sampler *s, const float *logits, uint32_t n_vocab,
-                                float *out, ds41_error *err) {
+int ds41_sampler_process_logits(const ds41_sampler *s, const float *logits, uint32_t n_vocab, float *out,
+                                ds41_error *err) {
     if (n_vocab != s->n_vocab)
         return ds41_fail(err, "sampler: got %u logits for a vocabulary of %u tokens", n_vocab, s->n_vocab);
     if (!logits || !out) return ds41_fail(err, "sampler: no logits buffer");
@@ -542,8 +541,7 @@ static int prepare(const ds41_sampler *s, ds41_sampler_scratch *sc, const float 
         return ds41_fail(err, "sampler: got %u logits for a vocabulary of %u tokens", n, s->n_vocab);
     if (!logits) return ds41_fail(err, "sampler: no logits");
     if (!sc || sc->cap < n)
-        return ds41_fail(err, "sampler: scratch holds %u tokens, the vocabulary has %u", sc ? sc->cap : 0,
-                         n);
+        return ds41_fail(err, "sampler: scratch holds %u tokens, the vocabulary has %u", sc ? sc->cap : 0, n);
     const float *out = logits;
     if (has_adjustments(s)) {
         process_logits(s, logits, sc->logits);
@@ -825,7 +823,8 @@ static inline void weigh4(f32x4 x, i32x4 valid, f32x4 m, f32x4 d, f32x4 floor_w,
      * its fractional part, and that times 2^21 again */
     const f32x4 scaled = e * splat(0x1p21f);
     const i32x4 hi = __builtin_convertvector(scaled, i32x4);
-    const i32x4 lo = __builtin_convertvector((scaled - __builtin_convertvector(hi, f32x4)) * splat(0x1p21f), i32x4);
+    const i32x4 lo =
+        __builtin_convertvector((scaled - __builtin_convertvector(hi, f32x4)) * splat(0x1p21f), i32x4);
     const i32x4 in = (e >= floor_w) & valid;
     a->hi += hi & in;
     a->lo += lo & in;
@@ -842,7 +841,8 @@ static void weigh_flush(weigh_acc *a, weigh_result *r) {
 
 /* w[i] = exp((l[i] - l_max) / t) (the same lanes as scaled_exp; dividing by 1 is skipped, which
  * changes nothing) and the totals above. */
-static void weigh(const float *l, uint32_t n, float l_max, float t, float floor_w, float *w, weigh_result *r) {
+static void weigh(const float *l, uint32_t n, float l_max, float t, float floor_w, float *w,
+                  weigh_result *r) {
     const f32x4 m = splat(l_max), d = splat(t), fl = splat(floor_w);
     const i32x4 all = {-1, -1, -1, -1};
     const int divide = t != 1.0f;
@@ -1029,8 +1029,8 @@ int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *sc, const float *
     if (p->temperature == 0.0f) {
         result->token = argmax;
         if (p->logprobs)
-            full_logprobs(p->logprobs_mode == DS41_LOGPROBS_RAW ? logits : ds.l, n, argmax, p->top_logprobs, sc->w,
-                          result);
+            full_logprobs(p->logprobs_mode == DS41_LOGPROBS_RAW ? logits : ds.l, n, argmax, p->top_logprobs,
+                          sc->w, result);
         return 0;
     }
 
@@ -1044,8 +1044,8 @@ int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *sc, const float *
     const uint64_t mass = kept_mass(&ks) + ks.outside_mass;
     int64_t r;
     if (ds41_pcg64_integers(&s->rng, (int64_t)mass, &r, 1, err) != 0) return -1;
-    const int need_all_keys = p->logprobs && p->logprobs_mode == DS41_LOGPROBS_PROCESSED && ks.outside_count > 0 &&
-                              kept_count(&ks) < p->top_logprobs;
+    const int need_all_keys = p->logprobs && p->logprobs_mode == DS41_LOGPROBS_PROCESSED &&
+                              ks.outside_count > 0 && kept_count(&ks) < p->top_logprobs;
     if (!complete && ((uint64_t)r >= kept_mass(&ks) || need_all_keys)) truncate(s, sc, &ds, 1, &ks);
     result->token = key_token(ks.keys[kept_find(&ks, (uint64_t)r, 0)]);
     if (p->logprobs) {
@@ -1203,8 +1203,7 @@ size_t ds41_sampler_snapshot_size(const ds41_sampler *s) {
     return w.len;
 }
 
-int ds41_sampler_snapshot(const ds41_sampler *s, uint8_t *buf, size_t cap, size_t *written,
-                          ds41_error *err) {
+int ds41_sampler_snapshot(const ds41_sampler *s, uint8_t *buf, size_t cap, size_t *written, ds41_error *err) {
     const size_t need = ds41_sampler_snapshot_size(s);
     if (!buf || cap < need)
         return ds41_fail(err, "sampler snapshot: needs %zu bytes, the buffer has %zu", need, buf ? cap : 0);
@@ -1297,8 +1296,7 @@ int ds41_sampler_restore(ds41_sampler **out, const uint8_t *buf, size_t len, ds4
     }
     if (r.failed) return -1;
     p.logit_bias = bias;
-    if (ds41_sampler_params_check(&p, n_vocab, err) != 0)
-        return ds41_error_prefix(err, "sampler snapshot");
+    if (ds41_sampler_params_check(&p, n_vocab, err) != 0) return ds41_error_prefix(err, "sampler snapshot");
 
     ds41_pcg64 rng;
     const uint64_t state_hi = get_u64(&r, "PRNG state"), state_lo = get_u64(&r, "PRNG state");
@@ -1310,7 +1308,8 @@ int ds41_sampler_restore(ds41_sampler **out, const uint8_t *buf, size_t len, ds4
     rng.inc = (unsigned __int128)inc_hi << 64 | inc_lo;
     rng.has_uint32 = (int)has_uint32;
     if ((inc_lo & 1) == 0) return ds41_fail(err, "sampler snapshot: PRNG increment is even (must be odd)");
-    if (has_uint32 > 1) return ds41_fail(err, "sampler snapshot: PRNG buffer flag %u is not 0 or 1", has_uint32);
+    if (has_uint32 > 1)
+        return ds41_fail(err, "sampler snapshot: PRNG buffer flag %u is not 0 or 1", has_uint32);
 
     ds41_sampler *s;
     if (sampler_create(&s, &p, n_vocab, seed, err) != 0) return -1;
@@ -1319,7 +1318,8 @@ int ds41_sampler_restore(ds41_sampler **out, const uint8_t *buf, size_t len, ds4
     const uint32_t n_rep = get_u32(&r, "repetition history length");
     if (r.failed) goto fail;
     if (n_rep > 0 && !s->track_repetition) {
-        ds41_fail(err, "sampler snapshot: %u repetition history entries but repetition_penalty is off", n_rep);
+        ds41_fail(err, "sampler snapshot: %u repetition history entries but repetition_penalty is off",
+                  n_rep);
         goto fail;
     }
     if (p.repetition_window > 0 && n_rep > p.repetition_window) {

@@ -89,20 +89,20 @@ typedef enum ds41_logprobs_mode {
 } ds41_logprobs_mode;
 
 typedef struct ds41_sampler_params {
-    float temperature;          /* >= 0, finite; 0 = greedy */
-    uint32_t top_k;             /* 0 = off */
-    float top_p;                /* 0..1; 1 = off; 0 keeps one token */
-    float min_p;                /* 0..1; 0 = off */
-    float repetition_penalty;   /* > 0, finite; 1 = off */
-    uint32_t repetition_window; /* 0 = whole history (prompt + generated); else the last N tokens */
-    float presence_penalty;     /* finite; 0 = off */
-    float frequency_penalty;    /* finite; 0 = off */
+    float temperature;                 /* >= 0, finite; 0 = greedy */
+    uint32_t top_k;                    /* 0 = off */
+    float top_p;                       /* 0..1; 1 = off; 0 keeps one token */
+    float min_p;                       /* 0..1; 0 = off */
+    float repetition_penalty;          /* > 0, finite; 1 = off */
+    uint32_t repetition_window;        /* 0 = whole history (prompt + generated); else the last N tokens */
+    float presence_penalty;            /* finite; 0 = off */
+    float frequency_penalty;           /* finite; 0 = off */
     const ds41_logit_bias *logit_bias; /* n_logit_bias entries, distinct tokens; copied at init */
     uint32_t n_logit_bias;
     uint64_t seed;
-    int has_seed;               /* 0: draw a seed from getrandom(2) */
-    int logprobs;               /* 1: fill logprob and top[] in results */
-    uint32_t top_logprobs;      /* 0..DS41_SAMPLER_MAX_TOP_LOGPROBS alternatives (needs logprobs) */
+    int has_seed;          /* 0: draw a seed from getrandom(2) */
+    int logprobs;          /* 1: fill logprob and top[] in results */
+    uint32_t top_logprobs; /* 0..DS41_SAMPLER_MAX_TOP_LOGPROBS alternatives (needs logprobs) */
     ds41_logprobs_mode logprobs_mode;
 } ds41_sampler_params;
 
@@ -167,13 +167,13 @@ void ds41_sampler_scratch_free(ds41_sampler_scratch *scratch);
  * above and fills *result (logprobs per params).  Advances the PRNG (unless greedy); does not
  * record the token (see ds41_sampler_accept).  Errors (nothing sampled, PRNG untouched): size
  * mismatch, scratch too small, NaN/+inf logits, every logit -inf. */
-int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *scratch, const float *logits,
-                        uint32_t n_vocab, ds41_sample_result *result, ds41_error *err);
+int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *scratch, const float *logits, uint32_t n_vocab,
+                        ds41_sample_result *result, ds41_error *err);
 
 /* Steps 1-3 only: writes the biased and penalized logits l[n_vocab] to out (which may equal
  * logits).  For tests and debugging; sampling uses exactly these values.  Errors: size mismatch. */
-int ds41_sampler_process_logits(const ds41_sampler *s, const float *logits, uint32_t n_vocab,
-                                float *out, ds41_error *err);
+int ds41_sampler_process_logits(const ds41_sampler *s, const float *logits, uint32_t n_vocab, float *out,
+                                ds41_error *err);
 
 /* Steps 1-4: writes every token's integer weight W_i (before truncation) to weights[n_vocab];
  * greedy gives DS41_SAMPLER_WEIGHT_ONE to the argmax and 0 elsewhere.  For tests and debugging.
@@ -187,8 +187,7 @@ int ds41_sampler_weights(const ds41_sampler *s, ds41_sampler_scratch *scratch, c
  * ds41_sampler_snapshot_size gives the exact size; ds41_sampler_snapshot writes it into
  * buf[cap] and fails if cap is smaller. */
 size_t ds41_sampler_snapshot_size(const ds41_sampler *s);
-int ds41_sampler_snapshot(const ds41_sampler *s, uint8_t *buf, size_t cap, size_t *written,
-                          ds41_error *err);
+int ds41_sampler_snapshot(const ds41_sampler *s, uint8_t *buf, size_t cap, size_t *written, ds41_error *err);
 
 /* Rebuilds a state from snapshot bytes (untrusted: every field is checked, trailing bytes are
  * an error).  *out is NULL on error. */

@@ -14,7 +14,7 @@ typedef struct stop_string {
 struct ds41_stop_matcher {
     stop_string *stops;
     size_t n_stops;
-    size_t *matched; /* per stop: length of the longest suffix of the text that is its prefix */
+    size_t *matched;    /* per stop: length of the longest suffix of the text that is its prefix */
     unsigned char *buf; /* text not yet handed out: buf[returned..len) */
     size_t len, cap;
     size_t returned; /* bytes of buf handed out by the last call (dropped at the next) */
@@ -150,7 +150,8 @@ int ds41_stop_matcher_feed(ds41_stop_matcher *m, const char *piece, size_t len, 
         return 0;
     }
     if (len > m->cap - m->len) {
-        if (len > SIZE_MAX / 2 - m->len) return ds41_fail(err, "stop strings: piece of %zu bytes is too long", len);
+        if (len > SIZE_MAX / 2 - m->len)
+            return ds41_fail(err, "stop strings: piece of %zu bytes is too long", len);
         size_t cap = m->cap ? m->cap : 64;
         while (cap < m->len + len) cap *= 2;
         unsigned char *buf = realloc(m->buf, cap);
@@ -219,7 +220,8 @@ int ds41_gen_limits_init(ds41_gen_limits *lim, uint32_t max_tokens, const uint32
                          const uint32_t *stop_ids, uint32_t n_stop, ds41_error *err) {
     if (!lim) return ds41_fail(err, "generation limits: no output");
     if (n_eos > DS41_GEN_MAX_EOS)
-        return ds41_fail(err, "generation limits: %u EOS ids, at most %u are accepted", n_eos, DS41_GEN_MAX_EOS);
+        return ds41_fail(err, "generation limits: %u EOS ids, at most %u are accepted", n_eos,
+                         DS41_GEN_MAX_EOS);
     if (n_stop > DS41_GEN_MAX_STOP_IDS)
         return ds41_fail(err, "generation limits: %u stop token ids, at most %u are accepted", n_stop,
                          DS41_GEN_MAX_STOP_IDS);
@@ -258,7 +260,8 @@ ds41_gen_verdict ds41_gen_limits_step(ds41_gen_limits *lim, uint32_t token) {
     for (uint32_t i = 0; i < lim->n_eos && v == DS41_GEN_CONTINUE; i++)
         if (lim->eos_ids[i] == token) v = DS41_GEN_EOS;
     if (v == DS41_GEN_CONTINUE && is_stop_id(lim, token)) v = DS41_GEN_STOP_TOKEN;
-    if (v == DS41_GEN_CONTINUE && lim->max_tokens > 0 && lim->n_sampled >= lim->max_tokens) v = DS41_GEN_LENGTH;
+    if (v == DS41_GEN_CONTINUE && lim->max_tokens > 0 && lim->n_sampled >= lim->max_tokens)
+        v = DS41_GEN_LENGTH;
     lim->final_verdict = v;
     return v;
 }

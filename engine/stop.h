@@ -36,8 +36,8 @@ typedef struct ds41_stop_output {
     const char *text; /* bytes safe to emit now (never NULL, not NUL-terminated); owned by the matcher, valid
                          until the next call on it */
     size_t len;
-    int stopped;      /* 1 once a stop string has completed: generation is over */
-    int stop_index;   /* that stop string's index in the list given at creation, else -1 */
+    int stopped;    /* 1 once a stop string has completed: generation is over */
+    int stop_index; /* that stop string's index in the list given at creation, else -1 */
 } ds41_stop_output;
 
 /* Creates a matcher for n stop strings stops[i] of lens[i] bytes (copied; may contain NUL).

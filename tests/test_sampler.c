@@ -149,15 +149,15 @@ static void test_params(void) {
 
     int ok = 1;
     const char *first_bad = NULL;
-#define BAD(field, stmt)                                                                           \
-    do {                                                                                           \
-        ds41_sampler_params q = ds41_sampler_params_default();                                    \
-        stmt;                                                                                      \
-        err.msg[0] = 0;                                                                            \
-        if (ds41_sampler_params_check(&q, 100, &err) == 0 || !strstr(err.msg, field)) {            \
-            ok = 0;                                                                                \
-            if (!first_bad) first_bad = #stmt;                                                     \
-        }                                                                                          \
+#define BAD(field, stmt)                                                                                     \
+    do {                                                                                                     \
+        ds41_sampler_params q = ds41_sampler_params_default();                                               \
+        stmt;                                                                                                \
+        err.msg[0] = 0;                                                                                      \
+        if (ds41_sampler_params_check(&q, 100, &err) == 0 || !strstr(err.msg, field)) {                      \
+            ok = 0;                                                                                          \
+            if (!first_bad) first_bad = #stmt;                                                               \
+        }                                                                                                    \
     } while (0)
     BAD("temperature", q.temperature = -0.5f);
     BAD("temperature", q.temperature = NAN);
@@ -186,7 +186,7 @@ static void test_params(void) {
     BAD("logit_bias", (q.logit_bias = dup, q.n_logit_bias = DS41_SAMPLER_MAX_LOGIT_BIAS + 1));
 #undef BAD
     TAP_CHECK(ok, "invalid parameters are refused with a message naming the field (first failure: %s)",
-               first_bad ? first_bad : "none");
+              first_bad ? first_bad : "none");
     TAP_CHECK(ds41_sampler_params_check(&p, 0, &err) != 0 && strstr(err.msg, "vocabulary") &&
                   ds41_sampler_params_check(&p, DS41_SAMPLER_MAX_VOCAB + 1, &err) != 0,
               "vocabulary sizes 0 and above the maximum are refused");
@@ -399,7 +399,8 @@ static void test_full_sort_reference(void) {
             for (size_t i = 0; i < m; i++) {
                 cum += keys[i] >> 20;
                 if (cum > (uint64_t)r) {
-                    expect = (uint32_t)((DS41_SAMPLER_MAX_VOCAB - 1) - (keys[i] & (DS41_SAMPLER_MAX_VOCAB - 1)));
+                    expect =
+                        (uint32_t)((DS41_SAMPLER_MAX_VOCAB - 1) - (keys[i] & (DS41_SAMPLER_MAX_VOCAB - 1)));
                     break;
                 }
             }
@@ -409,8 +410,8 @@ static void test_full_sort_reference(void) {
                 step_bad = step;
             }
         }
-        TAP_CHECK(ok, "fast path = full-sort definition + numpy stream: %s, 129,280 logits, %d steps", cases[c].name,
-                  cases[c].steps);
+        TAP_CHECK(ok, "fast path = full-sort definition + numpy stream: %s, 129,280 logits, %d steps",
+                  cases[c].name, cases[c].steps);
         if (step_bad >= 0) TAP_NOTE("first mismatch at step %d", step_bad);
         ds41_sampler_free(s);
     }
@@ -472,9 +473,10 @@ static void test_distributions(void) {
         uint32_t outside, cells;
         const double chi = chi_square(s, sc, l, n, expect, 200000, &outside, &cells);
         TAP_CHECK(kept == cases[c].kept && outside == 0 && chi_ok(chi, cells) && worst < 1e-6,
-                   "%s: keeps %u tokens (expected %u), none drawn outside, chi2 %.1f over %u cells, weights within %.1e "
-                   "of softmax",
-                   cases[c].name, kept, cases[c].kept, chi, cells, worst);
+                  "%s: keeps %u tokens (expected %u), none drawn outside, chi2 %.1f over %u cells, weights "
+                  "within %.1e "
+                  "of softmax",
+                  cases[c].name, kept, cases[c].kept, chi, cells, worst);
         ds41_sampler_free(s);
     }
     ds41_sampler_scratch_free(sc);
@@ -482,7 +484,8 @@ static void test_distributions(void) {
 
 /* ---------------------------------------------------------------------------------------------
  * penalties and logit_bias */
-static float penalized(float v, int in_history, uint32_t generated, float rep, float presence, float frequency) {
+static float penalized(float v, int in_history, uint32_t generated, float rep, float presence,
+                       float frequency) {
     if (in_history) v = v > 0.0f ? v / rep : v * rep;
     if (generated > 0) v = v - ((float)generated * frequency + presence);
     return v;
@@ -520,8 +523,9 @@ static void test_penalties(void) {
             if (bias[b].token == i) v += bias[b].bias;
         want[i] = penalized(v, in_history[i], count[i], 1.3f, 0.5f, 0.25f);
     }
-    TAP_CHECK(memcmp(got, want, sizeof got) == 0,
-              "bias, then repetition (prompt + generated), then presence/frequency (generated only): exact floats");
+    TAP_CHECK(
+        memcmp(got, want, sizeof got) == 0,
+        "bias, then repetition (prompt + generated), then presence/frequency (generated only): exact floats");
     /* spot checks of the formulas */
     const float v8 = l[8] > 0 ? l[8] / 1.3f : l[8] * 1.3f;
     TAP_CHECK(got[8] == v8 - (3.0f * 0.25f + 0.5f), "token generated 3 times: -(3 * frequency + presence)");
@@ -599,8 +603,10 @@ static void test_penalties(void) {
     ds41_sampler_scratch *sc = scratch_for(m);
     uint32_t outside, cells;
     const double chi = chi_square(s, sc, lm, m, expect, 200000, &outside, &cells);
-    TAP_CHECK(outside == 0 && chi_ok(chi, cells),
-               "bias + penalties: draws follow softmax of the penalized logits (chi2 %.1f), bias -100 never drawn", chi);
+    TAP_CHECK(
+        outside == 0 && chi_ok(chi, cells),
+        "bias + penalties: draws follow softmax of the penalized logits (chi2 %.1f), bias -100 never drawn",
+        chi);
     ds41_sampler_free(s);
 
     /* saturation: overflow gives FLT_MAX, a -inf logit stays -inf whatever the bias */
@@ -676,8 +682,9 @@ static void test_logprobs(void) {
         for (uint32_t i = 0; i < r.n_top; i++) {
             worst = fmax(worst, fabs(r.top[i].logprob - ref[r.top[i].token]));
             if (i > 0)
-                order_ok &= l[r.top[i - 1].token] > l[r.top[i].token] ||
-                            (l[r.top[i - 1].token] == l[r.top[i].token] && r.top[i - 1].token < r.top[i].token);
+                order_ok &=
+                    l[r.top[i - 1].token] > l[r.top[i].token] ||
+                    (l[r.top[i - 1].token] == l[r.top[i].token] && r.top[i - 1].token < r.top[i].token);
         }
     }
     /* the 20 highest raw logits, exactly */
@@ -690,8 +697,9 @@ static void test_logprobs(void) {
         if (!listed && l[i] > l[r.top[r.n_top - 1].token]) top_ok = 0;
     }
     (void)sorted;
-    TAP_CHECK(worst < 2e-5, "RAW logprobs = log_softmax of the model logits, whatever bias/penalties/T (max error %.2e)",
-               worst);
+    TAP_CHECK(worst < 2e-5,
+              "RAW logprobs = log_softmax of the model logits, whatever bias/penalties/T (max error %.2e)",
+              worst);
     TAP_CHECK(order_ok && count_ok && top_ok,
               "RAW top_logprobs: the 20 highest raw logits, descending, tie 17/18 by lower id");
     ds41_sampler_free(s);
@@ -719,8 +727,9 @@ static void test_logprobs(void) {
         }
     }
     TAP_CHECK(worst < 2e-5 && listed_ok,
-               "PROCESSED logprobs = log of the kept, renormalized distribution; only the 10 kept listed (max error %.2e)",
-               worst);
+              "PROCESSED logprobs = log of the kept, renormalized distribution; only the 10 kept listed (max "
+              "error %.2e)",
+              worst);
     random_logits(l, n, 21);
     l[17] = l[18] = 40.0f;
     l[19] = -INFINITY;
@@ -747,8 +756,8 @@ static void test_logprobs(void) {
     ds41_sampler_process_logits(s, l, n, lp, &err);
     double refp[5000];
     log_softmax(lp, n, 1.0, refp);
-    TAP_CHECK(r.token == 18 && fabs(r.logprob - refp[18]) < 2e-5 && r.top[0].token == 18 && r.top[1].token == 17 &&
-                  fabs(r.top[1].logprob - refp[17]) < 2e-5,
+    TAP_CHECK(r.token == 18 && fabs(r.logprob - refp[18]) < 2e-5 && r.top[0].token == 18 &&
+                  r.top[1].token == 17 && fabs(r.top[1].logprob - refp[17]) < 2e-5,
               "greedy PROCESSED: log_softmax of the penalized logits");
     ds41_sampler_free(s);
 
@@ -776,12 +785,14 @@ static void test_logprobs(void) {
         int ok = r.n_top == 20;
         double worst_b = 0;
         for (uint32_t i = 0; ok && i < 20; i++) {
-            const uint32_t id = (uint32_t)((DS41_SAMPLER_MAX_VOCAB - 1) - (kb[i] & (DS41_SAMPLER_MAX_VOCAB - 1)));
+            const uint32_t id =
+                (uint32_t)((DS41_SAMPLER_MAX_VOCAB - 1) - (kb[i] & (DS41_SAMPLER_MAX_VOCAB - 1)));
             ok &= r.top[i].token == id;
             worst_b = fmax(worst_b, fabs(r.top[i].logprob - log((double)wb[id] / total)));
         }
         TAP_CHECK(ok && worst_b < 1e-5,
-                  "PROCESSED top 20 reach past the heavy tokens into the light tail, in sampling order (max error %.2e)",
+                  "PROCESSED top 20 reach past the heavy tokens into the light tail, in sampling order (max "
+                  "error %.2e)",
                   worst_b);
         ds41_sampler_free(s);
         ds41_sampler_scratch_free(big);
@@ -852,15 +863,18 @@ static void test_snapshot(void) {
         ds41_sampler *b = NULL;
         ok &= ds41_sampler_restore(&b, snap, size, &err) == 0;
         if (!ok) TAP_NOTE("snapshot/restore: %s", err.msg);
-        ok &= b && ds41_sampler_snapshot(b, again, size, &written, &err) == 0 && memcmp(snap, again, size) == 0;
+        ok &=
+            b && ds41_sampler_snapshot(b, again, size, &written, &err) == 0 && memcmp(snap, again, size) == 0;
         ok &= b && ds41_sampler_seed(b) == ds41_sampler_seed(a);
         if (b) {
             run_steps(a, sc, l, n, 25, 60, ta, la);
             run_steps(b, sc, l, n, 25, 60, tb, lb);
         }
         ok &= b && memcmp(ta, tb, sizeof ta) == 0 && memcmp(la, lb, sizeof la) == 0;
-        TAP_CHECK(ok, "snapshot (%zu bytes) -> restore -> identical next 60 samples and logprobs, equal re-snapshot (%s)",
-                   size, variant == 0 ? "whole history" : "window 16");
+        TAP_CHECK(ok,
+                  "snapshot (%zu bytes) -> restore -> identical next 60 samples and logprobs, equal "
+                  "re-snapshot (%s)",
+                  size, variant == 0 ? "whole history" : "window 16");
 
         /* damaged snapshots are refused cleanly */
         int refused = 1;
@@ -885,8 +899,9 @@ static void test_snapshot(void) {
         longer[8] = 2;
         refused &= ds41_sampler_restore(&c, longer, size, &err) != 0 && strstr(err.msg, "version");
         free(longer);
-        TAP_CHECK(refused, "truncated (every length), extended, bad-magic and bad-version snapshots are refused%s",
-                   refused ? "" : " (a truncation was accepted)");
+        TAP_CHECK(refused,
+                  "truncated (every length), extended, bad-magic and bad-version snapshots are refused%s",
+                  refused ? "" : " (a truncation was accepted)");
         if (!refused) TAP_NOTE("accepted truncation at %zu", bad_at);
         free(snap);
         free(again);
@@ -910,10 +925,12 @@ static void test_errors(void) {
     ds41_error err;
     ds41_sample_result r;
     l[5] = NAN;
-    TAP_CHECK(ds41_sampler_sample(s, sc, l, n, &r, &err) != 0 && strstr(err.msg, "token 5") && strstr(err.msg, "NaN"),
+    TAP_CHECK(ds41_sampler_sample(s, sc, l, n, &r, &err) != 0 && strstr(err.msg, "token 5") &&
+                  strstr(err.msg, "NaN"),
               "a NaN logit is an error naming the token");
     l[5] = INFINITY;
-    TAP_CHECK(ds41_sampler_sample(s, sc, l, n, &r, &err) != 0 && strstr(err.msg, "+inf"), "+inf logit is an error");
+    TAP_CHECK(ds41_sampler_sample(s, sc, l, n, &r, &err) != 0 && strstr(err.msg, "+inf"),
+              "+inf logit is an error");
     for (uint32_t i = 0; i < n; i++) l[i] = -INFINITY;
     TAP_CHECK(ds41_sampler_sample(s, sc, l, n, &r, &err) != 0 && strstr(err.msg, "-inf"),
               "every logit -inf is an error");
@@ -926,7 +943,8 @@ static void test_errors(void) {
     int same = 1;
     for (int i = 0; i < 100; i++) same &= draw(s, sc, l, n) == draw(t, sc, l, n);
     TAP_CHECK(same, "failed samples do not advance the PRNG");
-    TAP_CHECK(ds41_sampler_accept(s, n, &err) != 0 && ds41_sampler_accept_prompt(s, (uint32_t[2]){1, 99}, 2, &err) != 0,
+    TAP_CHECK(ds41_sampler_accept(s, n, &err) != 0 &&
+                  ds41_sampler_accept_prompt(s, (uint32_t[2]){1, 99}, 2, &err) != 0,
               "accepting an id outside the vocabulary is an error");
 
     /* -inf tokens are never drawn, also at huge temperature */
@@ -1001,8 +1019,8 @@ static void test_timing(void) {
             const int reps = 200;
             const double t0 = now();
             for (int i = 0; i < reps; i++) all_ok &= draw(s, sc, l, n) < n;
-            TAP_NOTE("%-6s %-34s %.3f ms per sample over %u logits", shape == 0 ? "peaked" : "flat", cases[c].name,
-                     (now() - t0) / reps * 1e3, n);
+            TAP_NOTE("%-6s %-34s %.3f ms per sample over %u logits", shape == 0 ? "peaked" : "flat",
+                     cases[c].name, (now() - t0) / reps * 1e3, n);
             ds41_sampler_free(s);
         }
     }

@@ -103,7 +103,8 @@ static void test_basic(void) {
     const char *stops3[] = {"STOP", "END"};
     m = matcher(stops3, 2);
     feed_all(m, (const char *[]){"foo END bar STOP", NULL}, 0, &r);
-    TAP_CHECK(emitted(&r, "foo ") && r.stop_index == 1, "several stop strings in one piece: the first to complete wins");
+    TAP_CHECK(emitted(&r, "foo ") && r.stop_index == 1,
+              "several stop strings in one piece: the first to complete wins");
     ds41_stop_matcher_free(m);
 
     const char *stops4[] = {"abcd", "bc"};
@@ -142,7 +143,8 @@ static void test_utf8(void) {
     ds41_stop_matcher *m = matcher(stops, 1);
     run r;
     feed_all(m, (const char *[]){"caf", "\xC3\xA9", "!", NULL}, 0, &r);
-    TAP_CHECK(emitted(&r, "caf") && r.stopped && r.held_after[1] == 2, "multibyte stop string: 'é' held whole, then stop");
+    TAP_CHECK(emitted(&r, "caf") && r.stopped && r.held_after[1] == 2,
+              "multibyte stop string: 'é' held whole, then stop");
     ds41_stop_matcher_reset(m);
     feed_all(m, (const char *[]){"caf", "\xC3\xA3", "!", NULL}, 0, &r); /* "ã!" shares the lead byte */
     TAP_CHECK(emitted(&r, "caf\xC3\xA3!") && !r.stopped && r.held_after[1] == 0,
@@ -159,15 +161,18 @@ static void test_utf8(void) {
     /* pieces that cut a sequence (not what the detokenizer sends, but never split on output) */
     m = matcher(NULL, 0);
     feed_all(m, (const char *[]){"a\xE2\x82", "\xAC", "b", NULL}, 1, &r);
-    TAP_CHECK(emitted(&r, "a\xE2\x82\xAC" "b") && r.emitted_after[0] == 1 && r.held_after[0] == 2 &&
-                  r.emitted_after[1] == 4,
+    TAP_CHECK(emitted(&r, "a\xE2\x82\xAC"
+                          "b") &&
+                  r.emitted_after[0] == 1 && r.held_after[0] == 2 && r.emitted_after[1] == 4,
               "an incomplete UTF-8 sequence at the end of a piece is held until complete");
     ds41_stop_matcher_reset(m);
     feed_all(m, (const char *[]){"\xE2\x82", NULL}, 1, &r);
     TAP_CHECK(emitted(&r, "\xE2\x82"), "finish releases an incomplete sequence unchanged");
     ds41_stop_matcher_reset(m);
     feed_all(m, (const char *[]){"\x80\x80\x80\x80z\xE2", "A", NULL}, 1, &r);
-    TAP_CHECK(emitted(&r, "\x80\x80\x80\x80z\xE2" "A") && r.emitted_after[0] == 5,
+    TAP_CHECK(emitted(&r, "\x80\x80\x80\x80z\xE2"
+                          "A") &&
+                  r.emitted_after[0] == 5,
               "invalid bytes pass through unchanged");
     ds41_stop_matcher_free(m);
 
@@ -183,7 +188,8 @@ static void test_errors(void) {
     ds41_error err;
     const char *empty[] = {"ok", ""};
     size_t lens[2] = {2, 0};
-    TAP_CHECK(ds41_stop_matcher_new(&m, empty, lens, 2, &err) != 0 && m == NULL && strstr(err.msg, "string 1"),
+    TAP_CHECK(ds41_stop_matcher_new(&m, empty, lens, 2, &err) != 0 && m == NULL &&
+                  strstr(err.msg, "string 1"),
               "an empty stop string is refused, naming its index");
     const char *bad[] = {"\xC3("};
     size_t bad_len[1] = {2};
@@ -201,7 +207,8 @@ static void test_errors(void) {
     memset(huge, 'a', DS41_STOP_MAX_TOTAL_BYTES + 1);
     const char *hs[1] = {huge};
     size_t hl[1] = {DS41_STOP_MAX_TOTAL_BYTES + 1};
-    TAP_CHECK(ds41_stop_matcher_new(&m, hs, hl, 1, &err) != 0, "stop strings above the byte limit are refused");
+    TAP_CHECK(ds41_stop_matcher_new(&m, hs, hl, 1, &err) != 0,
+              "stop strings above the byte limit are refused");
     hl[0] = 5000; /* a long stop string works */
     huge[4999] = 'b';
     ds41_stop_matcher *lm = NULL;
@@ -285,13 +292,15 @@ static void test_random(void) {
             got_len += out.len;
         }
         ok &= got_len == want && memcmp(got, text, want) == 0 && out.stop_index == want_index;
-        if (!ok) TAP_NOTE("trial %d: text '%s' want %zu (stop %d) got %zu (stop %d)", trial, text, want, want_index, got_len,
-                          out.stop_index);
+        if (!ok)
+            TAP_NOTE("trial %d: text '%s' want %zu (stop %d) got %zu (stop %d)", trial, text, want,
+                     want_index, got_len, out.stop_index);
         ds41_stop_matcher_free(m);
         cases++;
     }
-    TAP_CHECK(ok, "%d random texts cut at random: same result as the whole-text reference, emitted + held = input",
-              cases);
+    TAP_CHECK(
+        ok, "%d random texts cut at random: same result as the whole-text reference, emitted + held = input",
+        cases);
 }
 
 static void test_limits(void) {
@@ -303,8 +312,8 @@ static void test_limits(void) {
               "limits: duplicate stop ids collapse");
     ds41_gen_verdict v1 = ds41_gen_limits_step(&lim, 42), v2 = ds41_gen_limits_step(&lim, 43);
     ds41_gen_verdict v3 = ds41_gen_limits_step(&lim, 1);
-    TAP_CHECK(v1 == DS41_GEN_CONTINUE && v2 == DS41_GEN_CONTINUE && v3 == DS41_GEN_EOS && !ds41_gen_verdict_emits(v3) &&
-                  lim.n_sampled == 3,
+    TAP_CHECK(v1 == DS41_GEN_CONTINUE && v2 == DS41_GEN_CONTINUE && v3 == DS41_GEN_EOS &&
+                  !ds41_gen_verdict_emits(v3) && lim.n_sampled == 3,
               "EOS stops without being emitted and counts as sampled");
     TAP_CHECK(ds41_gen_limits_step(&lim, 42) == DS41_GEN_EOS && lim.n_sampled == 3,
               "after a stop, further steps repeat the verdict and count nothing");

@@ -10,9 +10,9 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) __builtin_trap();                                                             \
+#define CHECK(cond)                                                                                          \
+    do {                                                                                                     \
+        if (!(cond)) __builtin_trap();                                                                       \
     } while (0)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

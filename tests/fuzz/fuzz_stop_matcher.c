@@ -13,9 +13,9 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) __builtin_trap();                                                             \
+#define CHECK(cond)                                                                                          \
+    do {                                                                                                     \
+        if (!(cond)) __builtin_trap();                                                                       \
     } while (0)
 
 static size_t reference(const uint8_t *text, size_t len, char stops[][8], const size_t *lens, size_t n,
