@@ -447,10 +447,11 @@ static int has_adjustments(const ds41_sampler *s) {
            (s->track_generated && s->generated.len > 0);
 }
 
-/* Overflow of a finite logit saturates: FLT_MAX instead of +inf (bias or a penalty below 1 pushed
- * it up as far as it goes), while -inf stays -inf; so steps 1-3 never create NaN or +inf. */
+/* Overflow of a finite logit saturates at +-FLT_MAX (the bias or penalty pushed it as far as it
+ * goes), so steps 1-3 keep finite logits finite: they never create NaN or an infinity, and never
+ * mask a token the model allowed.  Non-finite logits are left alone (-inf stays masked). */
 static inline float saturate(float v) {
-    return v > FLT_MAX ? FLT_MAX : v;
+    return v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
 }
 
 static void process_logits(const ds41_sampler *s, const float *logits, float *out) {

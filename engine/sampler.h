@@ -54,7 +54,7 @@
  * Logits: -inf is allowed (the token can never be chosen, and steps 1-3 leave it -inf: a bias
  * cannot bring back a masked token); NaN or +inf in the model's logits is an error (it means a
  * broken forward pass, better reported than hidden), and so is every logit being -inf.  Steps 1-3
- * saturate: a finite logit that overflows becomes FLT_MAX, never +inf.
+ * saturate: a finite logit that overflows becomes +-FLT_MAX, never an infinity.
  *
  * Threads: no global state.  A ds41_sampler (one per sequence) and a ds41_sampler_scratch (one per
  * thread: the large work buffers, shared by all sequences that thread samples) must not be used by

@@ -182,8 +182,8 @@ int ds41_stop_matcher_feed(ds41_stop_matcher *m, const char *piece, size_t len, 
             m->matched[i] = q;
         }
         if (best >= 0) {
-            /* the stop string lies in buf: its first at+1-best_len bytes were never emitted, because
-             * the matched prefix before this byte was held back */
+            /* the match starts inside buf (its earlier bytes were held back as a partial match),
+             * so buf[0, start) is exactly the text still to emit */
             m->stopped = 1;
             m->stop_index = best;
             set_output(m, at + 1 - best_len, out);

@@ -78,11 +78,7 @@ static void expected_distribution(const float *l, uint32_t n, double t, uint32_t
     double mx = -INFINITY;
     for (uint32_t i = 0; i < n; i++) mx = fmax(mx, l[i]);
     order_item *it = malloc(n * sizeof *it);
-    double z = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        it[i] = (order_item){exp(((double)l[i] - mx) / t), i};
-        z += it[i].p;
-    }
+    for (uint32_t i = 0; i < n; i++) it[i] = (order_item){exp(((double)l[i] - mx) / t), i};
     qsort(it, n, sizeof *it, cmp_item);
     uint32_t m = top_k > 0 && top_k < n ? top_k : n;
     double zs = 0;
@@ -104,7 +100,6 @@ static void expected_distribution(const float *l, uint32_t n, double t, uint32_t
     for (uint32_t i = 0; i < m; i++) zk += it[i].p;
     for (uint32_t i = 0; i < n; i++) out[i] = 0;
     for (uint32_t i = 0; i < m; i++) out[it[i].id] = it[i].p / zk;
-    (void)z;
     free(it);
 }
 
@@ -328,13 +323,14 @@ typedef struct ref_case {
     uint32_t top_k;
     float top_p, min_p;
     int steps;
+    uint32_t vocab;        /* 0: BIG_VOCAB */
+    uint32_t top_logprobs; /* > 0: also check PROCESSED logprobs against the reference */
 } ref_case;
 
 static void test_full_sort_reference(void) {
-    const uint32_t n = BIG_VOCAB;
-    float *l = malloc(n * sizeof *l);
-    uint64_t *w = malloc(n * sizeof *w), *keys = malloc(n * sizeof *keys);
-    ds41_sampler_scratch *sc = scratch_for(n);
+    float *l = malloc(BIG_VOCAB * sizeof *l);
+    uint64_t *w = malloc(BIG_VOCAB * sizeof *w), *keys = malloc(BIG_VOCAB * sizeof *keys);
+    ds41_sampler_scratch *sc = scratch_for(BIG_VOCAB);
     const ref_case cases[] = {
         {"peaked T=1", PEAKED, 1.0f, 0, 1.0f, 0.0f, 20},
         {"peaked T=0.7 top_k=40", PEAKED, 0.7f, 40, 1.0f, 0.0f, 20},
@@ -344,12 +340,23 @@ static void test_full_sort_reference(void) {
         {"peaked T=3 top_p=0.5", PEAKED, 3.0f, 0, 0.5f, 0.0f, 20},
         {"tail T=1 (draws landing in the light tail)", TAIL, 1.0f, 0, 1.0f, 0.0f, 60},
         {"tail T=1 top_k=1000", TAIL, 1.0f, 1000, 1.0f, 0.0f, 20},
+        {"tail T=1 top_k=8 (just past the heavy tokens), 20 logprobs", TAIL, 1.0f, 8, 1.0f, 0.0f, 20, 0, 20},
+        {"tail T=1 min_p=1e-7, 20 logprobs (past the heavy tokens)", TAIL, 1.0f, 0, 1.0f, 1e-7f, 20, 0, 20},
+        {"peaked T=0.9 top_p=0.99, 5 logprobs", PEAKED, 0.9f, 0, 0.99f, 0.0f, 20, 0, 5},
         {"tail T=1 top_p=0.95", TAIL, 1.0f, 0, 0.95f, 0.0f, 20},
         {"tail T=1 top_p=0.95 min_p=1e-6", TAIL, 1.0f, 0, 0.95f, 1e-6f, 20},
         {"flat T=50", FLAT, 50.0f, 0, 1.0f, 0.0f, 20},
         {"flat T=1 top_k=1000 top_p=0.3", FLAT, 1.0f, 1000, 0.3f, 0.0f, 20},
+        /* vocabularies that are not a multiple of the vector width (tails of every loop) */
+        {"peaked T=1, vocabulary 129,277", PEAKED, 1.0f, 0, 1.0f, 0.0f, 20, 129277},
+        {"tail T=1 top_p=0.95, vocabulary 129,279", TAIL, 1.0f, 0, 0.95f, 0.0f, 20, 129279},
+        {"flat T=2, vocabulary 1", FLAT, 2.0f, 0, 1.0f, 0.0f, 5, 1},
+        {"flat T=2, vocabulary 2", FLAT, 2.0f, 0, 1.0f, 0.0f, 20, 2},
+        {"peaked T=1 min_p=0.001, vocabulary 7", PEAKED, 1.0f, 0, 1.0f, 0.001f, 40, 7},
+        {"peaked T=0.5 top_k=3, vocabulary 13", PEAKED, 0.5f, 3, 1.0f, 0.0f, 40, 13},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const uint32_t n = cases[c].vocab ? cases[c].vocab : BIG_VOCAB;
         ds41_sampler_params p = ds41_sampler_params_default();
         p.temperature = cases[c].temperature;
         p.top_k = cases[c].top_k;
@@ -357,6 +364,9 @@ static void test_full_sort_reference(void) {
         p.min_p = cases[c].min_p;
         p.has_seed = 1;
         p.seed = 1000 + c;
+        p.logprobs = cases[c].top_logprobs > 0;
+        p.top_logprobs = cases[c].top_logprobs;
+        p.logprobs_mode = DS41_LOGPROBS_PROCESSED;
         ds41_sampler *s = make(&p, n);
         ds41_pcg64 rng;
         ds41_seedseq_pcg64(&rng, p.seed);
@@ -404,14 +414,20 @@ static void test_full_sort_reference(void) {
                     break;
                 }
             }
-            const uint32_t got = draw(s, sc, l, n);
-            if (got != expect) {
-                ok = 0;
-                step_bad = step;
+            ds41_sample_result res;
+            if (ds41_sampler_sample(s, sc, l, n, &res, &err) != 0 || res.token != expect) ok = 0;
+            if (ok && p.logprobs) {
+                /* the kept set's size, order and total weight show in the alternatives */
+                const size_t listed = m < p.top_logprobs ? m : p.top_logprobs;
+                ok &= res.n_top == listed && fabs(res.logprob - log((double)w[expect] / (double)mass)) < 1e-5;
+                for (size_t i = 0; ok && i < listed; i++)
+                    ok &= res.top[i].token ==
+                          (uint32_t)((DS41_SAMPLER_MAX_VOCAB - 1) - (keys[i] & (DS41_SAMPLER_MAX_VOCAB - 1)));
             }
+            if (!ok) step_bad = step;
         }
-        TAP_CHECK(ok, "fast path = full-sort definition + numpy stream: %s, 129,280 logits, %d steps",
-                  cases[c].name, cases[c].steps);
+        TAP_CHECK(ok, "fast path = full-sort definition + numpy stream: %s, %d steps", cases[c].name,
+                  cases[c].steps);
         if (step_bad >= 0) TAP_NOTE("first mismatch at step %d", step_bad);
         ds41_sampler_free(s);
     }
@@ -621,8 +637,17 @@ static void test_penalties(void) {
         float out[4];
         ds41_sampler_accept_prompt(s, (uint32_t[2]){2, 3}, 2, &err);
         ds41_sampler_process_logits(s, ls, 4, out, &err);
-        TAP_CHECK(out[0] == -INFINITY && out[1] == FLT_MAX && out[2] == FLT_MAX && out[3] == -1e-38f,
-                  "overflowing bias or penalty saturates at FLT_MAX; a -inf logit stays -inf despite a bias");
+        int sat = out[0] == -INFINITY && out[1] == FLT_MAX && out[2] == FLT_MAX && out[3] == -1e-38f;
+        ds41_sampler_free(s);
+        p = ds41_sampler_params_default();
+        p.repetition_penalty = 3e38f;
+        s = make(&p, 1);
+        const float one[1] = {-5.0f};
+        ds41_sampler_accept(s, 0, &err);
+        ds41_sampler_process_logits(s, one, 1, out, &err);
+        sat &= out[0] == -FLT_MAX && draw(s, sc, one, 1) == 0;
+        TAP_CHECK(sat, "overflowing bias or penalty saturates at +-FLT_MAX (the token stays drawable); "
+                       "a -inf logit stays -inf despite a bias");
         ds41_sampler_free(s);
     }
 
@@ -688,15 +713,12 @@ static void test_logprobs(void) {
         }
     }
     /* the 20 highest raw logits, exactly */
-    float sorted[20];
-    memcpy(sorted, (float[20]){0}, sizeof sorted);
     int top_ok = r.top[0].token == 17 && r.top[1].token == 18;
     for (uint32_t i = 0; i < n; i++) {
         int listed = 0;
         for (uint32_t j = 0; j < r.n_top; j++) listed |= r.top[j].token == i;
         if (!listed && l[i] > l[r.top[r.n_top - 1].token]) top_ok = 0;
     }
-    (void)sorted;
     TAP_CHECK(worst < 2e-5,
               "RAW logprobs = log_softmax of the model logits, whatever bias/penalties/T (max error %.2e)",
               worst);
