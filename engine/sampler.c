@@ -945,8 +945,8 @@ static int truncate(const ds41_sampler *s, ds41_sampler_scratch *sc, const draw_
  * Logprobs */
 
 /* log(sum_i exp(v_i - v_max)) + v_max over v[0..n) (v_max finite), exps into tmp. */
-static double log_sum_exp(const float *v, uint32_t n, float v_max, float *tmp) {
-    scaled_exp(v, n, v_max, 1.0f, tmp);
+static double log_sum_exp(const float *v, uint32_t n, float v_max, float *tmp, int tmp_ready) {
+    if (!tmp_ready) scaled_exp(v, n, v_max, 1.0f, tmp);
     double sum[4] = {0, 0, 0, 0};
     uint32_t i = 0;
     for (; i + 4 <= n; i += 4)
@@ -971,14 +971,16 @@ static uint32_t top_values(const float *v, uint32_t n, uint32_t k, ds41_token_lo
     return have;
 }
 
-/* log_softmax over all of v (RAW: the model's logits; PROCESSED greedy: l). */
-static void full_logprobs(const float *v, uint32_t n, uint32_t token, uint32_t k, float *tmp,
+/* log_softmax over all of v (RAW: the model's logits; PROCESSED greedy: l).  tmp_ready: tmp already
+ * holds exp(v - max v) (the weights pass at temperature 1 over unadjusted logits computed exactly
+ * that). */
+static void full_logprobs(const float *v, uint32_t n, uint32_t token, uint32_t k, float *tmp, int tmp_ready,
                           ds41_sample_result *r) {
     float v_max;
     uint32_t arg, bad;
     if (scan_max(v, n, &v_max, &arg, &bad) != 0) v_max = INFINITY; /* excluded by prepare */
     /* every value -inf cannot reach here either; stay defined regardless */
-    const double lse = isfinite(v_max) ? log_sum_exp(v, n, v_max, tmp) : INFINITY;
+    const double lse = isfinite(v_max) ? log_sum_exp(v, n, v_max, tmp, tmp_ready) : INFINITY;
     r->logprob = (float)((double)v[token] - lse);
     r->n_top = top_values(v, n, k, r->top);
     for (uint32_t i = 0; i < r->n_top; i++) r->top[i].logprob = (float)((double)r->top[i].logprob - lse);
@@ -1031,7 +1033,7 @@ int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *sc, const float *
         result->token = argmax;
         if (p->logprobs)
             full_logprobs(p->logprobs_mode == DS41_LOGPROBS_RAW ? logits : ds.l, n, argmax, p->top_logprobs,
-                          sc->w, result);
+                          sc->w, 0, result);
         return 0;
     }
 
@@ -1051,7 +1053,8 @@ int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *sc, const float *
     result->token = key_token(ks.keys[kept_find(&ks, (uint64_t)r, 0)]);
     if (p->logprobs) {
         if (p->logprobs_mode == DS41_LOGPROBS_RAW)
-            full_logprobs(logits, n, result->token, p->top_logprobs, sc->w, result);
+            full_logprobs(logits, n, result->token, p->top_logprobs, sc->w,
+                          ds.l == logits && p->temperature == 1.0f, result);
         else
             kept_logprobs(s, ds.l, ds.l_max, &ks, mass, result->token, result);
     }

@@ -726,6 +726,22 @@ static void test_logprobs(void) {
               "RAW top_logprobs: the 20 highest raw logits, descending, tie 17/18 by lower id");
     ds41_sampler_free(s);
 
+    /* RAW at temperature 1 without bias or penalties (reuses the exps of the weights pass) */
+    ds41_sampler_params plain = ds41_sampler_params_default();
+    plain.logprobs = 1;
+    plain.top_logprobs = 5;
+    s = make(&plain, n);
+    worst = 0;
+    for (int k = 0; k < 20; k++) {
+        ds41_sampler_sample(s, sc, l, n, &r, &err);
+        worst = fmax(worst, fabs(r.logprob - ref[r.token]));
+        for (uint32_t i = 0; i < r.n_top; i++)
+            worst = fmax(worst, fabs(r.top[i].logprob - ref[r.top[i].token]));
+    }
+    TAP_CHECK(worst < 2e-5 && r.n_top == 5 && r.top[0].token == 17,
+              "RAW logprobs at T=1 without adjustments = log_softmax (max error %.2e)", worst);
+    ds41_sampler_free(s);
+
     /* PROCESSED: the distribution drawn from (logits without the +40 spike, which would leave
      * only two tokens with a nonzero weight) */
     random_logits(l, n, 22);
