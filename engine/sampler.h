@@ -149,8 +149,9 @@ uint64_t ds41_sampler_seed(const ds41_sampler *s);
 
 uint32_t ds41_sampler_n_vocab(const ds41_sampler *s);
 
-/* Records prompt tokens (they count for the repetition penalty only).  Ids must be < n_vocab;
- * on error nothing is recorded.  Allocation failure is an error. */
+/* Records prompt tokens (they count for the repetition penalty only).  Ids must be < n_vocab: they
+ * are all checked first, and a bad one records nothing.  Allocation failure is an error too (the
+ * tokens before it stay recorded). */
 int ds41_sampler_accept_prompt(ds41_sampler *s, const uint32_t *tokens, size_t n, ds41_error *err);
 
 /* Records one generated token: repetition history and the generated counts used by the
