@@ -441,6 +441,8 @@ fail:
 
 /* ---- merge_tool_messages ---- */
 
+/* list holds this renderer's private copies (process_image_messages made them), so unlike the
+ * Python it does not copy again: it takes references and may change those messages. */
 static json_t *merge_tool_messages(const json_t *list, ds41_error *err) {
     json_t *merged = json_array();
     if (!merged) {
@@ -450,11 +452,7 @@ static json_t *merge_tool_messages(const json_t *list, ds41_error *err) {
     size_t i;
     json_t *orig;
     json_array_foreach(list, i, orig) {
-        json_t *msg = json_deep_copy(orig);
-        if (!msg) {
-            oom(err);
-            goto fail;
-        }
+        json_t *msg = json_incref(orig);
         size_t n = json_array_size(merged);
         json_t *last = n ? json_array_get(merged, n - 1) : NULL;
         bool last_is_user = last && role_is(last, "user") && has_key(last, "content_blocks");
@@ -1025,6 +1023,7 @@ static int render_tool_calls(const json_t *msg, const json_t *calls, ds41_buf *o
 typedef struct render_state {
     ds41_chat_mode mode;
     bool drop;
+    long last_user; /* find_last_user_index of the list being rendered */
     const json_t *effort;
     ds41_buf *out;
     ds41_error *err;
@@ -1078,7 +1077,7 @@ static int render_message(size_t index, const json_t *list, const render_state *
     ds41_buf *out = st->out;
     ds41_error *err = st->err;
     const json_t *msg = json_array_get(list, index);
-    long last_user = find_last_user(list);
+    long last_user = st->last_user;
     bool thinking = st->mode == DS41_CHAT_MODE_THINKING;
     const json_t *role = get(msg, "role");
     const json_t *content = get(msg, "content");
@@ -1328,7 +1327,7 @@ int ds41_chat_render(const ds41_chat_request *req, ds41_chat_prompt *out, ds41_e
         n_render = (long)json_array_size(msgs_m);
         ctx_len = (long)json_array_size(ctx_m);
     }
-    render_state st = {req->mode, drop, req->reasoning_effort, &text, err};
+    render_state st = {req->mode, drop, find_last_user(full), req->reasoning_effort, &text, err};
     for (long k = 0; k < n_render; k++)
         if (render_message((size_t)(k + ctx_len), full, &st) != 0) goto done;
 
@@ -1368,29 +1367,65 @@ done:
 
 /* ---- parse_message_from_completion_text ---- */
 
+/* The stop strings of the parser. */
+enum stop_id {
+    S_THINK_END,
+    S_TOOL_CALLS_START,
+    S_EOS,
+    S_CALLS_END,
+    S_INVOKE_START,
+    S_INVOKE_END,
+    S_PARAM_START,
+    S_PARAM_END,
+    N_STOPS
+};
+static const char *const STOP_TEXT[N_STOPS] = {DS41_CHAT_THINK_END, TOOL_CALLS_START, DS41_CHAT_EOS, CALLS_END,
+                                               INVOKE_START,        INVOKE_END,       PARAM_START,   PARAM_END};
+#define NOT_FOUND SIZE_MAX
+
+/* The text and, per stop string, its last search: a search from a later position reuses the hit
+ * (or the absence) when it still lies ahead, so a long text with many parameters is scanned in
+ * linear rather than quadratic time. */
 typedef struct text_view {
     const char *s;
     size_t len;
+    bool known[N_STOPS];
+    size_t from[N_STOPS];
+    size_t at[N_STOPS];
 } text_view;
+
+static text_view text_view_of(const char *s, size_t len) {
+    text_view t = {.s = s, .len = len};
+    return t;
+}
+
+static size_t find_stop(text_view *t, int id, size_t pos) {
+    if (t->known[id] && t->from[id] <= pos && (t->at[id] == NOT_FOUND || t->at[id] >= pos)) return t->at[id];
+    const char *hit = pos <= t->len ? memmem(t->s + pos, t->len - pos, STOP_TEXT[id], strlen(STOP_TEXT[id])) : NULL;
+    t->known[id] = true;
+    t->from[id] = pos;
+    t->at[id] = hit ? (size_t)(hit - t->s) : NOT_FOUND;
+    return t->at[id];
+}
 
 enum { STOP_NONE = -1 };
 
-/* _read_until_stop: from pos, the earliest of stops[] (the first listed wins a tie).  Sets the
- * content span [*c0, *c1) and returns the stop's index (STOP_NONE: content runs to the end); *pos
- * moves past the stop. */
-static int read_until(text_view t, size_t *pos, const char *const *stops, int n_stops, size_t *c0, size_t *c1) {
-    size_t best = t.len;
+/* _read_until_stop: from pos, the earliest of the stops ids[] (the first listed wins a tie).
+ * Sets the content span [*c0, *c1) and returns the index in ids[] of the stop found (STOP_NONE:
+ * content runs to the end); *pos moves past the stop. */
+static int read_until(text_view *t, size_t *pos, const int *ids, int n_ids, size_t *c0, size_t *c1) {
+    size_t best = t->len;
     int which = STOP_NONE;
-    for (int k = 0; k < n_stops; k++) {
-        const char *hit = *pos <= t.len ? memmem(t.s + *pos, t.len - *pos, stops[k], strlen(stops[k])) : NULL;
-        if (hit && (size_t)(hit - t.s) < best) {
-            best = (size_t)(hit - t.s);
+    for (int k = 0; k < n_ids; k++) {
+        size_t at = find_stop(t, ids[k], *pos);
+        if (at != NOT_FOUND && at < best) {
+            best = at;
             which = k;
         }
     }
     *c0 = *pos;
     *c1 = best;
-    *pos = which == STOP_NONE ? t.len : best + strlen(stops[which]);
+    *pos = which == STOP_NONE ? t->len : best + strlen(STOP_TEXT[ids[which]]);
     return which;
 }
 
@@ -1483,6 +1518,50 @@ typedef struct param_span {
     bool is_string;
 } param_span;
 
+/* The parameter names of one invoke, for the duplicate check (Python keeps them in a dict): an
+ * open-addressing set of indices into params[], rebuilt as it grows. */
+typedef struct name_set {
+    size_t *slot; /* index + 1, 0 = empty */
+    size_t cap;   /* a power of two */
+} name_set;
+
+static uint64_t hash_bytes(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603u; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211u;
+    return h;
+}
+
+static bool same_name(const char *s, const param_span *a, const param_span *b) {
+    return a->name1 - a->name0 == b->name1 - b->name0 && memcmp(s + a->name0, s + b->name0, a->name1 - a->name0) == 0;
+}
+
+/* Adds params[idx]; returns 1 if the name was there already, 0 if added, -1 out of memory. */
+static int name_set_add(name_set *set, const char *s, const param_span *params, size_t idx) {
+    if ((idx + 1) * 2 > set->cap) {
+        size_t cap = set->cap ? set->cap * 2 : 16;
+        size_t *slot = calloc(cap, sizeof *slot);
+        if (!slot) return -1;
+        for (size_t i = 0; i < set->cap; i++) {
+            if (!set->slot[i]) continue;
+            const param_span *p = &params[set->slot[i] - 1];
+            size_t h = (size_t)hash_bytes(s + p->name0, p->name1 - p->name0) & (cap - 1);
+            while (slot[h]) h = (h + 1) & (cap - 1);
+            slot[h] = set->slot[i];
+        }
+        free(set->slot);
+        set->slot = slot;
+        set->cap = cap;
+    }
+    const param_span *p = &params[idx];
+    size_t h = (size_t)hash_bytes(s + p->name0, p->name1 - p->name0) & (set->cap - 1);
+    while (set->slot[h]) {
+        if (same_name(s, &params[set->slot[h] - 1], p)) return 1;
+        h = (h + 1) & (set->cap - 1);
+    }
+    set->slot[h] = idx + 1;
+    return 0;
+}
+
 static void free_calls(ds41_chat_tool_call *calls, size_t n) {
     for (size_t i = 0; i < n; i++) {
         free(calls[i].name);
@@ -1493,21 +1572,21 @@ static void free_calls(ds41_chat_tool_call *calls, size_t n) {
 }
 
 /* decode_dsml_to_arguments plus the namespace split: one call from its name and parameters. */
-static int make_call(text_view t, size_t name0, size_t name1, const param_span *params, size_t n_params,
+static int make_call(const text_view *t, size_t name0, size_t name1, const param_span *params, size_t n_params,
                      ds41_chat_tool_call *call, ds41_error *err) {
     *call = (ds41_chat_tool_call){0};
     ds41_buf args = {0};
     ds41_buf_putc(&args, '{');
     for (size_t i = 0; i < n_params; i++) {
         if (i) ds41_buf_puts(&args, ", ");
-        ds41_py_dumps_string(t.s + params[i].name0, params[i].name1 - params[i].name0, &args);
+        ds41_py_dumps_string(t->s + params[i].name0, params[i].name1 - params[i].name0, &args);
         ds41_buf_puts(&args, ": ");
-        if (params[i].is_string) ds41_py_dumps_string(t.s + params[i].v0, params[i].v1 - params[i].v0, &args);
-        else ds41_buf_put(&args, t.s + params[i].v0, params[i].v1 - params[i].v0);
+        if (params[i].is_string) ds41_py_dumps_string(t->s + params[i].v0, params[i].v1 - params[i].v0, &args);
+        else ds41_buf_put(&args, t->s + params[i].v0, params[i].v1 - params[i].v0);
     }
     ds41_buf_putc(&args, '}');
     call->arguments = ds41_buf_take(&args, &call->arguments_len);
-    const char *name = t.s + name0;
+    const char *name = t->s + name0;
     size_t name_len = name1 - name0;
     const char *sep = memmem(name, name_len, "::", 2);
     if (sep) {
@@ -1529,21 +1608,22 @@ static int make_call(text_view t, size_t name0, size_t name1, const param_span *
 }
 
 /* parse_tool_calls from *pos (just after "\n\n<｜DSML｜ calls"). */
-static int parse_tool_calls(text_view t, size_t *pos, ds41_chat_tool_call **calls_out, size_t *n_out,
+static int parse_tool_calls(text_view *t, size_t *pos, ds41_chat_tool_call **calls_out, size_t *n_out,
                             ds41_error *err) {
-    static const char *const call_stops[] = {INVOKE_START, CALLS_END};
-    static const char *const inner_stops[] = {PARAM_START, INVOKE_END};
-    static const char *const param_stops[] = {PARAM_END};
+    static const int call_stops[] = {S_INVOKE_START, S_CALLS_END};
+    static const int inner_stops[] = {S_PARAM_START, S_INVOKE_END};
+    static const int param_stops[] = {S_PARAM_END};
     ds41_chat_tool_call *calls = NULL;
     size_t n_calls = 0, cap_calls = 0;
     param_span *params = NULL;
     size_t cap_params = 0;
+    name_set names = {0};
     size_t c0, c1;
     int rc = -1;
-    while (*pos < t.len) {
+    while (*pos < t->len) {
         int stop = read_until(t, pos, call_stops, 2, &c0, &c1);
-        if (c1 - c0 != 2 || memcmp(t.s + c0, ">\n", 2) != 0) {
-            fail_quote(err, "Tool call format error: expected '>\\n' but got ", t.s + c0, c1 - c0, "");
+        if (c1 - c0 != 2 || memcmp(t->s + c0, ">\n", 2) != 0) {
+            fail_quote(err, "Tool call format error: expected '>\\n' but got ", t->s + c0, c1 - c0, "");
             goto done;
         }
         if (stop == 1) break;
@@ -1553,31 +1633,25 @@ static int parse_tool_calls(text_view t, size_t *pos, ds41_chat_tool_call **call
         }
         stop = read_until(t, pos, inner_stops, 2, &c0, &c1);
         size_t name0, name1;
-        if (!match_invoke_head(t.s + c0, c1 - c0, &name0, &name1)) {
-            fail_quote(err, "Tool name format error: ", t.s + c0, c1 - c0, "");
+        if (!match_invoke_head(t->s + c0, c1 - c0, &name0, &name1)) {
+            fail_quote(err, "Tool name format error: ", t->s + c0, c1 - c0, "");
             goto done;
         }
         name0 += c0;
         name1 += c0;
         size_t n_params = 0;
+        if (names.cap) memset(names.slot, 0, names.cap * sizeof *names.slot);
         while (stop == 0) {
             read_until(t, pos, param_stops, 1, &c0, &c1);
             param_span ps;
-            if (!match_param(t.s + c0, c1 - c0, &ps.name0, &ps.name1, &ps.is_string, &ps.v0, &ps.v1)) {
-                fail_quote(err, "Parameter format error: ", t.s + c0, c1 - c0, "");
+            if (!match_param(t->s + c0, c1 - c0, &ps.name0, &ps.name1, &ps.is_string, &ps.v0, &ps.v1)) {
+                fail_quote(err, "Parameter format error: ", t->s + c0, c1 - c0, "");
                 goto done;
             }
             ps.name0 += c0;
             ps.name1 += c0;
             ps.v0 += c0;
             ps.v1 += c0;
-            for (size_t k = 0; k < n_params; k++) {
-                if (params[k].name1 - params[k].name0 == ps.name1 - ps.name0 &&
-                    memcmp(t.s + params[k].name0, t.s + ps.name0, ps.name1 - ps.name0) == 0) {
-                    fail_quote(err, "Duplicate parameter name: ", t.s + ps.name0, ps.name1 - ps.name0, "");
-                    goto done;
-                }
-            }
             if (n_params == cap_params) {
                 size_t nc = cap_params ? cap_params * 2 : 8;
                 param_span *np = realloc(params, nc * sizeof *np);
@@ -1588,10 +1662,20 @@ static int parse_tool_calls(text_view t, size_t *pos, ds41_chat_tool_call **call
                 params = np;
                 cap_params = nc;
             }
-            params[n_params++] = ps;
+            params[n_params] = ps;
+            int dup = name_set_add(&names, t->s, params, n_params);
+            if (dup < 0) {
+                oom(err);
+                goto done;
+            }
+            if (dup) {
+                fail_quote(err, "Duplicate parameter name: ", t->s + ps.name0, ps.name1 - ps.name0, "");
+                goto done;
+            }
+            n_params++;
             stop = read_until(t, pos, inner_stops, 2, &c0, &c1);
-            if (c1 - c0 != 2 || memcmp(t.s + c0, ">\n", 2) != 0) {
-                fail_quote(err, "Parameter format error: expected '>\\n' but got ", t.s + c0, c1 - c0, "");
+            if (c1 - c0 != 2 || memcmp(t->s + c0, ">\n", 2) != 0) {
+                fail_quote(err, "Parameter format error: expected '>\\n' but got ", t->s + c0, c1 - c0, "");
                 goto done;
             }
         }
@@ -1611,6 +1695,7 @@ static int parse_tool_calls(text_view t, size_t *pos, ds41_chat_tool_call **call
     rc = 0;
 done:
     free(params);
+    free(names.slot);
     if (rc == 0) {
         *calls_out = calls;
         *n_out = n_calls;
@@ -1634,10 +1719,10 @@ static int set_span(char **dst, size_t *dst_len, const char *s, size_t n, ds41_e
     return *dst ? 0 : oom(err);
 }
 
-static int parse_strict(text_view t, ds41_chat_mode mode, ds41_chat_completion *out, ds41_error *err) {
-    static const char *const think_stops[] = {DS41_CHAT_THINK_END, TOOL_CALLS_START};
-    static const char *const content_stops[] = {DS41_CHAT_EOS, TOOL_CALLS_START};
-    static const char *const eos_stop[] = {DS41_CHAT_EOS};
+static int parse_strict(text_view *t, ds41_chat_mode mode, ds41_chat_completion *out, ds41_error *err) {
+    static const int think_stops[] = {S_THINK_END, S_TOOL_CALLS_START};
+    static const int content_stops[] = {S_EOS, S_TOOL_CALLS_START};
+    static const int eos_stop[] = {S_EOS};
     size_t pos = 0, r0 = 0, r1 = 0, c0, c1;
     if (mode == DS41_CHAT_MODE_THINKING) {
         if (read_until(t, &pos, think_stops, 2, &r0, &r1) != 0)
@@ -1657,7 +1742,7 @@ static int parse_strict(text_view t, ds41_chat_mode mode, ds41_chat_completion *
             return ds41_fail(err, "Unexpected content after tool calls");
         }
     }
-    if (pos != t.len) {
+    if (pos != t->len) {
         free_calls(calls, n_calls);
         return ds41_fail(err, "Unexpected content at end");
     }
@@ -1665,15 +1750,15 @@ static int parse_strict(text_view t, ds41_chat_mode mode, ds41_chat_completion *
                                            DS41_CHAT_DSML};
     for (size_t k = 0; k < 5; k++) {
         size_t n = strlen(specials[k]);
-        if (memmem(t.s + c0, c1 - c0, specials[k], n) || memmem(t.s + r0, r1 - r0, specials[k], n)) {
+        if (memmem(t->s + c0, c1 - c0, specials[k], n) || memmem(t->s + r0, r1 - r0, specials[k], n)) {
             free_calls(calls, n_calls);
             return ds41_fail(err, "Unexpected special token '%s' in content", specials[k]);
         }
     }
     out->tool_calls = calls;
     out->n_tool_calls = n_calls;
-    if (set_span(&out->reasoning_content, &out->reasoning_content_len, t.s + r0, r1 - r0, err) != 0 ||
-        set_span(&out->content, &out->content_len, t.s + c0, c1 - c0, err) != 0) {
+    if (set_span(&out->reasoning_content, &out->reasoning_content_len, t->s + r0, r1 - r0, err) != 0 ||
+        set_span(&out->content, &out->content_len, t->s + c0, c1 - c0, err) != 0) {
         ds41_chat_completion_free(out);
         return -1;
     }
@@ -1688,14 +1773,15 @@ int ds41_chat_parse_completion(const char *text, size_t len, ds41_chat_mode mode
     size_t bad;
     if (len && !ds41_utf8_valid(text, len, &bad))
         return ds41_fail(err, "completion text is not valid UTF-8 (byte %zu)", bad);
-    return parse_strict((text_view){text ? text : "", len}, mode, out, err);
+    text_view tv = text_view_of(text ? text : "", len);
+    return parse_strict(&tv, mode, out, err);
 }
 
 /* The lenient salvage of a text the strict parser rejected (see chat.h). */
-static int parse_salvage(text_view t, ds41_chat_mode mode, ds41_chat_completion *out, ds41_error *err) {
-    static const char *const think_stops[] = {DS41_CHAT_THINK_END, TOOL_CALLS_START, DS41_CHAT_EOS};
-    static const char *const content_stops[] = {DS41_CHAT_EOS, TOOL_CALLS_START};
-    static const char *const eos_stop[] = {DS41_CHAT_EOS};
+static int parse_salvage(text_view *t, ds41_chat_mode mode, ds41_chat_completion *out, ds41_error *err) {
+    static const int think_stops[] = {S_THINK_END, S_TOOL_CALLS_START, S_EOS};
+    static const int content_stops[] = {S_EOS, S_TOOL_CALLS_START};
+    static const int eos_stop[] = {S_EOS};
     size_t pos = 0, r0 = 0, r1 = 0, c0, c1;
     if (mode == DS41_CHAT_MODE_THINKING) {
         int stop = read_until(t, &pos, think_stops, 3, &r0, &r1);
@@ -1703,7 +1789,7 @@ static int parse_salvage(text_view t, ds41_chat_mode mode, ds41_chat_completion 
     }
     ds41_buf content = {0};
     int stop = read_until(t, &pos, content_stops, 2, &c0, &c1);
-    ds41_buf_put(&content, t.s + c0, c1 - c0);
+    ds41_buf_put(&content, t->s + c0, c1 - c0);
     if (stop == 1) {
         size_t block0 = c1, after = pos;
         ds41_chat_tool_call *calls = NULL;
@@ -1712,17 +1798,17 @@ static int parse_salvage(text_view t, ds41_chat_mode mode, ds41_chat_completion 
         if (parse_tool_calls(t, &after, &calls, &n_calls, &ignored) == 0) {
             size_t e0, e1;
             read_until(t, &after, eos_stop, 1, &e0, &e1);
-            ds41_buf_put(&content, t.s + e0, e1 - e0);
+            ds41_buf_put(&content, t->s + e0, e1 - e0);
             out->tool_calls = calls;
             out->n_tool_calls = n_calls;
         } else {
             size_t scan = block0, e0, e1;
             read_until(t, &scan, eos_stop, 1, &e0, &e1);
-            ds41_buf_put(&content, t.s + e0, e1 - e0);
+            ds41_buf_put(&content, t->s + e0, e1 - e0);
         }
     }
     out->content = ds41_buf_take(&content, &out->content_len);
-    if (!out->content || set_span(&out->reasoning_content, &out->reasoning_content_len, t.s + r0, r1 - r0, err) != 0) {
+    if (!out->content || set_span(&out->reasoning_content, &out->reasoning_content_len, t->s + r0, r1 - r0, err) != 0) {
         ds41_chat_completion_free(out);
         return oom(err);
     }
@@ -1736,7 +1822,7 @@ int ds41_chat_parse_completion_lenient(const char *text, size_t len, ds41_chat_m
     *out = (ds41_chat_completion){0};
     if (!text && len) return ds41_fail(note, "chat parse: no text");
     ds41_buf clean = {0};
-    text_view t = {text ? text : "", len};
+    text_view t = text_view_of(text ? text : "", len);
     size_t bad;
     bool sanitized = len && !ds41_utf8_valid(text, len, &bad);
     if (sanitized) {
@@ -1745,11 +1831,11 @@ int ds41_chat_parse_completion_lenient(const char *text, size_t len, ds41_chat_m
             ds41_buf_free(&clean);
             return oom(note);
         }
-        t = (text_view){clean.data, clean.len};
+        t = text_view_of(clean.data, clean.len);
     }
     ds41_error strict_err;
     int rc;
-    if (parse_strict(t, mode, out, &strict_err) == 0) {
+    if (parse_strict(&t, mode, out, &strict_err) == 0) {
         out->repaired = sanitized;
         if (sanitized && note) ds41_fail(note, "completion text is not valid UTF-8 (byte %zu)", bad);
         rc = 0;
@@ -1757,7 +1843,7 @@ int ds41_chat_parse_completion_lenient(const char *text, size_t len, ds41_chat_m
         rc = oom(note);
     } else {
         if (note) *note = strict_err;
-        rc = parse_salvage(t, mode, out, note);
+        rc = parse_salvage(&t, mode, out, note);
     }
     ds41_buf_free(&clean);
     return rc;

@@ -110,12 +110,16 @@ typedef struct ds41_chat_prompt {
 } ds41_chat_prompt;
 
 /* Renders req into *out (release with ds41_chat_prompt_free; *out is zeroed on failure).
+ * Field values that are not strings are written as Python's str() writes them, like the official
+ * encoder does: a null tool result or reminder "None", true "True", 1.5 "1.5", a JSON object
+ * {'k': 'v'} (Python repr); `content or ""` fields (system, user, assistant) render "" when falsy.
  * Errors: the official encoder's messages (§11.8: image placeholder in text, invalid image
- * block, "Unknown role: ...", invalid effort or task, tool-namespace conflicts) and ds41's own for
- * malformed input (messages not an array, a message not an object, a tool call without function /
- * name / arguments, tools that are not a list of {"function": {...}} objects, a text block whose
- * text is not a string, a tool result that is a JSON object..., and arguments that decode to a lone
- * UTF-16 surrogate, which has no UTF-8 form). */
+ * block, "Unknown role: ...", invalid effort or task, tool-namespace conflicts) and ds41's own
+ * where Python would raise a TypeError / KeyError (messages not an array, a message not an object,
+ * a tool call without function / name / arguments, tools that are not a list of
+ * {"function": {...}} objects, a text block whose text is not a string, content_blocks that are
+ * not a list), plus arguments that decode to a lone UTF-16 surrogate, which has no UTF-8 form
+ * (Python would fail later, when tokenizing). */
 int ds41_chat_render(const ds41_chat_request *req, ds41_chat_prompt *out, ds41_error *err);
 
 void ds41_chat_prompt_free(ds41_chat_prompt *p);

@@ -73,7 +73,10 @@ char *ds41_buf_take(ds41_buf *b, size_t *len) {
         ds41_buf_free(b);
         return NULL;
     }
-    if (!b->data && !buf_reserve(b, 0)) return NULL;
+    if (!b->data) {
+        if (!buf_reserve(b, 0)) return NULL;
+        b->data[0] = 0; /* never written: an empty string */
+    }
     char *p = b->data;
     if (len) *len = b->len;
     b->data = NULL;

@@ -426,6 +426,13 @@ static void test_multi_turn(void) {
                   BOS USR "q" AST ETHINK "a", "wo_eos leaves the EOS out (prefill of an assistant turn)");
     expect_render((rq){.messages = "[{\"role\":\"user\",\"content\":\"q\"}]", .no_bos = true}, USR "q" AST ETHINK,
                   "add_bos=false");
+    /* encode_messages' count of messages to render is len(drop(context + messages)) -
+     * len(drop(context)): a context message of another role dropped only in the full list leaves
+     * nothing to render (the official result is the empty string). */
+    expect_render((rq){.messages = "[{\"role\":\"tool\",\"content\":\"Y\"}]",
+                       .context = "[{\"role\":\"other\"},{\"role\":\"assistant\",\"content\":\"\"}]",
+                       .mode = DS41_CHAT_MODE_THINKING},
+                  "", "thinking + context: the official message count can leave nothing to render");
 }
 
 static void test_reminder_and_tasks(void) {
@@ -857,6 +864,23 @@ static void test_parser(void) {
                   span_is(c.tool_calls[0].arguments, c.tool_calls[0].arguments_len, "{\"k\": \"a<b\"}"),
               "parameter regex: value may hold '<'; '$' allows one final newline");
     ds41_chat_completion_free(&c);
+
+    const char *same_names = "a" CALLS_OPEN INV("f") PRM("k", "true", "1") PRM("j", "true", "2") INV_END INV("g")
+        PRM("k", "true", "3") PRM("j", "true", "4") INV_END CALLS_CLOSE EOS;
+    rc = ds41_chat_parse_completion(same_names, strlen(same_names), C, &c, &err);
+    TAP_CHECK(rc == 0 && c.n_tool_calls == 2 &&
+                  span_is(c.tool_calls[1].arguments, c.tool_calls[1].arguments_len, "{\"k\": \"3\", \"j\": \"4\"}"),
+              "the same parameter names in two invokes are fine");
+    ds41_chat_completion_free(&c);
+    ds41_buf many = {0};
+    ds41_buf_puts(&many, "a" CALLS_OPEN INV("f"));
+    for (int i = 0; i < 300; i++) ds41_buf_printf(&many, PRM("p%d", "false", "%d"), i, i);
+    ds41_buf_puts(&many, PRM("p17", "true", "again") INV_END CALLS_CLOSE EOS);
+    rc = ds41_chat_parse_completion(many.data, many.len, C, &c, &err);
+    TAP_CHECK(rc != 0 && strcmp(err.msg, "Duplicate parameter name: 'p17'") == 0,
+              "a duplicate after 300 parameters is found");
+    if (rc == 0) ds41_chat_completion_free(&c);
+    ds41_buf_free(&many);
 
     /* every §11.7 message */
     expect_parse_error("reasoning without end" EOS, T, "Invalid thinking format: missing </think>",
