@@ -67,7 +67,7 @@ static const struct {
 
 /* Where a working message came from ("messages[3]"), kept in the copy under a key no encoder code
  * reads, for error messages. */
-static const char ORIGIN_KEY[] = "\x01ds41-origin";
+static const char ORIGIN_KEY[] = "\x01" "ds41-origin";
 
 /* Longest quote of model text in a parser error message, and of a name in an encoder one (the
  * messages must fit DS41_ERROR_MAX). */
@@ -213,7 +213,8 @@ int ds41_chat_mode_parse(const char *name, ds41_chat_mode *mode, ds41_error *err
         *mode = DS41_CHAT_MODE_THINKING;
         return 0;
     }
-    return ds41_fail(err, "Invalid thinking_mode `%s`", name ? name : "None");
+    if (!name) return ds41_fail(err, "Invalid thinking_mode `None`");
+    return ds41_fail(err, "Invalid thinking_mode `%.*s`", (int)utf8_cut(name, strlen(name), MAX_NAME), name);
 }
 
 int ds41_chat_reasoning_effort(const json_t *effort, int *budget, ds41_error *err) {

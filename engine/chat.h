@@ -17,7 +17,7 @@
  * 'arguments'").  Messages that quote model text are cut (at a character boundary, ending "...")
  * when the quote would not fit the error buffer.
  *
- * Thread safety: every function is reentrant; nothing is global. */
+ * Thread safety: every function is reentrant and may run on several threads at once. */
 #ifndef DS41_ENGINE_CHAT_H
 #define DS41_ENGINE_CHAT_H
 
