@@ -901,53 +901,7 @@ void ds41_py_str(const ds41_py *v, ds41_buf *out) {
 
 /* ---- UTF-8 ---- */
 
-/* Length of the well-formed sequence at s[i] (1..4), or 0 with *subpart = the length of its
- * maximal ill-formed subpart (at least 1). */
-static size_t utf8_sequence(const unsigned char *s, size_t len, size_t i, size_t *subpart) {
-    unsigned char b = s[i];
-    if (b < 0x80) return 1;
-    size_t n;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) n = 2;
-    else if (b == 0xE0) n = 3, lo = 0xA0;
-    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) n = 3;
-    else if (b == 0xED) n = 3, hi = 0x9F;
-    else if (b == 0xF0) n = 4, lo = 0x90;
-    else if (b >= 0xF1 && b <= 0xF3) n = 4;
-    else if (b == 0xF4) n = 4, hi = 0x8F;
-    else {
-        *subpart = 1;
-        return 0;
-    }
-    size_t k = 1;
-    for (; k < n && i + k < len; k++) {
-        unsigned char c = s[i + k];
-        unsigned char l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-        if (c < l || c > h) break;
-    }
-    if (k == n) return n;
-    *subpart = k;
-    return 0;
-}
 
-bool ds41_utf8_valid(const char *s, size_t len, size_t *bad_offset) {
-    const unsigned char *u = (const unsigned char *)s;
-    size_t i = 0;
-    while (i < len) {
-        if (u[i] < 0x80) {
-            i++;
-            continue;
-        }
-        size_t sub;
-        size_t n = utf8_sequence(u, len, i, &sub);
-        if (!n) {
-            if (bad_offset) *bad_offset = i;
-            return false;
-        }
-        i += n;
-    }
-    return true;
-}
 
 void ds41_utf8_sanitize(const char *s, size_t len, ds41_buf *out) {
     const unsigned char *u = (const unsigned char *)s;
@@ -958,7 +912,7 @@ void ds41_utf8_sanitize(const char *s, size_t len, ds41_buf *out) {
             continue;
         }
         size_t sub = 0;
-        size_t n = utf8_sequence(u, len, i, &sub);
+        size_t n = ds41_utf8_sequence(u + i, len - i, &sub);
         if (n) {
             i += n;
             continue;

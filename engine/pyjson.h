@@ -39,6 +39,7 @@
 #include <jansson.h>
 
 #include "config/error.h"
+#include "config/utf8.h"
 
 /* ---- growable byte buffer ---- */
 
@@ -130,11 +131,6 @@ char *ds41_json_dumps_py(const json_t *value, size_t *len, ds41_error *err);
 void ds41_py_dumps_string(const char *s, size_t len, ds41_buf *out);
 
 /* ---- UTF-8 ---- */
-
-/* Whether s[len] is well-formed UTF-8 (no overlong forms, no surrogates, nothing above
- * U+10FFFF; NUL allowed).  On false, *bad_offset (if not NULL) is the offset of the first byte of
- * the first ill-formed sequence. */
-bool ds41_utf8_valid(const char *s, size_t len, size_t *bad_offset);
 
 /* Appends s[len] to out with every ill-formed sequence replaced by U+FFFD (one per maximal
  * ill-formed subpart, as Python's bytes.decode(errors="replace") does). */

@@ -83,67 +83,8 @@ static size_t utf8_next(const uint8_t *s, size_t n, uint32_t *cp) {
     return need;
 }
 
-/* Length of the maximal invalid subpart starting at s[0] (s[0] does not start
- * a well-formed character): a lead byte followed by the continuation bytes
- * that could still belong to it, as Rust's Utf8Chunks measures it. */
-static size_t utf8_invalid_len(const uint8_t *s, size_t n) {
-    uint8_t b0 = s[0];
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b0 >= 0xC2 && b0 <= 0xDF) {
-        need = 2;
-    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-        need = 3;
-        if (b0 == 0xE0) lo = 0xA0;
-        if (b0 == 0xED) hi = 0x9F;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-        need = 4;
-        if (b0 == 0xF0) lo = 0x90;
-        if (b0 == 0xF4) hi = 0x8F;
-    } else {
-        return 1; /* 0x80..0xC1, 0xF5..0xFF never start a character */
-    }
-    size_t i = 1;
-    if (i >= n || s[i] < lo || s[i] > hi) return i;
-    i++;
-    while (i < need) {
-        if (i >= n || (s[i] & 0xC0) != 0x80) return i;
-        i++;
-    }
-    return i; /* unreachable for invalid input; kept for safety */
-}
 
-char *ds41_utf8_lossy(const uint8_t *bytes, size_t n, size_t *out_len) {
-    if (n > (SIZE_MAX - 1) / 3) return NULL;
-    char *out = malloc(3 * n + 1);
-    if (!out) return NULL;
-    size_t i = 0, o = 0;
-    while (i < n) {
-        uint32_t cp;
-        size_t k = utf8_next(bytes + i, n - i, &cp);
-        if (k) {
-            memcpy(out + o, bytes + i, k);
-            o += k;
-            i += k;
-            continue;
-        }
-        i += utf8_invalid_len(bytes + i, n - i);
-        out[o++] = (char)0xEF;
-        out[o++] = (char)0xBF;
-        out[o++] = (char)0xBD;
-    }
-    out[o] = 0;
-    char *shrunk = realloc(out, o + 1);
-    if (shrunk) out = shrunk;
-    if (out_len) *out_len = o;
-    return out;
-}
 
-bool ds41_utf8_contains_replacement(const char *s, size_t n) {
-    for (size_t i = 0; i + 2 < n; i++)
-        if ((uint8_t)s[i] == 0xEF && (uint8_t)s[i + 1] == 0xBF && (uint8_t)s[i + 2] == 0xBD) return true;
-    return false;
-}
 
 /* ======================================================================
  * The vocabulary

@@ -45,6 +45,7 @@
 #define DS41_ENGINE_VOCAB_H
 
 #include "config/error.h"
+#include "config/utf8.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -217,13 +218,5 @@ int ds41_byte_level_byte(uint32_t codepoint);
  * (DeepSeek: id = 3 + position). */
 int ds41_byte_level_rank(uint8_t byte);
 
-/* Rust's String::from_utf8_lossy: copy BYTES (N of them) replacing each
- * maximal invalid subpart (Unicode §3.9, "U+FFFD substitution of maximal
- * subparts") by U+FFFD (EF BF BD).  Returns a malloc'd NUL-terminated string
- * (the caller frees it), its length in *out_len (if not NULL); NULL only when
- * memory runs out.  BYTES may be NULL when N is 0. */
-char *ds41_utf8_lossy(const uint8_t *bytes, size_t n, size_t *out_len);
-/* Whether S (N bytes) contains the encoded U+FFFD. */
-bool ds41_utf8_contains_replacement(const char *s, size_t n);
 
 #endif

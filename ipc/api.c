@@ -416,7 +416,7 @@ static void start_stream_locked(gen_ctx *g) {
 }
 
 static void tool_call_id(const gen_ctx *g, int index, const char *given, char out[64]) {
-    if (given && *given && strlen(given) < 64 && ds41_utf8_valid(given, strlen(given)))
+    if (given && *given && strlen(given) < 64 && ds41_utf8_valid(given, strlen(given), NULL))
         snprintf(out, 64, "%s", given);
     else
         snprintf(out, 64, "call_%08" PRIx32 "%012" PRIx64 "%04x", g->salt, g->id, (unsigned)index);
@@ -788,7 +788,7 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     rc = api->svc.submit(api->svc.ctx, &req.gen, &sink, &g->accept, &err);
     ds41_api_request_free(&req);
     g->accept.model[sizeof g->accept.model - 1] = 0;
-    if (!ds41_utf8_valid(g->accept.model, strlen(g->accept.model))) g->accept.model[0] = 0;
+    if (!ds41_utf8_valid(g->accept.model, strlen(g->accept.model), NULL)) g->accept.model[0] = 0;
     if (rc != 0) {
         /* Refused: no event was (or will be) delivered. */
         pthread_mutex_lock(&g->mu);

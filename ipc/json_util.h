@@ -7,16 +7,11 @@
 #ifndef DS41_IPC_JSON_UTIL_H
 #define DS41_IPC_JSON_UTIL_H
 
+#include "config/utf8.h"
+
 #include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
-
-/* Bytes of the longest prefix of s[0..len) that is valid UTF-8 and ends on a
- * character boundary. */
-size_t ds41_utf8_valid_prefix(const char *s, size_t len);
-
-/* true when s[0..len) is valid UTF-8 (NULs allowed). */
-bool ds41_utf8_valid(const char *s, size_t len);
 
 /* A JSON string of s[0..len) with every invalid UTF-8 sequence replaced by
  * U+FFFD.  s may be NULL when len is 0.  New reference; NULL only when out of

@@ -13,7 +13,9 @@ else
     echo "not ok 1 - $(basename "$fuzzer") found a crash"
     tail -n 60 "$work/log" | sed 's/^/# /'
     for f in "$work"/crash-* "$work"/leak-* "$work"/timeout-*; do
-        [ -e "$f" ] && echo "# artifact $(basename "$f"): $(head -c 300 "$f" | od -An -c | head -5 | tr -s ' ')"
+        [ -e "$f" ] || continue
+        echo "# artifact $(basename "$f"):"
+        head -c 300 "$f" | od -An -c | head -5 | sed 's/^/#   /'
     done
 fi
 echo "1..1"
