@@ -144,11 +144,11 @@ static void print_inventory(const ds41_tensor_plan *plan, const ds41_checkpoint 
 
 static void print_roles(const ds41_model_config *cfg) {
     printf("Layer roles\n");
-    printf("  %-6s %-5s %-44s %-9s %-5s %-8s %-10s\n", "layer", "ratio", "attention", "rope", "yarn", "engram",
+    printf("  %-6s %-5s %-56s %-9s %-5s %-8s %-10s\n", "layer", "ratio", "attention", "rope", "yarn", "engram",
            "experts");
     for (size_t l = 0; l < cfg->n_roles; l++) {
         const ds41_layer_role *r = &cfg->roles[l];
-        char kind[96], name[16], experts[32];
+        char kind[96], name[32], experts[64];
         if ((int64_t)l < cfg->n_layers)
             snprintf(name, sizeof name, "%zu", l);
         else
@@ -160,7 +160,7 @@ static void print_roles(const ds41_model_config *cfg) {
                      (long long)r->n_active_experts);
         else
             snprintf(experts, sizeof experts, "-");
-        printf("  %-6s %-5d %-44s %-9g %-5s %-8s %-10s\n", name, r->ratio, kind, r->rope_theta,
+        printf("  %-6s %-5d %-56s %-9g %-5s %-8s %-10s\n", name, r->ratio, kind, r->rope_theta,
                r->yarn ? "yes" : "no", r->engram_slot >= 0 ? "before" : "", experts);
     }
     printf("\n");

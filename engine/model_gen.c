@@ -45,7 +45,7 @@ typedef struct preset_kv {
         {"o_groups", "2"}, {"o_lora_rank", "32"}, {"kv_source_layers", "[2, 5]"},                      \
         {"index_source_layers", "[2, 5, 7]"}, {"original_seq_len", "65536"}, {"rope_theta", "10000"},  \
         {"rope_factor", "16"}, {"beta_fast", "32"}, {"beta_slow", "1"}, {"index_n_heads", "4"},        \
-        {"index_head_dim", "32"}, {"candidate_source_layer", "5"}, {"hc_mult", "4"},                   \
+        {"index_head_dim", "64"}, {"candidate_source_layer", "5"}, {"hc_mult", "4"},                   \
         {"hc_sinkhorn_iters", "20"}, {"hc_eps", "1e-06"}, {"engram_layer_ids", "[1, 5]"},               \
         {"engram_vocab_size", "2000"}, {"engram_num_embeddings", "[12000, 12000]"},                    \
         {"engram_max_ngram_size", "4"}, {"engram_pad_id", "2"}, {"engram_compressed_vocab_size", "1"},   \
