@@ -21,32 +21,19 @@ static void *scratch(size_t bytes) {
 
 /* ---- linear ---------------------------------------------------------------- */
 
-/* Unscaled weight values of row n (e4m3 or e2m1 codes decoded). */
-static void weight_row_values(const ds41_linear *w, size_t n, float *out) {
-    const size_t K = (size_t)w->k;
-    if (w->kind == DS41_LINEAR_FP8) {
-        const uint8_t *q = w->q + n * K;
-        for (size_t k = 0; k < K; k++) out[k] = ds41_e4m3_table[q[k]];
-    } else {
-        const uint8_t *q = w->q + n * ((K + 1) / 2);
-        for (size_t k = 0; k < K; k++) out[k] = ds41_e2m1_table[(q[k / 2] >> ((k & 1) * 4)) & 15];
-    }
-}
-
-static float weight_scale(const ds41_linear *w, size_t n, size_t kb) {
-    size_t row = w->kind == DS41_LINEAR_FP8 ? n / 32 : n;
-    return ds41_ue8m0_to_f32(w->scale[row * (size_t)w->scale_cols + kb]);
-}
-
 /* act_quant + FP8/FP4 block GEMM (§2.2, §2.3, §10.3): per 32-wide K block,
- * p = fp32(exact block sum of code products) - exact in double, the codes
- * products being multiples of 2^-18 below 2^18 -, acc = fp32(acc +
- * fp32(p * fp32(a_scale * b_scale))); y = bf16(acc). */
+ * p = fp32(exact block sum of code products) - exact in double, the code
+ * products being multiples of 2^-18 (FP8 x FP8; 2^-10 for FP4 x FP8) below
+ * 2^18, so 32 of them need at most 41 bits -, acc = fp32(acc + fp32(p *
+ * fp32(a_scale * b_scale))); y = bf16(acc). */
 static void linear_quant(const ds41_linear *w, const float *x, size_t M, float *y) {
     const size_t K = (size_t)w->k, N = (size_t)w->n;
     const size_t nkb = (K + 31) / 32;
+    const int fp4 = w->kind == DS41_LINEAR_FP4;
+    const size_t row_bytes = fp4 ? (K + 1) / 2 : K;
     float *av = scratch(M * K * sizeof *av);
     float *as = scratch(M * nkb * sizeof *as);
+    float *ws = scratch(nkb * sizeof *ws);
     float *wv = scratch(K * sizeof *wv);
     uint8_t *codes = scratch(K);
     uint8_t *sbytes = scratch(nkb);
@@ -56,17 +43,33 @@ static void linear_quant(const ds41_linear *w, const float *x, size_t M, float *
         for (size_t kb = 0; kb < nkb; kb++) as[m * nkb + kb] = ds41_ue8m0_to_f32(sbytes[kb]);
     }
     for (size_t n = 0; n < N; n++) {
-        weight_row_values(w, n, wv);
+        /* This row's unscaled weight values and block scales. */
+        const uint8_t *q = w->q + n * row_bytes;
+        if (fp4)
+            for (size_t k = 0; k < K; k++) wv[k] = ds41_e2m1_table[(q[k / 2] >> ((k & 1) * 4)) & 15];
+        else
+            for (size_t k = 0; k < K; k++) wv[k] = ds41_e4m3_table[q[k]];
+        const uint8_t *srow = w->scale + (fp4 ? n : n / 32) * (size_t)w->scale_cols;
+        for (size_t kb = 0; kb < nkb; kb++) ws[kb] = ds41_ue8m0_to_f32(srow[kb]);
         for (size_t m = 0; m < M; m++) {
             const float *a = av + m * K;
+            const float *sa = as + m * nkb;
             float acc = 0.0f;
             for (size_t kb = 0; kb < nkb; kb++) {
                 const size_t k0 = kb * 32, k1 = k0 + 32 < K ? k0 + 32 : K;
-                double p = 0.0;
-                for (size_t k = k0; k < k1; k++) p += (double)a[k] * (double)wv[k];
-                const float pf = (float)p;
-                const float s = as[m * nkb + kb] * weight_scale(w, n, kb);
-                const float t = pf * s;
+                /* Every partial sum is exact, so any order gives the same p. */
+                double p0 = 0.0, p1 = 0.0, p2 = 0.0, p3 = 0.0;
+                size_t k = k0;
+                for (; k + 4 <= k1; k += 4) {
+                    p0 += (double)a[k] * (double)wv[k];
+                    p1 += (double)a[k + 1] * (double)wv[k + 1];
+                    p2 += (double)a[k + 2] * (double)wv[k + 2];
+                    p3 += (double)a[k + 3] * (double)wv[k + 3];
+                }
+                for (; k < k1; k++) p0 += (double)a[k] * (double)wv[k];
+                const float pf = (float)((p0 + p1) + (p2 + p3));
+                const float sc = sa[kb] * ws[kb];
+                const float t = pf * sc;
                 acc = acc + t;
             }
             y[m * N + n] = ds41_bf16_round(acc);
@@ -74,6 +77,7 @@ static void linear_quant(const ds41_linear *w, const float *x, size_t M, float *
     }
     free(av);
     free(as);
+    free(ws);
     free(wv);
     free(codes);
     free(sbytes);
@@ -240,13 +244,12 @@ static void ref_sparse_attn(const float *q, int n_heads, int head_dim, const flo
     float *den = scratch(H * sizeof *den);
     float *acc = scratch(H * hd * sizeof *acc);
     float z[ATTN_CHUNK], p[ATTN_CHUNK], pb[ATTN_CHUNK];
+    double terms[ATTN_CHUNK];
     for (size_t h = 0; h < H; h++) {
         mx[h] = -1e30f;
         den[h] = 0.0f;
     }
     memset(acc, 0, H * hd * sizeof *acc);
-    ds41_xacc xa;
-    ds41_xacc_init(&xa);
     for (size_t c0 = 0; c0 < total; c0 += ATTN_CHUNK) {
         const size_t nc = total - c0 < ATTN_CHUNK ? total - c0 : ATTN_CHUNK;
         for (size_t j = 0; j < nc; j++) {
@@ -273,8 +276,8 @@ static void ref_sparse_attn(const float *q, int n_heads, int head_dim, const flo
             den[h] = dc + psum;
             float *ah = acc + h * hd;
             for (size_t d = 0; d < hd; d++) {
-                for (size_t j = 0; j < nc; j++) ds41_xacc_add(&xa, (double)pb[j] * (double)kv[j * hd + d]);
-                const float pv = ds41_xacc_round(&xa);
+                for (size_t j = 0; j < nc; j++) terms[j] = (double)pb[j] * (double)kv[j * hd + d];
+                const float pv = ds41_xsum_f64(terms, nc);
                 const float ac = ah[d] * corr;
                 ah[d] = ac + pv;
             }
@@ -346,8 +349,7 @@ static void ref_router(const float *logits, const float *bias, size_t M, int E, 
 
 static void ref_engram_mix(float *h, const float *kv, const float *wqk, size_t M, int hc, size_t dim, float eps,
                            float dim_scale) {
-    ds41_xacc xa;
-    ds41_xacc_init(&xa);
+    double *terms = scratch(dim * sizeof *terms);
     for (size_t m = 0; m < M; m++) {
         const float *kvr = kv + m * (size_t)(hc + 1) * dim;
         const float *value = kvr + (size_t)hc * dim;
@@ -361,9 +363,9 @@ static void ref_engram_mix(float *h, const float *kv, const float *wqk, size_t M
             for (size_t d = 0; d < dim; d++) {
                 const float hw = hr[d] * wr[d];
                 const float t = hw * key[d];
-                ds41_xacc_add(&xa, (double)t);
+                terms[d] = (double)t;
             }
-            const float s = ds41_xacc_round(&xa);
+            const float s = ds41_xsum_f64(terms, dim);
             const float sr = s * rstd;
             const float dot = sr * dim_scale;
             float a = fabsf(dot);
@@ -375,6 +377,7 @@ static void ref_engram_mix(float *h, const float *kv, const float *wqk, size_t M
             }
         }
     }
+    free(terms);
 }
 
 const ds41_ops ds41_ops_reference = {

@@ -214,35 +214,182 @@ float ds41_xacc_round_div(ds41_xacc *a, uint64_t n) {
 
 /* ---- reductions ---------------------------------------------------------------- */
 
+/* Fast path of every reduction: s is the plain double sum of n exact terms
+ * and abs_sum the double sum of their magnitudes.  Recursive summation keeps
+ * |s - exact| <= (n-1) u sum|t| / (1 - (n-1) u) with u = 2^-53, in any
+ * summation order (the callers may keep several partial sums); we use the
+ * looser bound e = (n+2) 2^-52 abs_sum (which also covers the rounding of
+ * abs_sum itself).  [lo, hi] = [s - e, s + e], each pushed one more double
+ * outward, strictly contains the exact sum; rounding to fp32 is monotonic,
+ * so if both ends round to the same float, so does the exact sum, and that
+ * float is the correctly rounded result.  Otherwise (including a sum sitting
+ * on an fp32 tie, non-finite values, and divisions) the caller falls back to
+ * the exact accumulator.  div > 1 checks round(exact / div) the same way. */
+static int fast_round(double s, double abs_sum, size_t n, uint64_t div, float *out) {
+    if (!isfinite(s) || !isfinite(abs_sum)) return 0;
+    if (abs_sum == 0.0) {
+        *out = 0.0f; /* every term is +-0: the exact sum is +0 */
+        return 1;
+    }
+    const double e = (double)(n + 2) * 0x1p-52 * abs_sum;
+    if (!isfinite(e)) return 0;
+    double lo = nextafter(s - e, -INFINITY), hi = nextafter(s + e, INFINITY);
+    if (div > 1) {
+        lo = nextafter(lo / (double)div, -INFINITY);
+        hi = nextafter(hi / (double)div, INFINITY);
+    }
+    const float flo = (float)lo, fhi = (float)hi;
+    /* Equal floats, and not a zero: a zero result needs the exact sign rule
+     * (an exact zero is +0, a tiny non-zero keeps its sign). */
+    if (flo != fhi || flo == 0.0f) return 0;
+    *out = flo;
+    return 1;
+}
+
+/* Second chance before the exact accumulator: when every term is a multiple
+ * of 2^g and n * max|t| < 2^(g+52), every partial sum in any order is an
+ * integer multiple of 2^g below 2^53 units, i.e. exactly representable: the
+ * double sum s IS the exact sum and one conversion rounds it correctly
+ * (ties included).  This is the common case of ties on the fp32 grid. */
+typedef struct grid {
+    int g;     /* lowest set bit exponent over the terms */
+    double mx; /* max |t| */
+} grid;
+
+static inline void grid_add(grid *gr, double t) {
+    uint64_t b;
+    memcpy(&b, &t, sizeof b);
+    const int e = (int)((b >> 52) & 0x7ff);
+    uint64_t m = b & ((UINT64_C(1) << 52) - 1);
+    if (e == 0 && m == 0) return;
+    if (e != 0) m |= UINT64_C(1) << 52;
+    const int lsb = (e ? e : 1) - 1075 + __builtin_ctzll(m);
+    if (lsb < gr->g) gr->g = lsb;
+    const double a = fabs(t);
+    if (a > gr->mx) gr->mx = a;
+}
+
+static int grid_exact(const grid *gr, double s, size_t n, float *out) {
+    if (!isfinite(s) || gr->mx == 0.0 || gr->g > 900) return 0;
+    if (gr->mx * (double)(n + 1) >= ldexp(1.0, gr->g + 52)) return 0;
+    *out = s == 0.0 ? 0.0f : (float)s;
+    return 1;
+}
+
+float ds41_xsum_f64(const double *t, size_t n) {
+    double s = 0.0, a = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        s += t[i];
+        a += fabs(t[i]);
+    }
+    float r;
+    if (fast_round(s, a, n, 1, &r)) return r;
+    grid gr = {INT32_MAX, 0.0};
+    for (size_t i = 0; i < n; i++) grid_add(&gr, t[i]);
+    if (grid_exact(&gr, s, n, &r)) return r;
+    ds41_xacc acc;
+    ds41_xacc_init(&acc);
+    for (size_t i = 0; i < n; i++) ds41_xacc_add(&acc, t[i]);
+    return ds41_xacc_round(&acc);
+}
+
 float ds41_xsum_f32(const float *x, size_t n) {
-    ds41_xacc a;
-    ds41_xacc_init(&a);
-    for (size_t i = 0; i < n; i++) ds41_xacc_add(&a, (double)x[i]);
-    return ds41_xacc_round(&a);
+    double s = 0.0, a = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        s += (double)x[i];
+        a += fabs((double)x[i]);
+    }
+    float r;
+    if (fast_round(s, a, n, 1, &r)) return r;
+    grid gr = {INT32_MAX, 0.0};
+    for (size_t i = 0; i < n; i++) grid_add(&gr, (double)x[i]);
+    if (grid_exact(&gr, s, n, &r)) return r;
+    ds41_xacc acc;
+    ds41_xacc_init(&acc);
+    for (size_t i = 0; i < n; i++) ds41_xacc_add(&acc, (double)x[i]);
+    return ds41_xacc_round(&acc);
 }
 
 float ds41_xdot_f32(const float *x, const float *y, size_t n) {
-    ds41_xacc a;
-    ds41_xacc_init(&a);
-    for (size_t i = 0; i < n; i++) ds41_xacc_add(&a, (double)x[i] * (double)y[i]);
-    return ds41_xacc_round(&a);
+    /* Two interleaved partial sums: the error bound of fast_round holds for
+     * any summation order. */
+    double s0 = 0.0, s1 = 0.0, a0 = 0.0, a1 = 0.0;
+    size_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        const double p = (double)x[i] * (double)y[i], q = (double)x[i + 1] * (double)y[i + 1];
+        s0 += p;
+        s1 += q;
+        a0 += fabs(p);
+        a1 += fabs(q);
+    }
+    for (; i < n; i++) {
+        const double p = (double)x[i] * (double)y[i];
+        s0 += p;
+        a0 += fabs(p);
+    }
+    const double s = s0 + s1, a = a0 + a1;
+    float r;
+    if (fast_round(s, a, n, 1, &r)) return r;
+    grid gr = {INT32_MAX, 0.0};
+    for (i = 0; i < n; i++) grid_add(&gr, (double)x[i] * (double)y[i]);
+    if (grid_exact(&gr, s, n, &r)) return r;
+    ds41_xacc acc;
+    ds41_xacc_init(&acc);
+    for (i = 0; i < n; i++) ds41_xacc_add(&acc, (double)x[i] * (double)y[i]);
+    return ds41_xacc_round(&acc);
+}
+
+/* bf16 bits -> fp32 (exact), inlined for the dot product loops. */
+static inline float widen_bf16(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 float ds41_xdot_f32_bf16(const float *x, const uint16_t *y, size_t n) {
-    ds41_xacc a;
-    ds41_xacc_init(&a);
-    for (size_t i = 0; i < n; i++) ds41_xacc_add(&a, (double)x[i] * (double)ds41_bf16_to_f32(y[i]));
-    return ds41_xacc_round(&a);
+    double s0 = 0.0, s1 = 0.0, a0 = 0.0, a1 = 0.0;
+    size_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        const double p = (double)x[i] * (double)widen_bf16(y[i]);
+        const double q = (double)x[i + 1] * (double)widen_bf16(y[i + 1]);
+        s0 += p;
+        s1 += q;
+        a0 += fabs(p);
+        a1 += fabs(q);
+    }
+    for (; i < n; i++) {
+        const double p = (double)x[i] * (double)widen_bf16(y[i]);
+        s0 += p;
+        a0 += fabs(p);
+    }
+    const double s = s0 + s1, a = a0 + a1;
+    float r;
+    if (fast_round(s, a, n, 1, &r)) return r;
+    grid gr = {INT32_MAX, 0.0};
+    for (i = 0; i < n; i++) grid_add(&gr, (double)x[i] * (double)widen_bf16(y[i]));
+    if (grid_exact(&gr, s, n, &r)) return r;
+    ds41_xacc acc;
+    ds41_xacc_init(&acc);
+    for (i = 0; i < n; i++) ds41_xacc_add(&acc, (double)x[i] * (double)widen_bf16(y[i]));
+    return ds41_xacc_round(&acc);
 }
 
 float ds41_mean_sq_f32(const float *x, size_t n) {
-    ds41_xacc a;
-    ds41_xacc_init(&a);
+    double s = 0.0;
     for (size_t i = 0; i < n; i++) {
-        float sq = x[i] * x[i];
-        ds41_xacc_add(&a, (double)sq);
+        const float sq = x[i] * x[i];
+        s += (double)sq; /* squares are non-negative: abs_sum = s */
     }
-    return ds41_xacc_round_div(&a, n);
+    float r;
+    if (fast_round(s, s, n, n, &r)) return r;
+    ds41_xacc acc;
+    ds41_xacc_init(&acc);
+    for (size_t i = 0; i < n; i++) {
+        const float sq = x[i] * x[i];
+        ds41_xacc_add(&acc, (double)sq);
+    }
+    return ds41_xacc_round_div(&acc, n);
 }
 
 /* ---- elementwise ---------------------------------------------------------------- */

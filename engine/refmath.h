@@ -64,6 +64,15 @@ float ds41_xacc_round_div(ds41_xacc *a, uint64_t n);
 
 /* ---- reductions built on it ------------------------------------------------- */
 
+/* fp32(exact sum of t[i]) for exact double terms (e.g. fp32 products).
+ *
+ * All the reductions below first try a fast path: the plain double sum with
+ * an a-priori error bound; when every value within the bound rounds to the
+ * same fp32 that is the exact answer (rounding is monotonic), otherwise they
+ * redo the sum with the exact accumulator.  The result is always the exact
+ * sum rounded once. */
+float ds41_xsum_f64(const double *t, size_t n);
+
 /* fp32(exact sum of x[i]). */
 float ds41_xsum_f32(const float *x, size_t n);
 

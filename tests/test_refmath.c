@@ -139,6 +139,48 @@ static void test_sums(void) {
     TAP_CHECK(same(ds41_xacc_round(&a), 0.25f), "6 million large terms cancel exactly");
     TAP_CHECK(same(ds41_xacc_round(&a), 0.0f), "the accumulator is reset after rounding");
 
+    /* The fast paths (double sum + error bound) fall back to the exact
+     * accumulator when the bound straddles a rounding boundary. */
+    float f1[3] = {1.0f, 0x1p-24f, 0x1p-80f};
+    float f2[3] = {1.0f, 0x1p-24f, -0x1p-80f};
+    float f3[2] = {1.0f, -1.0f};
+    float f4[2] = {-0x1p-149f, 0x1p-149f * 0.0f};
+    TAP_CHECK(same(ds41_xsum_f32(f1, 3), 1.0f + 0x1p-23f) && same(ds41_xsum_f32(f2, 3), 1.0f) &&
+                  same(ds41_xsum_f32(f3, 2), 0.0f) && same(ds41_xsum_f32(f4, 2), -0x1p-149f),
+              "xsum_f32 on ties, cancellation and subnormals equals the exact rule");
+    float f5[2] = {1.0f, 0x1p-24f}, f6[2] = {1.0f + 0x1p-23f, 0x1p-24f};
+    float f7[3] = {0x1p-24f, 1.0f, 0x1p-24f}; /* exact, not a tie: 1 + 2^-23 */
+    TAP_CHECK(same(ds41_xsum_f32(f5, 2), 1.0f) && same(ds41_xsum_f32(f6, 2), 1.0f + 0x1p-22f) &&
+                  same(ds41_xsum_f32(f7, 3), 1.0f + 0x1p-23f),
+              "exact double sums on an fp32 tie round to even (the provably-exact second chance)");
+    ok = 1;
+    for (size_t c = 0; c < 20000 && ok; c++) {
+        size_t n = 1 + next64() % (c % 10 == 0 ? 300 : 12);
+        float fx[300], fy[300];
+        uint16_t by[300];
+        for (size_t i = 0; i < n; i++) {
+            fx[i] = (float)rand_term();
+            fy[i] = c % 3 == 0 ? 1.0f : (float)(rand_term() / 1024.0);
+            by[i] = ds41_bf16_bits(fy[i]);
+            t[i] = (double)fx[i] * (double)fy[i];
+        }
+        if (c % 5 == 0 && n >= 2) { /* provoke ties: a float plus half its ulp */
+            fx[0] = 1.0f;
+            fy[0] = 1.0f;
+            fx[1] = 0x1p-24f;
+            fy[1] = 1.0f;
+            for (size_t i = 2; i < n; i++) fx[i] = (float)ldexp(fx[i], -90);
+            for (size_t i = 0; i < n; i++) t[i] = (double)fx[i] * (double)fy[i];
+        }
+        ok &= same(ds41_xdot_f32(fx, fy, n), sum_of(t, n));
+        ok &= same(ds41_xsum_f64(t, n), sum_of(t, n));
+        for (size_t i = 0; i < n; i++) t[i] = (double)fx[i] * (double)ds41_bf16_to_f32(by[i]);
+        ok &= same(ds41_xdot_f32_bf16(fx, by, n), sum_of(t, n));
+        if (!ok) bad_case = c;
+    }
+    TAP_CHECK(ok, "20000 random dot products (fast path or fallback) equal the exact accumulator (first bad: %zu)",
+              bad_case);
+
     /* Dot products of fp32 vectors: products are exact in double. */
     float x[3] = {16777216.0f, 1.0f, -16777216.0f}, y[3] = {3.0f, 0.5f, 3.0f};
     TAP_CHECK(same(ds41_xdot_f32(x, y, 3), 0.5f), "dot product with cancellation");
@@ -163,6 +205,20 @@ static void test_means(void) {
     TAP_CHECK(same(ds41_xacc_round_div(&a, 5120), -7.0f / 5120.0f), "negative mean over 5120");
     float x[4] = {1.0f, 2.0f, 3.0f, 4.0f};
     TAP_CHECK(same(ds41_mean_sq_f32(x, 4), 7.5f), "mean of squares");
+    int okm = 1;
+    for (int c = 0; c < 5000 && okm; c++) {
+        float v[64];
+        size_t n = 1 + next64() % 64;
+        for (size_t i = 0; i < n; i++) v[i] = (float)rand_term();
+        if (c % 4 == 0) v[0] = 0x1p-70f;
+        ds41_xacc_init(&a);
+        for (size_t i = 0; i < n; i++) {
+            float sq = v[i] * v[i];
+            ds41_xacc_add(&a, (double)sq);
+        }
+        okm &= same(ds41_mean_sq_f32(v, n), ds41_xacc_round_div(&a, n));
+    }
+    TAP_CHECK(okm, "mean of squares: the fast path agrees with the exact accumulator");
     float y[2] = {1.0f + 0x1p-12f, 0.0f};
     /* square = 1 + 2^-11 + 2^-24 rounds to fp32 first: 1 + 2^-11 (tie? no:
      * 2^-24 is exactly half an ulp of [1,2) -> even), then /2. */
