@@ -290,6 +290,14 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (chunk == 0 || chunk > S) chunk = S;
+    /* Keep every buffer size computable: (S + K) * vocab floats and the
+     * dump's (layers + 1) * S * hc * dim floats are checked below. */
+    if (S > ((size_t)1 << 24) || K > ((size_t)1 << 20)) {
+        fprintf(stderr, "ds41-eval: at most %zu prompt ids and %zu decode steps\n", (size_t)1 << 24,
+                (size_t)1 << 20);
+        free(ids);
+        return 2;
+    }
 
     ds41_error err = {{0}};
     int status = 1;
@@ -312,6 +320,15 @@ int main(int argc, char **argv) {
             status = 2;
             goto done;
         }
+    {
+        size_t rows = S + K, bytes;
+        const size_t per_row = (size_t)(cfg->n_layers + 1) * (size_t)cfg->hc_mult * (size_t)cfg->dim + V;
+        if (__builtin_mul_overflow(rows, per_row, &bytes) || __builtin_mul_overflow(bytes, sizeof(float), &bytes)) {
+            fprintf(stderr, "ds41-eval: %zu positions do not fit in memory for this model\n", rows);
+            status = 2;
+            goto done;
+        }
+    }
     pool = ds41_engine_new_pool(e, 0, 0, &err);
     seq = pool ? ds41_kv_seq_new(pool, &err) : NULL;
     pre_logits = malloc(S * V * sizeof *pre_logits);

@@ -9,6 +9,7 @@
 #include "engine/vocab.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -189,6 +190,29 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
         if (pool && p != pool) return ds41_fail(err, "forward: the batch mixes sequences of different pools");
         pool = p;
     }
+    /* Every per-row buffer of the pass must be addressable: rows times the
+     * widest row (in floats, with room for 8-byte elements). */
+    size_t M = 0;
+    for (size_t i = 0; i < n_items; i++)
+        if (__builtin_add_overflow(M, items[i].n_ids, &M)) return ds41_fail(err, "forward: batch too large");
+    const int64_t widths[] = {c->hc_mult * c->dim,
+                              (c->hc_mult + 1) * c->dim,
+                              c->vocab_size,
+                              c->n_heads * c->head_dim,
+                              c->index_n_heads * c->index_head_dim,
+                              c->n_routed_experts,
+                              c->moe_inter_dim * c->n_shared_experts,
+                              c->engram_enabled ? (c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim : 0,
+                              c->index_topk};
+    uint64_t widest = 1;
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        if (widths[i] > 0 && (uint64_t)widths[i] > widest) widest = (uint64_t)widths[i];
+    if ((uint64_t)M > (uint64_t)(SIZE_MAX / 16) / widest)
+        return ds41_fail(err, "forward: batch of %zu tokens too large for this model's buffers", M);
+    for (size_t i = 0; i < n_items; i++)
+        if (ds41_kv_seq_tokens(items[i].seq) > UINT64_MAX / 4 - items[i].n_ids)
+            return ds41_fail(err, "forward: item %zu: position overflow", i);
+
     /* Pages the batch may take: new pages per source, plus one per source
      * whose last page is partly filled (a copy-on-write copy if shared). */
     const ds41_kv_layout *l = ds41_kv_pool_layout(pool);

@@ -9,6 +9,7 @@
 #include "engine/forward.h"
 #include "engine/model_gen.h"
 #include "engine/quant.h"
+#include "engine/tensor_plan.h"
 #include "tests/tap.h"
 
 #include <ftw.h>
@@ -426,6 +427,46 @@ int main(void) {
     }
     ds41_engine_free(tiny);
     test_load_errors(dir_tiny);
+
+    /* Vision tensors (and DSpark stages) are bound and checked though the
+     * text forward pass does not run them. */
+    {
+        static const char *const vis[] = {"vision_n_layers=1",     "vision_dim=64",        "vision_n_heads=4",
+                                          "vision_inter_dim=96",   "vision_patch_size=14", "vision_downsample_ratio=2",
+                                          "vision_max_n_token=64", "vision_min_pixels=3136"};
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s/vision", root);
+        ds41_model_gen_opts o = {.preset = "tiny", .seed = 5, .sets = vis, .n_sets = 8};
+        ds41_error err;
+        ds41_model_config cfg;
+        const int generated = ds41_model_generate(dir, &o, &cfg, &err) == 0;
+        int ok = generated;
+        ds41_engine *ve = ok ? ds41_engine_load(dir, NULL, &err) : NULL;
+        ds41_tensor_plan plan = {0};
+        ok = ok && ve && ds41_tensor_plan_build(&cfg, &plan, &err) == 0;
+        size_t n_vision = 0, n_dspark = 0;
+        for (size_t i = 0; ok && i < plan.n; i++) {
+            n_vision += plan.t[i].kind == DS41_KIND_VISION;
+            n_dspark += plan.t[i].kind == DS41_KIND_DSPARK;
+        }
+        const ds41_weights *w = ve ? ds41_engine_weights(ve) : NULL;
+        TAP_CHECK(ok && w->n_bound == plan.n && w->n_unplanned == 0 && n_vision > 0 && n_dspark > 0,
+                  "a checkpoint with vision and DSpark loads: all %zu planned tensors checked (%zu vision, %zu "
+                  "DSpark)%s%s",
+                  plan.n, n_vision, n_dspark, ok ? "" : ": ", ok ? "" : err.msg);
+        if (ok) {
+            ds41_kv_pool *pool = ds41_engine_new_pool(ve, 0, 0, &err);
+            ds41_kv_seq *s = ds41_kv_seq_new(pool, &err);
+            int32_t ids[3] = {1, 2, 3};
+            ds41_fwd_item it = {.seq = s, .ids = ids, .n_ids = 3};
+            TAP_CHECK(ds41_forward(ve, &it, 1, NULL, &err) == 0, "and runs the text forward pass");
+            ds41_kv_seq_free(s);
+            ds41_kv_pool_free(pool);
+        }
+        ds41_tensor_plan_free(&plan);
+        if (generated) ds41_model_config_free(&cfg);
+        ds41_engine_free(ve);
+    }
 
     ds41_engine *lng = make("long", 12, dir_long);
     if (TAP_CHECK(lng != NULL, "long checkpoint generated and loaded")) test_chunking(lng, "long", 140);

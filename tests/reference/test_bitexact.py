@@ -241,6 +241,29 @@ def main():
                 compare_case(ck, make_prompt(ck, longn - 7, 300 + i), tmp, chunk=5 + i % 3,
                              tag=' (C chunked, numpy whole)')
 
+        # The command line: the output format, and bad input refused with exit status 2.
+        ck = cks[0]
+        out = os.path.join(tmp, 'fmt.json')
+        run([EVAL, '--model', ck.path, '--ids', '5,6', '--chunk', '9', '--out', out])
+        with open(out, 'rb') as f:
+            raw = f.read()
+        doc = json.loads(raw)
+        tap(raw.endswith(b']}\n') and b' ' not in raw and doc['ids'] == [5, 6] and doc['greedy'] == [] and
+            len(doc['prefill_logits']) == 2 and all(len(r) == ck.vocab for r in doc['prefill_logits']),
+            "ds41-eval output: compact JSON, one row per position, greedy [] without --decode, --chunk > prompt ok")
+        bad = [(['--ids', '1,x'], 'expected comma-separated integers'),
+               (['--ids', f'1,{ck.vocab}'], 'outside'),
+               (['--ids', '1', '--chunk', '0'], '--chunk'),
+               (['--ids', '1', '--decode', '-1'], '--decode')]
+        ok = True
+        for extra, msg in bad:
+            p = subprocess.run([EVAL, '--model', ck.path, '--out', out] + extra, capture_output=True, text=True)
+            ok = ok and p.returncode == 2 and msg in p.stderr
+        p = subprocess.run([EVAL, '--model', os.path.join(tmp, 'nothing'), '--ids', '1', '--out', out],
+                           capture_output=True, text=True)
+        ok = ok and p.returncode == 2 and 'config.json' in p.stderr
+        tap(ok, "ds41-eval refuses bad ids, chunk, decode and a missing checkpoint with exit status 2 and a message")
+
         # The stream dumps themselves agree key by key (REFERENCE §10.1), prefill in chunks on the C side.
         ck = cks[2]
         ids = ','.join(map(str, make_prompt(ck, 2 * ck.cfg['window_size'] + 5, 400)))
