@@ -64,13 +64,12 @@ static int load_engram(ds41_engine *e, const char *dir, ds41_error *err) {
 }
 
 ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds41_error *err) {
-    (void)opts; /* the reference backend is the only one so far */
     ds41_engine *e = calloc(1, sizeof *e);
     if (!e) {
         ds41_fail(err, "out of memory");
         return NULL;
     }
-    e->ops = &ds41_ops_reference;
+    e->ops = opts && !opts->reference && opts->backend ? opts->backend : &ds41_ops_reference;
     if (ds41_model_config_load(dir, &e->cfg, err) != 0) goto fail;
     const ds41_model_config *c = &e->cfg;
     if (c->rope_head_dim < 2 || c->rope_head_dim > c->head_dim || c->rope_head_dim > c->index_head_dim ||

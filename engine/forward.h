@@ -39,9 +39,12 @@
 typedef struct ds41_engine ds41_engine;
 
 typedef struct ds41_engine_opts {
-    /* Use the canonical reference arithmetic (REFERENCE §10).  It is the only
-     * backend so far, so false selects it too. */
+    /* Use the canonical reference arithmetic (REFERENCE §10): the
+     * ds41_ops_reference backend, whatever `backend` says. */
     bool reference;
+    /* The op backend when !reference; NULL = ds41_ops_reference (the only
+     * backend so far).  Not owned; must outlive the engine. */
+    const ds41_ops *backend;
 } ds41_engine_opts;
 
 /* Load DIR (a checkpoint in the Hugging Face release layout: shards + index

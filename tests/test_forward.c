@@ -349,6 +349,50 @@ static void test_hooks(ds41_engine *e) {
     ds41_kv_pool_free(pool);
 }
 
+/* A backend that wraps the reference and counts calls: the forward pass
+ * goes through the op table (the seam for the fast CPU and CUDA backends). */
+static long counted_linear, counted_attn;
+static void counting_linear(const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out) {
+    counted_linear++;
+    ds41_ops_reference.linear(w, x, M, y, out);
+}
+static void counting_attn(const float *q, int n_heads, int head_dim, const float *sink, float scale,
+                          const ds41_attn_rows *rows, float *out) {
+    counted_attn++;
+    ds41_ops_reference.sparse_attn(q, n_heads, head_dim, sink, scale, rows, out);
+}
+
+static void test_backend(const char *dir) {
+    ds41_ops counting = ds41_ops_reference;
+    counting.name = "counting";
+    counting.linear = counting_linear;
+    counting.sparse_attn = counting_attn;
+    ds41_engine_opts opts = {.reference = false, .backend = &counting};
+    ds41_error err;
+    ds41_engine *a = ds41_engine_load(dir, NULL, &err), *b = ds41_engine_load(dir, &opts, &err);
+    int ok = a && b && strcmp(ds41_engine_ops(b)->name, "counting") == 0;
+    const size_t V = ok ? (size_t)ds41_engine_config(a)->vocab_size : 1;
+    float *la = malloc(4 * V * sizeof *la), *lb = malloc(4 * V * sizeof *lb);
+    int32_t ids[4] = {9, 8, 7, 6};
+    for (int k = 0; k < 2 && ok; k++) {
+        ds41_engine *e = k ? b : a;
+        ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, &err);
+        ds41_kv_seq *s = ds41_kv_seq_new(pool, &err);
+        ds41_fwd_item it = {.seq = s, .ids = ids, .n_ids = 4, .logits = k ? lb : la};
+        ok = ds41_forward(e, &it, 1, NULL, &err) == 0;
+        ds41_kv_seq_free(s);
+        ds41_kv_pool_free(pool);
+    }
+    TAP_CHECK(ok && counted_linear > 0 && counted_attn == 4 * ds41_engine_config(a)->n_layers &&
+                  memcmp(la, lb, 4 * V * sizeof *la) == 0,
+              "a backend given in the options carries the pass (%ld linear, %ld attention calls), same logits",
+              counted_linear, counted_attn);
+    free(la);
+    free(lb);
+    ds41_engine_free(a);
+    ds41_engine_free(b);
+}
+
 /* Rewrite DIR/inference/config.json with one key changed. */
 static int edit_config(const char *dir, const char *key, const char *value) {
     ds41_model_config cfg;
@@ -426,6 +470,7 @@ int main(void) {
         test_hooks(tiny);
     }
     ds41_engine_free(tiny);
+    test_backend(dir_tiny);
     test_load_errors(dir_tiny);
 
     /* Vision tensors (and DSpark stages) are bound and checked though the

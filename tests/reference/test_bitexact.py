@@ -211,6 +211,10 @@ def main():
                 d = os.path.join(tmp, f'{preset}-{seed}')
                 run([MKMODEL, d, '--preset', preset, '--seed', str(seed), '--quiet'])
                 cks.append(Checkpoint(d, f'mkmodel {preset} seed {seed}'))
+        # A behavioural key the presets leave at its default: gate_temp divides the router logits.
+        d = os.path.join(tmp, 'tiny-gate-temp')
+        run([MKMODEL, d, '--preset', 'tiny', '--seed', '9', '--set', 'gate_temp=0.75', '--quiet'])
+        gate_temp_ck = Checkpoint(d, 'mkmodel tiny seed 9 gate_temp 0.75')
         for seed in ([7, 8] if LONG else [7]):
             d = os.path.join(tmp, f'wide-{seed}')
             run([PY, GEN, '--out', d, '--preset', 'wide', '--seed', str(seed)])
@@ -240,6 +244,8 @@ def main():
             if i % 2 == 1 or ck is wide:
                 compare_case(ck, make_prompt(ck, longn - 7, 300 + i), tmp, chunk=5 + i % 3,
                              tag=' (C chunked, numpy whole)')
+
+        compare_case(gate_temp_ck, make_prompt(gate_temp_ck, 30, 500), tmp, tag=' (router logits / gate_temp)')
 
         # The command line: the output format, and bad input refused with exit status 2.
         ck = cks[0]
