@@ -6,6 +6,7 @@
  * holds the rules that relate keys to each other.  Nothing here knows the
  * released model's numbers: roles and sizes come from the config alone. */
 #include "config/model_config.h"
+#include "config/json_util.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -215,20 +216,6 @@ const char *ds41_weight_dtype_name(ds41_weight_dtype d) {
     return "?";
 }
 
-static const char *json_type_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "a list";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a real number";
-    case JSON_TRUE:
-    case JSON_FALSE: return "a boolean";
-    case JSON_NULL: return "null";
-    }
-    return "?";
-}
-
 /* ------------------------------------------------------------------------- */
 /* init / free */
 
@@ -303,7 +290,7 @@ static int convert_value(const key_spec *k, const json_t *v, key_value *out, ds4
     switch (k->type) {
     case KT_INT:
         if (!json_is_integer(v))
-            return ds41_fail(err, "key '%s': expected an integer, got %s", k->name, json_type_name(v));
+            return ds41_fail(err, "key '%s': expected an integer, got %s", k->name, ds41_json_type_name(v));
         out->i = (int64_t)json_integer_value(v);
         if (out->i < k->min || out->i > k->max)
             return ds41_fail(err, "key '%s': %" PRId64 " is out of range [%" PRId64 ", %" PRId64 "]", k->name,
@@ -319,19 +306,19 @@ static int convert_value(const key_spec *k, const json_t *v, key_value *out, ds4
     case KT_REAL:
         if (!json_is_number(v))
             return ds41_fail(err, "key '%s': expected a number%s, got %s", k->name,
-                             k->type == KT_NULLABLE_REAL ? " or null" : "", json_type_name(v));
+                             k->type == KT_NULLABLE_REAL ? " or null" : "", ds41_json_type_name(v));
         out->r = json_number_value(v);
         return check_real(k, out->r, err);
     case KT_BOOL:
         if (!json_is_boolean(v))
-            return ds41_fail(err, "key '%s': expected true or false, got %s", k->name, json_type_name(v));
+            return ds41_fail(err, "key '%s': expected true or false, got %s", k->name, ds41_json_type_name(v));
         out->flag = json_is_true(v);
         return 0;
     case KT_SCORE_FUNC:
     case KT_WEIGHT_DTYPE:
     case KT_EXPERT_DTYPE: {
         if (!json_is_string(v))
-            return ds41_fail(err, "key '%s': expected a string, got %s", k->name, json_type_name(v));
+            return ds41_fail(err, "key '%s': expected a string, got %s", k->name, ds41_json_type_name(v));
         const char *s = json_string_value(v);
         int want = k->type == KT_SCORE_FUNC ? DS41_SCORE_SQRTSOFTPLUS
                    : k->type == KT_WEIGHT_DTYPE ? DS41_WEIGHT_FP8
@@ -346,7 +333,7 @@ static int convert_value(const key_spec *k, const json_t *v, key_value *out, ds4
     }
     case KT_LIST: {
         if (!json_is_array(v))
-            return ds41_fail(err, "key '%s': expected a list of integers, got %s", k->name, json_type_name(v));
+            return ds41_fail(err, "key '%s': expected a list of integers, got %s", k->name, ds41_json_type_name(v));
         size_t n = json_array_size(v);
         if (n > MAX_LIST_ENTRIES)
             return ds41_fail(err, "key '%s': %zu entries is more than the %d allowed", k->name, n,
@@ -360,7 +347,7 @@ static int convert_value(const key_spec *k, const json_t *v, key_value *out, ds4
                 free(out->list.v);
                 out->list.v = NULL;
                 return ds41_fail(err, "key '%s': entry %zu: expected an integer, got %s", k->name, j,
-                                 json_type_name(e));
+                                 ds41_json_type_name(e));
             }
             int64_t x = (int64_t)json_integer_value(e);
             if (x < k->min || x > k->max) {
@@ -459,7 +446,7 @@ static int record_unknown_key(ds41_model_config *cfg, const char *name) {
 
 static int parse_object(ds41_model_config *cfg, json_t *root, ds41_error *err) {
     if (!json_is_object(root))
-        return ds41_fail(err, "expected a JSON object at the top level, got %s", json_type_name(root));
+        return ds41_fail(err, "expected a JSON object at the top level, got %s", ds41_json_type_name(root));
     /* A Hugging Face config.json nests the text model under text_config and
      * uses other key names; say so instead of listing missing keys. */
     if (!json_object_get(root, "dim") &&

@@ -1078,6 +1078,11 @@ int32_t ds41_vocab_find(const ds41_vocab *v, const char *s, size_t len) {
     return (int32_t)model_lookup(v, s, len);
 }
 
+int32_t ds41_vocab_find_model(const ds41_vocab *v, const char *s, size_t len) {
+    if (!s && len) return -1;
+    return (int32_t)model_lookup(v, s ? s : "", len);
+}
+
 const ds41_added_token *ds41_vocab_added_token(const ds41_vocab *v, uint32_t id) {
     size_t lo = 0, hi = v->n_added;
     while (lo < hi) {

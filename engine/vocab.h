@@ -154,6 +154,10 @@ const char *ds41_vocab_token_string(const ds41_vocab *v, uint32_t id, size_t *le
  * entry; -1 if neither. */
 int32_t ds41_vocab_find(const ds41_vocab *v, const char *s, size_t len);
 
+/* model.vocab alone (HF's BPE model lookup, which never sees added tokens):
+ * the id of S, -1 if model.vocab has no such string. */
+int32_t ds41_vocab_find_model(const ds41_vocab *v, const char *s, size_t len);
+
 /* The added token on ID, or NULL. */
 const ds41_added_token *ds41_vocab_added_token(const ds41_vocab *v, uint32_t id);
 /* Added tokens in file order (i < ds41_vocab_n_added). */

@@ -1,6 +1,7 @@
 /* safetensors reader: header parser, index parser, checkpoint directory.
  * The contract is storage/safetensors.h; this file explains the why. */
 #include "storage/safetensors.h"
+#include "config/json_util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -70,20 +71,6 @@ static const char *show(char buf[SHOW_MAX], const char *s) {
     }
     buf[o] = 0;
     return buf;
-}
-
-static const char *json_type_word(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "an array";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a real number";
-    case JSON_TRUE:
-    case JSON_FALSE: return "a boolean";
-    case JSON_NULL: return "null";
-    }
-    return "?";
 }
 
 static void format_shape(char *buf, size_t cap, int ndim, const int64_t *shape) {
@@ -181,7 +168,7 @@ static json_t *load_json(const uint8_t *buf, size_t len, const char *label, cons
         return NULL;
     }
     if (!json_is_object(root)) {
-        ds41_fail(err, "%s: %s is %s, not a JSON object", label, what, json_type_word(root));
+        ds41_fail(err, "%s: %s is %s, not a JSON object", label, what, ds41_json_type_name(root));
         json_decref(root);
         return NULL;
     }
@@ -203,7 +190,7 @@ static int parse_tensor_entry(const char *name, json_t *v, uint64_t data_size, d
     char nb[SHOW_MAX];
     if (!json_is_object(v))
         return ds41_fail(err, "tensor '%s': entry is %s, not an object", show(nb, name),
-                         json_type_word(v));
+                         ds41_json_type_name(v));
     const char *key;
     json_t *field;
     json_object_foreach(v, key, field) {
@@ -220,7 +207,7 @@ static int parse_tensor_entry(const char *name, json_t *v, uint64_t data_size, d
     if (!jd) return ds41_fail(err, "tensor '%s': missing \"dtype\"", show(nb, name));
     if (!json_is_string(jd))
         return ds41_fail(err, "tensor '%s': dtype is %s, not a string", show(nb, name),
-                         json_type_word(jd));
+                         ds41_json_type_name(jd));
     if (ds41_dtype_from_name(json_string_value(jd), json_string_length(jd), &t->dtype) != 0) {
         char db[SHOW_MAX];
         return ds41_fail(err,
@@ -233,7 +220,7 @@ static int parse_tensor_entry(const char *name, json_t *v, uint64_t data_size, d
     if (!js) return ds41_fail(err, "tensor '%s': missing \"shape\"", show(nb, name));
     if (!json_is_array(js))
         return ds41_fail(err, "tensor '%s': shape is %s, not an array", show(nb, name),
-                         json_type_word(js));
+                         ds41_json_type_name(js));
     size_t ndim = json_array_size(js);
     if (ndim > DS41_MAX_DIMS)
         return ds41_fail(err, "tensor '%s': shape has %zu dimensions, more than %d", show(nb, name),
@@ -247,7 +234,7 @@ static int parse_tensor_entry(const char *name, json_t *v, uint64_t data_size, d
                 return ds41_fail(err, "tensor '%s': shape[%zu] is %" JSON_INTEGER_FORMAT ", negative",
                                  show(nb, name), i, json_integer_value(d));
             return ds41_fail(err, "tensor '%s': shape[%zu] is %s, not a non-negative integer",
-                             show(nb, name), i, json_type_word(d));
+                             show(nb, name), i, ds41_json_type_name(d));
         }
         t->shape[i] = (int64_t)dim;
         if (dim == 0) any_zero = true;
@@ -338,7 +325,7 @@ static int parse_header_object(json_t *root, uint64_t data_start, uint64_t data_
         if (strcmp(key, "__metadata__") == 0) {
             meta = v;
             if (!json_is_object(meta))
-                return ds41_fail(err, "__metadata__ is %s, not an object", json_type_word(meta));
+                return ds41_fail(err, "__metadata__ is %s, not an object", ds41_json_type_name(meta));
             const char *mk;
             size_t mk_len;
             json_t *mv;
@@ -346,7 +333,7 @@ static int parse_header_object(json_t *root, uint64_t data_start, uint64_t data_
                 if (!json_is_string(mv)) {
                     char kb[SHOW_MAX];
                     return ds41_fail(err, "__metadata__ value of '%s' is %s, not a string",
-                                     show(kb, mk), json_type_word(mv));
+                                     show(kb, mk), ds41_json_type_name(mv));
                 }
                 string_bytes += mk_len + 1 + json_string_length(mv) + 1;
                 nmeta++;
@@ -504,7 +491,7 @@ int ds41_st_parse_index(const uint8_t *json, size_t len, const char *file_label,
     json_t *meta = json_object_get(root, "metadata");
     if (meta) {
         if (!json_is_object(meta)) {
-            ds41_fail(err, "%s: metadata is %s, not an object", label, json_type_word(meta));
+            ds41_fail(err, "%s: metadata is %s, not an object", label, ds41_json_type_name(meta));
             goto done;
         }
         json_t *ts = json_object_get(meta, "total_size");
@@ -519,7 +506,7 @@ int ds41_st_parse_index(const uint8_t *json, size_t len, const char *file_label,
                 out->has_total_size = 1;
             } else {
                 ds41_fail(err, "%s: metadata.total_size is %s, not a non-negative integer", label,
-                          json_type_word(ts));
+                          ds41_json_type_name(ts));
                 goto done;
             }
         }
@@ -531,7 +518,7 @@ int ds41_st_parse_index(const uint8_t *json, size_t len, const char *file_label,
         goto done;
     }
     if (!json_is_object(wm)) {
-        ds41_fail(err, "%s: weight_map is %s, not an object", label, json_type_word(wm));
+        ds41_fail(err, "%s: weight_map is %s, not an object", label, ds41_json_type_name(wm));
         goto done;
     }
     size_t nentries = json_object_size(wm);
@@ -556,7 +543,7 @@ int ds41_st_parse_index(const uint8_t *json, size_t len, const char *file_label,
         }
         if (!json_is_string(v)) {
             ds41_fail(err, "%s: weight_map: tensor '%s' maps to %s, not a shard file name", label,
-                      show(nb, key), json_type_word(v));
+                      show(nb, key), ds41_json_type_name(v));
             goto done;
         }
         const char *shard = json_string_value(v);
