@@ -960,7 +960,7 @@ _DEFAULTS = {
     'rope_factor': 40.0, 'beta_fast': 32.0, 'beta_slow': 1.0, 'candidate_source_layer': -1,
     'candidate_topk_blocks': 0, 'candidate_block_size': 0, 'hc_mult': 4, 'hc_sinkhorn_iters': 20,
     'hc_eps': 1e-6, 'engram_layer_ids': [], 'engram_max_ngram_size': 1, 'engram_pad_id': 2,
-    'n_mtp_layers': 0, 'kv_source_layers': [], 'index_source_layers': [],
+    'n_mtp_layers': 0, 'kv_source_layers': [], 'index_source_layers': [], 'gate_temp': 1.0,
 }
 _REQUIRED = ['vocab_size', 'dim', 'moe_inter_dim', 'n_layers', 'n_heads', 'head_dim', 'rope_head_dim',
              'q_lora_rank', 'o_groups', 'o_lora_rank', 'n_routed_experts', 'n_activated_experts',
@@ -1018,6 +1018,9 @@ class Config:
             raise RefError(f"{where}: score_func {self.score_func!r} is not supported (only sqrtsoftplus)")
         # DECISION: float constants from the config enter fp32 arithmetic as their fp32 values.
         self.route_scale = f32(g('route_scale'))
+        # gate_temp is a ModelArgs field (default 1.0) that a config may set; REFERENCE §2.6 Gate
+        # divides the fp32 router logits by it (one fp32 division, skipped when it is 1).
+        self.gate_temp = f32(g('gate_temp'))
         self.swiglu_limit = f32(g('swiglu_limit'))
         self.eps = f32(g('norm_eps'))
         self.hc_eps = f32(g('hc_eps'))
@@ -1496,9 +1499,12 @@ class Model:
     def moe(self, w, x):
         cfg = self.cfg
         S = x.shape[0]
-        # DECISION: gate_temp (ModelArgs default 1.0, not a config key) is 1: the division is the
-        # identity and is not performed.
-        sc = f_sqrt(f_softplus(xdot(x, w.gate)))
+        # REFERENCE §2.6 Gate: scores = fp32(x) @ fp32(W)^T / gate_temp.  (Was: gate_temp assumed
+        # 1 and ignored; a config may set it, so divide unless it is 1, which is the identity.)
+        logits = xdot(x, w.gate)
+        if cfg.gate_temp != f32(1.0):
+            logits = (logits / cfg.gate_temp).astype(np.float32)
+        sc = f_sqrt(f_softplus(logits))
         biased = sc + w.gate_bias
         k = cfg.topk_experts
         sel = topk_lowest_index(biased, k)                                 # [S, k], top-k order

@@ -1,0 +1,460 @@
+/* The forward pass: load, embedding, Engram, blocks with hyper-connections,
+ * final norm and head (REFERENCE.md §2.5-2.7, §6.3-6.4, §9, §10).  The
+ * attention and MoE sub-layers are in attention.c and moe.c. */
+#include "engine/forward_internal.h"
+
+#include "engine/engram_tokens.h"
+#include "engine/quant.h"
+#include "engine/refmath.h"
+#include "engine/vocab.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- load ---------------------------------------------------------------------- */
+
+static int load_engram(ds41_engine *e, const char *dir, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    ds41_vocab *v = ds41_vocab_load_dir(dir, err);
+    if (!v) return ds41_error_prefix(err, "engram token map");
+    uint32_t n_ids = 0, n_comp = 0;
+    int rc = ds41_engram_token_map_from_vocab(v, &e->token_map, &n_ids, &n_comp, err);
+    ds41_vocab_free(v);
+    if (rc != 0) return ds41_error_prefix(err, "engram token map");
+    e->n_map = n_ids;
+    if ((int64_t)n_ids != c->vocab_size)
+        return ds41_fail(err, "%s/tokenizer.json: %u token ids, but %s says vocab_size %lld", dir, n_ids, c->label,
+                         (long long)c->vocab_size);
+    if ((int64_t)n_comp != c->engram_compressed_vocab_size)
+        return ds41_fail(err,
+                         "%s/tokenizer.json: the Engram token map has %u distinct keys, but %s says "
+                         "engram_compressed_vocab_size %lld",
+                         dir, n_comp, c->label, (long long)c->engram_compressed_vocab_size);
+    if (c->engram_pad_id < 0 || c->engram_pad_id >= (int64_t)n_ids)
+        return ds41_fail(err, "%s: key 'engram_pad_id': %lld is not a token id", c->label, (long long)c->engram_pad_id);
+    e->engram_pad = e->token_map[c->engram_pad_id];
+
+    int ids[DS41_ENGRAM_MAX_LAYERS];
+    if (c->engram_layer_ids.n > DS41_ENGRAM_MAX_LAYERS)
+        return ds41_fail(err, "%s: key 'engram_layer_ids': more than %d layers", c->label, DS41_ENGRAM_MAX_LAYERS);
+    for (size_t i = 0; i < c->engram_layer_ids.n; i++) ids[i] = (int)c->engram_layer_ids.v[i];
+    if (c->engram_max_ngram_size > DS41_ENGRAM_MAX_NGRAM || c->engram_n_heads > DS41_ENGRAM_MAX_HEADS)
+        return ds41_fail(err, "%s: engram_max_ngram_size / engram_n_heads above the engine's limits", c->label);
+    if (ds41_engram_layout_compute(ids, (int)c->engram_layer_ids.n, (int)c->engram_max_ngram_size,
+                                   (int)c->engram_n_heads, c->engram_vocab_size, c->engram_compressed_vocab_size,
+                                   &e->eng, err) != 0)
+        return ds41_error_prefix(err, "%s", c->label);
+    if (ds41_engram_layout_check(&e->eng, c->engram_num_embeddings.v, (int)c->engram_num_embeddings.n, err) != 0)
+        return ds41_error_prefix(err, "%s", c->label);
+
+    /* w = fp32(q_weight) * fp32(k_weight) per copy (§6.4 step 3). */
+    const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim;
+    e->wqk = calloc(c->engram_layer_ids.n, sizeof *e->wqk);
+    if (!e->wqk) return ds41_fail(err, "out of memory");
+    for (size_t s = 0; s < c->engram_layer_ids.n; s++) {
+        const ds41_layer_weights *lw = &e->w.layers[c->engram_layer_ids.v[s]];
+        e->wqk[s] = malloc(hc * D * sizeof(float));
+        if (!e->wqk[s]) return ds41_fail(err, "out of memory");
+        for (size_t i = 0; i < hc * D; i++)
+            e->wqk[s][i] = ds41_bf16_to_f32(lw->eng_q[i]) * ds41_bf16_to_f32(lw->eng_k[i]);
+    }
+    return 0;
+}
+
+ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds41_error *err) {
+    ds41_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        ds41_fail(err, "out of memory");
+        return NULL;
+    }
+    e->ops = opts && !opts->reference && opts->backend ? opts->backend : &ds41_ops_reference;
+    if (ds41_model_config_load(dir, &e->cfg, err) != 0) goto fail;
+    const ds41_model_config *c = &e->cfg;
+    if (c->rope_head_dim < 2 || c->rope_head_dim > c->head_dim || c->rope_head_dim > c->index_head_dim ||
+        c->hc_mult < 1 || c->hc_mult > 64 || c->window_size < 1 || c->index_topk < 1) {
+        ds41_fail(err, "%s: rope_head_dim, hc_mult, window_size or index_topk outside what the engine supports",
+                  c->label);
+        goto fail;
+    }
+    e->ckpt = ds41_checkpoint_open(dir, err);
+    if (!e->ckpt) goto fail;
+    if (ds41_weights_bind(&e->w, c, e->ckpt, err) != 0) {
+        ds41_error_prefix(err, "%s", dir);
+        goto fail;
+    }
+    e->rope_freqs = calloc(c->n_roles, sizeof *e->rope_freqs);
+    if (!e->rope_freqs) {
+        ds41_fail(err, "out of memory");
+        goto fail;
+    }
+    for (size_t l = 0; l < c->n_roles; l++) {
+        const ds41_layer_role *r = &c->roles[l];
+        if (!r->present) continue;
+        e->rope_freqs[l] = malloc((size_t)(c->rope_head_dim / 2) * sizeof(float));
+        if (!e->rope_freqs[l]) {
+            ds41_fail(err, "out of memory");
+            goto fail;
+        }
+        ds41_rope_freqs((int)c->rope_head_dim, r->rope_theta, r->yarn ? c->original_seq_len : 0, c->rope_factor,
+                        (double)c->beta_fast, (double)c->beta_slow, e->rope_freqs[l]);
+    }
+    if (c->engram_enabled && load_engram(e, dir, err) != 0) goto fail;
+
+    e->norm_eps = (float)c->norm_eps;
+    e->hc_eps = (float)c->hc_eps;
+    e->route_scale = (float)c->route_scale;
+    e->swiglu_limit = (float)c->swiglu_limit;
+    e->gate_temp = (float)c->gate_temp;
+    e->softmax_scale = (float)pow((double)c->head_dim, -0.5);
+    e->index_scale = (float)(pow((double)c->index_head_dim, -0.5) * pow((double)c->index_n_heads, -0.5));
+    e->engram_scale = (float)pow((double)c->dim, -0.5);
+    return e;
+fail:
+    ds41_engine_free(e);
+    return NULL;
+}
+
+void ds41_engine_free(ds41_engine *e) {
+    if (!e) return;
+    if (e->wqk)
+        for (size_t s = 0; s < e->cfg.engram_layer_ids.n; s++) free(e->wqk[s]);
+    free(e->wqk);
+    if (e->rope_freqs)
+        for (size_t l = 0; l < e->cfg.n_roles; l++) free(e->rope_freqs[l]);
+    free(e->rope_freqs);
+    free(e->token_map);
+    ds41_weights_free(&e->w);
+    ds41_checkpoint_close(e->ckpt);
+    ds41_model_config_free(&e->cfg);
+    free(e);
+}
+
+const ds41_model_config *ds41_engine_config(const ds41_engine *e) {
+    return &e->cfg;
+}
+
+const ds41_weights *ds41_engine_weights(const ds41_engine *e) {
+    return &e->w;
+}
+
+const ds41_ops *ds41_engine_ops(const ds41_engine *e) {
+    return e->ops;
+}
+
+ds41_kv_pool *ds41_engine_new_pool(const ds41_engine *e, uint64_t budget_bytes, uint32_t entries_per_page,
+                                   ds41_error *err) {
+    return ds41_kv_pool_new(&e->cfg, budget_bytes, entries_per_page, err);
+}
+
+int32_t ds41_engine_compressed_id(const ds41_engine *e, int32_t token) {
+    if (!e->token_map || token < 0 || (uint32_t)token >= e->n_map) return -1;
+    return e->token_map[token];
+}
+
+int32_t ds41_argmax(const float *x, size_t n) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (x[i] > x[best] || (isnan(x[best]) && !isnan(x[i]))) best = i;
+    return (int32_t)best;
+}
+
+/* ---- forward ------------------------------------------------------------------------ */
+
+/* Checks that change nothing: items well formed, sequences distinct and of a
+ * pool with this engine's geometry, ids in range, KV pages available. */
+static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_items, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    if (n_items == 0 || !items) return ds41_fail(err, "forward: empty batch");
+    ds41_kv_pool *pool = NULL;
+    for (size_t i = 0; i < n_items; i++) {
+        const ds41_fwd_item *it = &items[i];
+        if (!it->seq || !it->ids || it->n_ids == 0)
+            return ds41_fail(err, "forward: item %zu has no sequence or no tokens", i);
+        for (size_t j = 0; j < i; j++)
+            if (items[j].seq == it->seq) return ds41_fail(err, "forward: items %zu and %zu share a sequence", j, i);
+        for (size_t t = 0; t < it->n_ids; t++)
+            if (it->ids[t] < 0 || it->ids[t] >= c->vocab_size)
+                return ds41_fail(err, "forward: item %zu token %zu: id %d outside [0, %lld)", i, t, it->ids[t],
+                                 (long long)c->vocab_size);
+        ds41_kv_pool *p = ds41_kv_seq_pool(it->seq);
+        const ds41_kv_layout *l = ds41_kv_pool_layout(p);
+        if (l->n_layers != (int)c->n_roles || l->latent_dim != (uint32_t)c->head_dim ||
+            l->index_dim != (uint32_t)c->index_head_dim || l->window != (uint32_t)c->window_size)
+            return ds41_fail(err, "forward: item %zu: its sequence's pool was made for another model", i);
+        for (size_t L = 0; L < c->n_roles; L++)
+            if (c->roles[L].present && c->roles[L].kv_source && l->source_of_layer[L] < 0)
+                return ds41_fail(err, "forward: item %zu: its sequence's pool was made for another model", i);
+        if (pool && p != pool) return ds41_fail(err, "forward: the batch mixes sequences of different pools");
+        pool = p;
+    }
+    /* Every per-row buffer of the pass must be addressable: rows times the
+     * widest row (in floats, with room for 8-byte elements). */
+    size_t M = 0;
+    for (size_t i = 0; i < n_items; i++)
+        if (__builtin_add_overflow(M, items[i].n_ids, &M)) return ds41_fail(err, "forward: batch too large");
+    const int64_t widths[] = {c->hc_mult * c->dim,
+                              (c->hc_mult + 1) * c->dim,
+                              c->vocab_size,
+                              c->n_heads * c->head_dim,
+                              c->index_n_heads * c->index_head_dim,
+                              c->n_routed_experts,
+                              c->moe_inter_dim * c->n_shared_experts,
+                              c->engram_enabled ? (c->engram_max_ngram_size - 1) * c->engram_n_heads * c->engram_head_dim : 0,
+                              c->index_topk};
+    uint64_t widest = 1;
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        if (widths[i] > 0 && (uint64_t)widths[i] > widest) widest = (uint64_t)widths[i];
+    if ((uint64_t)M > (uint64_t)(SIZE_MAX / 16) / widest)
+        return ds41_fail(err, "forward: batch of %zu tokens too large for this model's buffers", M);
+    for (size_t i = 0; i < n_items; i++)
+        if (ds41_kv_seq_tokens(items[i].seq) > UINT64_MAX / 4 - items[i].n_ids)
+            return ds41_fail(err, "forward: item %zu: position overflow", i);
+
+    /* Pages the batch may take: new pages per source, plus one per source
+     * whose last page is partly filled (a copy-on-write copy if shared). */
+    const ds41_kv_layout *l = ds41_kv_pool_layout(pool);
+    uint64_t need = 0;
+    for (size_t i = 0; i < n_items; i++) {
+        const uint64_t p0 = ds41_kv_seq_tokens(items[i].seq), p1 = p0 + items[i].n_ids;
+        for (int s = 0; s < l->n_sources; s++) {
+            const uint64_t r = (uint64_t)l->source_ratio[s], epp = l->entries_per_page;
+            const uint64_t e0 = p0 / r, e1 = p1 / r;
+            need += (e1 + epp - 1) / epp - (e0 + epp - 1) / epp;
+            if (e1 > e0 && e0 % epp != 0) need++;
+        }
+    }
+    ds41_kv_pool_stats st;
+    ds41_kv_pool_get_stats(pool, &st);
+    if (st.pages_max && need > st.pages_max - st.pages_in_use)
+        return ds41_fail(err, "KV cache full (%llu pages of %llu bytes; the batch needs up to %llu more, %llu free)",
+                         (unsigned long long)st.pages_max, (unsigned long long)st.page_bytes,
+                         (unsigned long long)need, (unsigned long long)(st.pages_max - st.pages_in_use));
+    return 0;
+}
+
+static void report(const ds41_fwd_hooks *hooks, const fwd_batch *b, ds41_stream_kind kind, int layer,
+                   const float *rows, size_t width) {
+    if (!hooks || !hooks->stream) return;
+    for (size_t r = 0; r < b->M; r++) {
+        const size_t it = b->row_item[r];
+        hooks->stream(hooks->ctx, kind, layer, it, r - b->item_row0[it], rows + r * width, width);
+    }
+}
+
+/* Engram before block L (§6.4): rows of the hashed ids, wkv, gating. */
+static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash_ids, float *h, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    const ds41_layer_weights *lw = &e->w.layers[L];
+    const int slot = c->roles[L].engram_slot;
+    const size_t M = b->M, ncols = (size_t)e->eng.n_cols, ehd = (size_t)c->engram_head_dim;
+    const size_t nsl = (size_t)e->eng.n_layers;
+    const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim;
+    float *rows = malloc(M * ncols * ehd * sizeof *rows);
+    float *kv = malloc(M * (hc + 1) * D * sizeof *kv);
+    if (!rows || !kv) {
+        free(rows);
+        free(kv);
+        return ds41_fail(err, "forward: out of memory");
+    }
+    for (size_t r = 0; r < M; r++)
+        for (size_t col = 0; col < ncols; col++) {
+            const int64_t id = hash_ids[(r * nsl + (size_t)slot) * ncols + col];
+            float *dst = rows + (r * ncols + col) * ehd;
+            if (id < 0 || id >= lw->eng_rows) {
+                free(rows);
+                free(kv);
+                return ds41_fail(err, "forward: layer %d: engram row %lld outside the table (%lld rows)", L,
+                                 (long long)id, (long long)lw->eng_rows);
+            }
+            ds41_dequant_fp8_rows_1x32(lw->eng_table + (size_t)id * ehd, lw->eng_table_scale + (size_t)id * (ehd / 32),
+                                       1, ehd, dst);
+            for (size_t i = 0; i < ehd; i++) dst[i] = ds41_bf16_round(dst[i]);
+        }
+    e->ops->linear(&lw->eng_wkv, rows, M, kv, DS41_OUT_BF16);
+    e->ops->engram_mix(h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
+    free(rows);
+    free(kv);
+    return 0;
+}
+
+/* Hash every token of the batch for every Engram layer, pushing the tokens
+ * onto their sequences' histories (§6.3). */
+static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *err) {
+    const size_t nsl = (size_t)e->eng.n_layers, ncols = (size_t)e->eng.n_cols;
+    for (size_t it = 0; it < b->n_items; it++) {
+        const ds41_fwd_item *item = &b->items[it];
+        ds41_engram_history *hist = ds41_kv_seq_engram(item->seq);
+        for (size_t t = 0; t < item->n_ids; t++) {
+            const size_t r = b->item_row0[it] + t;
+            if (ds41_engram_history_push(hist, e->token_map[item->ids[t]], err) != 0) return -1;
+            for (size_t s = 0; s < nsl; s++)
+                if (ds41_engram_hash_position(&e->eng, (int)s, hist, e->engram_pad, ids + (r * nsl + s) * ncols, err) !=
+                    0)
+                    return -1;
+        }
+    }
+    return 0;
+}
+
+int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
+                 ds41_error *err) {
+    if (validate(e, items, n_items, err) != 0) return -1;
+    const ds41_model_config *c = &e->cfg;
+    const ds41_ops *ops = e->ops;
+    const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim, V = (size_t)c->vocab_size;
+    const int n_layers = (int)c->n_layers;
+    int rc = -1;
+
+    fwd_batch b;
+    memset(&b, 0, sizeof b);
+    b.items = items;
+    b.n_items = n_items;
+    b.rope_layer = -1;
+    for (size_t i = 0; i < n_items; i++) b.M += items[i].n_ids;
+    const size_t M = b.M;
+    size_t n_logit_rows = 0;
+    for (size_t i = 0; i < n_items; i++)
+        if (items[i].logits) n_logit_rows += items[i].logits_last_only ? 1 : items[i].n_ids;
+
+    b.item_row0 = malloc(n_items * sizeof *b.item_row0);
+    b.item_pos0 = malloc(n_items * sizeof *b.item_pos0);
+    b.row_item = malloc(M * sizeof *b.row_item);
+    b.row_pos = malloc(M * sizeof *b.row_pos);
+    b.rope_cs = malloc(M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
+    b.idx_list = calloc(c->n_roles, sizeof *b.idx_list);
+    b.idx_count = calloc(c->n_roles, sizeof *b.idx_count);
+    const size_t nsl = c->engram_enabled ? (size_t)e->eng.n_layers : 0, ncols = (size_t)e->eng.n_cols;
+    const size_t n_hash = M * nsl * ncols;
+    int64_t *hash_ids = malloc((n_hash > 0 ? n_hash : 1) * sizeof *hash_ids);
+    float *h = malloc(M * hc * D * sizeof *h);
+    float *h2 = malloc(M * hc * D * sizeof *h2);
+    float *pre_mix = malloc(M * hc * sizeof *pre_mix);
+    float *a_pre = malloc(M * hc * sizeof *a_pre);
+    float *a_post = malloc(M * hc * sizeof *a_post);
+    float *a_comb = malloc(M * hc * hc * sizeof *a_comb);
+    float *f_post = malloc(M * hc * sizeof *f_post);
+    float *f_comb = malloc(M * hc * hc * sizeof *f_comb);
+    float *x = malloc(M * D * sizeof *x);
+    float *xn = malloc(M * D * sizeof *xn);
+    float *br = malloc(M * D * sizeof *br);
+    float *lx = malloc((n_logit_rows ? n_logit_rows : 1) * D * sizeof *lx);
+    float *lg = malloc((n_logit_rows ? n_logit_rows : 1) * V * sizeof *lg);
+    if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.rope_cs || !b.idx_list || !b.idx_count ||
+        !hash_ids || !h || !h2 || !pre_mix || !a_pre || !a_post || !a_comb || !f_post || !f_comb || !x || !xn ||
+        !br || !lx || !lg) {
+        ds41_fail(err, "forward: out of memory");
+        goto out;
+    }
+    for (size_t i = 0, r = 0; i < n_items; i++) {
+        b.item_row0[i] = r;
+        b.item_pos0[i] = ds41_kv_seq_tokens(items[i].seq);
+        for (size_t t = 0; t < items[i].n_ids; t++, r++) {
+            b.row_item[r] = i;
+            b.row_pos[r] = b.item_pos0[i] + t;
+        }
+    }
+    if (nsl && engram_hash(e, &b, hash_ids, err) != 0) goto out;
+
+    /* Embedding into every copy; block 0's pre-mix is one-hot copy 0. */
+    for (size_t r = 0; r < M; r++) {
+        const int32_t tok = items[b.row_item[r]].ids[b.row_pos[r] - b.item_pos0[b.row_item[r]]];
+        for (size_t cp = 0; cp < hc; cp++)
+            for (size_t d = 0; d < D; d++) h[(r * hc + cp) * D + d] = ds41_bf16_to_f32(e->w.embed[(size_t)tok * D + d]);
+        for (size_t cp = 0; cp < hc; cp++) pre_mix[r * hc + cp] = cp == 0 ? 1.0f : 0.0f;
+    }
+
+    for (int L = 0; L < n_layers; L++) {
+        const ds41_layer_role *role = &c->roles[L];
+        const ds41_layer_weights *lw = &e->w.layers[L];
+        report(hooks, &b, DS41_STREAM_H, L, h, hc * D);
+        report(hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
+        if (role->engram_slot >= 0 && engram_apply(e, &b, L, hash_ids, h, err) != 0) goto out;
+
+        /* Attention sub-layer (§2.7 steps 1-2). */
+        ops->hc_mix(lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base, h, M, (int)hc, D, e->norm_eps,
+                    (int)c->hc_sinkhorn_iters, e->hc_eps, a_pre, a_post, a_comb);
+        ops->hc_pre(h, pre_mix, M, (int)hc, D, x);
+        ops->rmsnorm(lw->attn_norm, x, M, D, e->norm_eps, xn);
+        if (ds41__attention(e, &b, L, xn, br, err) != 0) goto out;
+        report(hooks, &b, DS41_STREAM_ATTN, L, br, D);
+        ops->hc_post(br, h, a_post, a_comb, M, (int)hc, D, h2);
+        float *t = h;
+        h = h2;
+        h2 = t;
+
+        /* FFN sub-layer (steps 3-4): its input uses the attention's pre;
+         * its own pre goes to the next block (step 5). */
+        ops->hc_mix(lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base, h, M, (int)hc, D, e->norm_eps,
+                    (int)c->hc_sinkhorn_iters, e->hc_eps, pre_mix, f_post, f_comb);
+        ops->hc_pre(h, a_pre, M, (int)hc, D, x);
+        ops->rmsnorm(lw->ffn_norm, x, M, D, e->norm_eps, xn);
+        if (ds41__moe(e, &b, L, xn, br, err) != 0) goto out;
+        report(hooks, &b, DS41_STREAM_FFN, L, br, D);
+        ops->hc_post(br, h, f_post, f_comb, M, (int)hc, D, h2);
+        t = h;
+        h = h2;
+        h2 = t;
+    }
+    report(hooks, &b, DS41_STREAM_H, n_layers, h, hc * D);
+
+    /* Final collapse with the last FFN pre, norm, fp32 head (§2.6-2.7). */
+    if (n_logit_rows) {
+        ops->hc_pre(h, pre_mix, M, (int)hc, D, x);
+        size_t k = 0;
+        for (size_t i = 0; i < n_items; i++) {
+            if (!items[i].logits) continue;
+            const size_t first = items[i].logits_last_only ? items[i].n_ids - 1 : 0;
+            for (size_t t = first; t < items[i].n_ids; t++, k++)
+                memcpy(lx + k * D, x + (b.item_row0[i] + t) * D, D * sizeof *lx);
+        }
+        float *normed = malloc(n_logit_rows * D * sizeof *normed);
+        if (!normed) {
+            ds41_fail(err, "forward: out of memory");
+            goto out;
+        }
+        ops->rmsnorm(e->w.norm, lx, n_logit_rows, D, e->norm_eps, normed);
+        ops->linear(&e->w.head, normed, n_logit_rows, lg, DS41_OUT_F32);
+        free(normed);
+        k = 0;
+        for (size_t i = 0; i < n_items; i++) {
+            if (!items[i].logits) continue;
+            const size_t first = items[i].logits_last_only ? items[i].n_ids - 1 : 0;
+            for (size_t t = first; t < items[i].n_ids; t++, k++) {
+                memcpy(items[i].logits + (t - first) * V, lg + k * V, V * sizeof *lg);
+                if (hooks && hooks->stream) hooks->stream(hooks->ctx, DS41_STREAM_LOGITS, -1, i, t, lg + k * V, V);
+            }
+        }
+    }
+    for (size_t i = 0; i < n_items; i++) ds41_kv_seq_set_tokens(items[i].seq, b.item_pos0[i] + items[i].n_ids);
+    rc = 0;
+out:
+    if (b.idx_list)
+        for (size_t l = 0; l < c->n_roles; l++) free(b.idx_list[l]);
+    if (b.idx_count)
+        for (size_t l = 0; l < c->n_roles; l++) free(b.idx_count[l]);
+    free(b.idx_list);
+    free(b.idx_count);
+    free(b.cand);
+    free(b.item_row0);
+    free(b.item_pos0);
+    free(b.row_item);
+    free(b.row_pos);
+    free(b.rope_cs);
+    free(hash_ids);
+    free(h);
+    free(h2);
+    free(pre_mix);
+    free(a_pre);
+    free(a_post);
+    free(a_comb);
+    free(f_post);
+    free(f_comb);
+    free(x);
+    free(xn);
+    free(br);
+    free(lx);
+    free(lg);
+    return rc;
+}

@@ -1,0 +1,121 @@
+/* ds41_engine: the DeepSeek-V4.1 text forward pass (REFERENCE.md §2, §6, §9,
+ * §10) over a loaded checkpoint.
+ *
+ * A ds41_engine owns the parsed config, the open checkpoint (mmapped), the
+ * bound weights, the Engram layout and compressed token map (from the
+ * checkpoint's tokenizer.json), per-layer rope tables, and the op backend.
+ * Per-sequence state lives in engine/kv_cache.h sequences (window rings,
+ * packed compressed entries, compressor carries, Engram history), created
+ * from a pool made for the engine's config (ds41_engine_new_pool).
+ *
+ * The forward pass takes a batch of items, each a chunk of any length of one
+ * sequence at that sequence's current position (ds41_kv_seq_tokens): a
+ * prompt in one go, a prompt in chunks, or one decode token for each of many
+ * sequences.  Results do not depend on how a sequence's tokens are chunked or
+ * batched: in the reference mode, prefill(all) = chunked prefill =
+ * token-by-token decode bit for bit (REFERENCE §9.3, §10.7).
+ *
+ * Decisions (REFERENCE §9) applied: index-source layers always score their own
+ * kv source's index keys (§9.1); every top-k and the greedy argmax break ties
+ * toward the lower index (§9.2); a chunk at any position is the natural
+ * extension (§9.3): the window is ring + chunk, the compressor carry
+ * continues, the indexer's visibility and top-k are per query.
+ *
+ * Thread safety: one ds41_forward call at a time per engine (it uses the
+ * engine's scratch); an engine is otherwise immutable after load. */
+#ifndef DS41_ENGINE_FORWARD_H
+#define DS41_ENGINE_FORWARD_H
+
+#include "config/error.h"
+#include "config/model_config.h"
+#include "engine/kv_cache.h"
+#include "engine/ops.h"
+#include "engine/weights.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct ds41_engine ds41_engine;
+
+typedef struct ds41_engine_opts {
+    /* Use the canonical reference arithmetic (REFERENCE §10): the
+     * ds41_ops_reference backend, whatever `backend` says. */
+    bool reference;
+    /* The op backend when !reference; NULL = ds41_ops_reference (the only
+     * backend so far).  Not owned; must outlive the engine. */
+    const ds41_ops *backend;
+} ds41_engine_opts;
+
+/* Load DIR (a checkpoint in the Hugging Face release layout: shards + index
+ * or model.safetensors, inference/config.json, tokenizer.json when the
+ * config has Engram layers).  opts may be NULL (defaults).  Errors name the
+ * file, key or tensor at fault: config invalid, a tensor missing or of the
+ * wrong dtype/shape, engram_num_embeddings not matching the prime layout,
+ * the tokenizer's compressed token map not matching
+ * engram_compressed_vocab_size or its size not matching vocab_size. */
+ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds41_error *err);
+
+/* Free the engine (weights, checkpoint mapping).  Every pool made for it
+ * may outlive it (pools only reference the config layout they copied).
+ * NULL is fine. */
+void ds41_engine_free(ds41_engine *e);
+
+const ds41_model_config *ds41_engine_config(const ds41_engine *e);
+const ds41_weights *ds41_engine_weights(const ds41_engine *e);
+const ds41_ops *ds41_engine_ops(const ds41_engine *e);
+
+/* A KV pool for this engine's config (see ds41_kv_pool_new). */
+ds41_kv_pool *ds41_engine_new_pool(const ds41_engine *e, uint64_t budget_bytes, uint32_t entries_per_page,
+                                   ds41_error *err);
+
+/* Compressed id of a token (the Engram token map), or -1 when the model has
+ * no Engram layers or the id is out of range. */
+int32_t ds41_engine_compressed_id(const ds41_engine *e, int32_t token);
+
+/* One chunk of one sequence in a forward batch. */
+typedef struct ds41_fwd_item {
+    ds41_kv_seq *seq;    /* from a pool of this engine; positions start at ds41_kv_seq_tokens(seq) */
+    const int32_t *ids;  /* n_ids token ids, each < vocab_size */
+    size_t n_ids;        /* >= 1 */
+    float *logits;       /* NULL: no logits; else [n_ids][vocab] (all positions) or [vocab] (last_only) */
+    bool logits_last_only;
+} ds41_fwd_item;
+
+/* Streams reported to a hook (REFERENCE §10.1 names in brackets). */
+typedef enum ds41_stream_kind {
+    DS41_STREAM_H = 0,  /* [hc][dim] entering block `layer` before its Engram; layer = n_layers: after the last block (P.h.L) */
+    DS41_STREAM_PRE,    /* [hc] block `layer`'s incoming attention pre-mix (P.pre.L) */
+    DS41_STREAM_ATTN,   /* [dim] attention branch output, after wo_b (P.attn.L) */
+    DS41_STREAM_FFN,    /* [dim] MoE branch output (P.ffn.L) */
+    DS41_STREAM_LOGITS, /* [vocab] logits of the position (P.logits), layer = -1 */
+} ds41_stream_kind;
+
+/* Optional observer: called for every row (token) of the batch, in layer
+ * order, with the values as fp32 (valid only during the call).  item and
+ * row identify the token (row = index inside the item's chunk).  LOGITS is
+ * reported for the rows whose logits are computed (see ds41_fwd_item). */
+typedef struct ds41_fwd_hooks {
+    void (*stream)(void *ctx, ds41_stream_kind kind, int layer, size_t item, size_t row, const float *data,
+                   size_t n);
+    void *ctx;
+} ds41_fwd_hooks;
+
+/* Run the forward pass on a batch: every item's chunk is appended to its
+ * sequence (KV state updated, positions advanced by n_ids) and its logits
+ * written when asked.  hooks may be NULL.
+ *
+ * Errors (err says which item/token): n_items == 0, an item with n_ids == 0
+ * or NULL ids/seq, a sequence appearing twice, a sequence from a pool of a
+ * different layout, a token id outside [0, vocab_size), not enough free KV
+ * pages for the batch ("KV cache full ...").  These are checked before any
+ * state changes, so the sequences are untouched.  Out of memory during the
+ * pass leaves the batch's sequences in an unspecified state (free them). */
+int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
+                 ds41_error *err);
+
+/* Index of the largest logit, the lowest index on ties (REFERENCE §9.2).
+ * NaN never wins over a number.  n >= 1. */
+int32_t ds41_argmax(const float *logits, size_t n);
+
+#endif

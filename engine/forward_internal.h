@@ -1,0 +1,64 @@
+/* Internal structures shared by the forward pass files (forward.c,
+ * attention.c, moe.c).  Not a public header. */
+#ifndef DS41_ENGINE_FORWARD_INTERNAL_H
+#define DS41_ENGINE_FORWARD_INTERNAL_H
+
+#include "engine/engram_layout.h"
+#include "engine/forward.h"
+#include "storage/safetensors.h"
+
+struct ds41_engine {
+    ds41_model_config cfg;
+    ds41_checkpoint *ckpt;
+    ds41_weights w;
+    const ds41_ops *ops;
+
+    /* Engram */
+    int32_t *token_map; /* [n_map] compressed id of each token id */
+    uint32_t n_map;
+    int32_t engram_pad; /* compressed id of engram_pad_id */
+    ds41_engram_layout eng;
+    float **wqk; /* per engram slot: fp32(q_weight * k_weight) [hc][dim] */
+
+    /* Rope frequencies per layer (rope_head_dim/2), NULL for absent layers */
+    float **rope_freqs;
+
+    /* Constants as the fp32 values the arithmetic uses (REFERENCE §10) */
+    float norm_eps, hc_eps, route_scale, swiglu_limit, gate_temp;
+    float softmax_scale; /* fp32(head_dim^-0.5) */
+    float index_scale;   /* fp32(index_head_dim^-0.5 * index_n_heads^-0.5) */
+    float engram_scale;  /* fp32(dim^-0.5) */
+};
+
+/* One forward call's rows (tokens) and per-call state. */
+typedef struct fwd_batch {
+    size_t M;                 /* rows */
+    size_t n_items;
+    const ds41_fwd_item *items;
+    size_t *item_row0;        /* [n_items] first row of each item */
+    uint64_t *item_pos0;      /* [n_items] position of that row */
+    size_t *row_item;         /* [M] */
+    uint64_t *row_pos;        /* [M] absolute position */
+    float *rope_cs;           /* [M][rope_head_dim] cos/sin of the current layer at each row's position */
+    int rope_layer;           /* layer rope_cs was computed for, -1 none */
+
+    /* Published top-k lists, per index source layer: positions [M][index_topk], counts [M] */
+    int32_t **idx_list;
+    uint32_t **idx_count;
+    /* Candidate blocks published by the candidate source: [M][cand_stride] flags */
+    uint8_t *cand;
+    size_t cand_stride;
+} fwd_batch;
+
+/* Attention sub-layer of layer L on xn [M][dim] (normed input): writes
+ * out [M][dim]; updates the batch sequences' rings and (kv sources) their
+ * compressed entries and carries.  Errors: out of memory, KV cache full. */
+int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err);
+
+/* MoE sub-layer of layer L on xn [M][dim]: out [M][dim].  Errors: out of memory. */
+int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err);
+
+/* cos/sin for layer L at every row's position into b->rope_cs (cached per layer). */
+void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);
+
+#endif

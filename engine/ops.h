@@ -1,0 +1,115 @@
+/* ds41_ops: the small set of numeric operations the forward pass is built
+ * from, behind a table of function pointers, so that backends (the canonical
+ * reference below, later a fast SIMD/threaded CPU path and the CUDA backend)
+ * slot in without touching engine/forward.c.
+ *
+ * Conventions for every op:
+ *  - Activations are fp32 arrays whose values are what the reference holds;
+ *    "bf16 values" means every element is bf16-representable.  Row-major,
+ *    rows contiguous unless a stride is given.
+ *  - Inputs and outputs must not overlap unless an op says "in place".
+ *  - Ops never fail: sizes come from a validated config and bound weights
+ *    (the forward pass checks everything before calling); they allocate
+ *    only scratch they free before returning.
+ *
+ * The reference backend (ds41_ops_reference) implements REFERENCE.md §10
+ * exactly: scalar, single-threaded, exact reductions (engine/refmath.h). */
+#ifndef DS41_ENGINE_OPS_H
+#define DS41_ENGINE_OPS_H
+
+#include "engine/kv_cache.h"
+#include "engine/weights.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Output rounding of a linear layer. */
+typedef enum ds41_linear_out {
+    DS41_OUT_BF16 = 0, /* bf16(acc): every FP8/FP4 linear and bf16 nn.Linear */
+    DS41_OUT_F32 = 1,  /* fp32 acc (fp32-parameter matmuls: gate, head, ratio-2 compressor); BF16 weights only */
+} ds41_linear_out;
+
+/* The rows a sparse attention call attends, in the canonical order of
+ * REFERENCE §10.7: window rows by ascending position, then compressed rows
+ * by ascending position.  Rows stay packed: window rows in the kv cache's
+ * ring format (head_dim e4m3 codes + head_dim/32 ue8m0 scales), compressed
+ * rows as kv cache entries (the latent part is read). */
+typedef struct ds41_attn_rows {
+    const ds41_kv_layout *layout;
+    size_t n_window;
+    const uint8_t *const *window;
+    size_t n_comp;
+    const uint8_t *const *comp;
+} ds41_attn_rows;
+
+typedef struct ds41_ops ds41_ops;
+
+struct ds41_ops {
+    const char *name;
+
+    /* y[m][0..w->n) = x[m] W^T for m < M; x[m] has w->k bf16 values.
+     * FP8 / FP4 weights: act_quant(x, 32, ue8m0) then the block GEMM
+     * (§2.2-2.3, §10.3), bf16 output (out must be DS41_OUT_BF16).  BF16
+     * weights: exact dot products, bf16 or fp32 output. */
+    void (*linear)(const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out);
+
+    /* RMSNorm of M rows of n values (§2.6, §10.5-10.6):
+     * y = bf16(w * fp32(x * rsqrt(fp32(mean_sq(x) + eps)))); w bf16 [n]. */
+    void (*rmsnorm)(const uint16_t *w, const float *x, size_t M, size_t n, float eps, float *y);
+
+    /* hc mixes + Sinkhorn of M token streams h[m] ([hc][dim] bf16 values,
+     * §2.5, §2.7): pre[m][hc], post[m][hc], comb[m][hc][hc]. */
+    void (*hc_mix)(const float *fn, const float *scale, const float *base, const float *h, size_t M, int hc,
+                   size_t dim, float norm_eps, int iters, float hc_eps, float *pre, float *post, float *comb);
+
+    /* out[m] = bf16(sum_c pre[m][c] * h[m][c]) ([dim]), short sum in copy order. */
+    void (*hc_pre)(const float *h, const float *pre, size_t M, int hc, size_t dim, float *out);
+
+    /* out[m][j] = bf16(post[m][j] * o[m] + sum_i comb[m][i][j] * h[m][i]). */
+    void (*hc_post)(const float *o, const float *h, const float *post, const float *comb, size_t M, int hc,
+                    size_t dim, float *out);
+
+    /* Rope on n_pairs adjacent pairs of x (in place), cs from
+     * ds41_rope_cos_sin; inverse != 0 rotates back.  bf16 write-back. */
+    void (*rope)(float *x, int n_pairs, const float *cs, int inverse);
+
+    /* Index scores of one query against n_keys packed index keys (kv cache
+     * entries, §2.10 step 4): out[t] = bf16(sum_h bf16(relu(bf16(q_h . K_t)) * w_h)),
+     * q [n_heads][dim] (FP4-QDQ'd), w [n_heads] (bf16 values). */
+    void (*index_scores)(const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
+                         const uint8_t *const *keys, size_t n_keys, float *out);
+
+    /* Sparse attention of one query position (§2.4, §10.7): q [n_heads][head_dim]
+     * bf16 values, sink [n_heads], scale = fp32(head_dim^-0.5); out
+     * [n_heads][head_dim] bf16 values.  rows->n_window + n_comp >= 1. */
+    void (*sparse_attn)(const float *q, int n_heads, int head_dim, const float *sink, float scale,
+                        const ds41_attn_rows *rows, float *out);
+
+    /* SwiGLU of M rows of n (§2.6): g, u bf16 values (w1, w3 outputs);
+     * limit > 0 clamps u to [-limit, limit] and g from above; h = silu(g) * u;
+     * route (NULL for the shared expert) multiplies row m by route[m]; out
+     * bf16(h). */
+    void (*swiglu)(const float *g, const float *u, size_t M, size_t n, float limit, const float *route, float *out);
+
+    /* Router of M tokens over E experts (§2.6 Gate, §9.2, §10.4): logits
+     * [M][E] are the fp32 gate matmul outputs (already divided by gate_temp);
+     * score = sqrt(softplus(logit)); the k experts with the highest
+     * fp32(score + bias) are chosen (ties: lower expert id), in that order
+     * (descending biased score, equal: lower id first) into sel[m][k];
+     * weight[m][k] = score at the choice, divided by fp32(short sum in choice
+     * order + 1e-20) when k > 1, then times route_scale. */
+    void (*router)(const float *logits, const float *bias, size_t M, int E, int k, float route_scale, int32_t *sel,
+                   float *weight);
+
+    /* Engram gating (§6.4 steps 3-5, §10.6) of M tokens, in place on
+     * h[m] ([hc][dim] bf16 values): kv[m] is the wkv output
+     * ([(hc+1)*dim] bf16 values: hc keys then the value), wqk [hc][dim] =
+     * fp32(q_weight * k_weight); dim_scale = fp32(dim^-0.5). */
+    void (*engram_mix)(float *h, const float *kv, const float *wqk, size_t M, int hc, size_t dim, float eps,
+                       float dim_scale);
+};
+
+/* The canonical reference backend (REFERENCE §10). */
+extern const ds41_ops ds41_ops_reference;
+
+#endif
