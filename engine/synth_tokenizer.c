@@ -1,5 +1,7 @@
 #include "engine/synth_tokenizer.h"
 
+#include "config/buf.h"
+
 #include "engine/vocab.h"
 
 #include <errno.h>
@@ -168,48 +170,7 @@ static uint32_t rnd_skew(uint64_t *s, uint32_t n) {
     return (uint32_t)(a * b / n);
 }
 
-typedef struct buf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} buf;
-
-static void buf_reserve(buf *b, size_t more) {
-    if (b->oom) return;
-    if (b->len + more + 1 <= b->cap) return;
-    size_t cap = b->cap ? b->cap : 4096;
-    while (cap < b->len + more + 1) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) {
-        b->oom = true;
-        return;
-    }
-    b->p = p;
-    b->cap = cap;
-}
-
-static void buf_put(buf *b, const char *s, size_t n) {
-    buf_reserve(b, n);
-    if (b->oom) return;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void buf_puts(buf *b, const char *s) {
-    buf_put(b, s, strlen(s));
-}
-
-__attribute__((format(printf, 2, 3))) static void buf_printf(buf *b, const char *fmt, ...) {
-    char tmp[256];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n > 0) buf_put(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
-}
-
-static void buf_cp(buf *b, uint32_t cp) { /* one code point as UTF-8 */
+static void buf_cp(ds41_buf *b, uint32_t cp) { /* one code point as UTF-8 */
     char u[4];
     size_t n;
     if (cp < 0x80) {
@@ -231,54 +192,54 @@ static void buf_cp(buf *b, uint32_t cp) { /* one code point as UTF-8 */
         u[3] = (char)(0x80 | (cp & 0x3F));
         n = 4;
     }
-    buf_put(b, u, n);
+    ds41_buf_put(b, u, n);
 }
 
 /* The characters of a JSON string as Python's json.dumps(ensure_ascii=False)
  * escapes them (no quotes). */
-static void buf_json_chars(buf *b, const char *s, size_t n) {
+static void buf_json_chars(ds41_buf *b, const char *s, size_t n) {
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
         switch (c) {
         case '"':
-            buf_put(b, "\\\"", 2);
+            ds41_buf_put(b, "\\\"", 2);
             break;
         case '\\':
-            buf_put(b, "\\\\", 2);
+            ds41_buf_put(b, "\\\\", 2);
             break;
         case '\n':
-            buf_put(b, "\\n", 2);
+            ds41_buf_put(b, "\\n", 2);
             break;
         case '\r':
-            buf_put(b, "\\r", 2);
+            ds41_buf_put(b, "\\r", 2);
             break;
         case '\t':
-            buf_put(b, "\\t", 2);
+            ds41_buf_put(b, "\\t", 2);
             break;
         case '\b':
-            buf_put(b, "\\b", 2);
+            ds41_buf_put(b, "\\b", 2);
             break;
         case '\f':
-            buf_put(b, "\\f", 2);
+            ds41_buf_put(b, "\\f", 2);
             break;
         default:
             if (c < 0x20)
-                buf_printf(b, "\\u%04x", c);
+                ds41_buf_printf(b, "\\u%04x", c);
             else
-                buf_put(b, &s[i], 1);
+                ds41_buf_put(b, &s[i], 1);
         }
     }
 }
 
-static void buf_json_string(buf *b, const char *s, size_t n) {
-    buf_put(b, "\"", 1);
+static void buf_json_string(ds41_buf *b, const char *s, size_t n) {
+    ds41_buf_put(b, "\"", 1);
     buf_json_chars(b, s, n);
-    buf_put(b, "\"", 1);
+    ds41_buf_put(b, "\"", 1);
 }
 
 /* Strings with ids 0..n-1 and a hash index (token strings, word types). */
 typedef struct strset {
-    buf text;
+    ds41_buf text;
     uint32_t *off, *len;
     uint32_t n, cap;
     uint32_t *slots; /* id + 1; 0 = empty */
@@ -301,7 +262,7 @@ static int64_t strset_find(const strset *t, const char *s, size_t n) {
     for (;;) {
         uint32_t e = t->slots[i];
         if (!e) return -1;
-        if (t->len[e - 1] == n && memcmp(t->text.p + t->off[e - 1], s, n) == 0) return e - 1;
+        if (t->len[e - 1] == n && memcmp(t->text.data + t->off[e - 1], s, n) == 0) return e - 1;
         i = (i + 1) & t->mask;
     }
 }
@@ -316,7 +277,7 @@ static void strset_rehash(strset *t, uint32_t cap) {
     t->slots = slots;
     t->mask = cap - 1;
     for (uint32_t id = 0; id < t->n; id++) {
-        uint32_t i = (uint32_t)hash_str(t->text.p + t->off[id], t->len[id]) & t->mask;
+        uint32_t i = (uint32_t)hash_str(t->text.data + t->off[id], t->len[id]) & t->mask;
         while (t->slots[i]) i = (i + 1) & t->mask;
         t->slots[i] = id + 1;
     }
@@ -344,8 +305,8 @@ static int64_t strset_add(strset *t, const char *s, size_t n) {
     uint32_t id = t->n;
     t->off[id] = (uint32_t)t->text.len;
     t->len[id] = (uint32_t)n;
-    buf_put(&t->text, s, n);
-    buf_put(&t->text, "", 1); /* keep a NUL between strings */
+    ds41_buf_put(&t->text, s, n);
+    ds41_buf_put(&t->text, "", 1); /* keep a NUL between strings */
     if (t->text.oom) {
         t->oom = true;
         return -1;
@@ -358,7 +319,7 @@ static int64_t strset_add(strset *t, const char *s, size_t n) {
 }
 
 static void strset_free(strset *t) {
-    free(t->text.p);
+    free(t->text.data);
     free(t->off);
     free(t->len);
     free(t->slots);
@@ -392,22 +353,22 @@ static const uint32_t symbols[] = {0x2192, 0x20AC, 0xA9,   0xB0,   0xB1,   0xD7,
 #define N_OF(a) (sizeof(a) / sizeof((a)[0]))
 #define CJK_POOL 3000u
 
-static void gen_english(buf *w, uint64_t *s, bool allow_space) {
-    if (allow_space && rnd(s, 100) < 72) buf_put(w, " ", 1);
+static void gen_english(ds41_buf *w, uint64_t *s, bool allow_space) {
+    if (allow_space && rnd(s, 100) < 72) ds41_buf_put(w, " ", 1);
     size_t first = w->len;
     uint32_t r = rnd(s, 100), syl = r < 45 ? 1 : r < 80 ? 2 : r < 94 ? 3 : 4;
     for (uint32_t k = 0; k < syl; k++) {
-        buf_puts(w, onsets[rnd_skew(s, N_OF(onsets))]);
-        buf_puts(w, vowels[rnd_skew(s, N_OF(vowels))]);
-        buf_puts(w, codas[rnd_skew(s, N_OF(codas))]);
+        ds41_buf_puts(w, onsets[rnd_skew(s, N_OF(onsets))]);
+        ds41_buf_puts(w, vowels[rnd_skew(s, N_OF(vowels))]);
+        ds41_buf_puts(w, codas[rnd_skew(s, N_OF(codas))]);
     }
-    if (rnd(s, 100) < 20) buf_puts(w, suffixes[rnd_skew(s, N_OF(suffixes))]);
-    if (!w->oom && w->len > first && rnd(s, 100) < 12 && w->p[first] >= 'a' && w->p[first] <= 'z')
-        w->p[first] = (char)(w->p[first] - 'a' + 'A');
+    if (rnd(s, 100) < 20) ds41_buf_puts(w, suffixes[rnd_skew(s, N_OF(suffixes))]);
+    if (!w->oom && w->len > first && rnd(s, 100) < 12 && w->data[first] >= 'a' && w->data[first] <= 'z')
+        w->data[first] = (char)(w->data[first] - 'a' + 'A');
 }
 
 /* One pre-tokenized piece of text (the kinds the real pre-tokenizer yields). */
-static void gen_word(buf *w, uint64_t *s, const uint32_t *cjk_pool) {
+static void gen_word(ds41_buf *w, uint64_t *s, const uint32_t *cjk_pool) {
     w->len = 0;
     uint32_t kind = rnd(s, 100);
     if (kind < 52) {
@@ -416,16 +377,16 @@ static void gen_word(buf *w, uint64_t *s, const uint32_t *cjk_pool) {
         uint32_t n = 1 + rnd_skew(s, 3);
         for (uint32_t k = 0; k < n; k++) buf_cp(w, '0' + rnd(s, 10));
     } else if (kind < 70) { /* " ?[\p{P}\p{S}]+[\r\n]*" */
-        if (rnd(s, 100) < 35) buf_put(w, " ", 1);
+        if (rnd(s, 100) < 35) ds41_buf_put(w, " ", 1);
         uint32_t n = 1 + rnd_skew(s, 3);
-        for (uint32_t k = 0; k < n; k++) buf_puts(w, puncts[rnd_skew(s, N_OF(puncts))]);
+        for (uint32_t k = 0; k < n; k++) ds41_buf_puts(w, puncts[rnd_skew(s, N_OF(puncts))]);
         uint32_t nl = rnd(s, 100);
         if (nl < 15)
-            buf_put(w, "\n", 1);
+            ds41_buf_put(w, "\n", 1);
         else if (nl < 20)
-            buf_put(w, "\n\n", 2);
+            ds41_buf_put(w, "\n\n", 2);
     } else if (kind < 75) { /* whitespace runs */
-        buf_puts(w, spaces[rnd_skew(s, N_OF(spaces))]);
+        ds41_buf_puts(w, spaces[rnd_skew(s, N_OF(spaces))]);
     } else if (kind < 86) { /* CJK / kana runs */
         uint32_t n = 1 + rnd_skew(s, 6);
         for (uint32_t k = 0; k < n; k++) {
@@ -438,11 +399,11 @@ static void gen_word(buf *w, uint64_t *s, const uint32_t *cjk_pool) {
                 buf_cp(w, 0x30A1 + rnd_skew(s, 0x5A)); /* katakana */
         }
     } else if (kind < 94) { /* accented Latin, Cyrillic, Greek */
-        if (rnd(s, 100) < 70) buf_put(w, " ", 1);
+        if (rnd(s, 100) < 70) ds41_buf_put(w, " ", 1);
         uint32_t script = rnd(s, 10), n = 2 + rnd(s, 8);
         for (uint32_t k = 0; k < n; k++) {
             if (script < 4)
-                buf_puts(w, rnd(s, 4) ? onsets[1 + rnd_skew(s, N_OF(onsets) - 1)]
+                ds41_buf_puts(w, rnd(s, 4) ? onsets[1 + rnd_skew(s, N_OF(onsets) - 1)]
                                       : accented[rnd_skew(s, N_OF(accented))]);
             else if (script < 7)
                 buf_cp(w, 0x0430 + rnd_skew(s, 32)); /* Cyrillic а..я */
@@ -451,10 +412,10 @@ static void gen_word(buf *w, uint64_t *s, const uint32_t *cjk_pool) {
         }
     } else if (kind < 97) { /* "[punct][A-Za-z]+": 's .com _init (the */
         static const char lead[] = "'._-(/@#$";
-        buf_put(w, &lead[rnd_skew(s, sizeof lead - 1)], 1);
+        ds41_buf_put(w, &lead[rnd_skew(s, sizeof lead - 1)], 1);
         gen_english(w, s, false);
     } else { /* symbols and emoji */
-        if (rnd(s, 100) < 40) buf_put(w, " ", 1);
+        if (rnd(s, 100) < 40) ds41_buf_put(w, " ", 1);
         uint32_t n = 1 + rnd(s, 2);
         for (uint32_t k = 0; k < n; k++) {
             uint32_t r = rnd(s, 3);
@@ -764,10 +725,10 @@ static void add_merge(synth *g, uint32_t a, uint32_t b) {
 }
 
 /* The joined string of tokens a and b in SCRATCH. */
-static void join_tokens(const synth *g, uint32_t a, uint32_t b, buf *scratch) {
+static void join_tokens(const synth *g, uint32_t a, uint32_t b, ds41_buf *scratch) {
     scratch->len = 0;
-    buf_put(scratch, g->tokens.text.p + g->tokens.off[a], g->tokens.len[a]);
-    buf_put(scratch, g->tokens.text.p + g->tokens.off[b], g->tokens.len[b]);
+    ds41_buf_put(scratch, g->tokens.text.data + g->tokens.off[a], g->tokens.len[a]);
+    ds41_buf_put(scratch, g->tokens.text.data + g->tokens.off[b], g->tokens.len[b]);
 }
 
 static int base_tokens(synth *g) {
@@ -775,14 +736,14 @@ static int base_tokens(synth *g) {
     uint8_t byte_of_rank[N_BYTE_TOKENS];
     for (uint32_t byte = 0; byte < N_BYTE_TOKENS; byte++)
         byte_of_rank[ds41_byte_level_rank((uint8_t)byte)] = (uint8_t)byte;
-    buf ch = {0};
+    ds41_buf ch = {0};
     for (uint32_t r = 0; r < N_BYTE_TOKENS; r++) {
         uint8_t byte = byte_of_rank[r];
         ch.len = 0;
         buf_cp(&ch, ds41_byte_level_char(byte));
-        g->byte_token[byte] = (uint32_t)strset_add(&g->tokens, ch.p, ch.len);
+        g->byte_token[byte] = (uint32_t)strset_add(&g->tokens, ch.data, ch.len);
     }
-    free(ch.p);
+    free(ch.data);
     for (uint32_t k = 0; k < g->top_k; k++) {
         top_token t;
         real_top_token(g->top_ids[k], &t);
@@ -805,15 +766,15 @@ static int build_corpus(synth *g, trainer *t, uint64_t *rng) {
     if (want < 4096) want = 4096;
     if (g->corpus_words) want = g->corpus_words;
     uint64_t max_draws = 8 * want + 100000;
-    buf w = {0};
+    ds41_buf w = {0};
     int rc = -1;
     for (uint64_t d = 0; d < max_draws && types.n < want; d++) {
         gen_word(&w, rng, cjk_pool);
         if (w.oom) goto out;
         if (w.len == 0) continue;
-        int64_t id = strset_find(&types, w.p, w.len);
+        int64_t id = strset_find(&types, w.data, w.len);
         if (id < 0) {
-            id = strset_add(&types, w.p, w.len);
+            id = strset_add(&types, w.data, w.len);
             if (id < 0) goto out;
             if ((size_t)id >= counts_cap) {
                 counts_cap = counts_cap ? 2 * counts_cap : 4096;
@@ -838,12 +799,12 @@ static int build_corpus(synth *g, trainer *t, uint64_t *rng) {
         t->w_start[i] = (uint32_t)t->sym_len;
         t->w_len[i] = types.len[i];
         t->w_count[i] = counts[i];
-        const uint8_t *p = (const uint8_t *)types.text.p + types.off[i];
+        const uint8_t *p = (const uint8_t *)types.text.data + types.off[i];
         for (uint32_t k = 0; k < types.len[i]; k++) t->sym[t->sym_len++] = g->byte_token[p[k]];
     }
     rc = 0;
 out:
-    free(w.p);
+    free(w.data);
     free(counts);
     strset_free(&types);
     return rc;
@@ -860,7 +821,7 @@ static int learn_merges(synth *g, trainer *t) {
         }
     }
     for (uint32_t p = 0; p < t->p_n && !t->oom; p++) heap_push(t, t->p_count[p], t->p_a[p], t->p_b[p]);
-    buf joined = {0};
+    ds41_buf joined = {0};
     uint32_t made = 0, stamp = 0;
     while (made < g->target_new && t->h_n && !t->oom && !joined.oom && !g->oom) {
         heap_entry e = heap_pop(t);
@@ -873,27 +834,27 @@ static int learn_merges(synth *g, trainer *t) {
             continue;
         }
         join_tokens(g, e.a, e.b, &joined);
-        if (strset_find(&g->reserved, joined.p, joined.len) >= 0) {
+        if (strset_find(&g->reserved, joined.data, joined.len) >= 0) {
             t->p_banned[p] = 1; /* would shadow an added token: never merge it */
             continue;
         }
-        int64_t id = strset_find(&g->tokens, joined.p, joined.len);
+        int64_t id = strset_find(&g->tokens, joined.data, joined.len);
         if (id < 0) {
-            id = strset_add(&g->tokens, joined.p, joined.len);
+            id = strset_add(&g->tokens, joined.data, joined.len);
             if (id < 0) break;
             made++;
         }
         add_merge(g, e.a, e.b);
         apply_merge(t, p, (uint32_t)id, ++stamp);
     }
-    free(joined.p);
+    free(joined.data);
     g->trained = (uint32_t)g->n_merges;
     return t->oom || g->oom || g->tokens.oom ? -1 : 0;
 }
 
 /* When the corpus ran dry: join an existing token with a byte token. */
 static int fill_merges(synth *g, uint64_t *rng) {
-    buf joined = {0};
+    ds41_buf joined = {0};
     while (g->tokens.n < g->model_count && !joined.oom && !g->oom) {
         uint32_t a = 3 + rnd(rng, g->tokens.n - 3);
         uint32_t b = g->byte_token[rnd(rng, 256)];
@@ -903,13 +864,13 @@ static int fill_merges(synth *g, uint64_t *rng) {
             b = x;
         }
         join_tokens(g, a, b, &joined);
-        if (joined.len > 48 || strset_find(&g->tokens, joined.p, joined.len) >= 0 ||
-            strset_find(&g->reserved, joined.p, joined.len) >= 0)
+        if (joined.len > 48 || strset_find(&g->tokens, joined.data, joined.len) >= 0 ||
+            strset_find(&g->reserved, joined.data, joined.len) >= 0)
             continue;
-        if (strset_add(&g->tokens, joined.p, joined.len) < 0) break;
+        if (strset_add(&g->tokens, joined.data, joined.len) < 0) break;
         add_merge(g, a, b);
     }
-    free(joined.p);
+    free(joined.data);
     return joined.oom || g->oom || g->tokens.oom ? -1 : 0;
 }
 
@@ -968,17 +929,17 @@ static const char components_json[] =
     "    \"use_regex\": true\n"
     "  },\n";
 
-static void emit_added(buf *out, uint32_t id, const char *content, bool normalized, bool special, bool last) {
-    buf_printf(out, "    {\n      \"id\": %u,\n      \"content\": ", id);
+static void emit_added(ds41_buf *out, uint32_t id, const char *content, bool normalized, bool special, bool last) {
+    ds41_buf_printf(out, "    {\n      \"id\": %u,\n      \"content\": ", id);
     buf_json_string(out, content, strlen(content));
-    buf_printf(out,
+    ds41_buf_printf(out,
                ",\n      \"single_word\": false,\n      \"lstrip\": false,\n      \"rstrip\": false,\n"
                "      \"normalized\": %s,\n      \"special\": %s\n    }%s\n",
                normalized ? "true" : "false", special ? "true" : "false", last ? "" : ",");
 }
 
-static void emit(const synth *g, buf *out) {
-    buf_puts(out, "{\n  \"version\": \"1.0\",\n  \"truncation\": null,\n  \"padding\": null,\n"
+static void emit(const synth *g, ds41_buf *out) {
+    ds41_buf_puts(out, "{\n  \"version\": \"1.0\",\n  \"truncation\": null,\n  \"padding\": null,\n"
                   "  \"added_tokens\": [\n");
     for (uint32_t i = 0; i < 3; i++) emit_added(out, i, sentence_tokens[i], false, true, false);
     for (uint32_t k = 0; k < g->top_k; k++) {
@@ -986,27 +947,27 @@ static void emit(const synth *g, buf *out) {
         real_top_token(g->top_ids[k], &t);
         emit_added(out, g->model_count + k, t.content, t.normalized, t.special, k + 1 == g->top_k);
     }
-    buf_puts(out, "  ],\n");
-    buf_puts(out, components_json);
-    buf_puts(out, "  \"model\": {\n    \"type\": \"BPE\",\n    \"dropout\": null,\n    \"unk_token\": null,\n"
+    ds41_buf_puts(out, "  ],\n");
+    ds41_buf_puts(out, components_json);
+    ds41_buf_puts(out, "  \"model\": {\n    \"type\": \"BPE\",\n    \"dropout\": null,\n    \"unk_token\": null,\n"
                   "    \"continuing_subword_prefix\": null,\n    \"end_of_word_suffix\": null,\n"
                   "    \"fuse_unk\": false,\n    \"byte_fallback\": false,\n    \"vocab\": {\n");
     for (uint32_t id = 0; id < g->tokens.n; id++) {
-        buf_puts(out, "      ");
-        buf_json_string(out, g->tokens.text.p + g->tokens.off[id], g->tokens.len[id]);
-        buf_printf(out, ": %u%s\n", id, id + 1 == g->tokens.n ? "" : ",");
+        ds41_buf_puts(out, "      ");
+        buf_json_string(out, g->tokens.text.data + g->tokens.off[id], g->tokens.len[id]);
+        ds41_buf_printf(out, ": %u%s\n", id, id + 1 == g->tokens.n ? "" : ",");
     }
-    buf_puts(out, "    },\n    \"merges\": [");
+    ds41_buf_puts(out, "    },\n    \"merges\": [");
     for (size_t m = 0; m < g->n_merges; m++) {
         uint32_t a = g->merges[m].a, b = g->merges[m].b;
         /* One string "a b": byte-level tokens never hold a space. */
-        buf_puts(out, m ? ",\n      \"" : "\n      \"");
-        buf_json_chars(out, g->tokens.text.p + g->tokens.off[a], g->tokens.len[a]);
-        buf_put(out, " ", 1);
-        buf_json_chars(out, g->tokens.text.p + g->tokens.off[b], g->tokens.len[b]);
-        buf_put(out, "\"", 1);
+        ds41_buf_puts(out, m ? ",\n      \"" : "\n      \"");
+        buf_json_chars(out, g->tokens.text.data + g->tokens.off[a], g->tokens.len[a]);
+        ds41_buf_put(out, " ", 1);
+        buf_json_chars(out, g->tokens.text.data + g->tokens.off[b], g->tokens.len[b]);
+        ds41_buf_put(out, "\"", 1);
     }
-    buf_puts(out, g->n_merges ? "\n    ]\n  }\n}\n" : "]\n  }\n}\n");
+    ds41_buf_puts(out, g->n_merges ? "\n    ]\n  }\n}\n" : "]\n  }\n}\n");
 }
 
 char *ds41_synth_tokenizer_json_opts(uint32_t vocab_size, uint64_t seed, ds41_synth_options *opts,
@@ -1018,7 +979,7 @@ char *ds41_synth_tokenizer_json_opts(uint32_t vocab_size, uint64_t seed, ds41_sy
     }
     synth g = {0};
     trainer t = {0};
-    buf out = {0};
+    ds41_buf out = {0};
     char *result = NULL;
     uint64_t rng = seed ^ 0xD541D541D541D541ull;
     g.vocab_size = vocab_size;
@@ -1030,13 +991,13 @@ char *ds41_synth_tokenizer_json_opts(uint32_t vocab_size, uint64_t seed, ds41_sy
         goto out;
     emit(&g, &out);
     if (out.oom) goto out;
-    result = out.p;
-    out.p = NULL;
+    result = out.data;
+    out.data = NULL;
     if (len) *len = out.len;
     if (opts) opts->trained_merges = g.trained;
 out:
     if (!result) ds41_fail(err, "synthetic tokenizer (vocab_size %u): out of memory", vocab_size);
-    free(out.p);
+    free(out.data);
     trainer_free(&t);
     strset_free(&g.tokens);
     strset_free(&g.reserved);

@@ -8,6 +8,7 @@
  * the terminal event with ds41_http_wait(), which also notices a client
  * that goes away. */
 #include "ipc/api.h"
+#include "config/buf.h"
 
 #include <inttypes.h>
 #include <limits.h>
@@ -37,36 +38,6 @@ struct ds41_api {
 };
 
 /* ------------------------------------------------------------- utilities */
-
-typedef struct buf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} buf;
-
-static void buf_add(buf *b, const char *s, size_t n) {
-    if (b->oom || n == 0) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1) {
-            if (cap > SIZE_MAX / 2) {
-                b->oom = true;
-                return;
-            }
-            cap *= 2;
-        }
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
 
 static json_t *ju64(uint64_t v) {
     return json_integer(v > (uint64_t)LLONG_MAX ? LLONG_MAX : (json_int_t)v);
@@ -169,7 +140,7 @@ typedef struct tool_acc {
     bool seen;
     char id[64];
     char *name;
-    buf args;
+    ds41_buf args;
 } tool_acc;
 
 typedef struct gen_ctx {
@@ -195,7 +166,7 @@ typedef struct gen_ctx {
     size_t echo_len;
     uint64_t text_offset;
     /* non-stream */
-    buf content, reasoning;
+    ds41_buf content, reasoning;
     json_t *lp_content, *lp_reasoning;             /* chat */
     json_t *c_tokens, *c_lps, *c_tops, *c_offsets; /* completions */
     tool_acc tools[MAX_TOOL_CALLS];
@@ -209,8 +180,8 @@ typedef struct gen_ctx {
 
 static void gen_free(gen_ctx *g) {
     free(g->echo);
-    free(g->content.p);
-    free(g->reasoning.p);
+    free(g->content.data);
+    free(g->reasoning.data);
     json_decref(g->lp_content);
     json_decref(g->lp_reasoning);
     json_decref(g->c_tokens);
@@ -219,7 +190,7 @@ static void gen_free(gen_ctx *g) {
     json_decref(g->c_offsets);
     for (int i = 0; i < MAX_TOOL_CALLS; i++) {
         free(g->tools[i].name);
-        free(g->tools[i].args.p);
+        free(g->tools[i].args.data);
     }
     ds41_http_signal_destroy(&g->sig);
     pthread_mutex_destroy(&g->mu);
@@ -357,12 +328,12 @@ static void emit_chunk_locked(gen_ctx *g, json_t *choice, json_t *usage) {
         size_t len;
         char *text = ds41_json_dump(o, &len);
         if (text) {
-            buf b = {0};
-            buf_add(&b, "data: ", 6);
-            buf_add(&b, text, len);
-            buf_add(&b, "\n\n", 2);
-            if (!b.oom && g->out) ds41_http_stream_write(g->out, b.p, b.len);
-            free(b.p);
+            ds41_buf b = {0};
+            ds41_buf_put(&b, "data: ", 6);
+            ds41_buf_put(&b, text, len);
+            ds41_buf_put(&b, "\n\n", 2);
+            if (!b.oom && g->out) ds41_http_stream_write(g->out, b.data, b.len);
+            free(b.data);
             free(text);
         }
     }
@@ -428,9 +399,9 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
     case DS41_GEN_DELTA: {
         if (g->kind == DS41_GEN_COMPLETION) {
             /* Completions have no reasoning channel: all text is text. */
-            buf t = {0};
-            buf_add(&t, ev->reasoning, ev->reasoning_len);
-            buf_add(&t, ev->content, ev->content_len);
+            ds41_buf t = {0};
+            ds41_buf_put(&t, ev->reasoning, ev->reasoning_len);
+            ds41_buf_put(&t, ev->content, ev->content_len);
             json_t *lp = NULL;
             if (g->logprobs && ev->n_logprobs) {
                 json_t *tok = json_array(), *lps = json_array(), *tops = json_array(), *off = json_array();
@@ -445,10 +416,10 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
                 g->text_offset += t.len;
             }
             if (t.len || lp)
-                emit_chunk_locked(g, text_choice(ds41_json_string_lossy(t.p, t.len), lp, NULL), NULL);
+                emit_chunk_locked(g, text_choice(ds41_json_string_lossy(t.data, t.len), lp, NULL), NULL);
             else
                 json_decref(lp);
-            free(t.p);
+            free(t.data);
             return;
         }
         json_t *delta = json_object();
@@ -508,12 +479,12 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
             ds41_svc_fail(&e, DS41_SVC_CANCELLED, NULL, "the request was cancelled by the server");
             char *body = ds41_http_error_json(503, NULL, "cancelled", NULL, e.message, NULL);
             if (body && g->out) {
-                buf b = {0};
-                buf_add(&b, "data: ", 6);
-                buf_add(&b, body, strlen(body));
-                buf_add(&b, "\n\n", 2);
-                if (!b.oom) ds41_http_stream_write(g->out, b.p, b.len);
-                free(b.p);
+                ds41_buf b = {0};
+                ds41_buf_put(&b, "data: ", 6);
+                ds41_buf_put(&b, body, strlen(body));
+                ds41_buf_put(&b, "\n\n", 2);
+                if (!b.oom) ds41_http_stream_write(g->out, b.data, b.len);
+                free(b.data);
             }
             free(body);
             return;
@@ -533,12 +504,12 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
         char *body = ds41_http_error_json(ds41_api_http_status(e->status), NULL, svc_code(e), e->param,
                                           e->message[0] ? e->message : "generation failed", NULL);
         if (body && g->out) {
-            buf b = {0};
-            buf_add(&b, "data: ", 6);
-            buf_add(&b, body, strlen(body));
-            buf_add(&b, "\n\n", 2);
-            if (!b.oom) ds41_http_stream_write(g->out, b.p, b.len);
-            free(b.p);
+            ds41_buf b = {0};
+            ds41_buf_put(&b, "data: ", 6);
+            ds41_buf_put(&b, body, strlen(body));
+            ds41_buf_put(&b, "\n\n", 2);
+            if (!b.oom) ds41_http_stream_write(g->out, b.data, b.len);
+            free(b.data);
         }
         free(body);
         return;
@@ -550,8 +521,8 @@ static void accumulate_locked(gen_ctx *g, const ds41_gen_event *ev) {
     switch (ev->type) {
     case DS41_GEN_DELTA:
         if (g->kind == DS41_GEN_COMPLETION) {
-            buf_add(&g->content, ev->reasoning, ev->reasoning_len);
-            buf_add(&g->content, ev->content, ev->content_len);
+            ds41_buf_put(&g->content, ev->reasoning, ev->reasoning_len);
+            ds41_buf_put(&g->content, ev->content, ev->content_len);
             if (g->logprobs && ev->n_logprobs) {
                 if (!g->c_tokens) {
                     g->c_tokens = json_array();
@@ -566,8 +537,8 @@ static void accumulate_locked(gen_ctx *g, const ds41_gen_event *ev) {
             }
             return;
         }
-        buf_add(&g->content, ev->content, ev->content_len);
-        buf_add(&g->reasoning, ev->reasoning, ev->reasoning_len);
+        ds41_buf_put(&g->content, ev->content, ev->content_len);
+        ds41_buf_put(&g->reasoning, ev->reasoning, ev->reasoning_len);
         if (g->logprobs && ev->n_logprobs) {
             if (!g->lp_content) g->lp_content = json_array();
             if (!g->lp_reasoning) g->lp_reasoning = json_array();
@@ -582,7 +553,7 @@ static void accumulate_locked(gen_ctx *g, const ds41_gen_event *ev) {
             tool_call_id(g, ev->tool_index, ev->tool_id, t->id);
             t->name = strdup(ev->tool_name ? ev->tool_name : "");
         }
-        buf_add(&t->args, ev->arguments, ev->arguments_len);
+        ds41_buf_put(&t->args, ev->arguments, ev->arguments_len);
         return;
     }
     default:
@@ -666,16 +637,16 @@ static json_t *build_chat_response(gen_ctx *g) {
         ds41_json_set_str(call, "id", t->id);
         ds41_json_set_str(call, "type", "function");
         ds41_json_set_str(fn, "name", t->name ? t->name : "");
-        ds41_json_set_new(fn, "arguments", ds41_json_string_lossy(t->args.p, t->args.len));
+        ds41_json_set_new(fn, "arguments", ds41_json_string_lossy(t->args.data, t->args.len));
         json_object_set_new(call, "function", fn);
     }
     ds41_json_set_str(msg, "role", "assistant");
     if (g->content.len || json_array_size(tools) == 0)
-        ds41_json_set_new(msg, "content", ds41_json_string_lossy(g->content.p, g->content.len));
+        ds41_json_set_new(msg, "content", ds41_json_string_lossy(g->content.data, g->content.len));
     else
         json_object_set_new(msg, "content", json_null());
     if (g->reasoning.len)
-        ds41_json_set_new(msg, "reasoning_content", ds41_json_string_lossy(g->reasoning.p, g->reasoning.len));
+        ds41_json_set_new(msg, "reasoning_content", ds41_json_string_lossy(g->reasoning.data, g->reasoning.len));
     if (json_array_size(tools)) json_object_set(msg, "tool_calls", tools);
     json_t *lp = json_null();
     if (g->logprobs) {
@@ -702,11 +673,11 @@ fail:
 }
 
 static json_t *build_completion_response(gen_ctx *g) {
-    buf text = {0};
-    buf_add(&text, g->echo, g->echo ? g->echo_len : 0);
-    buf_add(&text, g->content.p, g->content.len);
+    ds41_buf text = {0};
+    ds41_buf_put(&text, g->echo, g->echo ? g->echo_len : 0);
+    ds41_buf_put(&text, g->content.data, g->content.len);
     if (text.oom) {
-        free(text.p);
+        free(text.data);
         return NULL;
     }
     json_t *lp = json_null();
@@ -719,9 +690,9 @@ static json_t *build_completion_response(gen_ctx *g) {
     }
     json_t *o = json_pack("{s:s,s:s,s:I,s:s,s:[{s:i,s:o,s:o,s:s}],s:o}", "id", g->response_id, "object",
                           "text_completion", "created", (json_int_t)g->created, "model", g->accept.model,
-                          "choices", "index", 0, "text", ds41_json_string_lossy(text.p, text.len), "logprobs",
+                          "choices", "index", 0, "text", ds41_json_string_lossy(text.data, text.len), "logprobs",
                           lp, "finish_reason", finish_name(g->finish), "usage", usage_json(&g->usage));
-    free(text.p);
+    free(text.data);
     return o;
 }
 
@@ -1143,8 +1114,8 @@ bad:
 
 static void route_metrics(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    buf b = {0};
-    buf_add(&b, "", 0);
+    ds41_buf b = {0};
+    ds41_buf_put(&b, "", 0);
     if (api->svc.metrics) {
         char *text = NULL;
         size_t len = 0;
@@ -1154,22 +1125,22 @@ static void route_metrics(ds41_http_exchange *ex, void *ctx) {
             return;
         }
         if (text) {
-            buf_add(&b, text, len);
-            if (len && text[len - 1] != '\n') buf_add(&b, "\n", 1);
+            ds41_buf_put(&b, text, len);
+            if (len && text[len - 1] != '\n') ds41_buf_put(&b, "\n", 1);
         }
         free(text);
     }
     size_t hl = 0;
     char *http = ds41_http_metrics_render(api->metrics, &hl);
-    if (http) buf_add(&b, http, hl);
+    if (http) ds41_buf_put(&b, http, hl);
     free(http);
     if (b.oom) {
-        free(b.p);
+        free(b.data);
         ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
         return;
     }
-    ds41_http_respond(ex, 200, "text/plain; version=0.0.4; charset=utf-8", b.p ? b.p : "", b.len);
-    free(b.p);
+    ds41_http_respond(ex, 200, "text/plain; version=0.0.4; charset=utf-8", b.data ? b.data : "", b.len);
+    free(b.data);
 }
 
 static bool model_path_ok(const char *p, char *why, size_t why_len) {

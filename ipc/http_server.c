@@ -5,6 +5,8 @@
  * request completed), the deadline reaper, start/stop, in-memory dispatch. */
 #include "ipc/http_server.h"
 
+#include "config/buf.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -122,55 +124,21 @@ static void metrics_gauge(ds41_http_metrics *m, enum gauge which, int delta) {
     pthread_mutex_unlock(&m->mu);
 }
 
-typedef struct strbuf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} strbuf;
-
-static void sb_append(strbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-__attribute__((format(printf, 2, 3))) static void sb_printf(strbuf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    sb_append(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
-}
-
 char *ds41_http_metrics_render(ds41_http_metrics *m, size_t *len) {
-    strbuf b = {0};
-    sb_append(&b, "", 0);
+    ds41_buf b = {0};
+    ds41_buf_put(&b, "", 0);
     if (m) {
         pthread_mutex_lock(&m->mu);
-        sb_printf(&b, "# HELP ds41_http_requests_total HTTP requests answered, by route and status.\n"
+        ds41_buf_printf(&b, "# HELP ds41_http_requests_total HTTP requests answered, by route and status.\n"
                       "# TYPE ds41_http_requests_total counter\n");
         for (size_t i = 0; i < m->n_req; i++)
-            sb_printf(&b, "ds41_http_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n", m->req[i].route,
+            ds41_buf_printf(&b, "ds41_http_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n", m->req[i].route,
                       m->req[i].status, m->req[i].count);
-        sb_printf(&b, "# HELP ds41_http_events_total Connections refused or cut, by reason.\n"
+        ds41_buf_printf(&b, "# HELP ds41_http_events_total Connections refused or cut, by reason.\n"
                       "# TYPE ds41_http_events_total counter\n");
         for (int e = 0; e < DS41_HTTP_EV_COUNT; e++)
-            sb_printf(&b, "ds41_http_events_total{event=\"%s\"} %" PRIu64 "\n", event_names[e], m->events[e]);
-        sb_printf(&b,
+            ds41_buf_printf(&b, "ds41_http_events_total{event=\"%s\"} %" PRIu64 "\n", event_names[e], m->events[e]);
+        ds41_buf_printf(&b,
                   "# HELP ds41_http_connections Open client connections.\n"
                   "# TYPE ds41_http_connections gauge\n"
                   "ds41_http_connections %" PRId64 "\n"
@@ -181,11 +149,11 @@ char *ds41_http_metrics_render(ds41_http_metrics *m, size_t *len) {
         pthread_mutex_unlock(&m->mu);
     }
     if (b.oom) {
-        free(b.p);
+        free(b.data);
         return NULL;
     }
     if (len) *len = b.len;
-    return b.p;
+    return b.data;
 }
 
 /* ================================================================ server */
@@ -340,18 +308,18 @@ out:
 static void mem_capture_headers(ds41_http_exchange *ex, const char *content_type) {
     ds41_http_memory_response *m = ex->mem;
     m->content_type = strdup(content_type);
-    strbuf b = {0};
+    ds41_buf b = {0};
     for (int i = 0; i < ex->n_hdr; i++) {
-        sb_append(&b, ex->hdr[i].name, strlen(ex->hdr[i].name));
-        sb_append(&b, ": ", 2);
-        sb_append(&b, ex->hdr[i].value, strlen(ex->hdr[i].value));
-        sb_append(&b, "\n", 1);
+        ds41_buf_put(&b, ex->hdr[i].name, strlen(ex->hdr[i].name));
+        ds41_buf_put(&b, ": ", 2);
+        ds41_buf_put(&b, ex->hdr[i].value, strlen(ex->hdr[i].value));
+        ds41_buf_put(&b, "\n", 1);
     }
     if (b.oom) {
-        free(b.p);
-        b.p = NULL;
+        free(b.data);
+        b.data = NULL;
     }
-    m->headers = b.p;
+    m->headers = b.data;
 }
 
 static void mhd_add_headers(ds41_http_exchange *ex, struct MHD_Response *r, const char *content_type) {
@@ -1375,15 +1343,15 @@ int ds41_http_dispatch_memory(const ds41_http_router *router, const char *method
     }
     if (ex->mem_stream) {
         ds41_http_stream *s = ex->mem_stream;
-        strbuf b = {0};
-        sb_append(&b, "", 0);
+        ds41_buf b = {0};
+        ds41_buf_put(&b, "", 0);
         int64_t deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : 0;
         char chunk[4096];
         for (;;) {
             bool ended, overflow;
             size_t n = stream_take(s, chunk, sizeof chunk, &ended, &overflow);
             if (n) {
-                sb_append(&b, chunk, n);
+                ds41_buf_put(&b, chunk, n);
                 continue;
             }
             if (ended || overflow) break;
@@ -1400,10 +1368,10 @@ int ds41_http_dispatch_memory(const ds41_http_router *router, const char *method
             if (poll(&p, 1, wait_ms) > 0) drain_eventfd(s->efd);
         }
         stream_release_consumer(s);
-        out->body = b.p;
+        out->body = b.data;
         out->body_len = b.oom ? 0 : b.len;
         if (b.oom) {
-            free(b.p);
+            free(b.data);
             out->body = NULL;
         }
     }
