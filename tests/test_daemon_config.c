@@ -5,6 +5,7 @@
  * header, the default file and the man page. */
 #include "config/daemon_config.h"
 #include "tests/tap.h"
+#include "tests/test_util.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -18,24 +19,6 @@
 #define MAN_PAGE "packaging/ds41d.yaml.5"
 #define HEADER "config/daemon_config.h"
 #define FUZZ_SEED "tests/fuzz/corpus/daemon_config/default.yaml"
-
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (!buf) return NULL;
-    buf[n] = 0;
-    if (len) *len = (size_t)n;
-    return buf;
-}
 
 static bool has(const char *s, const char *needle) {
     return s && strstr(s, needle) != NULL;

@@ -3,6 +3,7 @@
  * defaults, and one error per validation rule naming the key at fault. */
 #include "config/model_config.h"
 #include "tests/tap.h"
+#include "tests/test_util.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,24 +13,6 @@
 
 #define RELEASED "tests/data/config/inference_config.json"
 #define TINY "tests/data/config/tiny_inference_config.json"
-
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (!buf) return NULL;
-    buf[n] = 0;
-    *len = (size_t)n;
-    return buf;
-}
 
 /* Copy of s with the first `from` replaced by `to`; NULL if `from` is absent. */
 static char *replace(const char *s, const char *from, const char *to) {

@@ -6,7 +6,8 @@
  * tests/tokenizer_parity.sh. */
 #include "engine/synth_tokenizer.h"
 #include "engine/tokenizer.h"
-#include "tap.h"
+#include "tests/tap.h"
+#include "tests/test_util.h"
 
 #include <jansson.h>
 #include <stdint.h>
@@ -23,23 +24,6 @@ __attribute__((format(printf, 1, 2))) static bool fail(const char *fmt, ...) {
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     return false;
-}
-
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-    }
-    fclose(f);
-    if (s) s[n] = 0;
-    if (len) *len = (size_t)n;
-    return s;
 }
 
 static bool encode(const ds41_tokenizer *t, const char *s, size_t n, ds41_token_ids *ids) {

@@ -5,6 +5,7 @@
 #include "engine/synth_tokenizer.h"
 #include "engine/vocab.h"
 #include "tests/tap.h"
+#include "tests/test_util.h"
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -46,28 +47,6 @@ static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, n = 0;
-    char *b = malloc(cap + 1);
-    for (;;) {
-        if (n == cap) {
-            cap *= 2;
-            char *nb = realloc(b, cap + 1);
-            if (!nb) break;
-            b = nb;
-        }
-        size_t got = fread(b + n, 1, cap - n, f);
-        if (!got) break;
-        n += got;
-    }
-    fclose(f);
-    b[n] = 0;
-    if (len) *len = n;
-    return b;
 }
 
 static bool bytes_eq(const void *a, size_t an, const void *b, size_t bn) {
