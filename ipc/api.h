@@ -183,7 +183,7 @@ typedef struct ds41_api_request {
     char *prompt;
     int32_t *prompt_tokens;
     char **stop;
-    ds41_logit_bias *logit_bias;
+    ds41_svc_logit_bias *logit_bias;
     char *user;
 } ds41_api_request;
 

@@ -172,10 +172,10 @@ typedef struct ds41_opt_double {
     double value;
 } ds41_opt_double;
 
-typedef struct ds41_logit_bias {
+typedef struct ds41_svc_logit_bias {
     int32_t token; /* >= 0; the service rejects ids outside its vocabulary (DS41_SVC_BAD_REQUEST) */
     float bias;    /* in [-100, 100] */
-} ds41_logit_bias;
+} ds41_svc_logit_bias;
 
 /* A validated generation request (ipc/api.h documents the JSON fields that
  * map here).  Optional numbers come as ds41_opt_double with set=false when
@@ -223,7 +223,7 @@ typedef struct ds41_gen_request {
     ds41_opt_double frequency_penalty;  /* [-2, 2] */
     bool has_seed;
     int64_t seed;
-    const ds41_logit_bias *logit_bias;
+    const ds41_svc_logit_bias *logit_bias;
     size_t n_logit_bias;
     uint32_t max_tokens;     /* 0 = not given: the service's limit (context) applies */
     const char *const *stop; /* stop strings (each non-empty) */

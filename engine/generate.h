@@ -1,0 +1,224 @@
+/* ds41_generation: one request's generation, from the request to the final message, as a state
+ * machine that never runs the model itself.
+ *
+ * The caller (the offline generator ds41-generate, the daemon's scheduler) owns the forward
+ * pass: it batches many generations per ds41_forward call.  A generation tells it which token ids
+ * still have to go through the model and turns the logits of the last position into the next
+ * token and the text events a client sees:
+ *
+ *     g = ds41_generation_new(tokenizer, &params, n_vocab)      render + tokenize the prompt
+ *     loop:
+ *         n = ds41_generation_pending(g, &ids)                    ids not yet fed (prompt, then
+ *         feed a chunk ids[0..k) (k <= n) to the model;            one token per step)
+ *         ds41_generation_mark_fed(g, k)
+ *         if ds41_generation_wants_logits(g):                      everything fed, not finished
+ *             ds41_generation_step(g, logits_of_last_position, scratch, &step)
+ *             ... step.reasoning / step.content / step.tool_calls / step.finished ...
+ *
+ * A prefix cache that already holds the KV of the first k prompt ids calls
+ * ds41_generation_mark_cached(g, k) instead of feeding them (usage reports them as
+ * cached_tokens).
+ *
+ * Prompts.  CHAT renders OpenAI-style messages with the V4.1 chat encoding (engine/chat.h) in
+ * chat or thinking mode and tokenizes the text (special tokens matched, BOS from the text);
+ * "developer" messages are rendered as "system" (OpenAI's newer name for it); a last assistant
+ * message with "prefix": true is continued (rendered without its EOS; DeepSeek's prefix
+ * completion).  RAW tokenizes the text exactly as given (no BOS added: V4.1's tokenizer adds
+ * none); IDS takes token ids as they are.
+ *
+ * Tokens.  Each step samples with engine/sampler.h (or takes the next forced token, see below),
+ * then checks engine/stop.h's limits in this order: an EOS (the tokenizer_config.json eos_token
+ * when the vocabulary has it, else the id of "<｜end▁of▁sentence｜>"; unless ignore_eos) or a stop token
+ * id ends generation without emitting the token ("stop"); the max_tokens-th token, or a token
+ * that fills the context (prompt + generated = max_context), is emitted and ends it ("length").
+ * Every generated token counts in completion_tokens, a final EOS too.
+ *
+ * Text.  Emitted tokens go through the streaming detokenizer (never a partial UTF-8 sequence),
+ * then the stop-string matcher (a completed stop string ends generation, its text and anything
+ * after it never appear), giving the generated text T.  RAW and IDS prompts stream T as
+ * content.  CHAT splits T the way the V4.1 parser does (REFERENCE §11.7, the lenient parser of
+ * engine/chat.h), while it streams:
+ *   - thinking mode: reasoning until the first of "</think>", a tool-call block
+ *     ("\n\n<｜DSML｜ calls") or an EOS text; "</think>" itself is dropped;
+ *   - then content until the first of an EOS text or a tool-call block;
+ *   - a tool-call block is held back whole until generation ends: DSML is only decided on the
+ *     complete text (a malformed or cut-off block becomes content, never a half-written call),
+ *     so tool calls arrive in the final step, one ds41_chat_tool_call each, after any rest of the
+ *     content.
+ * Text that might be the beginning of one of those markers is held back until it is decided.
+ * When generation ends, T (plus the EOS text when it ended on EOS) is parsed with the strict
+ * parser, falling back to the lenient one; the final step delivers whatever of that parse's
+ * reasoning_content and content was not streamed yet, and its tool calls.  So the concatenation
+ * of every step's reasoning (content) equals the final message's reasoning_content (content),
+ * byte for byte, however the text was cut into tokens.
+ *
+ * Forced output (tests only).  params.forced_ids makes the first n_forced generated tokens those
+ * ids instead of samples (the logits are still required, checked and, with logprobs, described);
+ * limits, stop strings, text splitting and the final parse treat them like sampled tokens.  This
+ * is how tests make a random-weight model emit "</think>" and a DSML tool call.  The daemon
+ * accepts it only when its configuration enables test hooks.
+ *
+ * Errors are ds41_error messages naming the field ("messages[2]: ...", "logit_bias: token 5000
+ * outside the vocabulary (1024)", "prompt is empty", "prompt of 70000 tokens exceeds the context
+ * (65536)").
+ *
+ * Threads: a generation belongs to one thread at a time; the tokenizer it borrows may be shared
+ * (it is immutable). */
+#ifndef DS41_ENGINE_GENERATE_H
+#define DS41_ENGINE_GENERATE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+#include "config/error.h"
+#include "engine/chat.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+
+typedef enum ds41_generation_prompt_kind {
+    DS41_GENERATION_CHAT = 0, /* messages through the V4.1 chat encoding */
+    DS41_GENERATION_RAW,      /* text tokenized as given */
+    DS41_GENERATION_IDS,      /* token ids as given */
+} ds41_generation_prompt_kind;
+
+/* Why a generation ended. */
+typedef enum ds41_generation_finish {
+    DS41_GENERATION_RUNNING = 0,
+    DS41_GENERATION_EOS,         /* the EOS token ("stop") */
+    DS41_GENERATION_STOP_TOKEN,  /* a stop token id ("stop") */
+    DS41_GENERATION_STOP_STRING, /* a stop string completed ("stop") */
+    DS41_GENERATION_MAX_TOKENS,  /* max_tokens generated ("length") */
+    DS41_GENERATION_CONTEXT,     /* prompt + generated reached max_context ("length") */
+    DS41_GENERATION_ABORTED,     /* ds41_generation_abort (cancelled, server error) */
+} ds41_generation_finish;
+
+/* What a request asks for.  Everything is borrowed for the duration of ds41_generation_new
+ * (copied where kept).  Start from ds41_generation_params_default(). */
+typedef struct ds41_generation_params {
+    ds41_generation_prompt_kind kind;
+
+    /* CHAT */
+    const json_t *messages;        /* array of message objects (engine/chat.h) */
+    const json_t *tools;           /* OpenAI tools array or NULL */
+    const json_t *response_format; /* or NULL */
+    bool thinking;                 /* thinking mode (reasoning in <think>...</think>) */
+    int reasoning_effort;          /* thinking mode's effort 1..100; 0 = the model's default (75) */
+    bool parse_tool_calls;         /* CHAT: split DSML tool-call blocks into tool calls (default true) */
+
+    /* RAW: text[0..text_len) (any bytes; invalid UTF-8 is encoded as U+FFFD) */
+    const char *text;
+    size_t text_len;
+
+    /* IDS */
+    const uint32_t *ids;
+    size_t n_ids;
+
+    /* sampling (logit_bias and the rest as in engine/sampler.h) */
+    ds41_sampler_params sampler;
+
+    /* ending */
+    const char *const *stop; /* n_stop stop strings (valid UTF-8, non-empty) */
+    const size_t *stop_lens; /* their lengths; NULL = strlen */
+    size_t n_stop;
+    const uint32_t *stop_ids; /* stop token ids */
+    uint32_t n_stop_ids;
+    uint32_t max_tokens;  /* generated tokens; 0 = no limit but the context */
+    uint32_t max_context; /* prompt + generated tokens; 0 = no limit */
+    bool ignore_eos;      /* EOS is emitted like any token (benchmarks) */
+    bool skip_special;    /* drop special tokens' text from the output (RAW/IDS; CHAT ignores it:
+                             the parser needs every marker) */
+
+    /* tests only: the first generated tokens */
+    const uint32_t *forced_ids;
+    size_t n_forced;
+} ds41_generation_params;
+
+/* kind CHAT, chat mode, parse_tool_calls true, ds41_sampler_params_default(), nothing else. */
+ds41_generation_params ds41_generation_params_default(void);
+
+typedef struct ds41_generation ds41_generation;
+
+/* What one step produced.  Pointers are owned by the generation and valid until its next call. */
+typedef struct ds41_generation_delta {
+    uint32_t token;       /* the token generated at this step */
+    bool forced;          /* it came from forced_ids */
+    bool emitted;         /* its text is part of the output (false for a final EOS / stop id) */
+    bool reasoning_token; /* it was generated while the reasoning was open (thinking mode) */
+    ds41_sample_result sample; /* token, logprob and alternatives (when params asked for logprobs) */
+
+    /* Text that became final at this step (valid UTF-8; either may be empty). */
+    const char *reasoning;
+    size_t reasoning_len;
+    const char *content;
+    size_t content_len;
+
+    /* Final step only (CHAT): the parsed tool calls. */
+    const ds41_chat_tool_call *tool_calls;
+    size_t n_tool_calls;
+
+    bool finished;
+    ds41_generation_finish finish;
+} ds41_generation_delta;
+
+/* Render and tokenize the prompt and set up sampling and stopping.  tok is borrowed and must
+ * outlive the generation; n_vocab is the model's vocabulary size (token ids, logit_bias and
+ * forced ids must be below it).  Errors (nothing allocated, *out NULL): a bad message list or
+ * effort (engine/chat.h's messages), images (not supported), an empty prompt, a prompt id >=
+ * n_vocab, a prompt that leaves no room in max_context, bad sampler parameters, bad stop
+ * strings, too many stop ids, out of memory. */
+int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params *params, uint32_t n_vocab,
+                        ds41_generation **out, ds41_error *err);
+void ds41_generation_free(ds41_generation *g);
+
+/* The prompt and generated tokens so far (prompt first); int32 as ds41_forward takes them. */
+const int32_t *ds41_generation_tokens(const ds41_generation *g, size_t *n);
+size_t ds41_generation_prompt_tokens(const ds41_generation *g);
+size_t ds41_generation_completion_tokens(const ds41_generation *g); /* generated, a final EOS included */
+size_t ds41_generation_reasoning_tokens(const ds41_generation *g);
+size_t ds41_generation_cached_tokens(const ds41_generation *g);
+
+/* The rendered prompt text (CHAT and RAW; "" for IDS), NUL-terminated. */
+const char *ds41_generation_prompt_text(const ds41_generation *g, size_t *len);
+
+/* Tokens not yet fed to the model: *ids points at them (valid until the next step).  0 while
+ * the generation waits for logits, and once it has finished. */
+size_t ds41_generation_pending(const ds41_generation *g, const int32_t **ids);
+/* n of the pending tokens went through the model (n <= pending). */
+void ds41_generation_mark_fed(ds41_generation *g, size_t n);
+/* The first n prompt tokens come from a prefix cache: like mark_fed, and counted as cached.
+ * Only before anything was fed; n < the prompt length (the last prompt token must go through
+ * the model to give logits).  Returns 0 / -1 (err says why; nothing changes). */
+int ds41_generation_mark_cached(ds41_generation *g, size_t n, ds41_error *err);
+/* Every token is fed and the generation has not finished: the next step needs the logits of
+ * the last fed position. */
+bool ds41_generation_wants_logits(const ds41_generation *g);
+
+/* Sample (or force) the next token from logits[n_vocab] of the last fed position and advance the
+ * text.  scratch is the caller's sampler scratch (one per thread, for at least n_vocab).  Fills
+ * *out.  Errors (the generation unchanged, except that a sampler PRNG draw may have happened):
+ * called when wants_logits is false, NaN / +inf logits, out of memory. */
+int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
+                         ds41_generation_delta *out, ds41_error *err);
+
+/* End now (client gone, server stopping, out of KV memory): like a finish by a stop string at
+ * this point, so *out (if not NULL) delivers the held-back text and the parse of what was
+ * generated.  No-op (out->finished with the earlier reason, no text) once finished. */
+int ds41_generation_abort(ds41_generation *g, ds41_generation_delta *out, ds41_error *err);
+
+bool ds41_generation_finished(const ds41_generation *g);
+ds41_generation_finish ds41_generation_finish_reason(const ds41_generation *g);
+/* "stop", "length" or "tool_calls" (a CHAT that ended on EOS/stop with tool calls); "abort". */
+const char *ds41_generation_finish_name(const ds41_generation *g);
+
+/* The whole generated text T (after stop strings; no final EOS), NUL-terminated. */
+const char *ds41_generation_text(const ds41_generation *g, size_t *len);
+/* After the finish: the parsed assistant turn (CHAT: reasoning_content, content, tool_calls;
+ * RAW / IDS: content = T).  NULL before. */
+const ds41_chat_completion *ds41_generation_result(const ds41_generation *g);
+/* The seed the sampler uses (the given one, or the one drawn). */
+uint64_t ds41_generation_seed(const ds41_generation *g);
+
+#endif
