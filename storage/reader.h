@@ -129,7 +129,7 @@ const char *ds41_reader_buffers_reason(const ds41_reader *r);
 typedef struct ds41_read_req {
     uint32_t file;       /* index from ds41_reader_add_file */
     uint64_t offset;     /* absolute byte offset in the file */
-    size_t len;          /* bytes to read; 0 completes at once */
+    size_t len;          /* bytes to read; 0 completes at once, successfully, at any offset */
     void *buf;           /* len bytes, any alignment; may be NULL when len is 0 */
     uint64_t tag;        /* returned in the completion; need not be unique */
 } ds41_read_req;

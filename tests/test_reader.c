@@ -338,7 +338,7 @@ static size_t read_all(const char *path, bool direct) {
     ds41_reader *r = ds41_reader_new(&o, &err);
     if (!r) return 0;
     size_t ok = 0;
-    unsigned char *buf = aligned_alloc(4096, FILE_SIZE + 4096);
+    unsigned char *buf = aligned_alloc(4096, (FILE_SIZE + 4096) / 4096 * 4096 + 4096);
     if (ds41_reader_add_file(r, path, -1, &err) == 0 && ds41_reader_file_direct(r, 0) == direct) {
         /* unaligned on purpose: the bounce path must not touch the page cache either */
         ds41_read_req q = {.file = 0, .offset = 1, .len = FILE_SIZE - 1, .buf = buf + 1, .tag = 1};
