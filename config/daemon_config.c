@@ -85,6 +85,8 @@ static const key_desc keys[] = {
      false, NULL},
     {"engine.prefill_chunk", "engine", "prefill_chunk", V_UINT, CFG(engine.prefill_chunk), 1, 1048576, false, false,
      NULL},
+    {"engine.test_forced_output", "engine", "test_forced_output", V_BOOL, CFG(engine.test_forced_output), 0, 0, false,
+     false, NULL},
     {"memory.kv_cache_bytes", "memory", "kv_cache_bytes", V_SIZE, CFG(memory.kv_cache_bytes), 0, UINT64_MAX, false,
      true, NULL},
     {"memory.expert_cache_bytes", "memory", "expert_cache_bytes", V_SIZE, CFG(memory.expert_cache_bytes), 0,
@@ -695,6 +697,7 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->engine.max_sequences = 64;
     cfg->engine.max_batch_tokens = 8192;
     cfg->engine.prefill_chunk = 512;
+    cfg->engine.test_forced_output = false;
     cfg->limits.max_body_bytes = 8u << 20;
     cfg->limits.max_queue = 256;
     cfg->limits.max_tokens_default = 4096;

@@ -47,6 +47,10 @@
  *                            decoding sequence), 1..1048576; >= max_sequences and >=
  *                            prefill_chunk.
  *   engine.prefill_chunk     512      prompt tokens per prefill chunk, 1..1048576.
+ *   engine.test_forced_output false   test hook: accept the request field "ds41_forced_output"
+ *                            (text whose tokens replace the samples, so tests can make a
+ *                            random-weight model emit </think> and tool calls).  Never on
+ *                            in production: it lets a client dictate the output.
  *   memory.kv_cache_bytes    auto     KV cache budget; sizes are integers (bytes) or strings
  *   memory.expert_cache_bytes auto    with a unit: B, KB/MB/GB/TB/PB (powers of 1000),
  *   memory.engram_cache_bytes auto    KiB/MiB/GiB/TiB/PiB (powers of 1024), units case-
@@ -161,6 +165,7 @@ typedef struct ds41_daemon_config {
         uint32_t max_sequences;
         uint32_t max_batch_tokens;
         uint32_t prefill_chunk;
+        bool test_forced_output;
     } engine;
     struct {
         uint64_t kv_cache_bytes;

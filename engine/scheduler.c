@@ -27,7 +27,10 @@ typedef struct req {
     uint64_t pub_kv_tokens, pub_kv_pages, pub_kv_bytes, pub_generated;
     bool failed; /* sampling failed in this step (engine thread) */
     char failure[256];
-    struct req *next; /* queue link */
+    /* how it ended (set when it joins the endings list) */
+    ds41_sched_status end_status;
+    char end_message[256];
+    struct req *next; /* queue link, then endings link */
 } req;
 
 typedef struct cache_entry {
@@ -39,13 +42,6 @@ typedef struct cache_entry {
     int64_t created, last_used;
     uint64_t bytes; /* page bytes referenced */
 } cache_entry;
-
-/* What the engine thread tells a sink after releasing the lock. */
-typedef struct ending {
-    req *r;
-    ds41_sched_status status;
-    char message[256];
-} ending;
 
 struct ds41_scheduler {
     ds41_engine *engine;
@@ -84,8 +80,10 @@ struct ds41_scheduler {
     size_t *item_slot; /* logits slot + 1, 0 = no logits */
     float *logits;
     size_t logits_slots;
-    ending *endings;
-    size_t n_endings, cap_endings;
+    /* ended requests whose sink has not been told yet (linked through req.next), delivered
+     * without the lock: no memory needed to end a request */
+    req *endings_head, *endings_tail;
+    size_t n_endings;
 };
 
 /* ---- time and logging -------------------------------------------------------------------------- */
@@ -218,31 +216,21 @@ static size_t cache_lookup(ds41_scheduler *s, const int32_t *ids, size_t n) {
 static void add_ending(ds41_scheduler *s, req *r, ds41_sched_status status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void add_ending(ds41_scheduler *s, req *r, ds41_sched_status status, const char *fmt, ...) {
-    if (s->n_endings == s->cap_endings) {
-        size_t nc = s->cap_endings ? s->cap_endings * 2 : 16;
-        ending *ne = realloc(s->endings, nc * sizeof *ne);
-        if (!ne) {
-            /* Without room to defer it, end the request right here (the lock is held, so the
-             * sink runs under it; it must not call back, which the contract asks anyway). */
-            r->sink.done(r->sink.ctx, r->g, status, "out of memory");
-            ds41_generation_free(r->g);
-            ds41_kv_seq_free(r->seq);
-            free(r);
-            return;
-        }
-        s->endings = ne;
-        s->cap_endings = nc;
-    }
-    ending *e = &s->endings[s->n_endings++];
-    e->r = r;
-    e->status = status;
-    e->message[0] = 0;
+    r->end_status = status;
+    r->end_message[0] = 0;
     if (fmt) {
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(e->message, sizeof e->message, fmt, ap);
+        vsnprintf(r->end_message, sizeof r->end_message, fmt, ap);
         va_end(ap);
     }
+    r->next = NULL;
+    if (s->endings_tail)
+        s->endings_tail->next = r;
+    else
+        s->endings_head = r;
+    s->endings_tail = r;
+    s->n_endings++;
 }
 
 /* Count a finished request (under mu). */
@@ -266,17 +254,22 @@ static void count_end(ds41_scheduler *s, const req *r, ds41_sched_status status)
     st->prompt_tokens += ds41_generation_prompt_tokens(r->g);
 }
 
-/* Deliver the collected endings (without the lock: sinks may call cancel). */
+/* Deliver the collected endings (called with the lock held; sinks run without it: they may call
+ * cancel). */
 static void deliver_endings(ds41_scheduler *s) {
-    for (size_t i = 0; i < s->n_endings; i++) {
-        ending *e = &s->endings[i];
-        req *r = e->r;
-        r->sink.done(r->sink.ctx, r->g, e->status, e->status == DS41_SCHED_DONE ? NULL : e->message);
+    req *r = s->endings_head;
+    s->endings_head = s->endings_tail = NULL;
+    s->n_endings = 0;
+    pthread_mutex_unlock(&s->mu);
+    while (r) {
+        req *next = r->next;
+        r->sink.done(r->sink.ctx, r->g, r->end_status, r->end_status == DS41_SCHED_DONE ? NULL : r->end_message);
         ds41_generation_free(r->g);
         ds41_kv_seq_free(r->seq);
         free(r);
+        r = next;
     }
-    s->n_endings = 0;
+    pthread_mutex_lock(&s->mu);
 }
 
 /* Remove running[i] (under mu), keeping admission order irrelevant (swap with last). */
@@ -516,9 +509,7 @@ static void *engine_main(void *arg) {
         }
         admit(s);
         if (s->n_endings) {
-            pthread_mutex_unlock(&s->mu);
             deliver_endings(s);
-            pthread_mutex_lock(&s->mu);
             continue;
         }
         if (s->n_running == 0) {
@@ -638,8 +629,8 @@ static void *engine_main(void *arg) {
         }
     }
     /* stopping: everything queued or running has ended */
-    pthread_mutex_unlock(&s->mu);
     deliver_endings(s);
+    pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
@@ -732,7 +723,6 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     free(s->item_n);
     free(s->item_slot);
     free(s->logits);
-    free(s->endings);
     free(s->cache);
     ds41_kv_pool_free(s->pool);
     free(s);

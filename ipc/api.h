@@ -70,6 +70,8 @@
  *     chat_template_kwargs ({"thinking"|"enable_thinking": bool}),
  *   llama.cpp / vLLM extras: top_k (integer >= -1), min_p [0,1],
  *     repetition_penalty (0,100], ignore_eos (bool),
+ *   ds41 test hook: ds41_forced_output (string; the service refuses it unless
+ *     its configuration enables test hooks, see ds41_gen_request),
  *   accepted and ignored: store, metadata, service_tier, modalities (only
  *     "text"), prompt_cache_key (the prefix cache is automatic),
  *     safety_identifier, verbosity,
@@ -91,7 +93,7 @@
  * in OpenAI), temperature, top_p, n (1), best_of (1), stream, stream_options,
  * logprobs (integer 0..20: top alternatives per token), echo (string prompts
  * without logprobs), stop, presence_penalty, frequency_penalty, logit_bias,
- * seed, user, top_k, min_p, repetition_penalty, ignore_eos.
+ * seed, user, top_k, min_p, repetition_penalty, ignore_eos, ds41_forced_output.
  *
  * POST /tokenize: {"model"?, exactly one of "content" | "prompt" (text) |
  * "messages" (chat, with optional "tools", "thinking", "reasoning_effort"),
@@ -126,7 +128,7 @@
  * Wiring (what the daemon does):
  *     metrics = ds41_http_metrics_new();
  *     ds41_api_new(&service, metrics, &opts, &api, &err);
- *     fd = <socket from systemd> or ds41_unix_listen(path, 0660, group, 128, &err);
+ *     fd = <socket from systemd> or ds41_listen_unix(path, 0660, group, 128, &l, &err) (daemon/listen.h);
  *     ds41_http_listener l[] = {{.fd = fd}};        // + an optional loopback TCP one
  *     ds41_http_config cfg = {.listeners = l, .n_listeners = 1,
  *                             .has_admin_gid = true, .admin_gid = admin_group};
@@ -185,6 +187,7 @@ typedef struct ds41_api_request {
     char **stop;
     ds41_svc_logit_bias *logit_bias;
     char *user;
+    char *forced_output;
 } ds41_api_request;
 
 /* Parse and validate a /v1/chat/completions or /v1/completions body

@@ -808,6 +808,9 @@ static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error 
     }
     if (ds41_api_get_string(root, NULL, "user", false, &s, err) || dup_string(s, &r->user, err)) return -1;
     g->user = r->user;
+    if (ds41_api_get_string(root, NULL, "ds41_forced_output", false, &s, err) || dup_string(s, &r->forced_output, err))
+        return -1;
+    g->forced_output = r->forced_output;
     if (parse_stop(root, r, err) || parse_logit_bias(root, r, err)) return -1;
     return 0;
 }
@@ -831,6 +834,7 @@ void ds41_api_request_free(ds41_api_request *r) {
     free(r->stop);
     free(r->logit_bias);
     free(r->user);
+    free(r->forced_output);
     memset(r, 0, sizeof *r);
 }
 
@@ -864,6 +868,7 @@ static const char *const chat_keys[] = {"messages",
                                         "min_p",
                                         "repetition_penalty",
                                         "ignore_eos",
+                                        "ds41_forced_output",
                                         "store",
                                         "metadata",
                                         "service_tier",
@@ -997,6 +1002,7 @@ static const char *const completion_keys[] = {"model",
                                               "min_p",
                                               "repetition_penalty",
                                               "ignore_eos",
+                                              "ds41_forced_output",
                                               NULL};
 
 static int parse_token_ids(const json_t *arr, const char *path, ds41_api_request *r, ds41_svc_error *err) {

@@ -1,7 +1,7 @@
 /* ds41_http: the HTTP/1.1 server under the API (libmicrohttpd 0.9.75).
  *
  * Listening.  The server never creates sockets itself: it serves listening
- * fds it is given (a Unix socket the daemon created with ds41_unix_listen()
+ * fds it is given (a Unix socket the daemon created with ds41_listen_unix()
  * or received from systemd, and optionally a loopback TCP socket).  Each fd
  * gets its own MHD daemon; the caller keeps ownership of the fds (the server
  * works on duplicates), so a socket passed by systemd survives a restart of

@@ -229,6 +229,11 @@ typedef struct ds41_gen_request {
     const char *const *stop; /* stop strings (each non-empty) */
     size_t n_stop;
     bool ignore_eos; /* keep generating past EOS (benchmarks) */
+    /* Test hook ("ds41_forced_output"): a text whose tokens (special tokens
+     * matched) replace the sampled tokens until it runs out, so tests can make
+     * a random-weight model emit reasoning and tool calls.  NULL = not given.
+     * A service refuses it (DS41_SVC_BAD_REQUEST) unless configured for tests. */
+    const char *forced_output;
 
     /* output options */
     bool logprobs;    /* deliver per-token logprobs in DELTA events */

@@ -1,0 +1,1152 @@
+/* ds41ctl: control and query ds41d over its Unix socket (see ds41ctl(1)).  Human tables by
+ * default, JSON with --json. */
+#include "daemon/ctl_client.h"
+#include "engine/pyjson.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <dirent.h>
+
+#define DEFAULT_SOCKET "/run/ds41d/ds41d.sock"
+
+static const char *g_socket = DEFAULT_SOCKET;
+static bool g_json = false;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: ds41ctl [--socket PATH] [--json] COMMAND [ARGS]\n"
+            "\n"
+            "Talks to ds41d over its Unix socket (default %s, or $DS41_SOCKET).\n"
+            "Commands:\n"
+            "  status                       daemon state, model, load and memory\n"
+            "  models ls                    configured and loaded models, bytes per tier\n"
+            "  models load NAME             load a configured model (admin)\n"
+            "  models unload NAME           unload a model (admin)\n"
+            "  ps                           live sessions with tokens and KV bytes (admin)\n"
+            "  cache                        KV cache per session and per tier (admin)\n"
+            "  chat [PROMPT]                chat, streaming; interactive without PROMPT\n"
+            "       [--model M] [--system TEXT] [--thinking] [--effort N] [--max-tokens N]\n"
+            "       [--temperature T] [--seed S]\n"
+            "  generate PROMPT              a plain completion, streamed\n"
+            "       [--model M] [--max-tokens N] [--temperature T] [--seed S]\n"
+            "  bench                        prefill and decode throughput through the daemon\n"
+            "       [--requests N] [--concurrency C] [--prompt-tokens P] [--max-tokens T] [--model M]\n"
+            "  doctor [--model DIR]         check this machine: io_uring, O_DIRECT on the model\n"
+            "                               directory, memlock, CPU features, GPU, free memory\n"
+            "  metrics                      the daemon's Prometheus metrics\n"
+            "--json prints JSON for scripts.  Exit status: 0 ok, 1 failure (including an unreachable\n"
+            "daemon), 2 bad usage.\n",
+            DEFAULT_SOCKET);
+}
+
+static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("ds41ctl: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+/* ---- HTTP + JSON helpers --------------------------------------------------------------------- */
+
+/* GET/POST returning parsed JSON; on a non-2xx answer prints the error and returns NULL. */
+static json_t *call_json(const char *method, const char *path, const char *body, int *status_out, bool quiet) {
+    ds41_ctl_response r;
+    ds41_error err = {{0}};
+    if (ds41_ctl_request(g_socket, method, path, body, body ? strlen(body) : 0, 60000, &r, &err) != 0) {
+        if (!quiet) fail("%s", err.msg);
+        if (status_out) *status_out = 0;
+        return NULL;
+    }
+    if (status_out) *status_out = r.status;
+    json_error_t je;
+    json_t *j = json_loadb(r.body, r.body_len, 0, &je);
+    if (r.status / 100 != 2) {
+        if (!quiet) {
+            const char *msg = j ? json_string_value(json_object_get(json_object_get(j, "error"), "message")) : NULL;
+            fail("%s %s: HTTP %d: %s", method, path, r.status, msg ? msg : r.body);
+        }
+        json_decref(j);
+        ds41_ctl_response_free(&r);
+        return NULL;
+    }
+    if (!j && !quiet) fail("%s %s: the answer is not JSON: %s", method, path, je.text);
+    ds41_ctl_response_free(&r);
+    return j;
+}
+
+static char *call_text(const char *path, int *status) {
+    ds41_ctl_response r;
+    ds41_error err = {{0}};
+    if (ds41_ctl_request(g_socket, "GET", path, NULL, 0, 60000, &r, &err) != 0) {
+        fail("%s", err.msg);
+        return NULL;
+    }
+    *status = r.status;
+    if (r.status / 100 != 2) {
+        fail("GET %s: HTTP %d: %s", path, r.status, r.body);
+        ds41_ctl_response_free(&r);
+        return NULL;
+    }
+    return r.body;
+}
+
+static void print_json(const json_t *j) {
+    char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    if (s) puts(s);
+    free(s);
+}
+
+static const char *jstr(const json_t *o, const char *k) {
+    const char *s = json_string_value(json_object_get(o, k));
+    return s ? s : "";
+}
+static long long jint(const json_t *o, const char *k) { return (long long)json_integer_value(json_object_get(o, k)); }
+
+static void human_bytes(double b, char *out, size_t n) {
+    static const char *const u[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+    int k = 0;
+    while (b >= 1000 && k < 5) {
+        b /= 1000;
+        k++;
+    }
+    snprintf(out, n, k ? "%.1f %s" : "%.0f %s", b, u[k]);
+}
+
+/* ---- tables ------------------------------------------------------------------------------------ */
+
+typedef struct table {
+    size_t cols, rows, cap;
+    char **cells; /* rows x cols, row 0 = header */
+} table;
+
+static void table_row(table *t, ...) {
+    if (t->rows == t->cap) {
+        t->cap = t->cap ? t->cap * 2 : 8;
+        t->cells = realloc(t->cells, t->cap * t->cols * sizeof *t->cells);
+        if (!t->cells) exit(1);
+    }
+    va_list ap;
+    va_start(ap, t);
+    for (size_t c = 0; c < t->cols; c++) {
+        const char *s = va_arg(ap, const char *);
+        t->cells[t->rows * t->cols + c] = strdup(s ? s : "");
+    }
+    va_end(ap);
+    t->rows++;
+}
+
+static void table_free(table *t) {
+    for (size_t i = 0; i < t->rows * t->cols; i++) free(t->cells[i]);
+    free(t->cells);
+    t->cells = NULL;
+    t->rows = t->cap = 0;
+}
+
+static void table_print(table *t) {
+    size_t w[16] = {0};
+    for (size_t r = 0; r < t->rows; r++)
+        for (size_t c = 0; c < t->cols && c < 16; c++) {
+            size_t l = strlen(t->cells[r * t->cols + c]);
+            if (l > w[c]) w[c] = l;
+        }
+    for (size_t r = 0; r < t->rows; r++) {
+        for (size_t c = 0; c < t->cols; c++) {
+            const char *s = t->cells[r * t->cols + c];
+            if (c + 1 == t->cols)
+                printf("%s", s);
+            else
+                printf("%-*s  ", (int)w[c], s);
+        }
+        putchar('\n');
+    }
+    table_free(t);
+}
+
+static char *fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
+static char *fmt(const char *f, ...) {
+    static char ring[64][128];
+    static int k;
+    char *b = ring[k++ % 64];
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(b, 128, f, ap);
+    va_end(ap);
+    return b;
+}
+
+/* ---- metrics text ---------------------------------------------------------------------------- */
+
+/* Sum of a series' samples (every label set) in a Prometheus text; label_filter (e.g.
+ * "state=\"used\"") keeps only matching lines.  NAN when absent. */
+static double metric_sum(const char *text, const char *name, const char *label_filter) {
+    double sum = NAN;
+    size_t nl = strlen(name);
+    for (const char *line = text; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        if (strncmp(line, name, nl) != 0 || (line[nl] != '{' && line[nl] != ' ')) continue;
+        const char *eol = strchr(line, '\n');
+        size_t len = eol ? (size_t)(eol - line) : strlen(line);
+        if (label_filter && !memmem(line, len, label_filter, strlen(label_filter))) continue;
+        const char *sp = memrchr(line, ' ', len);
+        if (!sp) continue;
+        double v = strtod(sp + 1, NULL);
+        sum = isnan(sum) ? v : sum + v;
+    }
+    return sum;
+}
+
+/* ---- commands ------------------------------------------------------------------------------------ */
+
+static int cmd_status(void) {
+    int st = 0;
+    json_t *health = NULL;
+    {
+        ds41_ctl_response r;
+        ds41_error err = {{0}};
+        if (ds41_ctl_request(g_socket, "GET", "/health", NULL, 0, 10000, &r, &err) != 0) return fail("%s", err.msg);
+        health = json_loadb(r.body, r.body_len, 0, NULL);
+        st = r.status;
+        ds41_ctl_response_free(&r);
+    }
+    json_t *models = call_json("GET", "/v1/models", NULL, NULL, true);
+    int ms;
+    char *metrics = call_text("/metrics", &ms);
+    double running = metrics ? metric_sum(metrics, "ds41_running_sequences", NULL) : NAN;
+    double queued = metrics ? metric_sum(metrics, "ds41_queue_depth", NULL) : NAN;
+    double tps = metrics ? metric_sum(metrics, "ds41_generated_tokens_per_second", NULL) : NAN;
+    double gen = metrics ? metric_sum(metrics, "ds41_generated_tokens_total", NULL) : NAN;
+    double kv_used = metrics ? metric_sum(metrics, "ds41_kv_cache_bytes", "state=\"used\"") : NAN;
+    double kv_free = metrics ? metric_sum(metrics, "ds41_kv_cache_bytes", "state=\"free\"") : NAN;
+    const char *hs = health ? jstr(health, "status") : "unknown";
+    if (g_json) {
+        json_t *o = json_pack("{s:s s:s s:O*}", "socket", g_socket, "health", hs, "models",
+                              models ? json_object_get(models, "data") : NULL);
+        json_t *load = json_object();
+        if (!isnan(running)) json_object_set_new(load, "running", json_integer((json_int_t)running));
+        if (!isnan(queued)) json_object_set_new(load, "queued", json_integer((json_int_t)queued));
+        if (!isnan(tps)) json_object_set_new(load, "tokens_per_second", json_real(tps));
+        if (!isnan(gen)) json_object_set_new(load, "generated_tokens", json_integer((json_int_t)gen));
+        if (!isnan(kv_used)) json_object_set_new(load, "kv_used_bytes", json_integer((json_int_t)kv_used));
+        if (!isnan(kv_free)) json_object_set_new(load, "kv_free_bytes", json_integer((json_int_t)kv_free));
+        json_object_set_new(o, "load", load);
+        if (health && json_object_get(health, "detail"))
+            json_object_set(o, "detail", json_object_get(health, "detail"));
+        print_json(o);
+        json_decref(o);
+    } else {
+        printf("ds41d:   %s (%s)%s%s\n", hs, g_socket, health && json_object_get(health, "detail") ? ": " : "",
+               health ? jstr(health, "detail") : "");
+        size_t i;
+        json_t *m;
+        json_array_foreach(json_object_get(models, "data"), i, m)
+            printf("model:   %s (context %lld)\n", jstr(m, "id"), jint(m, "max_model_len"));
+        if (!isnan(running))
+            printf("load:    %.0f running, %.0f queued, %.1f tokens/s, %.0f tokens generated\n", running,
+                   isnan(queued) ? 0 : queued, isnan(tps) ? 0 : tps, isnan(gen) ? 0 : gen);
+        if (!isnan(kv_used)) {
+            char u[32], f[32];
+            human_bytes(kv_used, u, sizeof u);
+            human_bytes(isnan(kv_free) ? 0 : kv_free, f, sizeof f);
+            printf("memory:  KV cache %s used, %s free\n", u, isnan(kv_free) ? "unbounded" : f);
+        }
+    }
+    json_decref(health);
+    json_decref(models);
+    free(metrics);
+    return st == 200 ? 0 : 1;
+}
+
+static int cmd_models(int argc, char **argv) {
+    const char *sub = argc > 1 ? argv[1] : "ls";
+    if (strcmp(sub, "ls") == 0) {
+        int status;
+        json_t *j = call_json("GET", "/admin/models", NULL, &status, true);
+        bool admin = j != NULL;
+        if (!j) {
+            if (status == 0) return call_json("GET", "/admin/models", NULL, NULL, false), 1;
+            j = call_json("GET", "/v1/models", NULL, NULL, false);
+            if (!j) return 1;
+            if (!g_json)
+                fprintf(stderr, "ds41ctl: admin routes need root or the admin group; showing the served models\n");
+        }
+        if (g_json) {
+            print_json(j);
+        } else {
+            table t = {.cols = admin ? 6 : 3};
+            if (admin)
+                table_row(&t, "NAME", "STATE", "CONTEXT", "BYTES", "PATH", "DETAIL");
+            else
+                table_row(&t, "NAME", "STATE", "CONTEXT");
+            size_t i;
+            json_t *m;
+            json_array_foreach(json_object_get(j, "data"), i, m) {
+                if (admin) {
+                    char b[32];
+                    human_bytes((double)jint(m, "bytes_total"), b, sizeof b);
+                    table_row(&t, jstr(m, "id"), jstr(m, "state"), fmt("%lld", jint(m, "context_length")), b,
+                              jstr(m, "path"), jstr(m, "detail"));
+                } else {
+                    table_row(&t, jstr(m, "id"), "ready", fmt("%lld", jint(m, "max_model_len")));
+                }
+            }
+            table_print(&t);
+        }
+        json_decref(j);
+        return 0;
+    }
+    if ((strcmp(sub, "load") == 0 || strcmp(sub, "unload") == 0) && argc == 3) {
+        json_t *body = json_pack("{s:s}", "name", argv[2]);
+        char *b = json_dumps(body, JSON_COMPACT);
+        json_decref(body);
+        char path[64];
+        snprintf(path, sizeof path, "/admin/models/%s", sub);
+        json_t *j = call_json("POST", path, b, NULL, false);
+        free(b);
+        if (!j) return 1;
+        if (g_json)
+            print_json(j);
+        else
+            printf("%s: %s\n", argv[2], jstr(j, "status"));
+        json_decref(j);
+        return 0;
+    }
+    usage(stderr);
+    return 2;
+}
+
+static void sessions_table(const json_t *sessions) {
+    table t = {.cols = 9};
+    table_row(&t, "ID", "MODEL", "STATE", "PROMPT", "GENERATED", "CACHED", "KV_TOKENS", "KV_PAGES", "KV_BYTES");
+    size_t i;
+    json_t *s;
+    json_array_foreach(json_object_get(sessions, "data"), i, s)
+        table_row(&t, jstr(s, "id"), jstr(s, "model"), jstr(s, "state"), fmt("%lld", jint(s, "prompt_tokens")),
+                  fmt("%lld", jint(s, "generated_tokens")), fmt("%lld", jint(s, "cached_tokens")),
+                  fmt("%lld", jint(s, "kv_tokens")), fmt("%lld", jint(s, "kv_pages")), fmt("%lld", jint(s, "kv_bytes")));
+    table_print(&t);
+}
+
+static int cmd_ps(void) {
+    json_t *j = call_json("GET", "/admin/sessions", NULL, NULL, false);
+    if (!j) return 1;
+    if (g_json)
+        print_json(j);
+    else
+        sessions_table(j);
+    json_decref(j);
+    return 0;
+}
+
+static int cmd_cache(void) {
+    json_t *c = call_json("GET", "/admin/cache", NULL, NULL, false);
+    if (!c) return 1;
+    json_t *s = call_json("GET", "/admin/sessions", NULL, NULL, false);
+    if (!s) {
+        json_decref(c);
+        return 1;
+    }
+    if (g_json) {
+        json_t *o = json_pack("{s:O s:O}", "cache", c, "sessions", json_object_get(s, "data"));
+        print_json(o);
+        json_decref(o);
+    } else {
+        printf("KV pages: %lld used, %lld free, %lld in all; %lld tokens and %lld bytes per page; %.1f bytes per token\n",
+               jint(c, "pages_used"), jint(c, "pages_free"), jint(c, "pages_total"), jint(c, "page_tokens"),
+               jint(c, "page_bytes"), json_number_value(json_object_get(c, "bytes_per_token")));
+        table t = {.cols = 6};
+        table_row(&t, "TIER", "USED", "CAPACITY", "HITS", "MISSES", "HIT_RATE");
+        size_t i;
+        json_t *tier;
+        json_array_foreach(json_object_get(c, "tiers"), i, tier) {
+            char u[32], cap[32];
+            human_bytes((double)jint(tier, "used_bytes"), u, sizeof u);
+            long long capb = jint(tier, "capacity_bytes");
+            if (capb)
+                human_bytes((double)capb, cap, sizeof cap);
+            else
+                snprintf(cap, sizeof cap, "auto");
+            json_t *hr = json_object_get(tier, "hit_rate");
+            table_row(&t, jstr(tier, "name"), u, cap, fmt("%lld", jint(tier, "hits")), fmt("%lld", jint(tier, "misses")),
+                      json_is_number(hr) ? fmt("%.1f%%", 100 * json_number_value(hr)) : "-");
+        }
+        table_print(&t);
+        putchar('\n');
+        sessions_table(s);
+    }
+    json_decref(c);
+    json_decref(s);
+    return 0;
+}
+
+static int cmd_metrics(void) {
+    int st;
+    char *text = call_text("/metrics", &st);
+    if (!text) return 1;
+    if (!g_json) {
+        fputs(text, stdout);
+        free(text);
+        return 0;
+    }
+    json_t *arr = json_array();
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        if (line[0] == '#' || !line[0]) continue;
+        char *sp = strrchr(line, ' ');
+        if (!sp) continue;
+        *sp = 0;
+        json_t *labels = json_object();
+        char *brace = strchr(line, '{');
+        if (brace) {
+            *brace = 0;
+            char *p = brace + 1;
+            while (*p && *p != '}') {
+                char *eq = strchr(p, '=');
+                if (!eq || eq[1] != '"') break;
+                *eq = 0;
+                char *v = eq + 2, *q = v;
+                ds41_buf val = {0};
+                while (*q && *q != '"') {
+                    if (*q == '\\' && q[1]) q++;
+                    ds41_buf_putc(&val, *q++);
+                }
+                ds41_buf_putc(&val, 0);
+                json_object_set_new(labels, p, json_string(val.data ? val.data : ""));
+                ds41_buf_free(&val);
+                p = *q ? q + 1 : q;
+                if (*p == ',') p++;
+            }
+        }
+        json_array_append_new(arr, json_pack("{s:s s:o s:f}", "name", line, "labels", labels, "value", strtod(sp + 1, NULL)));
+    }
+    print_json(arr);
+    json_decref(arr);
+    free(text);
+    return 0;
+}
+
+/* ---- streaming chat / generate ---------------------------------------------------------------- */
+
+typedef struct stream_state {
+    bool tty;
+    bool in_reasoning;
+    ds41_buf content, reasoning; /* the whole answer (for the conversation history) */
+    json_t *tool_calls;          /* index -> call */
+    char finish[32];
+    char error[512];
+    json_t *usage;
+    bool first_token_seen;
+    double t_first;
+} stream_state;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static bool on_chat_event(void *ctx, const char *data, size_t len) {
+    stream_state *s = ctx;
+    if (len == 6 && memcmp(data, "[DONE]", 6) == 0) return true;
+    json_t *ev = json_loadb(data, len, 0, NULL);
+    if (!ev) return true;
+    json_t *e = json_object_get(ev, "error");
+    if (e) snprintf(s->error, sizeof s->error, "%s", jstr(e, "message"));
+    json_t *u = json_object_get(ev, "usage");
+    if (json_is_object(u)) {
+        json_decref(s->usage);
+        s->usage = json_incref(u);
+    }
+    size_t i;
+    json_t *ch;
+    json_array_foreach(json_object_get(ev, "choices"), i, ch) {
+        json_t *d = json_object_get(ch, "delta");
+        const char *r = json_string_value(json_object_get(d, "reasoning_content"));
+        const char *c = json_string_value(json_object_get(d, "content"));
+        if (!d) c = json_string_value(json_object_get(ch, "text"));
+        if ((r && *r) || (c && *c)) {
+            if (!s->first_token_seen) s->t_first = now_s();
+            s->first_token_seen = true;
+        }
+        if (r && *r) {
+            if (!s->in_reasoning) {
+                fputs(s->tty ? "\033[2m" : "[reasoning] ", stdout);
+                s->in_reasoning = true;
+            }
+            fputs(r, stdout);
+            ds41_buf_puts(&s->reasoning, r);
+        }
+        if (c && *c) {
+            if (s->in_reasoning) {
+                fputs(s->tty ? "\033[0m\n" : "\n[answer] ", stdout);
+                s->in_reasoning = false;
+            }
+            fputs(c, stdout);
+            ds41_buf_puts(&s->content, c);
+        }
+        size_t k;
+        json_t *tc;
+        json_array_foreach(json_object_get(d, "tool_calls"), k, tc) {
+            char idx[16];
+            snprintf(idx, sizeof idx, "%lld", jint(tc, "index"));
+            json_t *call = json_object_get(s->tool_calls, idx);
+            if (!call) {
+                call = json_pack("{s:s s:s s:{s:s s:s}}", "id", jstr(tc, "id"), "type", "function", "function", "name", "",
+                                 "arguments", "");
+                json_object_set_new(s->tool_calls, idx, call);
+            }
+            json_t *f = json_object_get(tc, "function"), *cf = json_object_get(call, "function");
+            char buf[8192];
+            snprintf(buf, sizeof buf, "%s%s", jstr(cf, "name"), jstr(f, "name"));
+            json_object_set_new(cf, "name", json_string(buf));
+            snprintf(buf, sizeof buf, "%s%s", jstr(cf, "arguments"), jstr(f, "arguments"));
+            json_object_set_new(cf, "arguments", json_string(buf));
+        }
+        const char *fr = json_string_value(json_object_get(ch, "finish_reason"));
+        if (fr) snprintf(s->finish, sizeof s->finish, "%s", fr);
+    }
+    fflush(stdout);
+    json_decref(ev);
+    return true;
+}
+
+static void stream_end(stream_state *s) {
+    if (s->in_reasoning && s->tty) fputs("\033[0m", stdout);
+    s->in_reasoning = false;
+    const char *k;
+    json_t *call;
+    json_object_foreach(s->tool_calls, k, call) {
+        json_t *f = json_object_get(call, "function");
+        printf("\n[tool call] %s %s", jstr(f, "name"), jstr(f, "arguments"));
+    }
+    putchar('\n');
+    fflush(stdout);
+}
+
+typedef struct gen_opts {
+    const char *model, *system;
+    bool thinking;
+    long effort;
+    long max_tokens;
+    double temperature;
+    bool has_temperature;
+    long long seed;
+    bool has_seed;
+} gen_opts;
+
+static int parse_gen_opts(int argc, char **argv, gen_opts *o, int *first_arg) {
+    static const struct option lo[] = {
+        {"model", required_argument, NULL, 'm'},      {"system", required_argument, NULL, 'S'},
+        {"thinking", no_argument, NULL, 't'},         {"effort", required_argument, NULL, 'e'},
+        {"max-tokens", required_argument, NULL, 'n'}, {"temperature", required_argument, NULL, 'T'},
+        {"seed", required_argument, NULL, 's'},       {NULL, 0, NULL, 0},
+    };
+    memset(o, 0, sizeof *o);
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        char *end;
+        switch (c) {
+        case 'm': o->model = optarg; break;
+        case 'S': o->system = optarg; break;
+        case 't': o->thinking = true; break;
+        case 'e':
+            o->effort = strtol(optarg, &end, 10);
+            if (*end || o->effort < 1 || o->effort > 100) return fail("--effort: expected 1..100"), 2;
+            o->thinking = true;
+            break;
+        case 'n':
+            o->max_tokens = strtol(optarg, &end, 10);
+            if (*end || o->max_tokens < 1) return fail("--max-tokens: expected an integer >= 1"), 2;
+            break;
+        case 'T':
+            o->temperature = strtod(optarg, &end);
+            if (*end || o->temperature < 0 || o->temperature > 2) return fail("--temperature: expected 0..2"), 2;
+            o->has_temperature = true;
+            break;
+        case 's':
+            o->seed = strtoll(optarg, &end, 10);
+            if (*end) return fail("--seed: expected an integer"), 2;
+            o->has_seed = true;
+            break;
+        default: return 2;
+        }
+    }
+    *first_arg = optind;
+    return 0;
+}
+
+static void add_gen_fields(json_t *req, const gen_opts *o) {
+    if (o->model) json_object_set_new(req, "model", json_string(o->model));
+    if (o->max_tokens) json_object_set_new(req, "max_tokens", json_integer(o->max_tokens));
+    if (o->has_temperature) json_object_set_new(req, "temperature", json_real(o->temperature));
+    if (o->has_seed) json_object_set_new(req, "seed", json_integer(o->seed));
+}
+
+/* One chat turn: streamed to stdout (or, with --json, the whole response printed). */
+static int chat_turn(json_t *messages, const gen_opts *o, json_t **assistant) {
+    json_t *req = json_pack("{s:O}", "messages", messages);
+    add_gen_fields(req, o);
+    if (o->thinking) {
+        if (o->effort)
+            json_object_set_new(req, "reasoning_effort", json_integer(o->effort));
+        else
+            json_object_set_new(req, "thinking", json_pack("{s:s}", "type", "enabled"));
+    }
+    if (g_json) {
+        char *b = json_dumps(req, JSON_COMPACT);
+        json_decref(req);
+        json_t *r = call_json("POST", "/v1/chat/completions", b, NULL, false);
+        free(b);
+        if (!r) return 1;
+        print_json(r);
+        if (assistant) *assistant = json_incref(json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message"));
+        json_decref(r);
+        return 0;
+    }
+    json_object_set_new(req, "stream", json_true());
+    char *b = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+    stream_state s = {.tty = isatty(STDOUT_FILENO), .tool_calls = json_object()};
+    ds41_ctl_response r;
+    ds41_error err = {{0}};
+    int rc = ds41_ctl_stream(g_socket, "/v1/chat/completions", b, strlen(b), on_chat_event, &s, &r, &err);
+    free(b);
+    if (rc != 0) {
+        rc = fail("%s", err.msg);
+    } else if (r.status / 100 != 2) {
+        json_t *j = json_loadb(r.body, r.body_len, 0, NULL);
+        const char *msg = j ? json_string_value(json_object_get(json_object_get(j, "error"), "message")) : NULL;
+        rc = fail("HTTP %d: %s", r.status, msg ? msg : r.body);
+        json_decref(j);
+    } else {
+        stream_end(&s);
+        if (s.error[0]) rc = fail("%s", s.error);
+        if (assistant) {
+            *assistant = json_pack("{s:s s:s%}", "role", "assistant", "content", s.content.data ? s.content.data : "",
+                                   s.content.len);
+            if (json_object_size(s.tool_calls)) {
+                json_t *arr = json_array();
+                const char *k;
+                json_t *c;
+                json_object_foreach(s.tool_calls, k, c) json_array_append(arr, c);
+                json_object_set_new(*assistant, "tool_calls", arr);
+            }
+        }
+    }
+    ds41_ctl_response_free(&r);
+    ds41_buf_free(&s.content);
+    ds41_buf_free(&s.reasoning);
+    json_decref(s.tool_calls);
+    json_decref(s.usage);
+    return rc;
+}
+
+static int cmd_chat(int argc, char **argv) {
+    gen_opts o;
+    int first;
+    int prc = parse_gen_opts(argc, argv, &o, &first);
+    if (prc) return prc;
+    json_t *messages = json_array();
+    if (o.system) json_array_append_new(messages, json_pack("{s:s s:s}", "role", "system", "content", o.system));
+    if (first < argc) {
+        ds41_buf prompt = {0};
+        for (int i = first; i < argc; i++) {
+            if (i > first) ds41_buf_putc(&prompt, ' ');
+            ds41_buf_puts(&prompt, argv[i]);
+        }
+        json_array_append_new(messages, json_pack("{s:s s:s}", "role", "user", "content", prompt.data));
+        ds41_buf_free(&prompt);
+        int rc = chat_turn(messages, &o, NULL);
+        json_decref(messages);
+        return rc;
+    }
+    /* interactive: one line per user turn, the conversation kept */
+    bool tty = isatty(STDIN_FILENO);
+    char *line = NULL;
+    size_t cap = 0;
+    int rc = 0;
+    for (;;) {
+        if (tty) {
+            fputs("> ", stdout);
+            fflush(stdout);
+        }
+        ssize_t got = getline(&line, &cap, stdin);
+        if (got < 0) break;
+        while (got > 0 && (line[got - 1] == '\n' || line[got - 1] == '\r')) line[--got] = 0;
+        if (!got) continue;
+        json_array_append_new(messages, json_pack("{s:s s:s}", "role", "user", "content", line));
+        json_t *assistant = NULL;
+        rc = chat_turn(messages, &o, &assistant);
+        if (rc != 0) break;
+        if (assistant) json_array_append_new(messages, assistant);
+    }
+    if (tty) putchar('\n');
+    free(line);
+    json_decref(messages);
+    return rc;
+}
+
+static int cmd_generate(int argc, char **argv) {
+    gen_opts o;
+    int first;
+    int prc = parse_gen_opts(argc, argv, &o, &first);
+    if (prc) return prc;
+    if (first >= argc) return fail("generate: a PROMPT is needed"), 2;
+    ds41_buf prompt = {0};
+    for (int i = first; i < argc; i++) {
+        if (i > first) ds41_buf_putc(&prompt, ' ');
+        ds41_buf_puts(&prompt, argv[i]);
+    }
+    json_t *req = json_pack("{s:s}", "prompt", prompt.data);
+    ds41_buf_free(&prompt);
+    add_gen_fields(req, &o);
+    if (!o.max_tokens) json_object_set_new(req, "max_tokens", json_integer(256));
+    if (g_json) {
+        char *b = json_dumps(req, JSON_COMPACT);
+        json_decref(req);
+        json_t *r = call_json("POST", "/v1/completions", b, NULL, false);
+        free(b);
+        if (!r) return 1;
+        print_json(r);
+        json_decref(r);
+        return 0;
+    }
+    json_object_set_new(req, "stream", json_true());
+    char *b = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+    stream_state s = {.tty = isatty(STDOUT_FILENO), .tool_calls = json_object()};
+    ds41_ctl_response r;
+    ds41_error err = {{0}};
+    int rc = ds41_ctl_stream(g_socket, "/v1/completions", b, strlen(b), on_chat_event, &s, &r, &err);
+    free(b);
+    if (rc != 0)
+        rc = fail("%s", err.msg);
+    else if (r.status / 100 != 2)
+        rc = fail("HTTP %d: %s", r.status, r.body);
+    else {
+        stream_end(&s);
+        if (s.error[0]) rc = fail("%s", s.error);
+    }
+    ds41_ctl_response_free(&r);
+    ds41_buf_free(&s.content);
+    ds41_buf_free(&s.reasoning);
+    json_decref(s.tool_calls);
+    json_decref(s.usage);
+    return rc;
+}
+
+/* ---- bench ------------------------------------------------------------------------------------------ */
+
+typedef struct bench_job {
+    int index;
+    long prompt_tokens, max_tokens;
+    const char *model;
+    double ttft, total;
+    long completion, prompt_seen;
+    bool ok;
+    char error[256];
+} bench_job;
+
+typedef struct bench_shared {
+    pthread_mutex_t mu;
+    int next, n;
+    bench_job *jobs;
+} bench_shared;
+
+static bool on_bench_event(void *ctx, const char *data, size_t len) {
+    stream_state *s = ctx;
+    if (len == 6 && memcmp(data, "[DONE]", 6) == 0) return true;
+    json_t *ev = json_loadb(data, len, 0, NULL);
+    if (!ev) return true;
+    json_t *e = json_object_get(ev, "error");
+    if (e) snprintf(s->error, sizeof s->error, "%s", jstr(e, "message"));
+    json_t *u = json_object_get(ev, "usage");
+    if (json_is_object(u)) {
+        json_decref(s->usage);
+        s->usage = json_incref(u);
+    }
+    if (!s->first_token_seen && json_array_size(json_object_get(ev, "choices"))) {
+        s->first_token_seen = true;
+        s->t_first = now_s();
+    }
+    json_decref(ev);
+    return true;
+}
+
+static void *bench_worker(void *p) {
+    bench_shared *sh = p;
+    for (;;) {
+        pthread_mutex_lock(&sh->mu);
+        int i = sh->next < sh->n ? sh->next++ : -1;
+        pthread_mutex_unlock(&sh->mu);
+        if (i < 0) return NULL;
+        bench_job *j = &sh->jobs[i];
+        json_t *ids = json_array();
+        uint64_t x = 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1);
+        for (long k = 0; k < j->prompt_tokens; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            json_array_append_new(ids, json_integer(3 + (json_int_t)((x >> 33) % 250)));
+        }
+        json_t *req = json_pack("{s:o s:I s:b s:b s:{s:b} s:I}", "prompt", ids, "max_tokens", (json_int_t)j->max_tokens,
+                                "ignore_eos", 1, "stream", 1, "stream_options", "include_usage", 1, "seed", (json_int_t)i);
+        if (j->model) json_object_set_new(req, "model", json_string(j->model));
+        char *b = json_dumps(req, JSON_COMPACT);
+        json_decref(req);
+        stream_state s = {0};
+        ds41_ctl_response r;
+        ds41_error err = {{0}};
+        double t0 = now_s();
+        int rc = ds41_ctl_stream(g_socket, "/v1/completions", b, strlen(b), on_bench_event, &s, &r, &err);
+        double t1 = now_s();
+        free(b);
+        if (rc != 0)
+            snprintf(j->error, sizeof j->error, "%.250s", err.msg);
+        else if (r.status / 100 != 2)
+            snprintf(j->error, sizeof j->error, "HTTP %d", r.status);
+        else if (s.error[0])
+            snprintf(j->error, sizeof j->error, "%.250s", s.error);
+        else {
+            j->ok = true;
+            j->ttft = (s.first_token_seen ? s.t_first : t1) - t0;
+            j->total = t1 - t0;
+            j->completion = (long)jint(s.usage, "completion_tokens");
+            j->prompt_seen = (long)jint(s.usage, "prompt_tokens");
+        }
+        ds41_ctl_response_free(&r);
+        json_decref(s.usage);
+    }
+}
+
+static int cmd_bench(int argc, char **argv) {
+    static const struct option lo[] = {
+        {"requests", required_argument, NULL, 'r'},      {"concurrency", required_argument, NULL, 'c'},
+        {"prompt-tokens", required_argument, NULL, 'p'}, {"max-tokens", required_argument, NULL, 'n'},
+        {"model", required_argument, NULL, 'm'},         {NULL, 0, NULL, 0},
+    };
+    long requests = 8, conc = 4, ptok = 128, mtok = 32;
+    const char *model = NULL;
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        char *end;
+        long v = optarg ? strtol(optarg, &end, 10) : 0;
+        if (c != 'm' && (!optarg || *end || v < 1 || v > 1000000)) return fail("bench: bad value for an option"), 2;
+        switch (c) {
+        case 'r': requests = v; break;
+        case 'c': conc = v; break;
+        case 'p': ptok = v; break;
+        case 'n': mtok = v; break;
+        case 'm': model = optarg; break;
+        default: return 2;
+        }
+    }
+    if (optind != argc) return fail("bench: unexpected argument '%s'", argv[optind]), 2;
+    if (conc > requests) conc = requests;
+    if (conc > 256) conc = 256;
+    bench_shared sh = {.n = (int)requests};
+    pthread_mutex_init(&sh.mu, NULL);
+    sh.jobs = calloc((size_t)requests, sizeof *sh.jobs);
+    for (long i = 0; i < requests; i++)
+        sh.jobs[i] = (bench_job){.index = (int)i, .prompt_tokens = ptok, .max_tokens = mtok, .model = model};
+    pthread_t th[256];
+    double t0 = now_s();
+    for (long i = 0; i < conc; i++) pthread_create(&th[i], NULL, bench_worker, &sh);
+    for (long i = 0; i < conc; i++) pthread_join(th[i], NULL);
+    double wall = now_s() - t0;
+    long ok = 0, gen = 0, prompt = 0;
+    double ttft = 0, decode_rate = 0;
+    const char *first_err = NULL;
+    for (long i = 0; i < requests; i++) {
+        bench_job *j = &sh.jobs[i];
+        if (!j->ok) {
+            if (!first_err) first_err = j->error;
+            continue;
+        }
+        ok++;
+        gen += j->completion;
+        prompt += j->prompt_seen;
+        ttft += j->ttft;
+        if (j->total > j->ttft && j->completion > 1) decode_rate += (double)(j->completion - 1) / (j->total - j->ttft);
+    }
+    double mean_ttft = ok ? ttft / (double)ok : 0;
+    if (g_json) {
+        json_t *o = json_pack("{s:I s:I s:I s:I s:I s:f s:I s:I s:f s:f s:f s:f}", "requests", (json_int_t)requests,
+                              "succeeded", (json_int_t)ok, "concurrency", (json_int_t)conc, "prompt_tokens",
+                              (json_int_t)ptok, "max_tokens", (json_int_t)mtok, "wall_seconds", wall,
+                              "total_prompt_tokens", (json_int_t)prompt, "total_generated_tokens", (json_int_t)gen,
+                              "mean_time_to_first_token_s", mean_ttft, "prefill_tokens_per_s",
+                              mean_ttft > 0 ? (double)ptok / mean_ttft : 0.0, "decode_tokens_per_s_per_request",
+                              ok ? decode_rate / (double)ok : 0.0, "generated_tokens_per_s", wall > 0 ? (double)gen / wall : 0.0);
+        if (first_err) json_object_set_new(o, "first_error", json_string(first_err));
+        print_json(o);
+        json_decref(o);
+    } else {
+        printf("requests:        %ld of %ld succeeded (%ld at a time), %ld prompt + %ld generated tokens each\n", ok,
+               requests, conc, ptok, mtok);
+        printf("wall time:       %.3f s\n", wall);
+        printf("prefill:         %.3f s to the first token on average (%.1f prompt tokens/s per request)\n", mean_ttft,
+               mean_ttft > 0 ? (double)ptok / mean_ttft : 0.0);
+        printf("decode:          %.1f tokens/s per request, %.1f tokens/s in all\n", ok ? decode_rate / (double)ok : 0.0,
+               wall > 0 ? (double)gen / wall : 0.0);
+        if (first_err) printf("first error:     %s\n", first_err);
+    }
+    free(sh.jobs);
+    pthread_mutex_destroy(&sh.mu);
+    return ok == requests ? 0 : 1;
+}
+
+/* ---- doctor --------------------------------------------------------------------------------------------- */
+
+typedef struct doctor {
+    table t;
+    json_t *arr;
+    int fails;
+} doctor;
+
+static void dr(doctor *d, const char *check, const char *status, const char *detail) {
+    table_row(&d->t, check, status, detail);
+    json_array_append_new(d->arr, json_pack("{s:s s:s s:s}", "check", check, "status", status, "detail", detail));
+    if (strcmp(status, "fail") == 0) d->fails++;
+}
+
+static void doctor_odirect(doctor *d, const char *dir) {
+    DIR *dh = opendir(dir);
+    if (!dh) {
+        dr(d, "O_DIRECT", "fail", fmt("%s: %s", dir, strerror(errno)));
+        return;
+    }
+    char file[4096] = "";
+    struct dirent *e;
+    while ((e = readdir(dh))) {
+        size_t n = strlen(e->d_name);
+        if (n > 12 && strcmp(e->d_name + n - 12, ".safetensors") == 0) {
+            snprintf(file, sizeof file, "%s/%s", dir, e->d_name);
+            break;
+        }
+    }
+    closedir(dh);
+    if (!file[0]) {
+        dr(d, "O_DIRECT", "warn", fmt("no .safetensors file in %s", dir));
+        return;
+    }
+    int fd = open(file, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) {
+        dr(d, "O_DIRECT", "fail", fmt("open: %s", strerror(errno)));
+        return;
+    }
+    void *buf = NULL;
+    if (posix_memalign(&buf, 4096, 4096) != 0) {
+        close(fd);
+        dr(d, "O_DIRECT", "fail", "out of memory");
+        return;
+    }
+    ssize_t got = pread(fd, buf, 4096, 0);
+    int err = errno;
+    close(fd);
+    free(buf);
+    if (got < 0)
+        dr(d, "O_DIRECT", "fail", fmt("read: %s", strerror(err)));
+    else
+        dr(d, "O_DIRECT", "ok", fmt("aligned reads work on %.90s", dir));
+}
+
+static int cmd_doctor(int argc, char **argv) {
+    static const struct option lo[] = {{"model", required_argument, NULL, 'm'}, {NULL, 0, NULL, 0}};
+    const char *model_dir = NULL;
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        if (c == 'm')
+            model_dir = optarg;
+        else
+            return 2;
+    }
+    doctor d = {.t = {.cols = 3}, .arr = json_array()};
+    table_row(&d.t, "CHECK", "STATUS", "DETAIL");
+
+    /* the daemon */
+    ds41_ctl_response r;
+    ds41_error err = {{0}};
+    char *daemon_model = NULL;
+    if (ds41_ctl_request(g_socket, "GET", "/health", NULL, 0, 5000, &r, &err) == 0) {
+        dr(&d, "daemon", r.status == 200 ? "ok" : "warn", fmt("%s answers %d %.60s", g_socket, r.status, r.body));
+        ds41_ctl_response_free(&r);
+        json_t *m = call_json("GET", "/admin/models", NULL, NULL, true);
+        if (m) {
+            json_t *first = json_array_get(json_object_get(m, "data"), 0);
+            if (first && jstr(first, "path")[0]) daemon_model = strdup(jstr(first, "path"));
+            json_decref(m);
+        }
+    } else {
+        dr(&d, "daemon", "warn", err.msg);
+    }
+
+    /* io_uring */
+#ifdef SYS_io_uring_setup
+    {
+        unsigned char params[120] = {0}; /* struct io_uring_params */
+        long fd = syscall(SYS_io_uring_setup, 4, params);
+        if (fd >= 0) {
+            close((int)fd);
+            dr(&d, "io_uring", "ok", "io_uring_setup works");
+        } else {
+            int e = errno;
+            dr(&d, "io_uring", "fail",
+               fmt("io_uring_setup: %s%s", strerror(e),
+                   e == EPERM ? " (kernel.io_uring_disabled or a seccomp filter)" : e == ENOSYS ? " (kernel too old)" : ""));
+        }
+    }
+#else
+    dr(&d, "io_uring", "fail", "not available on this platform");
+#endif
+
+    /* O_DIRECT on the model directory */
+    const char *dir = model_dir ? model_dir : daemon_model;
+    if (dir)
+        doctor_odirect(&d, dir);
+    else
+        dr(&d, "O_DIRECT", "warn", "no model directory (give --model DIR, or run as an admin)");
+    free(daemon_model);
+
+    /* memlock */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+        if (rl.rlim_cur == RLIM_INFINITY)
+            dr(&d, "memlock", "ok", "unlimited");
+        else {
+            char b[32];
+            human_bytes((double)rl.rlim_cur, b, sizeof b);
+            dr(&d, "memlock", rl.rlim_cur >= (64ull << 20) ? "ok" : "warn",
+               fmt("%s locked memory allowed (the service sets LimitMEMLOCK=infinity)", b));
+        }
+    }
+
+    /* CPU features, from the kernel's view (/proc/cpuinfo "flags" on x86, "Features" on Arm) */
+    {
+        static const char *const wanted[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile",
+                                             "asimd", "asimddp", "asimdhp", "sve", "sve2", "i8mm", "bf16", NULL};
+        ds41_buf f = {0};
+        bool good = false;
+        FILE *fc = fopen("/proc/cpuinfo", "r");
+        char *line = NULL;
+        size_t cap = 0;
+        while (fc && getline(&line, &cap, fc) > 0) {
+            if (strncmp(line, "flags", 5) != 0 && strncmp(line, "Features", 8) != 0) continue;
+            for (size_t k = 0; wanted[k]; k++) {
+                size_t wl = strlen(wanted[k]);
+                for (const char *p = strchr(line, ':'); p && (p = strstr(p, wanted[k])); p += wl) {
+                    if ((p[-1] == ' ' || p[-1] == ':') && (p[wl] == ' ' || p[wl] == '\n' || p[wl] == 0)) {
+                        ds41_buf_printf(&f, "%s ", wanted[k]);
+                        break;
+                    }
+                }
+            }
+            good = f.data && ((strstr(f.data, "avx2 ") && strstr(f.data, "fma ")) || strstr(f.data, "asimd "));
+            break;
+        }
+        free(line);
+        if (fc) fclose(fc);
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        ds41_buf_printf(&f, "(%ld CPUs)", ncpu);
+        dr(&d, "cpu", good ? "ok" : "warn", f.data ? f.data : "");
+        ds41_buf_free(&f);
+    }
+
+    /* GPU */
+    {
+        FILE *fv = fopen("/proc/driver/nvidia/version", "r");
+        if (fv) {
+            char line[256] = "";
+            if (!fgets(line, sizeof line, fv)) line[0] = 0;
+            fclose(fv);
+            line[strcspn(line, "\n")] = 0;
+            dr(&d, "gpu", "ok", fmt("NVIDIA driver: %.100s", line));
+        } else if (access("/dev/nvidia0", F_OK) == 0) {
+            dr(&d, "gpu", "ok", "/dev/nvidia0 present");
+        } else {
+            dr(&d, "gpu", "warn", "no NVIDIA GPU found (CPU only)");
+        }
+    }
+
+    /* memory */
+    {
+        FILE *fm = fopen("/proc/meminfo", "r");
+        long long total = -1, avail = -1;
+        char line[256];
+        while (fm && fgets(line, sizeof line, fm)) {
+            if (sscanf(line, "MemTotal: %lld kB", &total) == 1) continue;
+            sscanf(line, "MemAvailable: %lld kB", &avail);
+        }
+        if (fm) fclose(fm);
+        if (total > 0 && avail >= 0) {
+            char a[32], t[32];
+            human_bytes((double)avail * 1024, a, sizeof a);
+            human_bytes((double)total * 1024, t, sizeof t);
+            dr(&d, "memory", avail * 1024 >= (4ll << 30) ? "ok" : "warn", fmt("%s available of %s", a, t));
+        } else {
+            dr(&d, "memory", "warn", "cannot read /proc/meminfo");
+        }
+    }
+    if (g_json) {
+        print_json(d.arr);
+        table_free(&d.t);
+    } else {
+        table_print(&d.t);
+    }
+    json_decref(d.arr);
+    return d.fails ? 1 : 0;
+}
+
+/* ---- main ---------------------------------------------------------------------------------------------- */
+
+int main(int argc, char **argv) {
+    static const struct option lo[] = {{"socket", required_argument, NULL, 's'},
+                                       {"json", no_argument, NULL, 'j'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {NULL, 0, NULL, 0}};
+    const char *env = getenv("DS41_SOCKET");
+    if (env && *env) g_socket = env;
+    int c;
+    while ((c = getopt_long(argc, argv, "+h", lo, NULL)) != -1) {
+        switch (c) {
+        case 's': g_socket = optarg; break;
+        case 'j': g_json = true; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind >= argc) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[optind];
+    int sub_argc = argc - optind;
+    char **sub_argv = argv + optind;
+    if (strcmp(cmd, "status") == 0 && sub_argc == 1) return cmd_status();
+    if (strcmp(cmd, "models") == 0) return cmd_models(sub_argc, sub_argv);
+    if (strcmp(cmd, "ps") == 0 && sub_argc == 1) return cmd_ps();
+    if (strcmp(cmd, "cache") == 0 && sub_argc == 1) return cmd_cache();
+    if (strcmp(cmd, "chat") == 0) return cmd_chat(sub_argc, sub_argv);
+    if (strcmp(cmd, "generate") == 0) return cmd_generate(sub_argc, sub_argv);
+    if (strcmp(cmd, "bench") == 0) return cmd_bench(sub_argc, sub_argv);
+    if (strcmp(cmd, "doctor") == 0) return cmd_doctor(sub_argc, sub_argv);
+    if (strcmp(cmd, "metrics") == 0 && sub_argc == 1) return cmd_metrics();
+    fprintf(stderr, "ds41ctl: unknown command or arguments: %s\n", cmd);
+    usage(stderr);
+    return 2;
+}

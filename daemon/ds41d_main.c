@@ -1,0 +1,285 @@
+/* ds41d: the inference daemon (see ds41d(8)).  Foreground, systemd style: configuration, the
+ * listening sockets (created, or passed by socket activation), the HTTP API (ipc/) over the
+ * engine service (daemon/engine_service.h), sd_notify, signals. */
+#include "config/daemon_config.h"
+#include "daemon/engine_service.h"
+#include "daemon/listen.h"
+#include "daemon/log.h"
+#include "daemon/systemd.h"
+#include "ipc/api.h"
+#include "ipc/http_server.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <grp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: ds41d [--config FILE] [--socket PATH] [--model DIR] [--check-config]\n"
+            "\n"
+            "The ds41 inference daemon: DeepSeek-V4.1-Flash with an OpenAI-compatible API over\n"
+            "HTTP on a Unix socket.  Runs in the foreground; logs to stderr.\n"
+            "  --config FILE    configuration (default %s; built-in defaults when that\n"
+            "                   file does not exist)\n"
+            "  --socket PATH    the Unix socket to create (overrides listen.socket)\n"
+            "  --model DIR      serve this checkpoint as %s (replaces `models`)\n"
+            "  --check-config   validate, print the effective configuration as YAML, exit\n"
+            "Signals: SIGHUP re-reads the configuration, SIGTERM/SIGINT drain and exit 0.\n"
+            "See ds41d(8) and ds41d.yaml(5).\n",
+            DS41_DAEMON_CONFIG_DEFAULT_PATH, DS41_DAEMON_CONFIG_REAL_MODEL_NAME);
+}
+
+typedef struct options {
+    const char *config;
+    bool config_given;
+    const char *socket;
+    const char *model;
+    bool check;
+} options;
+
+/* Read the configuration the way the options say (also on SIGHUP). */
+static int load_config(const options *o, ds41_daemon_config *cfg, ds41_error *err) {
+    struct stat st;
+    if (!o->config_given && stat(o->config, &st) != 0 && errno == ENOENT) {
+        if (ds41_daemon_config_defaults(cfg, err) != 0) return -1;
+    } else if (ds41_daemon_config_load(o->config, cfg, err) != 0) {
+        return -1;
+    }
+    if (o->socket && ds41_daemon_config_set(cfg, "listen.socket", o->socket, err) != 0) goto fail;
+    if (o->model && ds41_daemon_config_set_model(cfg, NULL, o->model, err) != 0) goto fail;
+    if (ds41_daemon_config_validate(cfg, err) != 0) goto fail;
+    return 0;
+fail:
+    ds41_daemon_config_free(cfg);
+    return -1;
+}
+
+static void on_progress(void *ctx, const char *model, ds41_model_state state, const char *detail) {
+    (void)ctx;
+    ds41_error e;
+    if (state == DS41_MODEL_LOADING) {
+        ds41_log(DS41_LOG_INFO, "model %s: %s", model, detail);
+        if (ds41_sd_status(&e, "model %s: %s", model, detail) != 0) ds41_log(DS41_LOG_WARNING, "%s", e.msg);
+    }
+}
+
+static void http_log(void *ctx, const char *message) {
+    (void)ctx;
+    ds41_log(DS41_LOG_DEBUG, "http: %s", message);
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void notify_or_log(int rc, const ds41_error *e) {
+    if (rc != 0) ds41_log(DS41_LOG_WARNING, "sd_notify: %s", e->msg);
+}
+
+int main(int argc, char **argv) {
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'}, {"socket", required_argument, NULL, 's'},
+        {"model", required_argument, NULL, 'm'},  {"check-config", no_argument, NULL, 'k'},
+        {"help", no_argument, NULL, 'h'},         {"version", no_argument, NULL, 'V'},
+        {NULL, 0, NULL, 0},
+    };
+    options o = {.config = DS41_DAEMON_CONFIG_DEFAULT_PATH};
+    int c;
+    while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        switch (c) {
+        case 'c': o.config = optarg, o.config_given = true; break;
+        case 's': o.socket = optarg; break;
+        case 'm': o.model = optarg; break;
+        case 'k': o.check = true; break;
+        case 'h': usage(stdout); return 0;
+        case 'V': puts("ds41d 0.1.0"); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind != argc) {
+        usage(stderr);
+        return 2;
+    }
+
+    ds41_daemon_config cfg;
+    ds41_error err = {{0}};
+    if (load_config(&o, &cfg, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        return 1;
+    }
+    if (o.check) {
+        int rc = ds41_daemon_config_write_yaml(&cfg, stdout, &err);
+        if (rc != 0) ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        ds41_daemon_config_free(&cfg);
+        return rc == 0 ? 0 : 1;
+    }
+    ds41_log_set_level(cfg.log.level);
+    ds41_log(DS41_LOG_INFO, "starting (configuration: %s)", cfg.source ? cfg.source : "built-in defaults");
+
+    /* Signals are taken synchronously by the main thread: block them before any thread exists
+     * so every thread inherits the mask. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGHUP);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    int status = 1;
+    ds41_listener *ls = NULL;
+    size_t n_ls = 0;
+    ds41_engine_service *svc = NULL;
+    ds41_http_metrics *metrics = NULL;
+    ds41_api *api = NULL;
+    ds41_http_server *server = NULL;
+    ds41_http_listener hl[8];
+
+    notify_or_log(ds41_sd_status(&err, "starting"), &err);
+    if (ds41_listeners_open(&cfg, &ls, &n_ls, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        goto out;
+    }
+    for (size_t i = 0; i < n_ls; i++)
+        ds41_log(DS41_LOG_INFO, "listening on %s%s", ls[i].address[0] ? ls[i].address : "(unnamed socket)",
+                 ls[i].activated ? " (socket activation)" : "");
+    if (n_ls > 8) {
+        ds41_log(DS41_LOG_ERROR, "%zu listening sockets: at most 8 are served", n_ls);
+        goto out;
+    }
+    bool has_admin = false;
+    gid_t admin_gid = 0;
+    if (cfg.auth.admin_group) {
+        struct group *gr = getgrnam(cfg.auth.admin_group);
+        if (gr) {
+            has_admin = true;
+            admin_gid = gr->gr_gid;
+        } else {
+            ds41_log(DS41_LOG_WARNING, "auth.admin_group '%s' does not exist: admin routes are for root only",
+                     cfg.auth.admin_group);
+        }
+    }
+    if (ds41_engine_service_new(&cfg, on_progress, NULL, &svc, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        goto out;
+    }
+    metrics = ds41_http_metrics_new();
+    ds41_api_options ao = {.max_body_bytes = (size_t)cfg.limits.max_body_bytes};
+    if (!metrics || ds41_api_new(ds41_engine_service_iface(svc), metrics, &ao, &api, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", metrics ? err.msg : "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n_ls; i++) hl[i] = (ds41_http_listener){.fd = ls[i].fd, .credless_class = DS41_AUTH_INFERENCE};
+    ds41_http_config hc = {.listeners = hl,
+                           .n_listeners = n_ls,
+                           .has_admin_gid = has_admin,
+                           .admin_gid = admin_gid,
+                           .request_timeout_ms = cfg.limits.idle_timeout_s * 1000u,
+                           .idle_timeout_s = cfg.limits.stream_stall_timeout_s > cfg.limits.idle_timeout_s
+                                                 ? cfg.limits.stream_stall_timeout_s
+                                                 : cfg.limits.idle_timeout_s,
+                           .log = http_log};
+    if (ds41_http_server_start(&hc, ds41_api_router(api), &server, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        goto out;
+    }
+    if (ds41_engine_service_load(svc, NULL, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        goto out;
+    }
+
+    uint64_t wd_usec = 0;
+    if (ds41_sd_watchdog_usec(&wd_usec, &err) != 0) ds41_log(DS41_LOG_WARNING, "%s", err.msg);
+    const double wd_every = wd_usec ? (double)wd_usec / 2e6 : 0;
+    double last_wd = 0, last_tick = mono_s(), last_extend = 0;
+    bool ready = false;
+    unsigned drain_ms = cfg.limits.drain_timeout_s * 1000u;
+    for (;;) {
+        struct timespec wait = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
+        int sig = sigtimedwait(&sigs, NULL, &wait);
+        double now = mono_s();
+        if (wd_every > 0 && now - last_wd >= wd_every) {
+            notify_or_log(ds41_sd_watchdog_ping(&err), &err);
+            last_wd = now;
+        }
+        if (now - last_tick >= 1.0) {
+            ds41_engine_service_tick(svc);
+            last_tick = now;
+        }
+        char detail[256];
+        ds41_model_state st = ds41_engine_service_default_state(svc, detail, sizeof detail);
+        if (!ready && st == DS41_MODEL_READY) {
+            ready = true;
+            char line[320];
+            snprintf(line, sizeof line, "serving on %s", ls[0].address[0] ? ls[0].address : "a passed socket");
+            notify_or_log(ds41_sd_ready(line, &err), &err);
+            ds41_log(DS41_LOG_INFO, "ready: %s", line);
+        } else if (!ready && st == DS41_MODEL_FAILED) {
+            ds41_log(DS41_LOG_ERROR, "the default model failed to load: %s", detail);
+            notify_or_log(ds41_sd_status(&err, "failed: %s", detail), &err);
+            goto out;
+        } else if (!ready && now - last_extend >= 20.0) {
+            /* a long load keeps asking for more start time */
+            notify_or_log(ds41_sd_extend_timeout(60ull * 1000000ull, &err), &err);
+            last_extend = now;
+        }
+        if (sig == SIGHUP) {
+            notify_or_log(ds41_sd_reloading(&err), &err);
+            ds41_log(DS41_LOG_INFO, "SIGHUP: reloading the configuration");
+            ds41_daemon_config ncfg;
+            if (load_config(&o, &ncfg, &err) != 0) {
+                ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
+            } else {
+                if (strcmp(ncfg.listen.socket, cfg.listen.socket) != 0 ||
+                    ncfg.listen.socket_mode != cfg.listen.socket_mode ||
+                    (ncfg.listen.tcp == NULL) != (cfg.listen.tcp == NULL) ||
+                    (ncfg.listen.tcp && strcmp(ncfg.listen.tcp, cfg.listen.tcp) != 0))
+                    ds41_log(DS41_LOG_WARNING, "reload: listen.* changes take effect at the next start");
+                if (ds41_engine_service_reconfigure(svc, &ncfg, &err) != 0) {
+                    ds41_log(DS41_LOG_ERROR, "reload: %s", err.msg);
+                    ds41_daemon_config_free(&ncfg);
+                } else {
+                    ds41_log_set_level(ncfg.log.level);
+                    drain_ms = ncfg.limits.drain_timeout_s * 1000u;
+                    ds41_daemon_config_free(&cfg);
+                    cfg = ncfg;
+                    ds41_log(DS41_LOG_INFO, "configuration reloaded");
+                }
+            }
+            st = ds41_engine_service_default_state(svc, detail, sizeof detail);
+            ready = st == DS41_MODEL_READY;
+            if (ready)
+                notify_or_log(ds41_sd_ready("serving (configuration reloaded)", &err), &err);
+            else
+                notify_or_log(ds41_sd_status(&err, "reloaded; loading the default model"), &err);
+        } else if (sig == SIGTERM || sig == SIGINT) {
+            ds41_log(DS41_LOG_INFO, "%s: stopping (drain up to %u s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                     drain_ms / 1000);
+            notify_or_log(ds41_sd_stopping(&err), &err);
+            unsigned aborted = ds41_http_server_stop(server, drain_ms);
+            server = NULL;
+            if (aborted) ds41_log(DS41_LOG_WARNING, "%u requests were still running at the drain deadline", aborted);
+            status = 0;
+            break;
+        }
+    }
+out:
+    ds41_http_server_stop(server, 0);
+    /* every accepted generation gets its terminal event (the api frees its state with it) */
+    ds41_engine_service_free(svc, 0);
+    ds41_api_free(api);
+    ds41_http_metrics_free(metrics);
+    ds41_listeners_close(ls, n_ls);
+    ds41_daemon_config_free(&cfg);
+    ds41_log(status == 0 ? DS41_LOG_INFO : DS41_LOG_ERROR, "exiting with status %d", status);
+    return status;
+}

@@ -1,0 +1,1412 @@
+/* ds41d's ds41_service on the engine (see engine_service.h). */
+#include "daemon/engine_service.h"
+
+#include "daemon/log.h"
+#include "engine/forward.h"
+#include "engine/generate.h"
+#include "engine/model_gen.h"
+#include "engine/pyjson.h"
+#include "engine/scheduler.h"
+#include "engine/tokenizer.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- settings: the part of the configuration the service uses (owned copies) --------------- */
+
+typedef struct model_setting {
+    char *name, *path;
+    bool is_default;
+} model_setting;
+
+typedef struct settings {
+    model_setting *models;
+    size_t n_models;
+    bool embedded; /* serving the embedded model (models empty) */
+    char *embedded_name, *embedded_preset, *embedded_dir;
+    uint64_t embedded_seed;
+    ds41_engine_mode mode;
+    uint32_t max_sequences, max_batch_tokens, prefill_chunk;
+    bool test_forced_output;
+    uint64_t kv_cache_bytes;
+    uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
+    bool prefix_cache;
+    uint64_t prefix_cache_max_bytes;
+} settings;
+
+static void settings_free(settings *st) {
+    for (size_t i = 0; i < st->n_models; i++) {
+        free(st->models[i].name);
+        free(st->models[i].path);
+    }
+    free(st->models);
+    free(st->embedded_name);
+    free(st->embedded_preset);
+    free(st->embedded_dir);
+    memset(st, 0, sizeof *st);
+}
+
+static char *sdup(const char *s) { return s ? strdup(s) : NULL; }
+
+static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error *err) {
+    memset(st, 0, sizeof *st);
+    if (cfg->n_models) {
+        st->models = calloc(cfg->n_models, sizeof *st->models);
+        if (!st->models) return ds41_fail(err, "out of memory");
+        st->n_models = cfg->n_models;
+        const ds41_daemon_model *def = ds41_daemon_config_default_model(cfg);
+        for (size_t i = 0; i < cfg->n_models; i++) {
+            st->models[i].name = sdup(cfg->models[i].name);
+            st->models[i].path = sdup(cfg->models[i].path);
+            st->models[i].is_default = &cfg->models[i] == def;
+            if (!st->models[i].name || !st->models[i].path) goto oom;
+        }
+    } else if (cfg->embedded_model.enabled) {
+        char dir[PATH_MAX];
+        if (ds41_daemon_config_embedded_dir(cfg, dir, sizeof dir, err) != 0) {
+            settings_free(st);
+            return -1;
+        }
+        st->embedded = true;
+        st->models = calloc(1, sizeof *st->models);
+        if (!st->models) goto oom;
+        st->n_models = 1;
+        st->models[0].name = sdup(cfg->embedded_model.name);
+        st->models[0].path = sdup(dir);
+        st->models[0].is_default = true;
+        st->embedded_name = sdup(cfg->embedded_model.name);
+        st->embedded_preset = sdup(cfg->embedded_model.preset);
+        st->embedded_dir = sdup(dir);
+        st->embedded_seed = cfg->embedded_model.seed;
+        if (!st->models[0].name || !st->models[0].path || !st->embedded_name || !st->embedded_preset ||
+            !st->embedded_dir)
+            goto oom;
+    } else {
+        return ds41_fail(err, "nothing to serve: no models and embedded_model.enabled is false");
+    }
+    st->mode = cfg->engine.mode;
+    st->max_sequences = cfg->engine.max_sequences;
+    st->max_batch_tokens = cfg->engine.max_batch_tokens;
+    st->prefill_chunk = cfg->engine.prefill_chunk;
+    st->test_forced_output = cfg->engine.test_forced_output;
+    st->kv_cache_bytes = cfg->memory.kv_cache_bytes;
+    st->max_queue = cfg->limits.max_queue;
+    st->max_tokens_default = cfg->limits.max_tokens_default;
+    st->max_context = cfg->limits.max_context;
+    st->request_timeout_s = cfg->limits.request_timeout_s;
+    st->prefix_cache = cfg->prefix_cache.enabled;
+    st->prefix_cache_max_bytes = cfg->prefix_cache.max_bytes;
+    return 0;
+oom:
+    settings_free(st);
+    return ds41_fail(err, "out of memory");
+}
+
+/* ---- models ----------------------------------------------------------------------------------- */
+
+typedef struct model {
+    struct ds41_engine_service *svc;
+    char *name, *path;
+    bool is_default;
+    bool embedded;
+
+    pthread_rwlock_t lock; /* the fields below; readers use the engine, writers swap it */
+    ds41_model_state state;
+    char detail[256];
+    int64_t created;
+    ds41_engine *engine;
+    ds41_vocab *vocab;
+    ds41_tokenizer *tok;
+    ds41_scheduler *sched;
+    uint32_t n_vocab;
+    uint64_t context;
+    uint64_t bytes; /* checkpoint bytes (mapped) */
+
+    pthread_mutex_t loader_mu;
+    bool loader_started; /* a loader thread exists and has not been joined */
+    pthread_t loader;
+} model;
+
+typedef struct job job;
+
+struct ds41_engine_service {
+    ds41_service iface;
+    ds41_engine_service_progress progress;
+    void *progress_ctx;
+
+    pthread_rwlock_t cfg_lock; /* settings and the model list */
+    settings st;
+    model **models;
+    size_t n_models;
+
+    pthread_mutex_t jobs_mu;
+    job *jobs;
+};
+
+static void progress(ds41_engine_service *s, const model *m, ds41_model_state state, const char *detail) {
+    if (s->progress) s->progress(s->progress_ctx, m->name, state, detail);
+}
+
+static model *model_new(ds41_engine_service *s, const model_setting *ms, bool embedded) {
+    model *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->svc = s;
+    m->name = sdup(ms->name);
+    m->path = sdup(ms->path);
+    m->is_default = ms->is_default;
+    m->embedded = embedded;
+    m->state = DS41_MODEL_UNLOADED;
+    m->created = (int64_t)time(NULL);
+    if (!m->name || !m->path) {
+        free(m->name);
+        free(m->path);
+        free(m);
+        return NULL;
+    }
+    pthread_rwlock_init(&m->lock, NULL);
+    pthread_mutex_init(&m->loader_mu, NULL);
+    return m;
+}
+
+/* Unload (write lock taken here): the scheduler gets drain_ms, then cancels what is left. */
+static void model_unload(model *m, unsigned drain_ms) {
+    pthread_rwlock_wrlock(&m->lock);
+    ds41_scheduler *sched = m->sched;
+    m->sched = NULL;
+    m->state = DS41_MODEL_UNLOADED;
+    snprintf(m->detail, sizeof m->detail, "unloaded");
+    ds41_scheduler_free(sched, drain_ms);
+    ds41_tokenizer_free(m->tok);
+    ds41_vocab_free(m->vocab);
+    ds41_engine_free(m->engine);
+    m->tok = NULL;
+    m->vocab = NULL;
+    m->engine = NULL;
+    pthread_rwlock_unlock(&m->lock);
+}
+
+static void model_join_loader(model *m) {
+    pthread_mutex_lock(&m->loader_mu);
+    bool started = m->loader_started;
+    pthread_t t = m->loader;
+    m->loader_started = false;
+    pthread_mutex_unlock(&m->loader_mu);
+    if (started) pthread_join(t, NULL);
+}
+
+static void model_free(model *m, unsigned drain_ms) {
+    if (!m) return;
+    model_join_loader(m);
+    model_unload(m, drain_ms);
+    pthread_rwlock_destroy(&m->lock);
+    pthread_mutex_destroy(&m->loader_mu);
+    free(m->name);
+    free(m->path);
+    free(m);
+}
+
+static bool has_checkpoint(const char *dir) {
+    char p[PATH_MAX];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/inference/config.json", dir);
+    return stat(p, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static int mkdir_p(const char *path, mode_t mode) {
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return -1;
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, mode) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(buf, mode) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+static int rm_tree(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return errno == ENOENT ? 0 : -1;
+    if (S_ISDIR(st.st_mode)) {
+        DIR *d = opendir(path);
+        if (!d) return -1;
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+            char sub[PATH_MAX];
+            if (snprintf(sub, sizeof sub, "%s/%s", path, e->d_name) >= (int)sizeof sub) continue;
+            rm_tree(sub);
+        }
+        closedir(d);
+        return rmdir(path);
+    }
+    return unlink(path);
+}
+
+static void gen_progress(void *ctx, const char *line) {
+    model *m = ctx;
+    ds41_log(DS41_LOG_DEBUG, "embedded model: %s", line);
+    (void)m;
+}
+
+/* Generate the embedded checkpoint into a temporary directory beside its place, then rename. */
+static int generate_embedded(model *m, const settings *st, ds41_error *err) {
+    char parent[PATH_MAX], tmp[PATH_MAX];
+    snprintf(parent, sizeof parent, "%s", m->path);
+    char *slash = strrchr(parent, '/');
+    if (!slash || slash == parent) return ds41_fail(err, "%s: no parent directory", m->path);
+    *slash = 0;
+    if (mkdir_p(parent, 0750) != 0) return ds41_fail(err, "%s: cannot create: %s", parent, strerror(errno));
+    if (snprintf(tmp, sizeof tmp, "%s.tmp-%ld", m->path, (long)getpid()) >= (int)sizeof tmp)
+        return ds41_fail(err, "%s: path too long", m->path);
+    rm_tree(tmp);
+    ds41_model_gen_opts o = {.preset = st->embedded_preset, .seed = st->embedded_seed, .progress = gen_progress,
+                             .progress_ctx = m};
+    if (ds41_model_generate(tmp, &o, NULL, err) != 0) {
+        rm_tree(tmp);
+        return ds41_error_prefix(err, "generating the embedded model");
+    }
+    if (rename(tmp, m->path) != 0) {
+        int e = errno;
+        rm_tree(tmp);
+        if (has_checkpoint(m->path)) return 0; /* another instance won the race */
+        return ds41_fail(err, "%s: cannot move the generated model into place: %s", m->path, strerror(e));
+    }
+    return 0;
+}
+
+static uint64_t checkpoint_bytes(const char *dir) {
+    uint64_t total = 0;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t n = strlen(e->d_name);
+        if (n < 12 || strcmp(e->d_name + n - 12, ".safetensors") != 0) continue;
+        char p[PATH_MAX];
+        struct stat st;
+        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < (int)sizeof p && stat(p, &st) == 0)
+            total += (uint64_t)st.st_size;
+    }
+    closedir(d);
+    return total;
+}
+
+static uint64_t auto_kv_budget(void) {
+    long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || psz <= 0) return 1ull << 30;
+    uint64_t avail = (uint64_t)pages * (uint64_t)psz;
+    return avail / 4;
+}
+
+static void sched_log(void *ctx, const char *line) {
+    model *m = ctx;
+    ds41_log(DS41_LOG_WARNING, "model %s: %s", m->name, line);
+}
+
+typedef struct load_arg {
+    model *m;
+    settings st; /* a copy of what loading needs */
+} load_arg;
+
+static void *loader_main(void *p) {
+    load_arg *a = p;
+    model *m = a->m;
+    ds41_engine_service *s = m->svc;
+    ds41_error err = {{0}};
+    ds41_engine *engine = NULL;
+    ds41_vocab *vocab = NULL;
+    ds41_tokenizer *tok = NULL;
+    ds41_scheduler *sched = NULL;
+
+    if (m->embedded && !has_checkpoint(m->path)) {
+        progress(s, m, DS41_MODEL_LOADING, "generating the embedded model");
+        pthread_rwlock_wrlock(&m->lock);
+        snprintf(m->detail, sizeof m->detail, "generating the embedded model");
+        pthread_rwlock_unlock(&m->lock);
+        if (generate_embedded(m, &a->st, &err) != 0) goto fail;
+        ds41_log(DS41_LOG_INFO, "generated the embedded model (%s, seed %llu) in %s", a->st.embedded_preset,
+                 (unsigned long long)a->st.embedded_seed, m->path);
+    }
+    progress(s, m, DS41_MODEL_LOADING, "loading the checkpoint");
+    pthread_rwlock_wrlock(&m->lock);
+    snprintf(m->detail, sizeof m->detail, "loading %s", m->path);
+    pthread_rwlock_unlock(&m->lock);
+    ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE};
+    engine = ds41_engine_load(m->path, &eo, &err);
+    if (!engine) goto fail;
+    vocab = ds41_vocab_load_dir(m->path, &err);
+    tok = vocab ? ds41_tokenizer_new(vocab, &err) : NULL;
+    if (!tok) goto fail;
+    const ds41_model_config *mc = ds41_engine_config(engine);
+    if (ds41_vocab_size(vocab) > (uint32_t)mc->vocab_size)
+        ds41_log(DS41_LOG_WARNING, "model %s: the tokenizer has %u ids, the model %lld", m->name, ds41_vocab_size(vocab),
+                 (long long)mc->vocab_size);
+    ds41_sched_config sc = {.max_sequences = a->st.max_sequences,
+                            .max_batch_tokens = a->st.max_batch_tokens,
+                            .prefill_chunk = a->st.prefill_chunk,
+                            .max_queue = a->st.max_queue,
+                            .kv_budget_bytes = a->st.kv_cache_bytes ? a->st.kv_cache_bytes : auto_kv_budget(),
+                            .prefix_cache = a->st.prefix_cache,
+                            .prefix_cache_max_bytes = a->st.prefix_cache_max_bytes,
+                            .log = sched_log,
+                            .log_ctx = m};
+    if (ds41_scheduler_new(engine, &sc, &sched, &err) != 0) goto fail;
+
+    pthread_rwlock_wrlock(&m->lock);
+    m->engine = engine;
+    m->vocab = vocab;
+    m->tok = tok;
+    m->sched = sched;
+    m->n_vocab = (uint32_t)mc->vocab_size;
+    uint64_t ctx = a->st.max_context ? a->st.max_context : (uint64_t)(mc->max_seq_len > 0 ? mc->max_seq_len : 0);
+    m->context = ctx;
+    m->bytes = checkpoint_bytes(m->path);
+    m->state = DS41_MODEL_READY;
+    m->created = (int64_t)time(NULL);
+    snprintf(m->detail, sizeof m->detail, "ready");
+    pthread_rwlock_unlock(&m->lock);
+    ds41_log(DS41_LOG_INFO, "model %s ready (%s, %.1f MB, context %llu)", m->name, m->path, (double)m->bytes / 1e6,
+             (unsigned long long)ctx);
+    progress(s, m, DS41_MODEL_READY, "ready");
+    settings_free(&a->st);
+    free(a);
+    return NULL;
+fail:
+    ds41_scheduler_free(sched, 0);
+    ds41_tokenizer_free(tok);
+    ds41_vocab_free(vocab);
+    ds41_engine_free(engine);
+    pthread_rwlock_wrlock(&m->lock);
+    m->state = DS41_MODEL_FAILED;
+    snprintf(m->detail, sizeof m->detail, "%.250s", err.msg);
+    pthread_rwlock_unlock(&m->lock);
+    ds41_log(DS41_LOG_ERROR, "model %s: %s", m->name, err.msg);
+    progress(s, m, DS41_MODEL_FAILED, err.msg);
+    settings_free(&a->st);
+    free(a);
+    return NULL;
+}
+
+static int settings_copy(const settings *src, settings *dst) {
+    *dst = *src;
+    dst->models = NULL;
+    dst->n_models = 0;
+    dst->embedded_name = sdup(src->embedded_name);
+    dst->embedded_preset = sdup(src->embedded_preset);
+    dst->embedded_dir = sdup(src->embedded_dir);
+    return (src->embedded_name && !dst->embedded_name) || (src->embedded_preset && !dst->embedded_preset) ||
+                   (src->embedded_dir && !dst->embedded_dir)
+               ? -1
+               : 0;
+}
+
+/* Start loading m (callers hold cfg_lock).  0 when started or nothing to do. */
+static int model_start_load(ds41_engine_service *s, model *m, ds41_error *err) {
+    pthread_rwlock_wrlock(&m->lock);
+    if (m->state == DS41_MODEL_READY || m->state == DS41_MODEL_LOADING) {
+        pthread_rwlock_unlock(&m->lock);
+        return 0;
+    }
+    m->state = DS41_MODEL_LOADING;
+    snprintf(m->detail, sizeof m->detail, "loading");
+    pthread_rwlock_unlock(&m->lock);
+    model_join_loader(m); /* a finished earlier attempt */
+    load_arg *a = calloc(1, sizeof *a);
+    if (!a || settings_copy(&s->st, &a->st) != 0) {
+        if (a) settings_free(&a->st);
+        free(a);
+        pthread_rwlock_wrlock(&m->lock);
+        m->state = DS41_MODEL_FAILED;
+        pthread_rwlock_unlock(&m->lock);
+        return ds41_fail(err, "out of memory");
+    }
+    a->m = m;
+    pthread_mutex_lock(&m->loader_mu);
+    int e = pthread_create(&m->loader, NULL, loader_main, a);
+    m->loader_started = e == 0;
+    pthread_mutex_unlock(&m->loader_mu);
+    if (e != 0) {
+        settings_free(&a->st);
+        free(a);
+        pthread_rwlock_wrlock(&m->lock);
+        m->state = DS41_MODEL_FAILED;
+        pthread_rwlock_unlock(&m->lock);
+        return ds41_fail(err, "cannot start a loader thread: %s", strerror(e));
+    }
+    return 0;
+}
+
+/* The model a request names (NULL: the default); callers hold cfg_lock. */
+static model *find_model(ds41_engine_service *s, const char *name) {
+    for (size_t i = 0; i < s->n_models; i++)
+        if (name ? strcmp(s->models[i]->name, name) == 0 : s->models[i]->is_default) return s->models[i];
+    return NULL;
+}
+
+/* Find a READY model and take its read lock.  On error fills err (404 / 503). */
+static model *acquire_model(ds41_engine_service *s, const char *name, ds41_svc_error *err) {
+    model *m = find_model(s, name);
+    if (!m) {
+        ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "model", "The model '%s' does not exist", name ? name : "(default)");
+        snprintf(err->code, sizeof err->code, "model_not_found");
+        return NULL;
+    }
+    pthread_rwlock_rdlock(&m->lock);
+    if (m->state != DS41_MODEL_READY) {
+        const char *what = m->state == DS41_MODEL_LOADING   ? "is loading"
+                           : m->state == DS41_MODEL_FAILED ? "failed to load"
+                                                            : "is not loaded";
+        ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)", m->name, what, m->detail);
+        err->retry_after_s = m->state == DS41_MODEL_LOADING ? 5 : 30;
+        pthread_rwlock_unlock(&m->lock);
+        return NULL;
+    }
+    return m;
+}
+
+/* ---- generation jobs -------------------------------------------------------------------------- */
+
+struct job {
+    ds41_engine_service *svc;
+    model *m;
+    uint64_t ipc_id;
+    uint64_t sched_id;
+    ds41_gen_sink sink;
+    bool logprobs;
+    int top_logprobs;
+    bool cancel_requested;
+    bool timed_out;
+    int refs;
+    struct timespec started;
+    int tool_index;
+    job *next;
+};
+
+static void job_unref(ds41_engine_service *s, job *j) {
+    pthread_mutex_lock(&s->jobs_mu);
+    bool last = --j->refs == 0;
+    pthread_mutex_unlock(&s->jobs_mu);
+    if (last) free(j);
+}
+
+static void job_unlink(ds41_engine_service *s, job *j) {
+    pthread_mutex_lock(&s->jobs_mu);
+    for (job **pp = &s->jobs; *pp; pp = &(*pp)->next) {
+        if (*pp == j) {
+            *pp = j->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->jobs_mu);
+}
+
+static void on_delta(void *ctx, const ds41_generation *g, const ds41_generation_delta *d) {
+    (void)g;
+    job *j = ctx;
+    ds41_gen_event ev = {.type = DS41_GEN_DELTA};
+    ev.content = d->content;
+    ev.content_len = d->content_len;
+    ev.reasoning = d->reasoning;
+    ev.reasoning_len = d->reasoning_len;
+    ds41_gen_logprob lp;
+    ds41_gen_top_logprob top[DS41_SAMPLER_MAX_TOP_LOGPROBS];
+    if (j->logprobs && d->emitted) {
+        size_t len = 0;
+        const uint8_t *b = ds41_tokenizer_token_bytes(j->m->tok, d->token, &len);
+        lp = (ds41_gen_logprob){.token = b ? (const char *)b : "", .token_len = b ? len : 0,
+                                .logprob = d->sample.logprob, .reasoning = d->reasoning_token};
+        size_t nt = d->sample.n_top < (uint32_t)j->top_logprobs ? d->sample.n_top : (size_t)j->top_logprobs;
+        for (size_t k = 0; k < nt; k++) {
+            size_t tl = 0;
+            const uint8_t *tb = ds41_tokenizer_token_bytes(j->m->tok, d->sample.top[k].token, &tl);
+            top[k] = (ds41_gen_top_logprob){.token = tb ? (const char *)tb : "", .token_len = tb ? tl : 0,
+                                            .logprob = d->sample.top[k].logprob};
+        }
+        lp.top = top;
+        lp.n_top = nt;
+        ev.logprobs = &lp;
+        ev.n_logprobs = 1;
+    }
+    if (ev.content_len || ev.reasoning_len || ev.n_logprobs) j->sink.event(j->sink.sink_ctx, &ev);
+    for (size_t i = 0; i < d->n_tool_calls; i++) {
+        const ds41_chat_tool_call *c = &d->tool_calls[i];
+        ds41_gen_event tc = {.type = DS41_GEN_TOOL_CALL, .tool_index = j->tool_index++, .tool_name = c->name,
+                             .arguments = c->arguments, .arguments_len = c->arguments_len};
+        j->sink.event(j->sink.sink_ctx, &tc);
+    }
+}
+
+static void on_done(void *ctx, const ds41_generation *g, ds41_sched_status status, const char *message) {
+    job *j = ctx;
+    ds41_gen_event ev = {0};
+    ev.usage.prompt_tokens = ds41_generation_prompt_tokens(g);
+    ev.usage.completion_tokens = ds41_generation_completion_tokens(g);
+    ev.usage.cached_tokens = ds41_generation_cached_tokens(g);
+    ev.usage.reasoning_tokens = ds41_generation_reasoning_tokens(g);
+    pthread_mutex_lock(&j->svc->jobs_mu);
+    bool timed_out = j->timed_out;
+    pthread_mutex_unlock(&j->svc->jobs_mu);
+    if (status == DS41_SCHED_DONE || (status == DS41_SCHED_CANCELLED && timed_out)) {
+        ev.type = DS41_GEN_FINISH;
+        const char *f = ds41_generation_finish_name(g);
+        ev.finish_reason = timed_out                         ? DS41_FINISH_LENGTH
+                           : strcmp(f, "length") == 0        ? DS41_FINISH_LENGTH
+                           : strcmp(f, "tool_calls") == 0    ? DS41_FINISH_TOOL_CALLS
+                                                             : DS41_FINISH_STOP;
+    } else {
+        ev.type = DS41_GEN_ERROR;
+        switch (status) {
+        case DS41_SCHED_CANCELLED: ds41_svc_fail(&ev.error, DS41_SVC_CANCELLED, NULL, "cancelled"); break;
+        case DS41_SCHED_KV_FULL:
+            ds41_svc_fail(&ev.error, DS41_SVC_KV_FULL, NULL, "%s", message ? message : "the KV cache is full");
+            ev.error.retry_after_s = 1;
+            break;
+        default: ds41_svc_fail(&ev.error, DS41_SVC_INTERNAL, NULL, "%s", message ? message : "internal error"); break;
+        }
+    }
+    job_unlink(j->svc, j);
+    j->sink.event(j->sink.sink_ctx, &ev);
+    job_unref(j->svc, j);
+}
+
+/* ---- request translation ---------------------------------------------------------------------- */
+
+typedef struct gen_inputs {
+    json_t *messages, *tools, *response_format;
+    ds41_logit_bias *bias;
+    uint32_t *ids;
+    ds41_token_ids forced;
+    size_t *stop_lens;
+} gen_inputs;
+
+static void gen_inputs_free(gen_inputs *in) {
+    json_decref(in->messages);
+    json_decref(in->tools);
+    json_decref(in->response_format);
+    free(in->bias);
+    free(in->ids);
+    ds41_token_ids_free(&in->forced);
+    free(in->stop_lens);
+}
+
+static int load_json(const char *text, const char *param, json_t **out, ds41_svc_error *err) {
+    if (!text) return 0;
+    json_error_t je;
+    *out = json_loads(text, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+    if (!*out) return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, param, "'%s' is not valid JSON: %s", param, je.text);
+    return 0;
+}
+
+static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request *req, gen_inputs *in,
+                        ds41_generation_params *p, ds41_svc_error *err) {
+    *p = ds41_generation_params_default();
+    if (req->kind == DS41_GEN_CHAT) {
+        p->kind = DS41_GENERATION_CHAT;
+        if (load_json(req->messages_json, "messages", &in->messages, err) ||
+            load_json(req->tools_json, "tools", &in->tools, err) ||
+            load_json(req->response_format_json, "response_format", &in->response_format, err))
+            return -1;
+        bool choice_none = req->tool_choice_json && strcmp(req->tool_choice_json, "\"none\"") == 0;
+        p->messages = in->messages;
+        p->tools = choice_none ? NULL : in->tools;
+        p->parse_tool_calls = !choice_none;
+        p->response_format = in->response_format;
+        p->thinking = req->thinking == DS41_THINKING_ENABLED;
+        p->reasoning_effort = p->thinking ? req->reasoning_effort : 0;
+    } else if (req->prompt_tokens) {
+        p->kind = DS41_GENERATION_IDS;
+        in->ids = malloc((req->n_prompt_tokens ? req->n_prompt_tokens : 1) * sizeof *in->ids);
+        if (!in->ids) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        for (size_t i = 0; i < req->n_prompt_tokens; i++) {
+            if (req->prompt_tokens[i] < 0 || (uint32_t)req->prompt_tokens[i] >= m->n_vocab)
+                return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "prompt", "token id %d is outside the vocabulary (%u)",
+                                     req->prompt_tokens[i], m->n_vocab);
+            in->ids[i] = (uint32_t)req->prompt_tokens[i];
+        }
+        p->ids = in->ids;
+        p->n_ids = req->n_prompt_tokens;
+    } else {
+        p->kind = DS41_GENERATION_RAW;
+        p->text = req->prompt ? req->prompt : "";
+        p->text_len = req->prompt ? req->prompt_len : 0;
+        p->skip_special = true;
+    }
+    ds41_sampler_params *sp = &p->sampler;
+    if (req->temperature.set) sp->temperature = (float)req->temperature.value;
+    if (req->top_p.set) sp->top_p = (float)req->top_p.value;
+    sp->top_k = req->top_k > 0 ? (uint32_t)req->top_k : 0;
+    if (req->min_p.set) sp->min_p = (float)req->min_p.value;
+    if (req->repetition_penalty.set) sp->repetition_penalty = (float)req->repetition_penalty.value;
+    if (req->presence_penalty.set) sp->presence_penalty = (float)req->presence_penalty.value;
+    if (req->frequency_penalty.set) sp->frequency_penalty = (float)req->frequency_penalty.value;
+    sp->has_seed = req->has_seed;
+    sp->seed = (uint64_t)req->seed;
+    if (req->n_logit_bias) {
+        in->bias = calloc(req->n_logit_bias, sizeof *in->bias);
+        if (!in->bias) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        for (size_t i = 0; i < req->n_logit_bias; i++) {
+            int32_t t = req->logit_bias[i].token;
+            if (t < 0 || (uint32_t)t >= m->n_vocab)
+                return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "logit_bias",
+                                     "logit_bias names token %d, outside the vocabulary (%u)", t, m->n_vocab);
+            in->bias[i] = (ds41_logit_bias){.token = (uint32_t)t, .bias = req->logit_bias[i].bias};
+        }
+        sp->logit_bias = in->bias;
+        sp->n_logit_bias = (uint32_t)req->n_logit_bias;
+    }
+    sp->logprobs = req->logprobs || req->top_logprobs > 0;
+    sp->top_logprobs = req->top_logprobs > 0 ? (uint32_t)req->top_logprobs : 0;
+    if (req->n_stop) {
+        in->stop_lens = malloc(req->n_stop * sizeof *in->stop_lens);
+        if (!in->stop_lens) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        for (size_t i = 0; i < req->n_stop; i++) in->stop_lens[i] = strlen(req->stop[i]);
+        p->stop = req->stop;
+        p->stop_lens = in->stop_lens;
+        p->n_stop = req->n_stop;
+    }
+    p->max_tokens = req->max_tokens ? req->max_tokens : s->st.max_tokens_default;
+    p->max_context = m->context > UINT32_MAX ? UINT32_MAX : (uint32_t)m->context;
+    p->ignore_eos = req->ignore_eos;
+    if (req->forced_output) {
+        if (!s->st.test_forced_output)
+            return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "ds41_forced_output",
+                                 "'ds41_forced_output' is a test hook; this server does not enable it "
+                                 "(engine.test_forced_output)");
+        ds41_error e;
+        if (ds41_tokenizer_encode(m->tok, req->forced_output, strlen(req->forced_output), &in->forced, &e) != 0)
+            return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "ds41_forced_output", "%s", e.msg);
+        p->forced_ids = in->forced.ids;
+        p->n_forced = in->forced.n;
+    }
+    return 0;
+}
+
+/* A generation error: context errors are 400 context_length_exceeded, the rest 400. */
+static int generation_error(const ds41_error *e, bool chat, ds41_svc_error *err) {
+    if (strstr(e->msg, "context"))
+        return ds41_svc_fail(err, DS41_SVC_CONTEXT_LENGTH, chat ? "messages" : "prompt", "%s", e->msg);
+    const char *param = strncmp(e->msg, "sampling", 8) == 0  ? "logit_bias"
+                        : strncmp(e->msg, "stop", 4) == 0     ? "stop"
+                        : strncmp(e->msg, "prompt", 6) == 0   ? "prompt"
+                                                              : "messages";
+    return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, param, "%s", e->msg);
+}
+
+static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sink *sink, ds41_gen_accept *accept,
+                      ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    int rc = -1;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = acquire_model(s, req->model, err);
+    if (!m) {
+        pthread_rwlock_unlock(&s->cfg_lock);
+        return -1;
+    }
+    gen_inputs in = {0};
+    ds41_generation_params p;
+    ds41_generation *g = NULL;
+    ds41_error e = {{0}};
+    if (build_params(s, m, req, &in, &p, err) != 0) goto out;
+    if (ds41_generation_new(m->tok, &p, m->n_vocab, &g, &e) != 0) {
+        generation_error(&e, req->kind == DS41_GEN_CHAT, err);
+        goto out;
+    }
+    job *j = calloc(1, sizeof *j);
+    if (!j) {
+        ds41_generation_free(g);
+        ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        goto out;
+    }
+    j->svc = s;
+    j->m = m;
+    j->ipc_id = req->id;
+    j->sink = *sink;
+    j->logprobs = p.sampler.logprobs != 0;
+    j->top_logprobs = (int)p.sampler.top_logprobs;
+    j->refs = 2;
+    clock_gettime(CLOCK_MONOTONIC, &j->started);
+    snprintf(accept->model, sizeof accept->model, "%s", m->name);
+    pthread_mutex_lock(&s->jobs_mu);
+    j->next = s->jobs;
+    s->jobs = j;
+    pthread_mutex_unlock(&s->jobs_mu);
+    ds41_sched_sink ss = {.delta = on_delta, .done = on_done, .ctx = j};
+    uint64_t id = 0;
+    ds41_sched_status st = ds41_scheduler_submit(m->sched, g, &ss, &id, &e);
+    if (st != DS41_SCHED_DONE) {
+        job_unlink(s, j);
+        free(j);
+        switch (st) {
+        case DS41_SCHED_QUEUE_FULL:
+            ds41_svc_fail(err, DS41_SVC_QUEUE_FULL, NULL, "%s", e.msg);
+            err->retry_after_s = 1;
+            break;
+        case DS41_SCHED_KV_FULL:
+            ds41_svc_fail(err, DS41_SVC_KV_FULL, NULL, "%s", e.msg);
+            err->retry_after_s = 5;
+            break;
+        case DS41_SCHED_STOPPING: ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "%s", e.msg); break;
+        default: ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "%s", e.msg); break;
+        }
+        goto out;
+    }
+    pthread_mutex_lock(&s->jobs_mu);
+    j->sched_id = id;
+    if (j->cancel_requested && j->refs == 2) ds41_scheduler_cancel(m->sched, id);
+    pthread_mutex_unlock(&s->jobs_mu);
+    job_unref(s, j);
+    rc = 0;
+out:
+    gen_inputs_free(&in);
+    pthread_rwlock_unlock(&m->lock);
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+static void svc_cancel(void *ctx, uint64_t request_id) {
+    ds41_engine_service *s = ctx;
+    pthread_mutex_lock(&s->jobs_mu);
+    for (job *j = s->jobs; j; j = j->next) {
+        if (j->ipc_id != request_id) continue;
+        j->cancel_requested = true;
+        /* Under jobs_mu: the job has not ended, so its scheduler cannot have been freed (its
+         * done() needs this lock). */
+        if (j->sched_id) ds41_scheduler_cancel(j->m->sched, j->sched_id);
+        break;
+    }
+    pthread_mutex_unlock(&s->jobs_mu);
+}
+
+/* ---- other service functions ------------------------------------------------------------------ */
+
+static void svc_health(void *ctx, ds41_svc_health *out) {
+    ds41_engine_service *s = ctx;
+    memset(out, 0, sizeof *out);
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = find_model(s, NULL);
+    if (!m) {
+        out->state = DS41_HEALTH_ERROR;
+        snprintf(out->detail, sizeof out->detail, "no default model");
+    } else {
+        pthread_rwlock_rdlock(&m->lock);
+        out->state = m->state == DS41_MODEL_READY    ? DS41_HEALTH_OK
+                     : m->state == DS41_MODEL_FAILED ? DS41_HEALTH_ERROR
+                                                     : DS41_HEALTH_LOADING;
+        if (m->state != DS41_MODEL_READY) snprintf(out->detail, sizeof out->detail, "%.64s: %.180s", m->name, m->detail);
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+}
+
+static int svc_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41_svc_error *err) {
+    (void)err;
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_models; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        ds41_svc_tier_bytes tier = {.tier = "ram", .bytes = m->bytes};
+        ds41_svc_model sm = {.id = m->name,
+                             .path = m->path,
+                             .state = m->state,
+                             .created = m->created,
+                             .context_length = m->state == DS41_MODEL_READY ? m->context : 0,
+                             .detail = m->detail,
+                             .tiers = m->state == DS41_MODEL_READY ? &tier : NULL,
+                             .n_tiers = m->state == DS41_MODEL_READY ? 1 : 0};
+        emit(acc, &sm);
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return 0;
+}
+
+static int svc_tokenize(void *ctx, const ds41_tokenize_request *req, int32_t **tokens, size_t *n_tokens,
+                        ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = acquire_model(s, req->model, err);
+    int rc = -1;
+    if (!m) goto out_cfg;
+    if (req->messages_json) {
+        gen_inputs in = {0};
+        ds41_generation_params p = ds41_generation_params_default();
+        if (load_json(req->messages_json, "messages", &in.messages, err) ||
+            load_json(req->tools_json, "tools", &in.tools, err)) {
+            gen_inputs_free(&in);
+            goto out;
+        }
+        p.messages = in.messages;
+        p.tools = in.tools;
+        p.thinking = req->thinking == DS41_THINKING_ENABLED;
+        p.reasoning_effort = p.thinking ? req->reasoning_effort : 0;
+        ds41_generation *g = NULL;
+        ds41_error e;
+        if (ds41_generation_new(m->tok, &p, m->n_vocab, &g, &e) != 0) {
+            gen_inputs_free(&in);
+            generation_error(&e, true, err);
+            goto out;
+        }
+        size_t n;
+        const int32_t *ids = ds41_generation_tokens(g, &n);
+        *tokens = malloc((n ? n : 1) * sizeof **tokens);
+        if (*tokens) {
+            memcpy(*tokens, ids, n * sizeof *ids);
+            *n_tokens = n;
+            rc = 0;
+        } else {
+            ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        }
+        ds41_generation_free(g);
+        gen_inputs_free(&in);
+    } else {
+        ds41_token_ids ids = {0};
+        ds41_error e;
+        int32_t bos = ds41_vocab_bos_id(m->vocab);
+        if (bos < 0) bos = ds41_vocab_find(m->vocab, DS41_CHAT_BOS, strlen(DS41_CHAT_BOS));
+        if (ds41_tokenizer_encode(m->tok, req->text, req->text_len, &ids, &e) != 0) {
+            ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "content", "%s", e.msg);
+            goto out;
+        }
+        size_t extra = req->add_special && bos >= 0 ? 1 : 0;
+        *tokens = malloc((ids.n + extra + 1) * sizeof **tokens);
+        if (!*tokens) {
+            ds41_token_ids_free(&ids);
+            ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+            goto out;
+        }
+        if (extra) (*tokens)[0] = bos;
+        for (size_t i = 0; i < ids.n; i++) (*tokens)[extra + i] = (int32_t)ids.ids[i];
+        *n_tokens = ids.n + extra;
+        ds41_token_ids_free(&ids);
+        rc = 0;
+    }
+out:
+    pthread_rwlock_unlock(&m->lock);
+out_cfg:
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+static int svc_detokenize(void *ctx, const char *model_name, const int32_t *tokens, size_t n_tokens, char **text,
+                          size_t *text_len, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = acquire_model(s, model_name, err);
+    int rc = -1;
+    if (!m) goto out_cfg;
+    uint32_t *ids = malloc((n_tokens ? n_tokens : 1) * sizeof *ids);
+    if (!ids) {
+        ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n_tokens; i++) {
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->n_vocab) {
+            ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "tokens", "token id %d is outside the vocabulary (%u)", tokens[i],
+                          m->n_vocab);
+            free(ids);
+            goto out;
+        }
+        ids[i] = (uint32_t)tokens[i];
+    }
+    *text = ds41_tokenizer_decode(m->tok, ids, n_tokens, false, text_len);
+    free(ids);
+    if (!*text) {
+        ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+        goto out;
+    }
+    rc = 0;
+out:
+    pthread_rwlock_unlock(&m->lock);
+out_cfg:
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+/* ---- metrics ---------------------------------------------------------------------------------- */
+
+static void metric_head(ds41_buf *b, const char *name, const char *type, const char *help) {
+    ds41_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    ds41_buf b = {0};
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    size_t n = s->n_models;
+    ds41_sched_stats *st = calloc(n ? n : 1, sizeof *st);
+    bool *ready = calloc(n ? n : 1, sizeof *ready);
+    ds41_model_state *state = calloc(n ? n : 1, sizeof *state);
+    if (!st || !ready || !state) {
+        pthread_rwlock_unlock(&s->cfg_lock);
+        free(st);
+        free(ready);
+        free(state);
+        return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        state[i] = m->state;
+        if (m->state == DS41_MODEL_READY) {
+            ds41_scheduler_stats(m->sched, &st[i]);
+            ready[i] = true;
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    static const char *const state_names[] = {"unloaded", "loading", "ready", "failed"};
+    metric_head(&b, "ds41_model_state", "gauge", "1 for the state each configured model is in.");
+    for (size_t i = 0; i < n; i++)
+        for (int k = 0; k < 4; k++)
+            ds41_buf_printf(&b, "ds41_model_state{model=\"%s\",state=\"%s\"} %d\n", s->models[i]->name, state_names[k],
+                            (int)state[i] == k);
+
+#define PER_MODEL(metric, type, help, expr)                                                              \
+    do {                                                                                                 \
+        metric_head(&b, metric, type, help);                                                             \
+        for (size_t i = 0; i < n; i++)                                                                   \
+            if (ready[i])                                                                                \
+                ds41_buf_printf(&b, metric "{model=\"%s\"} %llu\n", s->models[i]->name,                      \
+                                (unsigned long long)(expr));                                             \
+    } while (0)
+
+    metric_head(&b, "ds41_requests_total", "counter", "Generation requests by outcome.");
+    for (size_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        const struct {
+            const char *o;
+            uint64_t v;
+        } outs[] = {{"stop", st[i].requests_stop},
+                    {"length", st[i].requests_length},
+                    {"tool_calls", st[i].requests_tool_calls},
+                    {"cancelled", st[i].requests_cancelled},
+                    {"kv_full", st[i].requests_kv_full},
+                    {"error", st[i].requests_error},
+                    {"rejected_queue_full", st[i].rejected_queue_full},
+                    {"rejected_kv_full", st[i].rejected_kv_full}};
+        for (size_t k = 0; k < sizeof outs / sizeof outs[0]; k++)
+            ds41_buf_printf(&b, "ds41_requests_total{model=\"%s\",outcome=\"%s\"} %llu\n", s->models[i]->name,
+                            outs[k].o, (unsigned long long)outs[k].v);
+    }
+    PER_MODEL("ds41_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", st[i].prompt_tokens);
+    PER_MODEL("ds41_prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache.",
+              st[i].cached_tokens);
+    PER_MODEL("ds41_prefill_tokens_total", "counter", "Prompt tokens that went through the model.", st[i].prefill_tokens);
+    PER_MODEL("ds41_generated_tokens_total", "counter", "Sampled tokens.", st[i].generated_tokens);
+    metric_head(&b, "ds41_generated_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.");
+    for (size_t i = 0; i < n; i++)
+        if (ready[i])
+            ds41_buf_printf(&b, "ds41_generated_tokens_per_second{model=\"%s\"} %.3f\n", s->models[i]->name,
+                            st[i].tokens_per_s);
+    PER_MODEL("ds41_queue_depth", "gauge", "Requests waiting for a decode slot.", st[i].queued);
+    PER_MODEL("ds41_running_sequences", "gauge", "Sequences in prefill or decode.", st[i].running);
+    PER_MODEL("ds41_forward_steps_total", "counter", "Forward passes (batched steps).", st[i].steps);
+    PER_MODEL("ds41_preemptions_total", "counter", "Sequences preempted because the KV cache was full.",
+              st[i].preemptions);
+    metric_head(&b, "ds41_kv_cache_bytes", "gauge", "KV cache page bytes in use and free (free: under the budget).");
+    for (size_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        uint64_t used = st[i].kv_pages_in_use * st[i].kv_page_bytes;
+        ds41_buf_printf(&b, "ds41_kv_cache_bytes{model=\"%s\",state=\"used\"} %llu\n", s->models[i]->name,
+                        (unsigned long long)used);
+        if (st[i].kv_pages_max)
+            ds41_buf_printf(&b, "ds41_kv_cache_bytes{model=\"%s\",state=\"free\"} %llu\n", s->models[i]->name,
+                            (unsigned long long)((st[i].kv_pages_max - st[i].kv_pages_in_use) * st[i].kv_page_bytes));
+    }
+    metric_head(&b, "ds41_decode_batch_sequences", "histogram", "Sequences decoded together per forward step.");
+    for (size_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        uint64_t cum = 0;
+        for (int k = 0; k < DS41_SCHED_HIST_BUCKETS; k++) {
+            cum += st[i].decode_hist[k];
+            if (k < DS41_SCHED_HIST_BUCKETS - 1)
+                ds41_buf_printf(&b, "ds41_decode_batch_sequences_bucket{model=\"%s\",le=\"%u\"} %llu\n",
+                                s->models[i]->name, ds41_sched_hist_bounds[k], (unsigned long long)cum);
+            else
+                ds41_buf_printf(&b, "ds41_decode_batch_sequences_bucket{model=\"%s\",le=\"+Inf\"} %llu\n",
+                                s->models[i]->name, (unsigned long long)cum);
+        }
+        ds41_buf_printf(&b, "ds41_decode_batch_sequences_sum{model=\"%s\"} %llu\n", s->models[i]->name,
+                        (unsigned long long)st[i].decode_seqs_sum);
+        ds41_buf_printf(&b, "ds41_decode_batch_sequences_count{model=\"%s\"} %llu\n", s->models[i]->name,
+                        (unsigned long long)st[i].decode_steps);
+    }
+    metric_head(&b, "ds41_cache_hits_total", "counter", "Cache hits by tier.");
+    for (size_t i = 0; i < n; i++)
+        if (ready[i])
+            ds41_buf_printf(&b, "ds41_cache_hits_total{model=\"%s\",tier=\"prefix\"} %llu\n", s->models[i]->name,
+                            (unsigned long long)st[i].prefix_hits);
+    metric_head(&b, "ds41_cache_misses_total", "counter", "Cache misses by tier.");
+    for (size_t i = 0; i < n; i++)
+        if (ready[i])
+            ds41_buf_printf(&b, "ds41_cache_misses_total{model=\"%s\",tier=\"prefix\"} %llu\n", s->models[i]->name,
+                            (unsigned long long)st[i].prefix_misses);
+    metric_head(&b, "ds41_cache_hit_ratio", "gauge", "Hits / (hits + misses) by tier since start.");
+    for (size_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        uint64_t t = st[i].prefix_hits + st[i].prefix_misses;
+        ds41_buf_printf(&b, "ds41_cache_hit_ratio{model=\"%s\",tier=\"prefix\"} %.6f\n", s->models[i]->name,
+                        t ? (double)st[i].prefix_hits / (double)t : 0.0);
+    }
+    PER_MODEL("ds41_prefix_cache_entries", "gauge", "Prefix-cache snapshots kept.", st[i].cache_entries);
+    PER_MODEL("ds41_prefix_cache_bytes", "gauge", "KV page bytes the prefix-cache snapshots reference.",
+              st[i].cache_bytes);
+#undef PER_MODEL
+    pthread_rwlock_unlock(&s->cfg_lock);
+    free(st);
+    free(ready);
+    free(state);
+    *text = ds41_buf_take(&b, text_len);
+    if (!*text) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
+    return 0;
+}
+
+/* ---- admin -------------------------------------------------------------------------------------- */
+
+static int svc_load_model(void *ctx, const char *name, const char *path, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = NULL;
+    if (path) {
+        char want[PATH_MAX];
+        if (!realpath(path, want)) {
+            pthread_rwlock_unlock(&s->cfg_lock);
+            return ds41_svc_fail(err, DS41_SVC_FORBIDDEN, "path", "the path is not a configured model directory");
+        }
+        for (size_t i = 0; i < s->n_models && !m; i++) {
+            char have[PATH_MAX];
+            if (realpath(s->models[i]->path, have) && strcmp(have, want) == 0) m = s->models[i];
+        }
+        if (!m) {
+            pthread_rwlock_unlock(&s->cfg_lock);
+            return ds41_svc_fail(err, DS41_SVC_FORBIDDEN, "path", "the path is not a configured model directory");
+        }
+        if (name && strcmp(name, m->name) != 0) {
+            pthread_rwlock_unlock(&s->cfg_lock);
+            return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "name", "the path belongs to the model '%s'", m->name);
+        }
+    } else {
+        m = find_model(s, name);
+        if (!m) {
+            pthread_rwlock_unlock(&s->cfg_lock);
+            ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "name", "The model '%s' is not configured", name ? name : "");
+            snprintf(err->code, sizeof err->code, "model_not_found");
+            return -1;
+        }
+    }
+    pthread_rwlock_rdlock(&m->lock);
+    bool ready = m->state == DS41_MODEL_READY;
+    pthread_rwlock_unlock(&m->lock);
+    int rc = 0;
+    if (!ready) {
+        ds41_error e;
+        if (model_start_load(s, m, &e) != 0)
+            rc = ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "%s", e.msg);
+        else
+            rc = 1;
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+static int svc_unload_model(void *ctx, const char *name, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = find_model(s, name);
+    if (!m) {
+        pthread_rwlock_unlock(&s->cfg_lock);
+        ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "name", "The model '%s' is not configured", name ? name : "");
+        snprintf(err->code, sizeof err->code, "model_not_found");
+        return -1;
+    }
+    pthread_rwlock_rdlock(&m->lock);
+    bool loading = m->state == DS41_MODEL_LOADING;
+    pthread_rwlock_unlock(&m->lock);
+    if (loading) {
+        pthread_rwlock_unlock(&s->cfg_lock);
+        return ds41_svc_fail(err, DS41_SVC_CONFLICT, "name", "The model '%s' is loading", m->name);
+    }
+    model_unload(m, 0);
+    ds41_log(DS41_LOG_INFO, "model %s unloaded", m->name);
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return 0;
+}
+
+typedef struct sess_acc {
+    const char *model;
+    ds41_svc_session_emit emit;
+    void *acc;
+} sess_acc;
+
+static void emit_session(void *p, const ds41_sched_session *ss) {
+    sess_acc *a = p;
+    char id[200];
+    snprintf(id, sizeof id, "%s:%s", a->model, ss->id);
+    ds41_svc_session out = {.id = id,
+                            .model = a->model,
+                            .state = ss->state,
+                            .request_id = 0,
+                            .prompt_tokens = ss->prompt_tokens,
+                            .generated_tokens = ss->generated_tokens,
+                            .cached_tokens = ss->cached_tokens,
+                            .kv_tokens = ss->kv_tokens,
+                            .kv_pages = ss->kv_pages,
+                            .kv_bytes = ss->kv_bytes,
+                            .created = ss->created,
+                            .last_used = ss->last_used};
+    a->emit(a->acc, &out);
+}
+
+static int svc_list_sessions(void *ctx, ds41_svc_session_emit emit, void *acc, ds41_svc_error *err) {
+    (void)err;
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_models; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        if (m->state == DS41_MODEL_READY) {
+            sess_acc a = {.model = m->name, .emit = emit, .acc = acc};
+            ds41_scheduler_sessions(m->sched, emit_session, &a);
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return 0;
+}
+
+static int svc_delete_session(void *ctx, const char *id, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    const char *colon = strrchr(id, ':');
+    if (!colon) return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, NULL, "no session '%s'", id);
+    char name[160];
+    snprintf(name, sizeof name, "%.*s", (int)(colon - id), id);
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = find_model(s, name);
+    int rc = -1;
+    if (m) {
+        pthread_rwlock_rdlock(&m->lock);
+        if (m->state == DS41_MODEL_READY) rc = ds41_scheduler_delete_session(m->sched, colon + 1);
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    if (rc != 0) return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, NULL, "no session '%s'", id);
+    return 0;
+}
+
+static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cache *cache), void *acc,
+                          ds41_svc_error *err) {
+    (void)err;
+    ds41_engine_service *s = ctx;
+    ds41_svc_cache c = {0};
+    uint64_t kv_used = 0, kv_cap = 0, pc_bytes = 0, hits = 0, misses = 0;
+    bool first = true;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_models; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        if (m->state == DS41_MODEL_READY) {
+            ds41_sched_stats st;
+            ds41_scheduler_stats(m->sched, &st);
+            if (first || m->is_default) {
+                c.page_tokens = st.kv_page_tokens;
+                c.page_bytes = st.kv_page_bytes;
+                c.bytes_per_token = st.kv_bytes_per_token;
+                first = false;
+            }
+            c.pages_total += st.kv_pages_max;
+            c.pages_used += st.kv_pages_in_use;
+            kv_used += st.kv_pages_in_use * st.kv_page_bytes;
+            kv_cap += st.kv_pages_max * st.kv_page_bytes;
+            pc_bytes += st.cache_bytes;
+            hits += st.prefix_hits;
+            misses += st.prefix_misses;
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    c.pages_free = c.pages_total > c.pages_used ? c.pages_total - c.pages_used : 0;
+    ds41_svc_cache_tier tiers[2] = {
+        {.name = "kv", .used_bytes = kv_used, .capacity_bytes = kv_cap},
+        {.name = "prefix", .used_bytes = pc_bytes, .capacity_bytes = s->st.prefix_cache_max_bytes, .hits = hits,
+         .misses = misses},
+    };
+    c.tiers = tiers;
+    c.n_tiers = 2;
+    emit(acc, &c);
+    return 0;
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------------------ */
+
+static int build_models(ds41_engine_service *s, ds41_error *err) {
+    s->models = calloc(s->st.n_models, sizeof *s->models);
+    if (!s->models) return ds41_fail(err, "out of memory");
+    for (size_t i = 0; i < s->st.n_models; i++) {
+        s->models[i] = model_new(s, &s->st.models[i], s->st.embedded);
+        if (!s->models[i]) return ds41_fail(err, "out of memory");
+        s->n_models++;
+    }
+    return 0;
+}
+
+int ds41_engine_service_new(const ds41_daemon_config *cfg, ds41_engine_service_progress prog, void *prog_ctx,
+                            ds41_engine_service **out, ds41_error *err) {
+    *out = NULL;
+    ds41_engine_service *s = calloc(1, sizeof *s);
+    if (!s) return ds41_fail(err, "out of memory");
+    if (settings_from(cfg, &s->st, err) != 0) {
+        free(s);
+        return -1;
+    }
+    s->progress = prog;
+    s->progress_ctx = prog_ctx;
+    pthread_rwlock_init(&s->cfg_lock, NULL);
+    pthread_mutex_init(&s->jobs_mu, NULL);
+    if (build_models(s, err) != 0) {
+        ds41_engine_service_free(s, 0);
+        return -1;
+    }
+    s->iface = (ds41_service){.ctx = s,
+                              .health = svc_health,
+                              .list_models = svc_list_models,
+                              .submit = svc_submit,
+                              .cancel = svc_cancel,
+                              .tokenize = svc_tokenize,
+                              .detokenize = svc_detokenize,
+                              .metrics = svc_metrics,
+                              .load_model = svc_load_model,
+                              .unload_model = svc_unload_model,
+                              .list_sessions = svc_list_sessions,
+                              .delete_session = svc_delete_session,
+                              .cache_info = svc_cache_info};
+    *out = s;
+    return 0;
+}
+
+const ds41_service *ds41_engine_service_iface(ds41_engine_service *s) { return &s->iface; }
+
+int ds41_engine_service_load(ds41_engine_service *s, const char *name, ds41_error *err) {
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = find_model(s, name);
+    int rc = m ? model_start_load(s, m, err) : ds41_fail(err, "no model '%s'", name ? name : "(default)");
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+ds41_model_state ds41_engine_service_default_state(ds41_engine_service *s, char *detail, size_t detail_size) {
+    ds41_model_state st = DS41_MODEL_FAILED;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    model *m = find_model(s, NULL);
+    if (m) {
+        pthread_rwlock_rdlock(&m->lock);
+        st = m->state;
+        if (detail && detail_size) snprintf(detail, detail_size, "%s", m->detail);
+        pthread_rwlock_unlock(&m->lock);
+    } else if (detail && detail_size) {
+        snprintf(detail, detail_size, "no default model");
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return st;
+}
+
+int ds41_engine_service_reconfigure(ds41_engine_service *s, const ds41_daemon_config *cfg, ds41_error *err) {
+    settings st;
+    if (settings_from(cfg, &st, err) != 0) return -1;
+    model **nm = calloc(st.n_models, sizeof *nm);
+    if (!nm) {
+        settings_free(&st);
+        return ds41_fail(err, "out of memory");
+    }
+    pthread_rwlock_wrlock(&s->cfg_lock);
+    /* keep the models whose name, path and kind are unchanged */
+    bool *kept = calloc(s->n_models ? s->n_models : 1, sizeof *kept);
+    size_t n = 0;
+    bool ok = kept != NULL;
+    for (size_t i = 0; ok && i < st.n_models; i++) {
+        model *found = NULL;
+        for (size_t k = 0; k < s->n_models && !found; k++) {
+            model *m = s->models[k];
+            if (!kept[k] && strcmp(m->name, st.models[i].name) == 0 && strcmp(m->path, st.models[i].path) == 0 &&
+                m->embedded == st.embedded) {
+                found = m;
+                kept[k] = true;
+            }
+        }
+        if (!found) found = model_new(s, &st.models[i], st.embedded);
+        if (!found) {
+            ok = false;
+            break;
+        }
+        found->is_default = st.models[i].is_default;
+        nm[n++] = found;
+    }
+    if (!ok) {
+        for (size_t i = 0; i < n; i++) {
+            bool old = false;
+            for (size_t k = 0; k < s->n_models; k++) old |= s->models[k] == nm[i];
+            if (!old) model_free(nm[i], 0);
+        }
+        for (size_t k = 0; k < s->n_models; k++) s->models[k]->is_default = false;
+        pthread_rwlock_unlock(&s->cfg_lock);
+        free(kept);
+        free(nm);
+        settings_free(&st);
+        return ds41_fail(err, "out of memory");
+    }
+    model **old = s->models;
+    size_t n_old = s->n_models;
+    settings_free(&s->st);
+    s->st = st;
+    s->models = nm;
+    s->n_models = n;
+    model *def = find_model(s, NULL);
+    if (def) model_start_load(s, def, err);
+    pthread_rwlock_unlock(&s->cfg_lock);
+    /* unload the models that are gone (no new request can reach them now) */
+    for (size_t k = 0; k < n_old; k++) {
+        if (kept[k]) continue;
+        ds41_log(DS41_LOG_INFO, "model %s removed from the configuration: unloading", old[k]->name);
+        model_free(old[k], 0);
+    }
+    free(kept);
+    free(old);
+    return 0;
+}
+
+void ds41_engine_service_tick(ds41_engine_service *s) {
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    uint32_t limit = s->st.request_timeout_s;
+    pthread_rwlock_unlock(&s->cfg_lock);
+    if (!limit) return;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    pthread_mutex_lock(&s->jobs_mu);
+    for (job *j = s->jobs; j; j = j->next) {
+        if (j->timed_out || !j->sched_id || now.tv_sec - j->started.tv_sec < (time_t)limit) continue;
+        j->timed_out = true;
+        ds41_log(DS41_LOG_WARNING, "request %llu ran past limits.request_timeout_s (%u s): ended",
+                 (unsigned long long)j->ipc_id, limit);
+        ds41_scheduler_cancel(j->m->sched, j->sched_id);
+    }
+    pthread_mutex_unlock(&s->jobs_mu);
+}
+
+void ds41_engine_service_free(ds41_engine_service *s, unsigned drain_ms) {
+    if (!s) return;
+    for (size_t i = 0; i < s->n_models; i++) model_free(s->models[i], drain_ms);
+    free(s->models);
+    settings_free(&s->st);
+    pthread_rwlock_destroy(&s->cfg_lock);
+    pthread_mutex_destroy(&s->jobs_mu);
+    free(s);
+}

@@ -1,0 +1,161 @@
+#!/bin/bash
+# ds41d end to end with curl over its real Unix socket, on the embedded model generated on first
+# start into a temporary state directory: configuration checks, health and models, chat and
+# completions (stream and not), forced reasoning and tool calls, the prefix cache, errors,
+# tokenize/detokenize, metrics, admin routes, SIGTERM.  TAP.
+. "$(dirname "$0")/daemon_lib.sh"
+
+# ---- configuration -------------------------------------------------------------------------------
+cfg=$work/ds41d.yaml
+write_config "$cfg"
+"$ds41d" --config "$cfg" --check-config >"$work/eff.yaml" 2>"$work/check.err"; rc=$?
+check "--check-config: exit 0 and the effective YAML (socket $sock)" \
+    bash -c "test $rc -eq 0 && grep -q 'socket: $sock' '$work/eff.yaml' && grep -q 'test_forced_output: true' '$work/eff.yaml'"
+printf 'engine:\n  threads: many\n' >"$work/bad.yaml"
+"$ds41d" --config "$work/bad.yaml" --check-config >/dev/null 2>"$work/bad.err"; rc=$?
+check "--check-config on a bad value: non-zero, FILE:LINE:COLUMN and the key" \
+    bash -c "test $rc -ne 0 && grep -q 'bad.yaml:2:12: key .engine.threads.' '$work/bad.err'"
+"$ds41d" --config "$cfg" --socket "$work/other.sock" --model /srv/none --check-config >"$work/ovr.yaml" 2>/dev/null
+check "--socket and --model override the file (the model served as deepseek-v4.1-flash)" \
+    bash -c "grep -q 'socket: $work/other.sock' '$work/ovr.yaml' && grep -q 'name: deepseek-v4.1-flash' '$work/ovr.yaml' && grep -q 'path: /srv/none' '$work/ovr.yaml'"
+"$ds41d" --config "$work/missing.yaml" >/dev/null 2>"$work/missing.err"; rc=$?
+check "a missing --config file: non-zero with a message naming it" \
+    bash -c "test $rc -ne 0 && grep -q 'missing.yaml' '$work/missing.err'"
+
+# ---- start: the embedded model is generated and served ----------------------------------------
+if ! start_daemon "$cfg"; then
+    notok "ds41d starts and /health answers 200"; finish; exit 0
+fi
+ok "ds41d starts, generates the embedded model and /health answers 200"
+check "the embedded checkpoint is in the state directory" test -f "$state/embedded/tiny-seed1/inference/config.json"
+check "the socket is mode 0660" test "$(stat -c %a "$sock")" = 660
+code=$(api GET /health)
+check "GET /health: {\"status\":\"ok\"}" test "$code $(cat "$work/body")" = '200 {"status":"ok"}'
+code=$(api GET /v1/models)
+check "GET /v1/models lists ds41-tiny only (never the real model's name)" \
+    test "$code $(pyj '[m["id"] for m in o["data"]]')" = '200 ["ds41-tiny"]'
+
+# ---- chat ------------------------------------------------------------------------------------------
+chat='{"model":"ds41-tiny","messages":[{"role":"user","content":"Tell me a story."}],"max_tokens":12,"seed":42,"temperature":0.8}'
+code=$(api POST /v1/chat/completions "$chat")
+cp "$work/body" "$work/chat1.json"
+check "chat: 200 chat.completion from ds41-tiny, 12 tokens, finish length" \
+    test "$code $(pyj '(o["object"], o["model"], o["usage"]["completion_tokens"], o["choices"][0]["finish_reason"])')" = \
+    "200 ('chat.completion', 'ds41-tiny', 12, 'length')"
+code=$(api POST /v1/chat/completions "$chat")
+check "chat: the same seed gives the same content" \
+    test "$(pyj 'o["choices"][0]["message"]["content"]')" = "$(pyj 'o["choices"][0]["message"]["content"]' "$work/chat1.json")"
+schat='{"model":"ds41-tiny","messages":[{"role":"user","content":"Tell me a story."}],"max_tokens":12,"seed":42,"temperature":0.8,"stream":true,"stream_options":{"include_usage":true}}'
+curl -sN --unix-socket "$sock" -H 'Content-Type: application/json' -d "$schat" http://ds41/v1/chat/completions >"$work/s1.sse"
+sse_collect "$work/s1.sse" >"$work/s1.json"
+check "chat stream: SSE chunks, usage, [DONE]; the text equals the non-streamed answer" \
+    test "$(pyj '(o["done"], o["finish_reason"], o["usage"]["completion_tokens"], o["content"])' "$work/s1.json")" = \
+    "$(pyj '(True, "length", 12, o["choices"][0]["message"]["content"])' "$work/chat1.json")"
+check "chat stream: text arrives in several chunks" test "$(pyj 'o["chunks"] > 5' "$work/s1.json")" = True
+
+# prefix cache: the same prompt again re-uses all but the last prompt token
+code=$(api POST /v1/chat/completions "$chat")
+check "a prefix-cache hit: cached_tokens = prompt_tokens - 1, same content" \
+    test "$(pyj '(o["usage"]["prompt_tokens_details"]["cached_tokens"] == o["usage"]["prompt_tokens"] - 1, o["choices"][0]["message"]["content"])')" = \
+    "$(pyj '(True, o["choices"][0]["message"]["content"])' "$work/chat1.json")"
+
+# thinking, forced reasoning and a DSML tool call
+cat >"$work/tool.json" <<'EOF'
+{"messages":[{"role":"user","content":"Weather in Paris?"}],
+ "tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
+ "thinking":{"type":"enabled"},
+ "ds41_forced_output":"The user wants the weather.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"city\" string=\"true\">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜>"}
+EOF
+code=$(api POST /v1/chat/completions "@$work/tool.json")
+check "forced output: reasoning_content, one get_weather call with {\"city\": \"Paris\"}, finish tool_calls" \
+    test "$code $(pyj '(o["choices"][0]["message"]["reasoning_content"], [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in o["choices"][0]["message"]["tool_calls"]], o["choices"][0]["finish_reason"], o["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0)')" = \
+    "200 ('The user wants the weather.', [('function', 'get_weather', {'city': 'Paris'})], 'tool_calls', True)"
+"$py" -c 'import json,sys;o=json.load(open(sys.argv[1]));o["stream"]=True;print(json.dumps(o))' "$work/tool.json" >"$work/tool_s.json"
+curl -sN --unix-socket "$sock" -H 'Content-Type: application/json' --data-binary "@$work/tool_s.json" \
+    http://ds41/v1/chat/completions >"$work/tool.sse"
+sse_collect "$work/tool.sse" >"$work/tool_s.out"
+check "forced output streamed: the same reasoning and tool call (with an id), finish tool_calls" \
+    test "$(pyj '(o["reasoning_content"], [(c["function"]["name"], json.loads(c["function"]["arguments"]), c["id"].startswith("call_")) for c in o["tool_calls"]], o["finish_reason"], o["content"])' "$work/tool_s.out")" = \
+    "('The user wants the weather.', [('get_weather', {'city': 'Paris'}, True)], 'tool_calls', '')"
+code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"Hi"}],"reasoning_effort":"low","max_tokens":3,"ds41_forced_output":"ok</think>Hello!<｜end▁of▁sentence｜>"}')
+check "reasoning_effort implies thinking: reasoning and content split at </think>" \
+    test "$code $(pyj '(o["choices"][0]["message"].get("reasoning_content"), o["choices"][0]["finish_reason"])')" = "200 ('ok', 'length')"
+
+# ---- completions ------------------------------------------------------------------------------------
+code=$(api POST /v1/completions '{"prompt":"Once upon a time","max_tokens":7,"seed":5}')
+check "completions: 200 text_completion, 7 tokens" \
+    test "$code $(pyj '(o["object"], o["usage"]["completion_tokens"], len(o["choices"][0]["text"]) > 0)')" = "200 ('text_completion', 7, True)"
+cp "$work/body" "$work/cmpl.json"
+curl -sN --unix-socket "$sock" -d '{"prompt":"Once upon a time","max_tokens":7,"seed":5,"stream":true}' \
+    http://ds41/v1/completions >"$work/cmpl.sse"
+sse_collect "$work/cmpl.sse" >"$work/cmpl_s.json"
+check "completions stream: the same text" \
+    test "$(pyj 'o["content"]' "$work/cmpl_s.json")" = "$(pyj 'o["choices"][0]["text"]' "$work/cmpl.json")"
+code=$(api POST /v1/completions '{"prompt":[0,40,41,42],"max_tokens":3,"temperature":0,"logprobs":2}')
+check "completions from token ids with logprobs (2 alternatives each)" \
+    test "$code $(pyj '(len(o["choices"][0]["logprobs"]["tokens"]), all(len(t) == 2 for t in o["choices"][0]["logprobs"]["top_logprobs"]))')" = "200 (3, True)"
+
+# ---- tokenize / detokenize ---------------------------------------------------------------------------
+code=$(api POST /tokenize '{"content":"hello world"}')
+ids=$(pyj 'o["tokens"]')
+code2=$(api POST /detokenize "{\"tokens\":$ids}")
+check "tokenize then detokenize gives the text back" test "$code $code2 $(pyj 'o["content"]')" = "200 200 hello world"
+code=$(api POST /tokenize '{"messages":[{"role":"user","content":"Hi"}]}')
+check "tokenize messages: the chat prompt's ids (BOS first)" test "$code $(pyj 'o["tokens"][0]')" = "200 0"
+
+# ---- errors -------------------------------------------------------------------------------------------
+code=$(api POST /v1/chat/completions '{"messages":[')
+check "invalid JSON: 400 invalid_json" test "$code $(pyj 'o["error"]["code"]')" = "400 invalid_json"
+code=$(api POST /v1/chat/completions '{"model":"gpt-4","messages":[{"role":"user","content":"x"}]}')
+check "unknown model: 404 model_not_found" test "$code $(pyj 'o["error"]["code"]')" = "404 model_not_found"
+code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5000":5}}')
+check "logit_bias outside the vocabulary: 400 naming logit_bias" test "$code $(pyj 'o["error"]["param"]')" = "400 logit_bias"
+long=$("$py" -c 'print(",".join(["7"] * 5000))')
+code=$(api POST /v1/completions "{\"prompt\":[$long],\"max_tokens\":1}")
+check "a prompt over the context: 400 context_length_exceeded" test "$code $(pyj 'o["error"]["code"]')" = "400 context_length_exceeded"
+code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"frobnicate":1}')
+check "an unknown field: 400 unknown_field" test "$code $(pyj 'o["error"]["code"]')" = "400 unknown_field"
+
+# ---- metrics and admin --------------------------------------------------------------------------------
+curl -s --unix-socket "$sock" http://ds41/metrics >"$work/metrics.txt"
+check "metrics: requests by outcome, tokens, queue, KV bytes, decode histogram, prefix hit rate" \
+    bash -c "grep -q '^ds41_requests_total{model=\"ds41-tiny\",outcome=\"tool_calls\"} 2' '$work/metrics.txt' &&
+             grep -q '^ds41_generated_tokens_total' '$work/metrics.txt' && grep -q '^ds41_queue_depth' '$work/metrics.txt' &&
+             grep -q '^ds41_kv_cache_bytes{model=\"ds41-tiny\",state=\"free\"}' '$work/metrics.txt' &&
+             grep -q '^ds41_decode_batch_sequences_bucket{model=\"ds41-tiny\",le=\"+Inf\"}' '$work/metrics.txt' &&
+             grep -q '^ds41_cache_hit_ratio{model=\"ds41-tiny\",tier=\"prefix\"}' '$work/metrics.txt' &&
+             grep -q '^ds41_http_requests_total' '$work/metrics.txt'"
+code=$(api GET /admin/sessions)
+check "admin sessions (root): prefix-cache sessions with kv_bytes = kv_pages x page bytes" \
+    test "$code $(pyj 'len(o["data"]) > 0 and all(s["kv_bytes"] == s["kv_pages"] * 4480 for s in o["data"])')" = "200 True"
+first=$(pyj 'o["data"][0]["id"]')
+code=$(api DELETE "/admin/sessions/$first")
+code2=$(api DELETE "/admin/sessions/$first")
+check "deleting a session: 200, then 404" test "$code $code2" = "200 404"
+code=$(api GET /admin/cache)
+check "admin cache: pages, bytes per token, kv and prefix tiers" \
+    test "$code $(pyj '(o["page_bytes"], [t["name"] for t in o["tiers"]], o["pages_used"] + o["pages_free"] == o["pages_total"])')" = \
+    "200 (4480, ['kv', 'prefix'], True)"
+code=$(api POST /admin/models/load '{"path":"/etc"}')
+check "admin load of a path outside the model directories: 403" test "$code" = 403
+code=$(api POST /admin/models/load '{"name":"ds41-tiny"}')
+check "admin load of the loaded model: 200 ready" test "$code $(pyj 'o["status"]')" = "200 ready"
+
+# ---- stop ------------------------------------------------------------------------------------------------
+stop_daemon TERM
+check "SIGTERM: exit status 0" test "$daemon_status" = 0
+check "the socket file is removed" test ! -e "$sock"
+check "the log has levels and the drain" grep -q 'ds41d: info: SIGTERM: stopping' "$work/daemon.log"
+
+# ---- test hook off: the forced-output field is refused -------------------------------------------------
+write_config "$work/nohook.yaml"
+sed -i 's/test_forced_output: true/test_forced_output: false/' "$work/nohook.yaml"
+if start_daemon "$work/nohook.yaml"; then
+    code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"ds41_forced_output":"hi"}')
+    check "without engine.test_forced_output the hook is a 400 naming it (the model was not regenerated)" \
+        bash -c "test '$code $(pyj 'o["error"]["param"]')' = '400 ds41_forced_output' && ! grep -q 'generated the embedded model' '$work/daemon.log'"
+    stop_daemon TERM
+else
+    notok "restart without the test hook"
+fi
+finish
