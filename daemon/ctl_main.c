@@ -556,7 +556,7 @@ static int parse_gen_opts(int argc, char **argv, gen_opts *o, int *first_arg) {
         {"seed", required_argument, NULL, 's'},       {NULL, 0, NULL, 0},
     };
     memset(o, 0, sizeof *o);
-    optind = 1;
+    optind = 0; /* 0, not 1: glibc then re-initialises, dropping the "+" (stop at the first non-option) mode of the top-level parse */
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         char *end;
@@ -840,7 +840,7 @@ static int cmd_bench(int argc, char **argv) {
     };
     long requests = 8, conc = 4, ptok = 128, mtok = 32;
     const char *model = NULL;
-    optind = 1;
+    optind = 0; /* 0, not 1: glibc then re-initialises, dropping the "+" (stop at the first non-option) mode of the top-level parse */
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         char *end;
@@ -968,7 +968,7 @@ static void doctor_odirect(doctor *d, const char *dir) {
 static int cmd_doctor(int argc, char **argv) {
     static const struct option lo[] = {{"model", required_argument, NULL, 'm'}, {NULL, 0, NULL, 0}};
     const char *model_dir = NULL;
-    optind = 1;
+    optind = 0; /* 0, not 1: glibc then re-initialises, dropping the "+" (stop at the first non-option) mode of the top-level parse */
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         if (c == 'm')
