@@ -236,8 +236,10 @@ int main(int argc, char **argv) {
             notify_or_log(ds41_sd_reloading(&err), &err);
             ds41_log(DS41_LOG_INFO, "SIGHUP: reloading the configuration");
             ds41_daemon_config ncfg;
+            const char *outcome = "configuration reloaded";
             if (load_config(&o, &ncfg, &err) != 0) {
                 ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
+                outcome = "reload failed, configuration kept";
             } else {
                 if (strcmp(ncfg.listen.socket, cfg.listen.socket) != 0 ||
                     ncfg.listen.socket_mode != cfg.listen.socket_mode ||
@@ -245,7 +247,8 @@ int main(int argc, char **argv) {
                     (ncfg.listen.tcp && strcmp(ncfg.listen.tcp, cfg.listen.tcp) != 0))
                     ds41_log(DS41_LOG_WARNING, "reload: listen.* changes take effect at the next start");
                 if (ds41_engine_service_reconfigure(svc, &ncfg, &err) != 0) {
-                    ds41_log(DS41_LOG_ERROR, "reload: %s", err.msg);
+                    ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
+                    outcome = "reload failed, configuration kept";
                     ds41_daemon_config_free(&ncfg);
                 } else {
                     ds41_log_set_level(ncfg.log.level);
@@ -257,10 +260,12 @@ int main(int argc, char **argv) {
             }
             st = ds41_engine_service_default_state(svc, detail, sizeof detail);
             ready = st == DS41_MODEL_READY;
+            char line[128];
+            snprintf(line, sizeof line, "serving (%s)", outcome);
             if (ready)
-                notify_or_log(ds41_sd_ready("serving (configuration reloaded)", &err), &err);
+                notify_or_log(ds41_sd_ready(line, &err), &err);
             else
-                notify_or_log(ds41_sd_status(&err, "reloaded; loading the default model"), &err);
+                notify_or_log(ds41_sd_status(&err, "%s; loading the default model", outcome), &err);
         } else if (sig == SIGTERM || sig == SIGINT) {
             ds41_log(DS41_LOG_INFO, "%s: stopping (drain up to %u s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                      drain_ms / 1000);

@@ -38,6 +38,8 @@ ctl chat --seed 7 --max-tokens 10 --temperature 0.9 "Hello there" >"$work/chat.t
 api POST /v1/chat/completions '{"messages":[{"role":"user","content":"Hello there"}],"seed":7,"max_tokens":10,"temperature":0.9}' >/dev/null
 want=$(pyj 'o["choices"][0]["message"]["content"]')
 check "chat PROMPT: streams the same answer the API gives" bash -c "test $rc -eq 0 && test \"\$(cat '$work/chat.txt')\" = \"\$1\"" _ "$want"
+ctl chat "Hello there" --seed 7 --max-tokens 10 --temperature 0.9 >"$work/chat_after.txt"; rc=$?
+check "chat: options after the prompt work too" bash -c "test $rc -eq 0 && cmp -s '$work/chat.txt' '$work/chat_after.txt'"
 ctl --json chat --seed 7 --max-tokens 10 --temperature 0.9 "Hello there" >"$work/chat.json"
 check "chat --json: the whole chat.completion" test "$(pyj 'o["choices"][0]["message"]["content"]' "$work/chat.json")" = "$want"
 printf 'First question\nSecond question\n' | ctl --json chat --max-tokens 4 --seed 1 >"$work/inter.json"; rc=$?

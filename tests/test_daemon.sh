@@ -147,15 +147,42 @@ check "SIGTERM: exit status 0" test "$daemon_status" = 0
 check "the socket file is removed" test ! -e "$sock"
 check "the log has levels and the drain" grep -q 'ds41d: info: SIGTERM: stopping' "$work/daemon.log"
 
-# ---- test hook off: the forced-output field is refused -------------------------------------------------
-write_config "$work/nohook.yaml"
-sed -i 's/test_forced_output: true/test_forced_output: false/' "$work/nohook.yaml"
+# ---- test hook off, one slot, a queue of one, a small KV cache ---------------------------------------
+write_config "$work/nohook.yaml" "limits:" "  max_queue: 1" "memory:" "  kv_cache_bytes: 64KiB"
+sed -i 's/test_forced_output: true/test_forced_output: false/; s/max_sequences: 32/max_sequences: 1/' "$work/nohook.yaml"
 if start_daemon "$work/nohook.yaml"; then
     code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"ds41_forced_output":"hi"}')
     check "without engine.test_forced_output the hook is a 400 naming it (the model was not regenerated)" \
         bash -c "test '$code $(pyj 'o["error"]["param"]')' = '400 ds41_forced_output' && ! grep -q 'generated the embedded model' '$work/daemon.log'"
+    long='{"messages":[{"role":"user","content":"a long story"}],"max_tokens":100000,"ignore_eos":true,"stream":true}'
+    curl -sN --unix-socket "$sock" -d "$long" http://ds41/v1/chat/completions >/dev/null &
+    run_pid=$!
+    for i in $(seq 1 100); do
+        api GET /admin/sessions >/dev/null
+        [ "$(pyj 'len([s for s in o["data"] if s["state"] == "decode"])')" = 1 ] && break
+        sleep 0.05
+    done
+    curl -sN --unix-socket "$sock" -d "$long" http://ds41/v1/chat/completions >/dev/null &
+    queued_pid=$!
+    for i in $(seq 1 100); do
+        api GET /admin/sessions >/dev/null
+        [ "$(pyj 'len([s for s in o["data"] if s["state"] == "queued"])')" = 1 ] && break
+        sleep 0.05
+    done
+    code=$(curl -s -D "$work/h429" -o "$work/body" -w '%{http_code}' --unix-socket "$sock" \
+        -d '{"messages":[{"role":"user","content":"y"}],"max_tokens":2}' http://ds41/v1/chat/completions)
+    check "one running, one queued (max_queue 1): the next request is 429 rate_limit_error with Retry-After" \
+        bash -c "test '$code $(pyj 'o["error"]["type"]')' = '429 rate_limit_error' && grep -qi '^Retry-After: [0-9]' '$work/h429'"
+    kill "$run_pid" "$queued_pid" 2>/dev/null
+    wait "$run_pid" "$queued_pid" 2>/dev/null
+    big=$("$py" -c 'print(",".join(["7"] * 4000))')
+    code=$(curl -s -D "$work/h503" -o "$work/body" -w '%{http_code}' --unix-socket "$sock" \
+        -d "{\"prompt\":[$big],\"max_tokens\":1}" http://ds41/v1/completions)
+    check "a prompt the KV cache (64 KiB) can never hold: 503 with Retry-After" \
+        bash -c "test '$code $(pyj 'o["error"]["code"]')' = '503 kv_full' && grep -qi '^Retry-After: [0-9]' '$work/h503'"
     stop_daemon TERM
+    check "that daemon exits 0 too" test "$daemon_status" = 0
 else
-    notok "restart without the test hook"
+    notok "restart with the test hook off, one slot and a small KV cache"
 fi
 finish
