@@ -175,6 +175,11 @@ if start_daemon "$work/nohook.yaml"; then
         bash -c "test '$code $(pyj 'o["error"]["type"]')' = '429 rate_limit_error' && grep -qi '^Retry-After: [0-9]' '$work/h429'"
     kill "$run_pid" "$queued_pid" 2>/dev/null
     wait "$run_pid" "$queued_pid" 2>/dev/null
+    for i in $(seq 1 100); do
+        api GET /admin/sessions >/dev/null
+        [ "$(pyj 'len([s for s in o["data"] if s["state"] != "cached"])')" = 0 ] && break
+        sleep 0.05
+    done
     big=$("$py" -c 'print(",".join(["7"] * 4000))')
     code=$(curl -s -D "$work/h503" -o "$work/body" -w '%{http_code}' --unix-socket "$sock" \
         -d "{\"prompt\":[$big],\"max_tokens\":1}" http://ds41/v1/completions)
