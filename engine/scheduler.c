@@ -751,15 +751,16 @@ ds41_sched_status ds41_scheduler_submit(ds41_scheduler *s, ds41_generation *g, c
     if (s->stopping) {
         status = DS41_SCHED_STOPPING;
         ds41_fail(err, "the server is stopping");
-    } else if (s->n_queued >= s->cfg.max_queue) {
-        status = DS41_SCHED_QUEUE_FULL;
-        s->st.rejected_queue_full++;
-        ds41_fail(err, "the request queue is full (%u waiting)", s->n_queued);
     } else if (pages_for(s->layout, 0, n_prompt + 1) > pages_max(s)) {
+        /* checked before the queue: waiting would never help this one */
         status = DS41_SCHED_KV_FULL;
         s->st.rejected_kv_full++;
         ds41_fail(err, "the KV cache (%llu pages) cannot hold a prompt of %zu tokens", (unsigned long long)pages_max(s),
                   n_prompt);
+    } else if (s->n_queued >= s->cfg.max_queue) {
+        status = DS41_SCHED_QUEUE_FULL;
+        s->st.rejected_queue_full++;
+        ds41_fail(err, "the request queue is full (%u waiting)", s->n_queued);
     }
     if (status != DS41_SCHED_DONE) {
         pthread_mutex_unlock(&s->mu);

@@ -18,6 +18,8 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
+# DS41_KEEP_WORK=1 keeps the work directory (daemon log, bodies) for debugging
+[ -n "${DS41_KEEP_WORK:-}" ] && trap - EXIT
 ok() { n=$((n + 1)); echo "ok $n - $*"; }
 notok() { n=$((n + 1)); echo "not ok $n - $*"; }
 check() { local what=$1; shift; if "$@"; then ok "$what"; else notok "$what"; fi; }

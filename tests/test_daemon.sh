@@ -148,7 +148,7 @@ check "the socket file is removed" test ! -e "$sock"
 check "the log has levels and the drain" grep -q 'ds41d: info: SIGTERM: stopping' "$work/daemon.log"
 
 # ---- test hook off, one slot, a queue of one, a small KV cache ---------------------------------------
-write_config "$work/nohook.yaml" "limits:" "  max_queue: 1" "memory:" "  kv_cache_bytes: 64KiB"
+write_config "$work/nohook.yaml" "limits:" "  max_queue: 1" "memory:" "  kv_cache_bytes: 384KiB"
 sed -i 's/test_forced_output: true/test_forced_output: false/; s/max_sequences: 32/max_sequences: 1/' "$work/nohook.yaml"
 if start_daemon "$work/nohook.yaml"; then
     code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"ds41_forced_output":"hi"}')
@@ -175,11 +175,22 @@ if start_daemon "$work/nohook.yaml"; then
         bash -c "test '$code $(pyj 'o["error"]["type"]')' = '429 rate_limit_error' && grep -qi '^Retry-After: [0-9]' '$work/h429'"
     kill "$run_pid" "$queued_pid" 2>/dev/null
     wait "$run_pid" "$queued_pid" 2>/dev/null
+    for i in $(seq 1 100); do
+        api GET /admin/sessions >/dev/null
+        [ "$(pyj 'len([s for s in o["data"] if s["state"] != "cached"])')" = 0 ] && break
+        sleep 0.05
+    done
     big=$("$py" -c 'print(",".join(["7"] * 4000))')
     code=$(curl -s -D "$work/h503" -o "$work/body" -w '%{http_code}' --unix-socket "$sock" \
         -d "{\"prompt\":[$big],\"max_tokens\":1}" http://ds41/v1/completions)
-    check "a prompt the KV cache (64 KiB) can never hold: 503 with Retry-After" \
+    check "a prompt the KV cache (384 KiB) can never hold: 503 with Retry-After" \
         bash -c "test '$code $(pyj 'o["error"]["code"]')' = '503 kv_full' && grep -qi '^Retry-After: [0-9]' '$work/h503'"
+    sed -i 's/^  max_queue: 1/  max_queue: 1\n  request_timeout_s: 1/' "$work/nohook.yaml"
+    kill -HUP "$daemon_pid"
+    for i in $(seq 1 100); do grep -q 'configuration reloaded' "$work/daemon.log" && break; sleep 0.05; done
+    code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"z"}],"max_tokens":1000000,"ignore_eos":true}')
+    check "after SIGHUP with limits.request_timeout_s 1, a longer request ends with finish_reason length" \
+        test "$code $(pyj '(o["choices"][0]["finish_reason"], 0 < o["usage"]["completion_tokens"] < 1000000)')" = "200 ('length', True)"
     stop_daemon TERM
     check "that daemon exits 0 too" test "$daemon_status" = 0
 else
