@@ -37,10 +37,10 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     }
 
     /* Router: fp32 matmul against the (exactly upcast) bf16 gate weight. */
-    ops->linear(&lw->gate, xn, M, logits, DS41_OUT_F32);
+    ops->linear(ops, &lw->gate, xn, M, logits, DS41_OUT_F32);
     if (e->gate_temp != 1.0f)
         for (size_t i = 0; i < M * (size_t)E; i++) logits[i] = logits[i] / e->gate_temp;
-    ops->router(logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
+    ops->router(ops, logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
 
     for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
     for (int ex = 0; ex < E; ex++) {
@@ -54,19 +54,19 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
                     n++;
                 }
         if (n == 0) continue;
-        ops->linear(&lw->w1[ex], xe, n, g, DS41_OUT_BF16);
-        ops->linear(&lw->w3[ex], xe, n, u, DS41_OUT_BF16);
-        ops->swiglu(g, u, n, I, e->swiglu_limit, route, h);
-        ops->linear(&lw->w2[ex], h, n, oe, DS41_OUT_BF16);
+        ops->linear(ops, &lw->w1[ex], xe, n, g, DS41_OUT_BF16);
+        ops->linear(ops, &lw->w3[ex], xe, n, u, DS41_OUT_BF16);
+        ops->swiglu(ops, g, u, n, I, e->swiglu_limit, route, h);
+        ops->linear(ops, &lw->w2[ex], h, n, oe, DS41_OUT_BF16);
         for (size_t i = 0; i < n; i++) {
             float *yr = y + rows[i] * D;
             for (size_t d = 0; d < D; d++) yr[d] = yr[d] + oe[i * D + d];
         }
     }
-    ops->linear(&lw->sh_w1, xn, M, g, DS41_OUT_BF16);
-    ops->linear(&lw->sh_w3, xn, M, u, DS41_OUT_BF16);
-    ops->swiglu(g, u, M, SI, e->swiglu_limit, NULL, h);
-    ops->linear(&lw->sh_w2, h, M, oe, DS41_OUT_BF16);
+    ops->linear(ops, &lw->sh_w1, xn, M, g, DS41_OUT_BF16);
+    ops->linear(ops, &lw->sh_w3, xn, M, u, DS41_OUT_BF16);
+    ops->swiglu(ops, g, u, M, SI, e->swiglu_limit, NULL, h);
+    ops->linear(ops, &lw->sh_w2, h, M, oe, DS41_OUT_BF16);
     for (size_t i = 0; i < M * D; i++) out[i] = ds41_bf16_round(y[i] + oe[i]);
 out:
     free(logits);
