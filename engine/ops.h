@@ -63,6 +63,13 @@ struct ds41_ops {
      * weights: exact dot products, bf16 or fp32 output. */
     void (*linear)(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out);
 
+    /* Several independent linears in one call (the experts of a MoE layer):
+     * for i < n, ys[i][m][0..ws[i]->n) = linear(ws[i], xs[i], Ms[i]) with
+     * output rounding `out`, exactly as n calls of `linear` (Ms[i] may be 0).
+     * A backend may run them as one parallel job. */
+    void (*linear_batch)(const ds41_ops *self, size_t n, const ds41_linear *const *ws, const float *const *xs,
+                         const size_t *Ms, float *const *ys, ds41_linear_out out);
+
     /* RMSNorm of M rows of n values (§2.6, §10.5-10.6):
      * y = bf16(w * fp32(x * rsqrt(fp32(mean_sq(x) + eps)))); w bf16 [n]. */
     void (*rmsnorm)(const ds41_ops *self, const uint16_t *w, const float *x, size_t M, size_t n, float eps, float *y);

@@ -126,6 +126,7 @@ enum {
     P_LINEAR_FP8,
     P_LINEAR_FP4,
     P_LINEAR_BF16,
+    P_LINEAR_BATCH,
     P_NORM,
     P_HC_MIX,
     P_HC_PREPOST,
@@ -137,9 +138,9 @@ enum {
     P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
-    "linear fp8", "linear fp4",  "linear bf16",        "rmsnorm",
-    "hc_mix",     "hc_pre/post", "index_scores",       "sparse_attn",
-    "swiglu",     "engram_mix",  "rope/router/gathers"};
+    "linear fp8",  "linear fp4", "linear bf16", "linear batch (MoE)",
+    "rmsnorm",     "hc_mix",     "hc_pre/post", "index_scores",
+    "sparse_attn", "swiglu",     "engram_mix",  "rope/router/gathers"};
 
 typedef struct fast_ctx {
     const fast_kernels *k;
@@ -194,32 +195,57 @@ static fast_ctx *ctx_of(const ds41_ops *self) {
 
 /* ---- linear --------------------------------------------------------------------------------- */
 
+/* A batch of independent linears run as two parallel jobs: packing every
+ * linear's activations (groups of pack_rows rows), then every (linear, column
+ * block, row block) task.  A single linear is a batch of one. */
 typedef struct lin_job {
     fast_ctx *c;
-    const ds41_linear *w;
-    const float *x;
-    uint8_t *act;
-    size_t M, ncb;
-    float *y;
+    size_t n;
+    const ds41_linear *const *ws;
+    const float *const *xs;
+    const size_t *Ms;
+    float *const *ys;
     int out_bf16;
+    uint8_t **act;      /* [n] each linear's packed activations */
+    size_t *pack_start; /* [n + 1] prefix sums of pack groups */
+    size_t *task_start; /* [n + 1] prefix sums of tasks */
 } lin_job;
+
+/* The linear a flat index belongs to (start is non-decreasing, start[0] = 0). */
+static size_t find_linear(const size_t *start, size_t n, size_t t) {
+    size_t lo = 0, hi = n; /* start[lo] <= t < start[hi] */
+    while (hi - lo > 1) {
+        const size_t mid = (lo + hi) / 2;
+        if (start[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
 
 static void pack_task(void *p, size_t b, size_t e, int th) {
     (void)th;
     lin_job *j = p;
-    const size_t K = (size_t)j->w->k, unit = j->c->k->pack_rows;
-    for (size_t g = b; g < e; g++)
-        j->c->k->pack_act(j->w->kind, j->x + g * unit * K, K, j->M, g * unit, j->act);
+    const size_t unit = j->c->k->pack_rows;
+    for (size_t t = b; t < e; t++) {
+        const size_t i = find_linear(j->pack_start, j->n, t), g = t - j->pack_start[i];
+        const ds41_linear *w = j->ws[i];
+        const size_t K = (size_t)w->k;
+        j->c->k->pack_act(w->kind, j->xs[i] + g * unit * K, K, j->Ms[i], g * unit, j->act[i]);
+    }
 }
 
 static void lin_task(void *p, size_t b, size_t e, int th) {
     lin_job *j = p;
-    const size_t N = (size_t)j->w->n;
     for (size_t t = b; t < e; t++) {
-        const size_t cb = t % j->ncb, rb = t / j->ncb;
+        const size_t i = find_linear(j->task_start, j->n, t), lt = t - j->task_start[i];
+        const ds41_linear *w = j->ws[i];
+        const size_t N = (size_t)w->n, M = j->Ms[i], ncb = (N + FAST_COLS - 1) / FAST_COLS;
+        const size_t cb = lt % ncb, rb = lt / ncb;
         const size_t n0 = cb * FAST_COLS, n1 = n0 + FAST_COLS < N ? n0 + FAST_COLS : N;
-        const size_t m0 = rb * FAST_ROWS, m1 = m0 + FAST_ROWS < j->M ? m0 + FAST_ROWS : j->M;
-        j->c->k->linear_cols(j->w, j->act, j->M, m0, m1, n0, n1, j->y, j->out_bf16, j->c->scratch[th].p);
+        const size_t m0 = rb * FAST_ROWS, m1 = m0 + FAST_ROWS < M ? m0 + FAST_ROWS : M;
+        j->c->k->linear_cols(w, j->act[i], M, m0, m1, n0, n1, j->ys[i], j->out_bf16, j->c->scratch[th].p);
     }
 }
 
@@ -237,32 +263,77 @@ static uint64_t linear_weight_bytes(const ds41_linear *w) {
     }
 }
 
+static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, const float *const *xs,
+                        const size_t *Ms, float *const *ys, ds41_linear_out out, int prof_kind) {
+    PROF_BEGIN(c);
+    size_t *starts = malloc(2 * (n + 1) * sizeof *starts);
+    uint8_t **act = malloc((n ? n : 1) * sizeof *act);
+    if (!starts || !act) abort();
+    lin_job j = {.c = c,
+                 .n = n,
+                 .ws = ws,
+                 .xs = xs,
+                 .Ms = Ms,
+                 .ys = ys,
+                 .out_bf16 = out == DS41_OUT_BF16,
+                 .act = act,
+                 .pack_start = starts,
+                 .task_start = starts + n + 1};
+    const size_t unit = c->k->pack_rows;
+    size_t act_total = 0, scratch = 0, groups = 0, tasks = 0;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        const ds41_linear *w = ws[i];
+        const size_t N = (size_t)w->n, K = (size_t)w->k, M = Ms[i];
+        j.pack_start[i] = groups;
+        j.task_start[i] = tasks;
+        if (M == 0 || N == 0) continue;
+        if (K == 0 || w->kind == DS41_LINEAR_NONE) {
+            memset(ys[i], 0, M * N * sizeof(float));
+            continue;
+        }
+        bytes += linear_weight_bytes(w);
+        c->st.flops += 2 * (uint64_t)M * N * K;
+        act_total += (c->k->act_bytes(w->kind, K, M) + 63) & ~(size_t)63;
+        const size_t sb = c->k->scratch_bytes(w->kind, M < FAST_ROWS ? M : FAST_ROWS, K);
+        if (sb > scratch) scratch = sb;
+        groups += (M + unit - 1) / unit;
+        tasks += ((N + FAST_COLS - 1) / FAST_COLS) * ((M + FAST_ROWS - 1) / FAST_ROWS);
+    }
+    j.pack_start[n] = groups;
+    j.task_start[n] = tasks;
+    c->st.weight_bytes += bytes;
+    uint8_t *base = ensure(&c->act, act_total);
+    for (size_t i = 0, off = 0; i < n; i++) {
+        act[i] = base + off;
+        const ds41_linear *w = ws[i];
+        if (Ms[i] && w->n && w->k && w->kind != DS41_LINEAR_NONE)
+            off += (c->k->act_bytes(w->kind, (size_t)w->k, Ms[i]) + 63) & ~(size_t)63;
+    }
+    if (groups) {
+        /* Pack groups of about 32K values of work each. */
+        const size_t K0 = n ? (size_t)ws[0]->k : 1;
+        ds41_threadpool_run(c->pool, groups, 1 + 32768 / ((K0 ? K0 : 1) * unit), pack_task, &j);
+        ensure_scratch(c, scratch);
+        ds41_threadpool_run(c->pool, tasks, 1, lin_task, &j);
+    }
+    free(starts);
+    free(act);
+    PROF_END(c, prof_kind, bytes);
+}
+
 static void fast_linear(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y,
                         ds41_linear_out out) {
-    fast_ctx *c = ctx_of(self);
-    const size_t N = (size_t)w->n, K = (size_t)w->k;
-    if (M == 0 || N == 0) return;
-    if (K == 0 || w->kind == DS41_LINEAR_NONE) {
-        memset(y, 0, M * N * sizeof *y);
-        return;
-    }
-    PROF_BEGIN(c);
-    const uint64_t wb = linear_weight_bytes(w);
-    c->st.weight_bytes += wb;
-    c->st.flops += 2 * (uint64_t)M * N * K;
-    lin_job j = {.c = c, .w = w, .x = x, .M = M, .y = y, .out_bf16 = out == DS41_OUT_BF16};
-    j.act = ensure(&c->act, c->k->act_bytes(w->kind, K, M));
-    const size_t unit = c->k->pack_rows, groups = (M + unit - 1) / unit;
-    ds41_threadpool_run(c->pool, groups, 1 + 32768 / (K * unit), pack_task, &j);
-    ensure_scratch(c, c->k->scratch_bytes(w->kind, M < FAST_ROWS ? M : FAST_ROWS, K));
-    j.ncb = (N + FAST_COLS - 1) / FAST_COLS;
-    const size_t nrb = (M + FAST_ROWS - 1) / FAST_ROWS;
-    ds41_threadpool_run(c->pool, j.ncb * nrb, 1, lin_task, &j);
-    PROF_END(c,
-             w->kind == DS41_LINEAR_FP8   ? P_LINEAR_FP8
-             : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4
-                                          : P_LINEAR_BF16,
-             wb);
+    const int kind = w->kind == DS41_LINEAR_FP8   ? P_LINEAR_FP8
+                     : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4
+                                                  : P_LINEAR_BF16;
+    run_linears(ctx_of(self), 1, &w, &x, &M, &y, out, kind);
+}
+
+static void fast_linear_batch(const ds41_ops *self, size_t n, const ds41_linear *const *ws,
+                              const float *const *xs, const size_t *Ms, float *const *ys,
+                              ds41_linear_out out) {
+    run_linears(ctx_of(self), n, ws, xs, Ms, ys, out, P_LINEAR_BATCH);
 }
 
 /* ---- row-parallel helpers ------------------------------------------------------------------ */
@@ -417,12 +488,29 @@ typedef struct pre_job {
     float *out;
 } pre_job;
 
+/* hc_pre / hc_post: the reference's short sums in copy order, each product
+ * and sum one fp32 operation (no fusion: the build disables contraction),
+ * bf16 rounding inline; loops over d innermost so they vectorize.  Bit for
+ * bit the reference. */
 static void hc_pre_task(void *p, size_t b, size_t e, int th) {
     (void)th;
     pre_job *j = p;
-    const size_t hc = (size_t)j->hc;
-    ds41_ops_reference.hc_pre(j->self, j->a + b * hc * j->dim, j->b + b * hc, e - b, j->hc, j->dim,
-                              j->out + b * j->dim);
+    const size_t hc = (size_t)j->hc, D = j->dim;
+    for (size_t m = b; m < e; m++) {
+        const float *hr = j->a + m * hc * D, *pm = j->b + m * hc;
+        float *dst = j->out + m * D;
+        const float p0 = pm[0];
+        for (size_t d = 0; d < D; d++) dst[d] = p0 * hr[d];
+        for (size_t c = 1; c < hc; c++) {
+            const float pc = pm[c];
+            const float *hc_row = hr + c * D;
+            for (size_t d = 0; d < D; d++) {
+                const float t = pc * hc_row[d];
+                dst[d] = dst[d] + t;
+            }
+        }
+        for (size_t d = 0; d < D; d++) dst[d] = fast_bf16_round(dst[d]);
+    }
 }
 
 static void fast_hc_pre(const ds41_ops *self, const float *h, const float *pre, size_t M, int hc, size_t dim,
@@ -438,8 +526,26 @@ static void hc_post_task(void *p, size_t b, size_t e, int th) {
     (void)th;
     pre_job *j = p;
     const size_t hc = (size_t)j->hc, D = j->dim;
-    ds41_ops_reference.hc_post(j->self, j->a + b * D, j->b + b * hc * D, j->c + b * hc, j->d + b * hc * hc,
-                               e - b, j->hc, D, j->out + b * hc * D);
+    for (size_t m = b; m < e; m++) {
+        const float *hr = j->b + m * hc * D, *cm = j->d + m * hc * hc, *o = j->a + m * D;
+        for (size_t jj = 0; jj < hc; jj++) {
+            const float pj = j->c[m * hc + jj], c0 = cm[jj];
+            float *dst = j->out + (m * hc + jj) * D;
+            for (size_t d = 0; d < D; d++) dst[d] = c0 * hr[d];
+            for (size_t i = 1; i < hc; i++) {
+                const float ci = cm[i * hc + jj];
+                const float *hi_row = hr + i * D;
+                for (size_t d = 0; d < D; d++) {
+                    const float t = ci * hi_row[d];
+                    dst[d] = dst[d] + t;
+                }
+            }
+            for (size_t d = 0; d < D; d++) {
+                const float po = pj * o[d];
+                dst[d] = fast_bf16_round(po + dst[d]);
+            }
+        }
+    }
 }
 
 static void fast_hc_post(const ds41_ops *self, const float *o, const float *h, const float *post,
@@ -557,7 +663,7 @@ static void attn_head_task(void *p, size_t b, size_t e, int th) {
     float *acc = j->c->scratch[th].p;
     double *pv = (double *)(acc + ((hd + 15) & ~(size_t)15));
     const int keep_p = (j->c->brk & BREAK_ATTN_P_BF16) != 0;
-    float z[ATTN_CHUNK], pb[ATTN_CHUNK];
+    float z[ATTN_CHUNK], pb[ATTN_CHUNK], zd[ATTN_CHUNK], pe[ATTN_CHUNK];
     for (size_t h = b; h < e; h++) {
         const float *qh = j->q + h * hd;
         float mx = -1e30f, den = 0.0f;
@@ -570,11 +676,12 @@ static void attn_head_task(void *p, size_t b, size_t e, int th) {
                 if (z[i] > m_new) m_new = z[i];
             }
             const float corr = ds41_rm_exp(mx - m_new);
+            for (size_t i = 0; i < nc; i++) zd[i] = z[i] - m_new;
+            k->exp(zd, pe, nc);
             double psum = 0.0;
             for (size_t i = 0; i < nc; i++) {
-                const float pe = ds41_rm_exp(z[i] - m_new);
-                psum += (double)pe;
-                pb[i] = keep_p ? pe : fast_bf16_round(pe);
+                psum += (double)pe[i];
+                pb[i] = keep_p ? pe[i] : fast_bf16_round(pe[i]);
             }
             const float dc = den * corr;
             den = dc + (float)psum;
@@ -697,6 +804,7 @@ static void fast_engram_mix(const ds41_ops *self, float *h, const float *kv, con
 static const ds41_ops fast_ops_template = {
     .name = "fast",
     .linear = fast_linear,
+    .linear_batch = fast_linear_batch,
     .rmsnorm = fast_rmsnorm,
     .hc_mix = fast_hc_mix,
     .hc_pre = fast_hc_pre,

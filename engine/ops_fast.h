@@ -114,6 +114,11 @@ typedef struct fast_kernels {
     double (*dot)(const float *a, const float *b, size_t n);
     double (*sumsq)(const float *x, size_t n);
     void (*axpy)(double *y, float a, const float *x, size_t n);
+    /* out[i] = fp32(exp(double(x[i]))): ds41_rm_exp, the reference's exp
+     * (a double exp accurate to an ulp, rounded once; equal to the C
+     * library's except where the two double results straddle an fp32
+     * rounding boundary). */
+    void (*exp)(const float *x, float *out, size_t n);
     /* Decode a packed window-ring row (e4m3 + ue8m0 per 32) / a compressed
      * latent (e2m1 + e4m3 scale per 16) of dim values to their exact values
      * (dim a multiple of 32, as the kv cache layout guarantees). */

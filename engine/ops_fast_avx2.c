@@ -12,6 +12,8 @@
  * Activations are the exact fp32 values in K order. */
 #include "engine/ops_fast.h"
 
+#include "engine/refmath.h"
+
 #if defined(__x86_64__)
 
 #include <immintrin.h>
@@ -334,6 +336,10 @@ static float fma_burn(size_t iters, float seed) {
     return hsum8(t);
 }
 
+static void exp_libm(const float *x, float *out, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = ds41_rm_exp(x[i]);
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -351,6 +357,7 @@ const fast_kernels ds41__fast_avx2 = {
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
+    .exp = exp_libm,
     .decode_ring_row = decode_ring_row,
     .decode_latent = decode_latent,
     .read_sum = read_sum,

@@ -46,6 +46,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -381,8 +382,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
         break;
 #define TILE_ROW(R)                                                                                          \
     TILE_CASE(R, 1)                                                                                          \
-    TILE_CASE(R, 2) TILE_CASE(R, 3) TILE_CASE(R, 4) TILE_CASE(R, 5) TILE_CASE(R, 6) TILE_CASE(R, 7)          \
-        TILE_CASE(R, 8)
+    TILE_CASE(R, 2)                                                                                          \
+    TILE_CASE(R, 3) TILE_CASE(R, 4) TILE_CASE(R, 5) TILE_CASE(R, 6) TILE_CASE(R, 7) TILE_CASE(R, 8)
 
 static void run_tile(int R, int C, const uint16_t *A, size_t lda, const uint16_t *W, size_t ldw, size_t nq,
                      __mmask32 tail, float *y, size_t ldy, int out_bf16) {
@@ -539,8 +540,18 @@ static void amx_pack_act(ds41_linear_kind kind, const float *x, size_t K, size_t
     }
 }
 
+/* K per slab when a task has few rows (a multiple of 64). */
+#define AMX_SLAB 256
+
+/* Panel row stride: Kp plus one cache line, so that the 16 rows an A tile
+ * load reads do not all fall into one L1 set (a power-of-two stride would). */
+static size_t amx_ld(ds41_linear_kind kind, size_t K) {
+    return amx_kp(kind, K) + 32;
+}
+
 static size_t amx_panel_elems(ds41_linear_kind kind, size_t K) {
-    return FAST_COLS * amx_kp(kind, K);
+    const size_t ld = amx_ld(kind, K);
+    return FAST_COLS * (ld > AMX_SLAB + 32 ? ld : AMX_SLAB + 32);
 }
 
 static size_t amx_scratch_bytes(ds41_linear_kind kind, size_t rows, size_t K) {
@@ -595,11 +606,14 @@ static void amx_store(float *cbuf, size_t m_base, size_t n_base, size_t m_end, s
     }
 }
 
-/* Weights are decoded with a software prefetch this many bytes ahead of the
- * current chunk (a task's rows are contiguous in the checkpoint): the
- * hardware prefetchers stop at the 4 KiB page boundaries of the mapping and
- * keep too few lines in flight while the core is busy decoding. */
+/* Weights are decoded with a software prefetch ahead of the current chunk:
+ * the hardware prefetchers stop at the 4 KiB page boundaries of the mapping
+ * and keep too few lines in flight while the core is busy decoding.  A task
+ * decoding whole rows prefetches this many bytes ahead (its rows are
+ * contiguous in the checkpoint); one going slab by slab prefetches each
+ * row's next slab. */
 #define PREFETCH_AHEAD 4096
+#define PF_HINT _MM_HINT_T0
 
 /* Weight rows [n0, n0 + nrows) (rows >= n1 zero), K range [k0, k0 + klen)
  * (k0 a multiple of 64, klen a multiple of 32), decoded into dst (row stride
@@ -607,15 +621,14 @@ static void amx_store(float *cbuf, size_t m_base, size_t n_base, size_t m_end, s
  * rows so the tables stay in registers; rows whose scales need the exact
  * scalar path take it. */
 static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows, size_t k0, size_t klen,
-                        uint16_t *dst, size_t ld) {
+                        uint16_t *dst, size_t ld, size_t pf) {
     const size_t K = (size_t)w->k, kk = K - k0 < klen ? K - k0 : klen, nkb = (kk + 31) / 32;
     const size_t done = w->kind == DS41_LINEAR_BF16 ? kk : pad64(kk);
     const size_t nend = n0 + nrows < n1 ? n0 + nrows : n1;
     if (w->kind == DS41_LINEAR_BF16) {
         for (size_t n = n0; n < nend; n++) {
             const uint16_t *src = w->bf16 + n * K + k0;
-            for (size_t i = 0; i < kk * 2; i += 64)
-                _mm_prefetch((const char *)src + i + PREFETCH_AHEAD, _MM_HINT_T0);
+            for (size_t i = 0; i < kk * 2; i += 64) _mm_prefetch((const char *)src + i + pf, PF_HINT);
             memcpy(dst + (n - n0) * ld, src, kk * sizeof *dst);
         }
     } else if (w->kind == DS41_LINEAR_FP8) {
@@ -625,6 +638,10 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
         const __m512i mag = _mm512_set1_epi16(0x7FFF);
         const size_t nch = (kk + 63) / 64;
         const __mmask64 tail = kk % 64 ? (((__mmask64)1 << (kk % 64)) - 1) : ~(__mmask64)0;
+        /* The exponent offsets of each chunk: one scale row per 32 output rows,
+         * so every row of a group shares them (a task's rows are one group). */
+        __m512i offs[64];
+        size_t offs_group = SIZE_MAX;
         for (size_t n = n0; n < nend; n++) {
             const uint8_t *q = w->q + n * K + k0, *sc = w->scale + (n / 32) * (size_t)w->scale_cols + k0 / 32;
             uint16_t *out = dst + (n - n0) * ld;
@@ -632,18 +649,27 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
                 decode_fp8_row_slow(q, sc, kk, out);
                 continue;
             }
+            if (nch <= 64 && offs_group != n / 32) {
+                for (size_t c = 0; c < nch; c++)
+                    offs[c] = _mm512_mask_mov_epi32(
+                        _mm512_set1_epi32((int)exp_off32[sc[2 * c]]), 0xFF00,
+                        _mm512_set1_epi32((int)exp_off32[2 * c + 1 < nkb ? sc[2 * c + 1] : 127]));
+                offs_group = n / 32;
+            }
             __mmask64 nan_codes = 0;
             for (size_t c = 0; c < nch; c++) {
-                _mm_prefetch((const char *)q + c * 64 + PREFETCH_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)q + c * 64 + pf, PF_HINT);
                 const __m512i raw = _mm512_maskz_loadu_epi8(c + 1 < nch ? ~(__mmask64)0 : tail, q + c * 64);
                 __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
                 hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
                 const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
                 __m512i wl = _mm512_unpacklo_epi8(lo, hi), wh = _mm512_unpackhi_epi8(lo, hi);
                 nan_codes |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(raw, m7f), m7f);
-                const __m512i off = _mm512_mask_mov_epi32(
-                    _mm512_set1_epi32((int)exp_off32[sc[2 * c]]), 0xFF00,
-                    _mm512_set1_epi32((int)exp_off32[2 * c + 1 < nkb ? sc[2 * c + 1] : 127]));
+                const __m512i off =
+                    nch <= 64 ? offs[c]
+                              : _mm512_mask_mov_epi32(
+                                    _mm512_set1_epi32((int)exp_off32[sc[2 * c]]), 0xFF00,
+                                    _mm512_set1_epi32((int)exp_off32[2 * c + 1 < nkb ? sc[2 * c + 1] : 127]));
                 wl = _mm512_mask_add_epi16(wl, _mm512_test_epi16_mask(wl, mag), wl, off);
                 wh = _mm512_mask_add_epi16(wh, _mm512_test_epi16_mask(wh, mag), wh, off);
                 _mm512_store_si512(out + c * 64, wl);
@@ -665,7 +691,7 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
                 continue;
             }
             for (size_t c = 0; c < nch; c++) {
-                _mm_prefetch((const char *)q + c * 32 + PREFETCH_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)q + c * 32 + pf, PF_HINT);
                 const __m512i wv = _mm512_cvtepu8_epi16(
                     _mm256_maskz_loadu_epi8(c + 1 < nch ? ~(__mmask32)0 : tail, q + c * 32));
                 const __m512i il = _mm512_and_si512(wv, nib), ih = _mm512_srli_epi16(wv, 4);
@@ -771,7 +797,36 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
     /* Decode the task's weight rows once, whole, then every pair of row
      * blocks.  (Streaming K slabs through a smaller panel was slower: the
      * interleaved row segments defeat the prefetchers.) */
-    decode_rows(w, n0, n1, nrows, 0, Kp, panel, Kp);
+    /* Bytes of weight per K: 2 (bf16), 1 (e4m3), 1/2 (e2m1) scaled by 2. */
+    const size_t elem_bytes2 = w->kind == DS41_LINEAR_BF16 ? 4 : w->kind == DS41_LINEAR_FP8 ? 2 : 1;
+    if (m1 - m0 <= 32) {
+        /* Few rows (decode): K slabs of AMX_SLAB through a panel that stays in
+         * L1 (writing a whole 32-row panel costs more L2 bandwidth than the
+         * products); the C tiles accumulate across slabs. */
+        const size_t mb = m0 / 16;
+        const int two = m1 - m0 > 16;
+        const uint32_t *b0 = v + mb * nq * 256, *b1 = v + (mb + 1) * nq * 256;
+        const size_t lds = AMX_SLAB + 32;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (size_t k0 = 0; k0 < Kp; k0 += AMX_SLAB) {
+            const size_t klen = Kp - k0 < AMX_SLAB ? Kp - k0 : AMX_SLAB, q0 = k0 / 32;
+            /* Prefetch each row's next slab: a whole slab pass ahead. */
+            decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2);
+            if (two)
+                amx_chunks_two(panel, lds, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
+            else
+                amx_chunks_one(panel, lds, b0 + q0 * 256, klen / 32, wide);
+        }
+        amx_flush(cbuf, mb, two, wide, n0, m1, n1, y, N, out_bf16);
+        return;
+    }
+    const size_t ld = amx_ld(w->kind, K);
+    decode_rows(w, n0, n1, nrows, 0, Kp, panel, ld, PREFETCH_AHEAD);
     for (size_t mb = m0 / 16; mb * 16 < m1; mb += 2) {
         const int two = (mb + 1) * 16 < m1;
         const uint32_t *b0 = v + mb * nq * 256, *b1 = v + (mb + 1) * nq * 256;
@@ -780,9 +835,9 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
         if (two) {
             _tile_zero(2);
             _tile_zero(3);
-            amx_chunks_two(panel, Kp, b0, b1, nq, wide);
+            amx_chunks_two(panel, ld, b0, b1, nq, wide);
         } else {
-            amx_chunks_one(panel, Kp, b0, nq, wide);
+            amx_chunks_one(panel, ld, b0, nq, wide);
         }
         amx_flush(cbuf, mb, two, wide, n0, m1, n1, y, N, out_bf16);
     }
@@ -899,6 +954,48 @@ static float fma_burn(size_t iters, float seed) {
     return hsum(t);
 }
 
+/* fp32(exp(double(x))) for 8 lanes: n = rint(x / ln2), r = x - n ln2 (two
+ * FMA steps of a split ln2), exp(r) by a degree-13 Taylor polynomial (error
+ * below 1e-17 relative on |r| <= ln2/2), times 2^n through the exponent
+ * field; lanes outside [-700, 700] (or NaN) take the C library. */
+static void exp_f64(const float *x, float *out, size_t n) {
+    static const double coef[14] = {1.0,
+                                    1.0,
+                                    1.0 / 2,
+                                    1.0 / 6,
+                                    1.0 / 24,
+                                    1.0 / 120,
+                                    1.0 / 720,
+                                    1.0 / 5040,
+                                    1.0 / 40320,
+                                    1.0 / 362880,
+                                    1.0 / 3628800,
+                                    1.0 / 39916800,
+                                    1.0 / 479001600,
+                                    1.0 / 6227020800.0};
+    const __m512d inv_ln2 = _mm512_set1_pd(1.4426950408889634),
+                  ln2_hi = _mm512_set1_pd(6.93147180369123816490e-01),
+                  ln2_lo = _mm512_set1_pd(1.90821492927058770002e-10), lim = _mm512_set1_pd(700.0);
+    for (size_t i = 0; i < n; i += 8) {
+        const __mmask8 m = n - i >= 8 ? (__mmask8)0xFF : tail8(n - i);
+        const __m512d xd = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, x + i));
+        const __m512d k =
+            _mm512_roundscale_pd(_mm512_mul_pd(xd, inv_ln2), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512d r = _mm512_fnmadd_pd(k, ln2_hi, xd);
+        r = _mm512_fnmadd_pd(k, ln2_lo, r);
+        __m512d p = _mm512_set1_pd(coef[13]);
+        for (int c = 12; c >= 0; c--) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(coef[c]));
+        const __m512i ki = _mm512_cvtpd_epi64(k);
+        const __m512d scaled =
+            _mm512_castsi512_pd(_mm512_add_epi64(_mm512_castpd_si512(p), _mm512_slli_epi64(ki, 52)));
+        _mm256_mask_storeu_ps(out + i, m, _mm512_cvtpd_ps(scaled));
+        const __mmask8 bad = _mm512_cmp_pd_mask(_mm512_abs_pd(xd), lim, _CMP_NLE_UQ) & m;
+        if (bad)
+            for (int l = 0; l < 8; l++)
+                if (bad & (1u << l)) out[i + (size_t)l] = (float)exp((double)x[i + (size_t)l]);
+    }
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -926,6 +1023,7 @@ const fast_kernels ds41__fast_avx512 = {
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
+    .exp = exp_f64,
     .decode_ring_row = decode_ring_row,
     .decode_latent = decode_latent,
     .read_sum = read_sum,
@@ -944,6 +1042,7 @@ const fast_kernels ds41__fast_amx = {
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
+    .exp = exp_f64,
     .decode_ring_row = decode_ring_row,
     .decode_latent = decode_latent,
     .read_sum = read_sum,

@@ -9,6 +9,8 @@
  * with every row: eight interleaved fp32 partial sums, then a fixed tree. */
 #include "engine/ops_fast.h"
 
+#include "engine/refmath.h"
+
 #include <math.h>
 #include <stdlib.h>
 
@@ -160,6 +162,10 @@ static float fma_burn(size_t iters, float seed) {
     return t;
 }
 
+static void exp_libm(const float *x, float *out, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = ds41_rm_exp(x[i]);
+}
+
 const fast_kernels ds41__fast_scalar = {
     .level = DS41_CPU_SCALAR,
     .init = init,
@@ -171,6 +177,7 @@ const fast_kernels ds41__fast_scalar = {
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
+    .exp = exp_libm,
     .decode_ring_row = decode_ring_row,
     .decode_latent = decode_latent,
     .read_sum = read_sum,

@@ -97,6 +97,12 @@ static void ref_linear(const ds41_ops *self, const ds41_linear *w, const float *
         }
 }
 
+static void ref_linear_batch(const ds41_ops *self, size_t n, const ds41_linear *const *ws, const float *const *xs,
+                             const size_t *Ms, float *const *ys, ds41_linear_out out) {
+    for (size_t i = 0; i < n; i++)
+        if (Ms[i]) ref_linear(self, ws[i], xs[i], Ms[i], ys[i], out);
+}
+
 /* ---- norms and hyper-connections ---------------------------------------------- */
 
 static void ref_rmsnorm(const ds41_ops *self, const uint16_t *w, const float *x, size_t M, size_t n, float eps, float *y) {
@@ -416,6 +422,7 @@ static void ref_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t *
 const ds41_ops ds41_ops_reference = {
     .name = "reference",
     .linear = ref_linear,
+    .linear_batch = ref_linear_batch,
     .rmsnorm = ref_rmsnorm,
     .hc_mix = ref_hc_mix,
     .hc_pre = ref_hc_pre,

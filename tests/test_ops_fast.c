@@ -14,6 +14,7 @@
  *    gathers) against the reference within their rounding. */
 #include "engine/backend.h"
 #include "engine/ops.h"
+#include "engine/ops_fast.h"
 #include "engine/quant.h"
 #include "engine/refmath.h"
 #include "tests/tap.h"
@@ -489,6 +490,118 @@ static void test_moe_engram_gathers(void) {
     }
 }
 
+/* linear_batch = one linear call per member, bit for bit, including
+ * members with no rows and members of different kinds and sizes. */
+static void test_linear_batch(void) {
+    const lin_case cases[5] = {{DS41_LINEAR_FP4, 3, 40, 64, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP4, 0, 33, 64, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP8, 17, 70, 96, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP4, 1, 65, 128, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP8, 40, 32, 64, DS41_OUT_BF16}};
+    lin_data d[5];
+    const ds41_linear *ws[5];
+    const float *xs[5];
+    size_t Ms[5];
+    float *ys[5], *one[5];
+    for (int i = 0; i < 5; i++) {
+        lin_case c = cases[i];
+        if (c.M == 0) c.M = 1; /* data for one row; the batch asks for none */
+        make_linear(&c, &d[i]);
+        ws[i] = &d[i].w;
+        xs[i] = d[i].x;
+        Ms[i] = cases[i].M;
+        ys[i] = calloc((Ms[i] ? Ms[i] : 1) * cases[i].N, sizeof(float));
+        one[i] = calloc((Ms[i] ? Ms[i] : 1) * cases[i].N, sizeof(float));
+    }
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        ops->linear_batch(ops, 5, ws, xs, Ms, ys, DS41_OUT_BF16);
+        int ok = 1;
+        for (int i = 0; i < 5; i++) {
+            if (!Ms[i]) continue;
+            ops->linear(ops, ws[i], xs[i], Ms[i], one[i], DS41_OUT_BF16);
+            ok &= memcmp(one[i], ys[i], Ms[i] * cases[i].N * sizeof(float)) == 0;
+        }
+        TAP_CHECK(ok, "%s linear_batch of 5 (FP8/FP4, 0..40 rows) = one linear call each, bit for bit",
+                  ds41_cpu_level_name(levels[li]));
+    }
+    float *r[5];
+    for (int i = 0; i < 5; i++) r[i] = calloc((Ms[i] ? Ms[i] : 1) * cases[i].N, sizeof(float));
+    ds41_ops_reference.linear_batch(&ds41_ops_reference, 5, ws, xs, Ms, r, DS41_OUT_BF16);
+    int ok = 1;
+    for (int i = 0; i < 5; i++) {
+        if (!Ms[i]) continue;
+        ds41_ops_reference.linear(&ds41_ops_reference, ws[i], xs[i], Ms[i], one[i], DS41_OUT_BF16);
+        ok &= memcmp(one[i], r[i], Ms[i] * cases[i].N * sizeof(float)) == 0;
+    }
+    TAP_CHECK(ok, "reference linear_batch = one reference linear call each");
+    for (int i = 0; i < 5; i++) {
+        free_linear(&d[i]);
+        free(ys[i]);
+        free(one[i]);
+        free(r[i]);
+    }
+}
+
+/* The kernels' double-precision reductions and exp against the exact ones
+ * (refmath): the double sum rounded once equals the exact sum rounded once,
+ * and exp equals ds41_rm_exp, on random inputs of awkward lengths. */
+static void test_primitives(void) {
+    const fast_kernels *ks[4] = {&ds41__fast_scalar, NULL, NULL, NULL};
+    int nk = 1;
+#if defined(__x86_64__)
+    const ds41_cpu_level top = ds41_cpu_level_detect();
+    if (top >= DS41_CPU_AVX2) ks[nk++] = &ds41__fast_avx2;
+    if (top >= DS41_CPU_AVX512) ks[nk++] = &ds41__fast_avx512;
+#endif
+    enum { NX = 100000 };
+    static float a[1030], b[1030], x[NX], e[NX];
+    for (int ki = 0; ki < nk; ki++) {
+        const fast_kernels *k = ks[ki];
+        k->init();
+        int ok_dot = 1, ok_sq = 1, ok_axpy = 1;
+        const size_t lens[] = {1, 2, 7, 8, 15, 16, 17, 33, 100, 512, 1029};
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            const size_t n = lens[li];
+            for (int rep = 0; rep < 20; rep++) {
+                for (size_t i = 0; i < n; i++) {
+                    a[i] = (float)(urand() * ldexp(1.0, (int)(urand() * 20)));
+                    b[i] = bfr(urand());
+                }
+                ok_dot &= (float)k->dot(a, b, n) == ds41_xdot_f32(a, b, n);
+                ok_sq &= (float)(k->sumsq(a, n) / (double)n) == ds41_mean_sq_f32(a, n);
+                double y[1030], want[1030];
+                for (size_t i = 0; i < n; i++) y[i] = want[i] = urand();
+                k->axpy(y, b[0], a, n);
+                for (size_t i = 0; i < n; i++)
+                    ok_axpy &= fabs(y[i] - (want[i] + (double)b[0] * a[i])) <= 1e-15 * (1 + fabs(y[i]));
+            }
+        }
+        for (int i = 0; i < NX; i++) x[i] = (float)(urand() * 110.0 - 10.0);
+        x[0] = 0.0f;
+        x[1] = -1e30f;
+        x[2] = 88.7f;
+        x[3] = -103.9f;
+        x[4] = NAN;
+        x[5] = -INFINITY;
+        k->exp(x, e, NX);
+        int ok_exp = 1, first = -1;
+        for (int i = 0; i < NX; i++) {
+            const float w = ds41_rm_exp(x[i]);
+            if (!((isnan(w) && isnan(e[i])) || memcmp(&w, &e[i], sizeof w) == 0)) {
+                if (first < 0) first = i;
+                ok_exp = 0;
+            }
+        }
+        TAP_CHECK(
+            ok_dot && ok_sq && ok_axpy && ok_exp,
+            "%s kernels: double dot / mean of squares rounded once = the exact ones, axpy in double, exp = "
+            "ds41_rm_exp on %d arguments",
+            ds41_cpu_level_name(k->level), NX);
+        if (first >= 0) TAP_NOTE("exp(%.9g): got %.9g", (double)x[first], (double)e[first]);
+    }
+}
+
 int main(void) {
     ds41_error err;
     const ds41_cpu_level top = ds41_cpu_level_detect();
@@ -507,8 +620,10 @@ int main(void) {
         n_levels++;
     }
     TAP_NOTE("this machine's best level: %s", ds41_cpu_level_name(top));
+    test_primitives();
     test_act_quant();
     test_linears();
+    test_linear_batch();
     test_norms_and_hc();
     test_attention();
     test_moe_engram_gathers();
