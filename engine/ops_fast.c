@@ -664,6 +664,7 @@ static void attn_head_task(void *p, size_t b, size_t e, int th) {
     double *pv = (double *)(acc + ((hd + 15) & ~(size_t)15));
     const int keep_p = (j->c->brk & BREAK_ATTN_P_BF16) != 0;
     float z[ATTN_CHUNK], pb[ATTN_CHUNK], zd[ATTN_CHUNK], pe[ATTN_CHUNK];
+    double zs[ATTN_CHUNK];
     for (size_t h = b; h < e; h++) {
         const float *qh = j->q + h * hd;
         float mx = -1e30f, den = 0.0f;
@@ -671,8 +672,12 @@ static void attn_head_task(void *p, size_t b, size_t e, int th) {
         for (size_t c0 = 0; c0 < j->total; c0 += ATTN_CHUNK) {
             const size_t nc = j->total - c0 < ATTN_CHUNK ? j->total - c0 : ATTN_CHUNK;
             float m_new = mx;
+            if (k->qk)
+                k->qk(qh, j->kv + c0 * hd, nc, hd, zs);
+            else
+                for (size_t i = 0; i < nc; i++) zs[i] = k->dot(qh, j->kv + (c0 + i) * hd, hd);
             for (size_t i = 0; i < nc; i++) {
-                z[i] = (float)k->dot(qh, j->kv + (c0 + i) * hd, hd) * j->scale;
+                z[i] = (float)zs[i] * j->scale;
                 if (z[i] > m_new) m_new = z[i];
             }
             const float corr = ds41_rm_exp(mx - m_new);
@@ -685,8 +690,12 @@ static void attn_head_task(void *p, size_t b, size_t e, int th) {
             }
             const float dc = den * corr;
             den = dc + (float)psum;
-            memset(pv, 0, hd * sizeof *pv);
-            for (size_t i = 0; i < nc; i++) k->axpy(pv, pb[i], j->kv + (c0 + i) * hd, hd);
+            if (k->pv) {
+                k->pv(pb, j->kv + c0 * hd, nc, hd, pv);
+            } else {
+                memset(pv, 0, hd * sizeof *pv);
+                for (size_t i = 0; i < nc; i++) k->axpy(pv, pb[i], j->kv + (c0 + i) * hd, hd);
+            }
             for (size_t d = 0; d < hd; d++) {
                 const float ac = acc[d] * corr;
                 acc[d] = ac + (float)pv[d];

@@ -114,6 +114,12 @@ typedef struct fast_kernels {
     double (*dot)(const float *a, const float *b, size_t n);
     double (*sumsq)(const float *x, size_t n);
     void (*axpy)(double *y, float a, const float *x, size_t n);
+    /* Attention inner loops (NULL: built from dot / axpy):
+     *   qk: z[j] = dot(q, kv + j * hd, hd) for j < n (in double, as dot);
+     *   pv: pv[d] = sum over j < n of p[j] * kv[j * hd + d] in double, in
+     *       j order for every d (the fresh sum, not accumulated). */
+    void (*qk)(const float *q, const float *kv, size_t n, size_t hd, double *z);
+    void (*pv)(const float *p, const float *kv, size_t n, size_t hd, double *pv);
     /* out[i] = fp32(exp(double(x[i]))): ds41_rm_exp, the reference's exp
      * (a double exp accurate to an ulp, rounded once; equal to the C
      * library's except where the two double results straddle an fp32

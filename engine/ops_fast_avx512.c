@@ -541,7 +541,7 @@ static void amx_pack_act(ds41_linear_kind kind, const float *x, size_t K, size_t
 }
 
 /* K per slab when a task has few rows (a multiple of 64). */
-#define AMX_SLAB 256
+#define AMX_SLAB 512
 
 /* Panel row stride: Kp plus one cache line, so that the 16 rows an A tile
  * load reads do not all fall into one L1 set (a power-of-two stride would). */
@@ -600,10 +600,13 @@ static void amx_store(float *cbuf, size_t m_base, size_t n_base, size_t m_end, s
             r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
             _mm512_store_si512(cbuf + i * 16, _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
         }
-    for (size_t m = 0; m < nm; m++) {
-        float *dst = y + (m_base + m) * N + n_base;
-        for (size_t i = 0; i < nn; i++) dst[i] = cbuf[i * 16 + m];
-    }
+    /* Transpose the 16 x 16 tile in registers, store each row's nn values. */
+    __m512i r16[16];
+    for (int i = 0; i < 16; i++) r16[i] = _mm512_load_si512(cbuf + i * 16);
+    transpose16(r16);
+    const __mmask16 keep = nn >= 16 ? (__mmask16)0xFFFF : tail16(nn);
+    for (size_t m = 0; m < nm; m++)
+        _mm512_mask_storeu_ps(y + (m_base + m) * N + n_base, keep, _mm512_castsi512_ps(r16[m]));
 }
 
 /* Weights are decoded with a software prefetch ahead of the current chunk:
@@ -642,11 +645,14 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
          * so every row of a group shares them (a task's rows are one group). */
         __m512i offs[64];
         size_t offs_group = SIZE_MAX;
+        int group_ok = 0;
         for (size_t n = n0; n < nend; n++) {
             const uint8_t *q = w->q + n * K + k0, *sc = w->scale + (n / 32) * (size_t)w->scale_cols + k0 / 32;
             uint16_t *out = dst + (n - n0) * ld;
-            if (!scales_in(sc, nkb, 10, 246)) {
+            if (offs_group != n / 32) group_ok = scales_in(sc, nkb, 10, 246);
+            if (!group_ok) {
                 decode_fp8_row_slow(q, sc, kk, out);
+                offs_group = SIZE_MAX;
                 continue;
             }
             if (nch <= 64 && offs_group != n / 32) {
@@ -680,8 +686,8 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
     } else {
         const __m512i tab = _mm512_load_si512(e2m1_bf16);
         const __m512i nib = _mm512_set1_epi16(15), nz = _mm512_set1_epi16(7);
-        const size_t rb = (kk + 1) / 2, nch = (rb + 31) / 32;
-        const __mmask32 tail = rb % 32 ? (((__mmask32)1 << (rb % 32)) - 1) : ~(__mmask32)0;
+        const size_t rb = (kk + 1) / 2, full = rb / 32;
+        const __mmask32 tail = (((__mmask32)1 << (rb % 32)) - 1);
         for (size_t n = n0; n < nend; n++) {
             const uint8_t *q = w->q + n * fast_row_bytes(w) + k0 / 2,
                           *sc = w->scale + n * (size_t)w->scale_cols + k0 / 32;
@@ -690,14 +696,17 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
                 decode_fp4_row_slow(q, sc, kk, out);
                 continue;
             }
-            for (size_t c = 0; c < nch; c++) {
+            /* Whole chunks (32 bytes = blocks 2c and 2c+1), then a partial one. */
+            for (size_t c = 0; c <= full; c++) {
+                if (c == full && rb % 32 == 0) break;
                 _mm_prefetch((const char *)q + c * 32 + pf, PF_HINT);
-                const __m512i wv = _mm512_cvtepu8_epi16(
-                    _mm256_maskz_loadu_epi8(c + 1 < nch ? ~(__mmask32)0 : tail, q + c * 32));
+                const __m256i bytes = c < full ? _mm256_loadu_si256((const __m256i *)(q + c * 32))
+                                               : _mm256_maskz_loadu_epi8(tail, q + c * 32);
+                const __m512i wv = _mm512_cvtepu8_epi16(bytes);
                 const __m512i il = _mm512_and_si512(wv, nib), ih = _mm512_srli_epi16(wv, 4);
-                const __m512i off = _mm512_mask_mov_epi32(
-                    _mm512_set1_epi32((int)exp_off32[sc[2 * c]]), 0xFF00,
-                    _mm512_set1_epi32((int)exp_off32[2 * c + 1 < nkb ? sc[2 * c + 1] : 127]));
+                const uint8_t sb = c < full || 2 * c + 1 < nkb ? sc[2 * c + 1] : 127;
+                const __m512i off = _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[sc[2 * c]]),
+                                                          0xFF00, _mm512_set1_epi32((int)exp_off32[sb]));
                 const __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
                 _mm512_store_si512(out + c * 64,
                                    _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off));
@@ -813,14 +822,26 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
             _tile_zero(2);
             _tile_zero(3);
         }
+        /* bf16 weights with whole 16-row blocks and K a multiple of 32 need
+         * no decoding: the A tiles load straight from the checkpoint. */
+        const int direct = w->kind == DS41_LINEAR_BF16 && K % 32 == 0 && n1 - n0 == nrows;
         for (size_t k0 = 0; k0 < Kp; k0 += AMX_SLAB) {
             const size_t klen = Kp - k0 < AMX_SLAB ? Kp - k0 : AMX_SLAB, q0 = k0 / 32;
-            /* Prefetch each row's next slab: a whole slab pass ahead. */
-            decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2);
+            const uint16_t *A = panel;
+            size_t lda = lds;
+            if (direct) {
+                /* (No software prefetch here: bursts of it for 32 rows stall
+                 * on fill buffers; the tile loads' streams do better alone.) */
+                A = w->bf16 + n0 * K + k0;
+                lda = K;
+            } else {
+                /* Prefetch each row's next slab: a whole slab pass ahead. */
+                decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2);
+            }
             if (two)
-                amx_chunks_two(panel, lds, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
+                amx_chunks_two(A, lda, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
             else
-                amx_chunks_one(panel, lds, b0 + q0 * 256, klen / 32, wide);
+                amx_chunks_one(A, lda, b0 + q0 * 256, klen / 32, wide);
         }
         amx_flush(cbuf, mb, two, wide, n0, m1, n1, y, N, out_bf16);
         return;
@@ -954,6 +975,52 @@ static float fma_burn(size_t iters, float seed) {
     return hsum(t);
 }
 
+/* z[j] = q . kv_j for 4 rows at a time (8 independent accumulators: the
+ * dot of one row alone is latency-bound), each row's terms in the same
+ * order as dot64 (two 8-lane accumulators over i % 16, then the tree). */
+static void qk64(const float *q, const float *kv, size_t n, size_t hd, double *z) {
+    size_t j = 0;
+    if (hd % 16 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            __m512d a[4][2];
+            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_pd();
+            for (size_t i = 0; i < hd; i += 16) {
+                const __m512d q0 = _mm512_cvtps_pd(_mm256_loadu_ps(q + i)),
+                              q1 = _mm512_cvtps_pd(_mm256_loadu_ps(q + i + 8));
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    const float *k = kv + (j + (size_t)r) * hd + i;
+                    a[r][0] = _mm512_fmadd_pd(q0, _mm512_cvtps_pd(_mm256_loadu_ps(k)), a[r][0]);
+                    a[r][1] = _mm512_fmadd_pd(q1, _mm512_cvtps_pd(_mm256_loadu_ps(k + 8)), a[r][1]);
+                }
+            }
+            for (int r = 0; r < 4; r++) z[j + (size_t)r] = hsum8d(_mm512_add_pd(a[r][0], a[r][1]));
+        }
+    }
+    for (; j < n; j++) z[j] = dot64(q, kv + j * hd, hd);
+}
+
+/* pv over d blocks of 128 held in 16 registers, rows j in order. */
+static void pv64(const float *p, const float *kv, size_t n, size_t hd, double *pv) {
+    size_t d0 = 0;
+    for (; d0 + 128 <= hd; d0 += 128) {
+        __m512d acc[16];
+        for (int b = 0; b < 16; b++) acc[b] = _mm512_setzero_pd();
+        for (size_t j = 0; j < n; j++) {
+            const __m512d pj = _mm512_set1_pd((double)p[j]);
+            const float *k = kv + j * hd + d0;
+#pragma GCC unroll 16
+            for (int b = 0; b < 16; b++)
+                acc[b] = _mm512_fmadd_pd(pj, _mm512_cvtps_pd(_mm256_loadu_ps(k + 8 * b)), acc[b]);
+        }
+        for (int b = 0; b < 16; b++) _mm512_storeu_pd(pv + d0 + 8 * (size_t)b, acc[b]);
+    }
+    if (d0 < hd) {
+        for (size_t d = d0; d < hd; d++) pv[d] = 0.0;
+        for (size_t j = 0; j < n; j++) axpy64(pv + d0, p[j], kv + j * hd + d0, hd - d0);
+    }
+}
+
 /* fp32(exp(double(x))) for 8 lanes: n = rint(x / ln2), r = x - n ln2 (two
  * FMA steps of a split ln2), exp(r) by a degree-13 Taylor polynomial (error
  * below 1e-17 relative on |r| <= ln2/2), times 2^n through the exponent
@@ -1023,6 +1090,8 @@ const fast_kernels ds41__fast_avx512 = {
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
+    .qk = qk64,
+    .pv = pv64,
     .exp = exp_f64,
     .decode_ring_row = decode_ring_row,
     .decode_latent = decode_latent,
@@ -1042,6 +1111,8 @@ const fast_kernels ds41__fast_amx = {
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
+    .qk = qk64,
+    .pv = pv64,
     .exp = exp_f64,
     .decode_ring_row = decode_ring_row,
     .decode_latent = decode_latent,
