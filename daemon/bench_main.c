@@ -32,7 +32,8 @@ static void usage(FILE *f) {
                "            prompts, then N greedy steps (default 8) of one token each, all B in\n"
                "            one forward call per step: tokens/s, weight bytes the kernels touched\n"
                "            per step, and those bytes per second as a fraction of the bandwidth\n"
-               "--json prints one JSON object instead of text.\n"
+               "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
+               "threads to CPUs.  --json prints one JSON object instead of text.\n"
                "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
 
@@ -173,11 +174,17 @@ out:
 
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
-        {"model", required_argument, NULL, 'm'},   {"threads", required_argument, NULL, 't'},
-        {"json", no_argument, NULL, 'j'},          {"cpu", required_argument, NULL, 'L'},
-        {"prompt", required_argument, NULL, 'p'},  {"steps", required_argument, NULL, 's'},
-        {"batches", required_argument, NULL, 'b'}, {"bandwidth-gib", required_argument, NULL, 'g'},
-        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+        {"model", required_argument, NULL, 'm'},
+        {"threads", required_argument, NULL, 't'},
+        {"json", no_argument, NULL, 'j'},
+        {"cpu", required_argument, NULL, 'L'},
+        {"prompt", required_argument, NULL, 'p'},
+        {"steps", required_argument, NULL, 's'},
+        {"batches", required_argument, NULL, 'b'},
+        {"bandwidth-gib", required_argument, NULL, 'g'},
+        {"pin", no_argument, NULL, 'P'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     const char *model = NULL;
     size_t threads = 0, P = 256, steps = 8, gib = 4;
@@ -200,6 +207,9 @@ int main(int argc, char **argv) {
             break;
         case 'j':
             json = 1;
+            break;
+        case 'P':
+            eo.cpu.pin = true;
             break;
         case 'L':
             if (strcmp(optarg, "scalar") == 0)
@@ -281,6 +291,9 @@ int main(int argc, char **argv) {
     ds41_cpu_measure mach;
     prefill_result pre = {0};
     decode_result dec[16];
+    /* Other work on the machine skews every figure: report the load. */
+    double load[1] = {-1.0};
+    if (getloadavg(load, 1) != 1) load[0] = -1.0;
     if (ds41_backend_cpu_measure(be, (uint64_t)gib << 30, 3, &mach, &err) != 0) goto fail;
     if (!json)
         fprintf(stderr, "ds41-bench: %s, %d threads: read %.1f GB/s, FMA %.0f GFLOP/s\n", be->name,
@@ -299,7 +312,8 @@ int main(int argc, char **argv) {
             else
                 putchar(*p);
         }
-        printf("\",\"backend\":\"%s\",\"threads\":%d,", be->name, ds41_backend_threads(be));
+        printf("\",\"backend\":\"%s\",\"threads\":%d,\"load_average_1m\":%.2f,", be->name,
+               ds41_backend_threads(be), load[0]);
         printf("\"machine\":{\"read_bandwidth_gbs\":%.3f,\"read_buffer_bytes\":%llu,\"read_passes\":%d,"
                "\"fma_peak_gflops\":%.3f},",
                mach.read_gbs, (unsigned long long)mach.read_bytes, mach.read_passes, mach.fma_gflops);
@@ -318,7 +332,8 @@ int main(int argc, char **argv) {
                 mach.read_gbs > 0 ? dec[i].bytes_per_step / (mach.read_gbs * 1e9) : 0.0, dec[i].fraction);
         printf("]}\n");
     } else {
-        printf("model      %s\nbackend    %s, %d threads\n", model, be->name, ds41_backend_threads(be));
+        printf("model      %s\nbackend    %s, %d threads (load average %.2f at the start)\n", model, be->name,
+               ds41_backend_threads(be), load[0]);
         printf("machine    read bandwidth %.2f GB/s (%.1f GiB buffer, best of %d passes), FMA peak %.1f "
                "GFLOP/s\n",
                mach.read_gbs, (double)mach.read_bytes / (1u << 30), mach.read_passes, mach.fma_gflops);

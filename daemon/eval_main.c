@@ -18,7 +18,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
-            "                 [--threads N] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
+            "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
             "K greedy steps (each feeds the argmax of the previous logits, lowest id on\n"
@@ -26,9 +26,10 @@ static void usage(FILE *f) {
             "  {\"ids\":[...],\"prefill_logits\":[[vocab floats] per position],\n"
             "   \"greedy\":[{\"token\":t,\"logits\":[...]},...]}\n"
             "with every float as %%.9g of its float32 value.  The default is the fast CPU\n"
-            "path (threads, SIMD; --threads N, default one per CPU; --cpu scalar|avx2|avx512|amx\n"
-            "caps the SIMD level).  --reference selects the canonical arithmetic of\n"
-            "REFERENCE.md section 10 (bit-exact against tests/reference/ds41_ref.py).\n"
+            "path (threads, SIMD; --threads N, default one per CPU, --pin binds them to CPUs;\n"
+            "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
+            "canonical arithmetic of REFERENCE.md section 10 (bit-exact against\n"
+            "tests/reference/ds41_ref.py).\n"
             "--dump writes the section 10.1 stream dump.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
@@ -254,6 +255,7 @@ int main(int argc, char **argv) {
         {"reference", no_argument, NULL, 'r'},   {"dump", required_argument, NULL, 'd'},
         {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
         {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
+        {"pin", no_argument, NULL, 'P'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
@@ -278,6 +280,7 @@ int main(int argc, char **argv) {
             }
             break;
         case 'r': eo.reference = true; break;
+        case 'P': eo.cpu.pin = true; break;
         case 't':
             if (parse_size(optarg, &threads) != 0 || threads == 0 || threads > DS41_THREADPOOL_MAX) {
                 fprintf(stderr, "ds41-eval: --threads: expected an integer in [1, %d], got '%s'\n",

@@ -134,13 +134,11 @@ enum {
     P_ATTN,
     P_SWIGLU,
     P_ENGRAM,
-    P_OTHER,
     P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
-    "linear fp8",  "linear fp4", "linear bf16", "linear batch (MoE)",
-    "rmsnorm",     "hc_mix",     "hc_pre/post", "index_scores",
-    "sparse_attn", "swiglu",     "engram_mix",  "rope/router/gathers"};
+    "linear fp8",   "linear fp4",  "linear bf16", "linear batch (MoE)", "rmsnorm", "hc_mix", "hc_pre/post",
+    "index_scores", "sparse_attn", "swiglu",      "engram_mix"};
 
 typedef struct fast_ctx {
     const fast_kernels *k;

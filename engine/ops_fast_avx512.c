@@ -34,12 +34,15 @@
  * dpbf16 level: a task decodes the weight rows of its columns into a panel
  * and runs a 3-row x 8-column register tile over every row; each output is
  * one 16-lane fp32 accumulator over the 32-value chunks of K in order, then
- * a fixed horizontal tree.  AMX level: the weights are the A tiles (16 rows
- * of the panel, 32 K each), the activations the B tiles (pairs of K for 16
- * rows, VNNI layout, written there by pack_act), and each output element is
- * one tdpbf16ps chain over the chunks of K in order.  In both, an element's
- * sequence of operations does not depend on the tile it shares (the
- * invariance rule of ops_fast.h). */
+ * a fixed horizontal tree.  AMX level: the weights are the A tiles (16 rows,
+ * 32 K each), the activations the B tiles (pairs of K for 16 rows, VNNI
+ * layout, written there by pack_act), and each output element is one
+ * tdpbf16ps chain over the chunks of K in order.  A task with few rows
+ * (decode) streams K slab by slab through an L1-sized panel (bf16 weights
+ * load straight from the checkpoint); one with many rows (prefill) decodes
+ * its rows once into a whole panel.  Either way the decoded values and the
+ * chunk order are the same, and an element's sequence of operations does
+ * not depend on the tile it shares (the invariance rule of ops_fast.h). */
 #include "engine/ops_fast.h"
 
 #if defined(__x86_64__)

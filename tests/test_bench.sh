@@ -42,6 +42,7 @@ m, p, d = doc['machine'], doc['prefill'], doc['decode']
 want_batches = [1, 4, 16] if preset == 'bench' else [1, 3]
 assert doc['backend'].startswith('cpu-'), doc['backend']
 assert doc['threads'] >= 1
+assert 'load_average_1m' in doc
 assert m['read_bandwidth_gbs'] > 0 and m['fma_peak_gflops'] > 0 and m['read_passes'] == 3
 assert m['read_buffer_bytes'] >= (4 << 30 if preset == 'bench' else 1 << 29), m['read_buffer_bytes']
 assert p['tokens'] == (256 if preset == 'bench' else 20) and p['seconds'] > 0 and p['flops'] > 0
@@ -73,7 +74,7 @@ fi
 
 if [ "$preset" != bench ]; then
     if "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 2 --bandwidth-gib 1 --cpu scalar \
-        >"$work/out.txt" 2>/dev/null && grep -q '^backend    cpu-scalar' "$work/out.txt" &&
+        >"$work/out.txt" 2>/dev/null && grep -q '^backend    cpu-scalar, ' "$work/out.txt" &&
         grep -q '^decode B=2 ' "$work/out.txt" && grep -q 'of the FMA peak' "$work/out.txt"; then
         ok "text report, --cpu scalar honoured"
     else
