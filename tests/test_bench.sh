@@ -43,7 +43,8 @@ want_batches = [1, 4, 16] if preset == 'bench' else [1, 3]
 assert doc['backend'].startswith('cpu-'), doc['backend']
 assert doc['threads'] >= 1
 assert 'load_average_1m' in doc
-assert m['read_bandwidth_gbs'] > 0 and m['fma_peak_gflops'] > 0 and m['read_passes'] == 3
+assert m['read_bandwidth_gbs'] > 0 and m['fma_peak_gflops'] > 0 and m['read_passes'] == 6
+assert m['read_bandwidth_gbs'] == max(m['read_bandwidth_samples_gbs'])
 assert m['read_buffer_bytes'] >= (4 << 30 if preset == 'bench' else 1 << 29), m['read_buffer_bytes']
 assert p['tokens'] == (256 if preset == 'bench' else 20) and p['seconds'] > 0 and p['flops'] > 0
 assert abs(p['tokens_per_s'] - p['tokens'] / p['seconds']) <= 1e-3 * p['tokens_per_s']
