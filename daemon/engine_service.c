@@ -35,6 +35,7 @@ typedef struct settings {
     char *embedded_name, *embedded_preset, *embedded_dir;
     uint64_t embedded_seed;
     ds41_engine_mode mode;
+    uint32_t threads; /* fast backend workers, 0 = one per CPU */
     uint32_t max_sequences, max_batch_tokens, prefill_chunk;
     bool test_forced_output;
     uint64_t kv_cache_bytes;
@@ -94,6 +95,7 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
         return ds41_fail(err, "nothing to serve: no models and embedded_model.enabled is false");
     }
     st->mode = cfg->engine.mode;
+    st->threads = cfg->engine.threads;
     st->max_sequences = cfg->engine.max_sequences;
     st->max_batch_tokens = cfg->engine.max_batch_tokens;
     st->prefill_chunk = cfg->engine.prefill_chunk;
@@ -341,7 +343,8 @@ static void *loader_main(void *p) {
     pthread_rwlock_wrlock(&m->lock);
     snprintf(m->detail, sizeof m->detail, "loading %s", m->path);
     pthread_rwlock_unlock(&m->lock);
-    ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE};
+    ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE,
+                           .cpu = {.threads = (int)a->st.threads}};
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     vocab = ds41_vocab_load_dir(m->path, &err);

@@ -4,6 +4,7 @@
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
 #include "engine/forward.h"
+#include "engine/threadpool.h"
 #include "storage/safetensors.h"
 
 #include <errno.h>
@@ -17,15 +18,18 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
-            "                 [--dump STREAMS.safetensors] --out FILE.json\n"
+            "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
             "K greedy steps (each feeds the argmax of the previous logits, lowest id on\n"
             "ties), and writes\n"
             "  {\"ids\":[...],\"prefill_logits\":[[vocab floats] per position],\n"
             "   \"greedy\":[{\"token\":t,\"logits\":[...]},...]}\n"
-            "with every float as %%.9g of its float32 value.  --reference selects the\n"
-            "canonical arithmetic of REFERENCE.md section 10 (currently the only mode).\n"
+            "with every float as %%.9g of its float32 value.  The default is the fast CPU\n"
+            "path (threads, SIMD; --threads N, default one per CPU, --pin binds them to CPUs;\n"
+            "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
+            "canonical arithmetic of REFERENCE.md section 10 (bit-exact against\n"
+            "tests/reference/ds41_ref.py).\n"
             "--dump writes the section 10.1 stream dump.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
@@ -250,11 +254,14 @@ int main(int argc, char **argv) {
         {"chunk", required_argument, NULL, 'c'}, {"decode", required_argument, NULL, 'k'},
         {"reference", no_argument, NULL, 'r'},   {"dump", required_argument, NULL, 'd'},
         {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
+        {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
+        {"pin", no_argument, NULL, 'P'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
     size_t chunk = 0, K = 0;
-    ds41_engine_opts eo = {.reference = true};
+    ds41_engine_opts eo = {.reference = false};
+    size_t threads = 0;
     int c;
     while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         switch (c) {
@@ -273,6 +280,29 @@ int main(int argc, char **argv) {
             }
             break;
         case 'r': eo.reference = true; break;
+        case 'P': eo.cpu.pin = true; break;
+        case 't':
+            if (parse_size(optarg, &threads) != 0 || threads == 0 || threads > DS41_THREADPOOL_MAX) {
+                fprintf(stderr, "ds41-eval: --threads: expected an integer in [1, %d], got '%s'\n",
+                        DS41_THREADPOOL_MAX, optarg);
+                return 2;
+            }
+            eo.cpu.threads = (int)threads;
+            break;
+        case 'L':
+            if (strcmp(optarg, "scalar") == 0)
+                eo.cpu.level = DS41_CPU_SCALAR;
+            else if (strcmp(optarg, "avx2") == 0)
+                eo.cpu.level = DS41_CPU_AVX2;
+            else if (strcmp(optarg, "avx512") == 0)
+                eo.cpu.level = DS41_CPU_AVX512;
+            else if (strcmp(optarg, "amx") == 0)
+                eo.cpu.level = DS41_CPU_AMX;
+            else {
+                fprintf(stderr, "ds41-eval: --cpu: expected scalar, avx2, avx512 or amx, got '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'd': dump = optarg; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;

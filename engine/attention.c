@@ -54,12 +54,12 @@ static int emit_entry(ds41_engine *e, int L, ds41_kv_seq *seq, int src, uint64_t
         free(cs);
         return ds41_fail(err, "forward: out of memory");
     }
-    ops->linear(&lw->idx_wk, latent, 1, key_raw, DS41_OUT_BF16);
-    ops->rmsnorm(lw->idx_k_norm, key_raw, 1, ihd, e->norm_eps, key);
+    ops->linear(ops, &lw->idx_wk, latent, 1, key_raw, DS41_OUT_BF16);
+    ops->rmsnorm(ops, lw->idx_k_norm, key_raw, 1, ihd, e->norm_eps, key);
     ds41_rope_cos_sin(e->rope_freqs[L], rd / 2, group * (uint64_t)ratio, cs);
-    ops->rope(key + ihd - (size_t)rd, rd / 2, cs, 0);
+    ops->rope(ops, key + ihd - (size_t)rd, rd / 2, cs, 0);
     memcpy(rot, latent, hd * sizeof *rot);
-    ops->rope(rot + hd - (size_t)rd, rd / 2, cs, 0);
+    ops->rope(ops, rot + hd - (size_t)rd, rd / 2, cs, 0);
     int rc = ds41_kv_seq_append(seq, src, rot, key, err);
     free(key_raw);
     free(key);
@@ -86,8 +86,8 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
             free(lat);
             return ds41_fail(err, "forward: out of memory");
         }
-        ops->linear(&lw->cmp_wkv, xn, M, raw, DS41_OUT_BF16);
-        ops->rmsnorm(lw->cmp_norm, raw, M, hd, e->norm_eps, lat);
+        ops->linear(ops, &lw->cmp_wkv, xn, M, raw, DS41_OUT_BF16);
+        ops->rmsnorm(ops, lw->cmp_norm, raw, M, hd, e->norm_eps, lat);
         for (size_t r = 0; r < M && rc == 0; r++)
             rc = emit_entry(e, L, b->items[b->row_item[r]].seq, src, b->row_pos[r], lat + r * hd, err);
         free(raw);
@@ -106,8 +106,8 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
-    ops->linear(&lw->cmp_wkv, xn, M, kv, DS41_OUT_F32);
-    ops->linear(&lw->cmp_wgate, xn, M, sc, DS41_OUT_F32);
+    ops->linear(ops, &lw->cmp_wkv, xn, M, kv, DS41_OUT_F32);
+    ops->linear(ops, &lw->cmp_wgate, xn, M, sc, DS41_OUT_F32);
     for (size_t r = 0; r < M && rc == 0; r++) {
         ds41_kv_seq *seq = b->items[b->row_item[r]].seq;
         float *ckv = ds41_kv_carry_kv(seq, src);
@@ -133,7 +133,7 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
             }
             pooled[ch] = ds41_bf16_round(acc);
         }
-        ops->rmsnorm(lw->cmp_norm, pooled, 1, hd, e->norm_eps, lat);
+        ops->rmsnorm(ops, lw->cmp_norm, pooled, 1, hd, e->norm_eps, lat);
         rc = emit_entry(e, L, seq, src, a / (uint64_t)ratio, lat, err);
     }
 out:
@@ -226,11 +226,11 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
 
     /* Query side: q = wq_b(qr), rope at the query position, FP4 1x32 QDQ;
      * w = bf16(weights_proj(x) * scale). */
-    ops->linear(&lw->idx_wq_b, qr, M, q, DS41_OUT_BF16);
-    ops->linear(&lw->idx_weights_proj, xn, M, w, DS41_OUT_BF16);
+    ops->linear(ops, &lw->idx_wq_b, qr, M, q, DS41_OUT_BF16);
+    ops->linear(ops, &lw->idx_weights_proj, xn, M, w, DS41_OUT_BF16);
     for (size_t r = 0; r < M; r++) {
         for (int h = 0; h < nh; h++)
-            ops->rope(q + r * qw + (size_t)h * (size_t)ihd + (size_t)(ihd - rd), rd / 2,
+            ops->rope(ops, q + r * qw + (size_t)h * (size_t)ihd + (size_t)(ihd - rd), rd / 2,
                       b->rope_cs + r * (size_t)rd, 0);
         ds41_fp4_act_quant_ue8m0_qdq(q + r * qw, qw);
         for (int h = 0; h < nh; h++) w[r * (size_t)nh + (size_t)h] = ds41_bf16_round(w[r * (size_t)nh + (size_t)h] * e->index_scale);
@@ -242,7 +242,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
         b->idx_count[L][r] = 0;
         if (reach == 0) continue; /* nothing compressed is visible yet (§2.10 step 8) */
         for (size_t t = 0; t < reach; t++) keys[t] = ds41_kv_seq_entry(seq, ks, t);
-        ops->index_scores(q + r * qw, w + r * (size_t)nh, nh, ihd, lay, keys, reach, score);
+        ops->index_scores(ops, q + r * qw, w + r * (size_t)nh, nh, ihd, lay, keys, reach, score);
 
         if (role->candidate_source) {
             /* Block max over reachable positions, newest block pinned, top
@@ -321,19 +321,19 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     }
 
     /* q: low-rank path with q_norm, rope on each head's last rd features. */
-    ops->linear(&lw->wq_a, xn, M, qa, DS41_OUT_BF16);
-    ops->rmsnorm(lw->q_norm, qa, M, qlr, e->norm_eps, qr);
-    ops->linear(&lw->wq_b, qr, M, q, DS41_OUT_BF16);
+    ops->linear(ops, &lw->wq_a, xn, M, qa, DS41_OUT_BF16);
+    ops->rmsnorm(ops, lw->q_norm, qa, M, qlr, e->norm_eps, qr);
+    ops->linear(ops, &lw->wq_b, qr, M, q, DS41_OUT_BF16);
     for (size_t r = 0; r < M; r++)
         for (size_t h = 0; h < H; h++)
-            ops->rope(q + (r * H + h) * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 0);
+            ops->rope(ops, q + (r * H + h) * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 0);
 
     /* Window KV: kv_norm(wkv(x)), rope, FP8 1x32 QDQ (kept packed, in the
      * ring's row format, for this chunk's queries). */
-    ops->linear(&lw->wkv, xn, M, kvraw, DS41_OUT_BF16);
-    ops->rmsnorm(lw->kv_norm, kvraw, M, hd, e->norm_eps, kv);
+    ops->linear(ops, &lw->wkv, xn, M, kvraw, DS41_OUT_BF16);
+    ops->rmsnorm(ops, lw->kv_norm, kvraw, M, hd, e->norm_eps, kv);
     for (size_t r = 0; r < M; r++) {
-        ops->rope(kv + r * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 0);
+        ops->rope(ops, kv + r * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 0);
         ds41_act_quant(kv + r * hd, hd, chunk_rows + r * row_bytes, chunk_rows + r * row_bytes + hd);
     }
 
@@ -360,9 +360,9 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
             const int32_t *list = lists + r * (size_t)c->index_topk;
             for (uint32_t j = 0; j < counts[r]; j++) crows[rows.n_comp++] = ds41_kv_seq_entry(seq, src, (uint64_t)list[j]);
         }
-        ops->sparse_attn(q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows, o + r * H * hd);
+        ops->sparse_attn(ops, q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows, o + r * H * hd);
         for (size_t h = 0; h < H; h++)
-            ops->rope(o + (r * H + h) * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 1);
+            ops->rope(ops, o + (r * H + h) * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 1);
     }
 
     /* The chunk's last min(n, W) window rows go to the ring now that every
@@ -380,10 +380,10 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         ds41_linear sub = lw->wo_a;
         sub.n = (int64_t)olr;
         sub.bf16 = lw->wo_a.bf16 + g * olr * Kg;
-        ops->linear(&sub, xg, M, yg, DS41_OUT_BF16);
+        ops->linear(ops, &sub, xg, M, yg, DS41_OUT_BF16);
         for (size_t r = 0; r < M; r++) memcpy(ya + r * G * olr + g * olr, yg + r * olr, olr * sizeof *yg);
     }
-    ops->linear(&lw->wo_b, ya, M, out, DS41_OUT_BF16);
+    ops->linear(ops, &lw->wo_b, ya, M, out, DS41_OUT_BF16);
 out:
     free(qa);
     free(qr);

@@ -69,7 +69,16 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         ds41_fail(err, "out of memory");
         return NULL;
     }
-    e->ops = opts && !opts->reference && opts->backend ? opts->backend : &ds41_ops_reference;
+    if (opts && opts->reference) {
+        ds41_backend_free(opts->backend);
+        e->be = ds41_backend_reference_new(err);
+    } else if (opts && opts->backend) {
+        e->be = opts->backend;
+    } else {
+        e->be = ds41_backend_cpu_new(opts ? &opts->cpu : NULL, err);
+    }
+    if (!e->be) goto fail;
+    e->ops = &e->be->ops;
     if (ds41_model_config_load(dir, &e->cfg, err) != 0) goto fail;
     const ds41_model_config *c = &e->cfg;
     if (c->rope_head_dim < 2 || c->rope_head_dim > c->head_dim || c->rope_head_dim > c->index_head_dim ||
@@ -83,6 +92,13 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
     if (ds41_weights_bind(&e->w, c, e->ckpt, err) != 0) {
         ds41_error_prefix(err, "%s", dir);
         goto fail;
+    }
+    if (e->be->place_weights) {
+        if (e->be->place_weights(e->be, c, &e->w, err) != 0) {
+            ds41_error_prefix(err, "%s: backend %s", dir, e->be->name);
+            goto fail;
+        }
+        e->placed = 1;
     }
     e->rope_freqs = calloc(c->n_roles, sizeof *e->rope_freqs);
     if (!e->rope_freqs) {
@@ -125,9 +141,11 @@ void ds41_engine_free(ds41_engine *e) {
         for (size_t l = 0; l < e->cfg.n_roles; l++) free(e->rope_freqs[l]);
     free(e->rope_freqs);
     free(e->token_map);
+    if (e->placed && e->be->release_weights) e->be->release_weights(e->be, &e->w);
     ds41_weights_free(&e->w);
     ds41_checkpoint_close(e->ckpt);
     ds41_model_config_free(&e->cfg);
+    ds41_backend_free(e->be);
     free(e);
 }
 
@@ -143,9 +161,13 @@ const ds41_ops *ds41_engine_ops(const ds41_engine *e) {
     return e->ops;
 }
 
+ds41_backend *ds41_engine_backend(const ds41_engine *e) {
+    return e->be;
+}
+
 ds41_kv_pool *ds41_engine_new_pool(const ds41_engine *e, uint64_t budget_bytes, uint32_t entries_per_page,
                                    ds41_error *err) {
-    return ds41_kv_pool_new(&e->cfg, budget_bytes, entries_per_page, err);
+    return e->be->new_pool(e->be, &e->cfg, budget_bytes, entries_per_page, err);
 }
 
 int32_t ds41_engine_compressed_id(const ds41_engine *e, int32_t token) {
@@ -258,22 +280,28 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
         free(kv);
         return ds41_fail(err, "forward: out of memory");
     }
+    int64_t *ids = malloc(M * ncols * sizeof *ids);
+    if (!ids) {
+        free(rows);
+        free(kv);
+        return ds41_fail(err, "forward: out of memory");
+    }
     for (size_t r = 0; r < M; r++)
         for (size_t col = 0; col < ncols; col++) {
             const int64_t id = hash_ids[(r * nsl + (size_t)slot) * ncols + col];
-            float *dst = rows + (r * ncols + col) * ehd;
             if (id < 0 || id >= lw->eng_rows) {
                 free(rows);
                 free(kv);
+                free(ids);
                 return ds41_fail(err, "forward: layer %d: engram row %lld outside the table (%lld rows)", L,
                                  (long long)id, (long long)lw->eng_rows);
             }
-            ds41_dequant_fp8_rows_1x32(lw->eng_table + (size_t)id * ehd, lw->eng_table_scale + (size_t)id * (ehd / 32),
-                                       1, ehd, dst);
-            for (size_t i = 0; i < ehd; i++) dst[i] = ds41_bf16_round(dst[i]);
+            ids[r * ncols + col] = id;
         }
-    e->ops->linear(&lw->eng_wkv, rows, M, kv, DS41_OUT_BF16);
-    e->ops->engram_mix(h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
+    e->ops->fp8_rows(e->ops, lw->eng_table, lw->eng_table_scale, ids, M * ncols, ehd, rows);
+    free(ids);
+    e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, DS41_OUT_BF16);
+    e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
     free(rows);
     free(kv);
     return 0;
@@ -322,6 +350,7 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
     b.item_pos0 = malloc(n_items * sizeof *b.item_pos0);
     b.row_item = malloc(M * sizeof *b.row_item);
     b.row_pos = malloc(M * sizeof *b.row_pos);
+    b.row_token = malloc(M * sizeof *b.row_token);
     b.rope_cs = malloc(M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
     b.idx_list = calloc(c->n_roles, sizeof *b.idx_list);
     b.idx_count = calloc(c->n_roles, sizeof *b.idx_count);
@@ -341,7 +370,7 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
     float *br = malloc(M * D * sizeof *br);
     float *lx = malloc((n_logit_rows ? n_logit_rows : 1) * D * sizeof *lx);
     float *lg = malloc((n_logit_rows ? n_logit_rows : 1) * V * sizeof *lg);
-    if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.rope_cs || !b.idx_list || !b.idx_count ||
+    if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.row_token || !b.rope_cs || !b.idx_list || !b.idx_count ||
         !hash_ids || !h || !h2 || !pre_mix || !a_pre || !a_post || !a_comb || !f_post || !f_comb || !x || !xn ||
         !br || !lx || !lg) {
         ds41_fail(err, "forward: out of memory");
@@ -358,12 +387,11 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
     if (nsl && engram_hash(e, &b, hash_ids, err) != 0) goto out;
 
     /* Embedding into every copy; block 0's pre-mix is one-hot copy 0. */
-    for (size_t r = 0; r < M; r++) {
-        const int32_t tok = items[b.row_item[r]].ids[b.row_pos[r] - b.item_pos0[b.row_item[r]]];
-        for (size_t cp = 0; cp < hc; cp++)
-            for (size_t d = 0; d < D; d++) h[(r * hc + cp) * D + d] = ds41_bf16_to_f32(e->w.embed[(size_t)tok * D + d]);
+    for (size_t i = 0, r = 0; i < n_items; i++)
+        for (size_t t = 0; t < items[i].n_ids; t++, r++) b.row_token[r] = items[i].ids[t];
+    ops->embed(ops, e->w.embed, b.row_token, M, (int)hc, D, h);
+    for (size_t r = 0; r < M; r++)
         for (size_t cp = 0; cp < hc; cp++) pre_mix[r * hc + cp] = cp == 0 ? 1.0f : 0.0f;
-    }
 
     for (int L = 0; L < n_layers; L++) {
         const ds41_layer_role *role = &c->roles[L];
@@ -373,26 +401,26 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
         if (role->engram_slot >= 0 && engram_apply(e, &b, L, hash_ids, h, err) != 0) goto out;
 
         /* Attention sub-layer (§2.7 steps 1-2). */
-        ops->hc_mix(lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base, h, M, (int)hc, D, e->norm_eps,
+        ops->hc_mix(ops, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base, h, M, (int)hc, D, e->norm_eps,
                     (int)c->hc_sinkhorn_iters, e->hc_eps, a_pre, a_post, a_comb);
-        ops->hc_pre(h, pre_mix, M, (int)hc, D, x);
-        ops->rmsnorm(lw->attn_norm, x, M, D, e->norm_eps, xn);
+        ops->hc_pre(ops, h, pre_mix, M, (int)hc, D, x);
+        ops->rmsnorm(ops, lw->attn_norm, x, M, D, e->norm_eps, xn);
         if (ds41__attention(e, &b, L, xn, br, err) != 0) goto out;
         report(hooks, &b, DS41_STREAM_ATTN, L, br, D);
-        ops->hc_post(br, h, a_post, a_comb, M, (int)hc, D, h2);
+        ops->hc_post(ops, br, h, a_post, a_comb, M, (int)hc, D, h2);
         float *t = h;
         h = h2;
         h2 = t;
 
         /* FFN sub-layer (steps 3-4): its input uses the attention's pre;
          * its own pre goes to the next block (step 5). */
-        ops->hc_mix(lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base, h, M, (int)hc, D, e->norm_eps,
+        ops->hc_mix(ops, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base, h, M, (int)hc, D, e->norm_eps,
                     (int)c->hc_sinkhorn_iters, e->hc_eps, pre_mix, f_post, f_comb);
-        ops->hc_pre(h, a_pre, M, (int)hc, D, x);
-        ops->rmsnorm(lw->ffn_norm, x, M, D, e->norm_eps, xn);
+        ops->hc_pre(ops, h, a_pre, M, (int)hc, D, x);
+        ops->rmsnorm(ops, lw->ffn_norm, x, M, D, e->norm_eps, xn);
         if (ds41__moe(e, &b, L, xn, br, err) != 0) goto out;
         report(hooks, &b, DS41_STREAM_FFN, L, br, D);
-        ops->hc_post(br, h, f_post, f_comb, M, (int)hc, D, h2);
+        ops->hc_post(ops, br, h, f_post, f_comb, M, (int)hc, D, h2);
         t = h;
         h = h2;
         h2 = t;
@@ -401,7 +429,7 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
 
     /* Final collapse with the last FFN pre, norm, fp32 head (§2.6-2.7). */
     if (n_logit_rows) {
-        ops->hc_pre(h, pre_mix, M, (int)hc, D, x);
+        ops->hc_pre(ops, h, pre_mix, M, (int)hc, D, x);
         size_t k = 0;
         for (size_t i = 0; i < n_items; i++) {
             if (!items[i].logits) continue;
@@ -414,8 +442,8 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
             ds41_fail(err, "forward: out of memory");
             goto out;
         }
-        ops->rmsnorm(e->w.norm, lx, n_logit_rows, D, e->norm_eps, normed);
-        ops->linear(&e->w.head, normed, n_logit_rows, lg, DS41_OUT_F32);
+        ops->rmsnorm(ops, e->w.norm, lx, n_logit_rows, D, e->norm_eps, normed);
+        ops->linear(ops, &e->w.head, normed, n_logit_rows, lg, DS41_OUT_F32);
         free(normed);
         k = 0;
         for (size_t i = 0; i < n_items; i++) {
@@ -441,6 +469,7 @@ out:
     free(b.item_pos0);
     free(b.row_item);
     free(b.row_pos);
+    free(b.row_token);
     free(b.rope_cs);
     free(hash_ids);
     free(h);

@@ -22,12 +22,21 @@
  * continues, the indexer's visibility and top-k are per query.
  *
  * Thread safety: one ds41_forward call at a time per engine (it uses the
- * engine's scratch); an engine is otherwise immutable after load. */
+ * engine's scratch and its backend's); an engine is otherwise immutable after
+ * load.
+ *
+ * Modes: the reference mode (opts.reference) is the canonical arithmetic of
+ * REFERENCE §10, bit-exact against the numpy reference; the default is the
+ * fast CPU backend (engine/ops_fast.h): threads and SIMD, the same rounding
+ * points, fp32 sums in its own fixed order, checked layer by layer against
+ * the reference.  In both, a sequence's results do not depend on how its
+ * tokens are chunked or what shares its batch. */
 #ifndef DS41_ENGINE_FORWARD_H
 #define DS41_ENGINE_FORWARD_H
 
 #include "config/error.h"
 #include "config/model_config.h"
+#include "engine/backend.h"
 #include "engine/kv_cache.h"
 #include "engine/ops.h"
 #include "engine/weights.h"
@@ -39,17 +48,23 @@
 typedef struct ds41_engine ds41_engine;
 
 typedef struct ds41_engine_opts {
-    /* Use the canonical reference arithmetic (REFERENCE §10): the
-     * ds41_ops_reference backend, whatever `backend` says. */
+    /* Use the canonical reference arithmetic (REFERENCE §10): the reference
+     * backend, whatever `backend` says. */
     bool reference;
-    /* The op backend when !reference; NULL = ds41_ops_reference (the only
-     * backend so far).  Not owned; must outlive the engine. */
-    const ds41_ops *backend;
+    /* The backend (engine/backend.h) when !reference; NULL = the fast CPU
+     * backend made with `cpu`.  A backend given here belongs to the engine
+     * from the call on (freed with it, and when the load fails or reference
+     * is set). */
+    ds41_backend *backend;
+    /* Options of the fast CPU backend (threads, pinning, SIMD level cap);
+     * zero-initialised = defaults. */
+    ds41_cpu_opts cpu;
 } ds41_engine_opts;
 
 /* Load DIR (a checkpoint in the Hugging Face release layout: shards + index
  * or model.safetensors, inference/config.json, tokenizer.json when the
- * config has Engram layers).  opts may be NULL (defaults).  Errors name the
+ * config has Engram layers).  opts may be NULL (defaults: the fast CPU
+ * backend with one thread per CPU).  Errors name the
  * file, key or tensor at fault: config invalid, a tensor missing or of the
  * wrong dtype/shape, engram_num_embeddings not matching the prime layout,
  * the tokenizer's compressed token map not matching
@@ -64,6 +79,8 @@ void ds41_engine_free(ds41_engine *e);
 const ds41_model_config *ds41_engine_config(const ds41_engine *e);
 const ds41_weights *ds41_engine_weights(const ds41_engine *e);
 const ds41_ops *ds41_engine_ops(const ds41_engine *e);
+/* The engine's backend (owned by the engine): its counters, level, threads. */
+ds41_backend *ds41_engine_backend(const ds41_engine *e);
 
 /* A KV pool for this engine's config (see ds41_kv_pool_new). */
 ds41_kv_pool *ds41_engine_new_pool(const ds41_engine *e, uint64_t budget_bytes, uint32_t entries_per_page,

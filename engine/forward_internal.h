@@ -11,7 +11,9 @@ struct ds41_engine {
     ds41_model_config cfg;
     ds41_checkpoint *ckpt;
     ds41_weights w;
-    const ds41_ops *ops;
+    ds41_backend *be;
+    const ds41_ops *ops; /* &be->ops */
+    int placed;          /* be->place_weights succeeded */
 
     /* Engram */
     int32_t *token_map; /* [n_map] compressed id of each token id */
@@ -39,6 +41,7 @@ typedef struct fwd_batch {
     uint64_t *item_pos0;      /* [n_items] position of that row */
     size_t *row_item;         /* [M] */
     uint64_t *row_pos;        /* [M] absolute position */
+    int32_t *row_token;       /* [M] token id */
     float *rope_cs;           /* [M][rope_head_dim] cos/sin of the current layer at each row's position */
     int rope_layer;           /* layer rope_cs was computed for, -1 none */
 

@@ -17,62 +17,107 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     const size_t M = b->M, D = (size_t)c->dim, I = (size_t)c->moe_inter_dim;
     const size_t SI = I * (size_t)c->n_shared_experts;
     const int E = (int)role->n_experts, k = (int)role->n_active_experts;
+    const size_t total = M * (size_t)k; /* routed (token, expert) pairs */
+    const size_t hid = SI > I ? SI : I;
     int rc = 0;
 
     float *logits = malloc(M * (size_t)E * sizeof *logits);
     int32_t *sel = malloc(M * (size_t)k * sizeof *sel);
     float *wts = malloc(M * (size_t)k * sizeof *wts);
     float *y = malloc(M * D * sizeof *y);
-    float *xe = malloc(M * D * sizeof *xe);
-    float *route = malloc(M * sizeof *route);
-    size_t *rows = malloc(M * sizeof *rows);
-    size_t hid = SI > I ? SI : I;
-    float *g = malloc(M * hid * sizeof *g);
-    float *u = malloc(M * hid * sizeof *u);
-    float *h = malloc(M * hid * sizeof *h);
-    float *oe = malloc(M * D * sizeof *oe);
-    if (!logits || !sel || !wts || !y || !xe || !route || !rows || !g || !u || !h || !oe) {
+    size_t *count = calloc((size_t)E, sizeof *count), *first = malloc((size_t)E * sizeof *first);
+    /* Every expert's rows gathered one after the other (expert order), then
+     * the shared expert's M rows. */
+    float *xe = malloc(total * D * sizeof *xe);
+    float *route = malloc(total * sizeof *route);
+    size_t *rows = malloc(total * sizeof *rows);
+    float *g = malloc((total + M) * hid * sizeof *g);
+    float *u = malloc((total + M) * hid * sizeof *u);
+    float *h = malloc((total + M) * hid * sizeof *h);
+    float *oe = malloc((total + M) * D * sizeof *oe);
+    const size_t nl = 2 * ((size_t)E + 1);
+    const ds41_linear **lin = malloc(nl * sizeof *lin);
+    const float **lx = malloc(nl * sizeof *lx);
+    float **ly = malloc(nl * sizeof *ly);
+    size_t *lm = malloc(nl * sizeof *lm);
+    if (!logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
+        !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
 
     /* Router: fp32 matmul against the (exactly upcast) bf16 gate weight. */
-    ops->linear(&lw->gate, xn, M, logits, DS41_OUT_F32);
+    ops->linear(ops, &lw->gate, xn, M, logits, DS41_OUT_F32);
     if (e->gate_temp != 1.0f)
         for (size_t i = 0; i < M * (size_t)E; i++) logits[i] = logits[i] / e->gate_temp;
-    ops->router(logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
+    ops->router(ops, logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
 
-    for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
-    for (int ex = 0; ex < E; ex++) {
+    /* Gather: expert by expert in increasing id, its tokens in row order. */
+    for (size_t i = 0; i < total; i++) count[sel[i]]++;
+    for (int ex = 0, at = 0; ex < E; ex++) {
+        first[ex] = (size_t)at;
+        at += (int)count[ex];
+    }
+    {
         size_t n = 0;
-        for (size_t r = 0; r < M; r++)
-            for (int j = 0; j < k; j++)
-                if (sel[r * (size_t)k + (size_t)j] == ex) {
-                    rows[n] = r;
-                    route[n] = wts[r * (size_t)k + (size_t)j];
-                    memcpy(xe + n * D, xn + r * D, D * sizeof *xe);
-                    n++;
-                }
-        if (n == 0) continue;
-        ops->linear(&lw->w1[ex], xe, n, g, DS41_OUT_BF16);
-        ops->linear(&lw->w3[ex], xe, n, u, DS41_OUT_BF16);
-        ops->swiglu(g, u, n, I, e->swiglu_limit, route, h);
-        ops->linear(&lw->w2[ex], h, n, oe, DS41_OUT_BF16);
-        for (size_t i = 0; i < n; i++) {
-            float *yr = y + rows[i] * D;
-            for (size_t d = 0; d < D; d++) yr[d] = yr[d] + oe[i * D + d];
+        for (int ex = 0; ex < E; ex++)
+            for (size_t r = 0; r < M; r++)
+                for (int j = 0; j < k; j++)
+                    if (sel[r * (size_t)k + (size_t)j] == ex) {
+                        rows[n] = r;
+                        route[n] = wts[r * (size_t)k + (size_t)j];
+                        memcpy(xe + n * D, xn + r * D, D * sizeof *xe);
+                        n++;
+                    }
+    }
+    const size_t sh = total; /* row offset of the shared expert in g/u/h/oe */
+
+    /* w1 and w3 of every used expert and of the shared expert: one batch. */
+    size_t n_lin = 0;
+    for (int ex = 0; ex < E; ex++) {
+        if (!count[ex]) continue;
+        for (int which = 0; which < 2; which++) {
+            lin[n_lin] = which ? &lw->w3[ex] : &lw->w1[ex];
+            lx[n_lin] = xe + first[ex] * D;
+            ly[n_lin] = (which ? u : g) + first[ex] * hid;
+            lm[n_lin++] = count[ex];
         }
     }
-    ops->linear(&lw->sh_w1, xn, M, g, DS41_OUT_BF16);
-    ops->linear(&lw->sh_w3, xn, M, u, DS41_OUT_BF16);
-    ops->swiglu(g, u, M, SI, e->swiglu_limit, NULL, h);
-    ops->linear(&lw->sh_w2, h, M, oe, DS41_OUT_BF16);
-    for (size_t i = 0; i < M * D; i++) out[i] = ds41_bf16_round(y[i] + oe[i]);
+    lin[n_lin] = &lw->sh_w1, lx[n_lin] = xn, ly[n_lin] = g + sh * hid, lm[n_lin++] = M;
+    lin[n_lin] = &lw->sh_w3, lx[n_lin] = xn, ly[n_lin] = u + sh * hid, lm[n_lin++] = M;
+    /* Each output is a compact [rows][width] block at its expert's offset
+     * (first * hid >= the previous block's rows * I: no overlap). */
+    ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
+    for (int ex = 0; ex < E; ex++)
+        if (count[ex])
+            ops->swiglu(ops, g + first[ex] * hid, u + first[ex] * hid, count[ex], I, e->swiglu_limit, route + first[ex],
+                        h + first[ex] * hid);
+    ops->swiglu(ops, g + sh * hid, u + sh * hid, M, SI, e->swiglu_limit, NULL, h + sh * hid);
+
+    /* w2 of every used expert and of the shared expert: one batch. */
+    n_lin = 0;
+    for (int ex = 0; ex < E; ex++) {
+        if (!count[ex]) continue;
+        lin[n_lin] = &lw->w2[ex], lx[n_lin] = h + first[ex] * hid, ly[n_lin] = oe + first[ex] * D;
+        lm[n_lin++] = count[ex];
+    }
+    lin[n_lin] = &lw->sh_w2, lx[n_lin] = h + sh * hid, ly[n_lin] = oe + sh * D, lm[n_lin++] = M;
+    ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
+
+    /* Combine in fp32: routed experts in increasing id, then the shared one. */
+    for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
+    for (size_t i = 0; i < total; i++) {
+        float *yr = y + rows[i] * D;
+        for (size_t d = 0; d < D; d++) yr[d] = yr[d] + oe[i * D + d];
+    }
+    for (size_t i = 0; i < M * D; i++) out[i] = ds41_bf16_round(y[i] + oe[sh * D + i]);
 out:
     free(logits);
     free(sel);
     free(wts);
     free(y);
+    free(count);
+    free(first);
     free(xe);
     free(route);
     free(rows);
@@ -80,5 +125,9 @@ out:
     free(u);
     free(h);
     free(oe);
+    free(lin);
+    free(lx);
+    free(ly);
+    free(lm);
     return rc;
 }

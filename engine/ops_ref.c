@@ -83,7 +83,8 @@ static void linear_quant(const ds41_linear *w, const float *x, size_t M, float *
     free(sbytes);
 }
 
-static void ref_linear(const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out) {
+static void ref_linear(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out) {
+    (void)self;
     if (w->kind == DS41_LINEAR_FP8 || w->kind == DS41_LINEAR_FP4) {
         linear_quant(w, x, M, y);
         return;
@@ -96,9 +97,16 @@ static void ref_linear(const ds41_linear *w, const float *x, size_t M, float *y,
         }
 }
 
+static void ref_linear_batch(const ds41_ops *self, size_t n, const ds41_linear *const *ws, const float *const *xs,
+                             const size_t *Ms, float *const *ys, ds41_linear_out out) {
+    for (size_t i = 0; i < n; i++)
+        if (Ms[i]) ref_linear(self, ws[i], xs[i], Ms[i], ys[i], out);
+}
+
 /* ---- norms and hyper-connections ---------------------------------------------- */
 
-static void ref_rmsnorm(const uint16_t *w, const float *x, size_t M, size_t n, float eps, float *y) {
+static void ref_rmsnorm(const ds41_ops *self, const uint16_t *w, const float *x, size_t M, size_t n, float eps, float *y) {
+    (void)self;
     for (size_t m = 0; m < M; m++) {
         const float *xr = x + m * n;
         const float ms = ds41_mean_sq_f32(xr, n);
@@ -154,8 +162,9 @@ static void sinkhorn(const float *mix, const float *scale, const float *base, in
     }
 }
 
-static void ref_hc_mix(const float *fn, const float *scale, const float *base, const float *h, size_t M, int hc,
+static void ref_hc_mix(const ds41_ops *self, const float *fn, const float *scale, const float *base, const float *h, size_t M, int hc,
                        size_t dim, float norm_eps, int iters, float hc_eps, float *pre, float *post, float *comb) {
+    (void)self;
     const size_t n = (size_t)hc * dim;
     const int n_mix = (2 + hc) * hc;
     float *mix = scratch((size_t)n_mix * sizeof *mix);
@@ -170,7 +179,8 @@ static void ref_hc_mix(const float *fn, const float *scale, const float *base, c
     free(mix);
 }
 
-static void ref_hc_pre(const float *h, const float *pre, size_t M, int hc, size_t dim, float *out) {
+static void ref_hc_pre(const ds41_ops *self, const float *h, const float *pre, size_t M, int hc, size_t dim, float *out) {
+    (void)self;
     for (size_t m = 0; m < M; m++) {
         const float *hr = h + m * (size_t)hc * dim;
         const float *p = pre + m * (size_t)hc;
@@ -185,8 +195,9 @@ static void ref_hc_pre(const float *h, const float *pre, size_t M, int hc, size_
     }
 }
 
-static void ref_hc_post(const float *o, const float *h, const float *post, const float *comb, size_t M, int hc,
+static void ref_hc_post(const ds41_ops *self, const float *o, const float *h, const float *post, const float *comb, size_t M, int hc,
                         size_t dim, float *out) {
+    (void)self;
     for (size_t m = 0; m < M; m++) {
         const float *hr = h + m * (size_t)hc * dim;
         const float *cm = comb + m * (size_t)hc * (size_t)hc;
@@ -206,7 +217,8 @@ static void ref_hc_post(const float *o, const float *h, const float *post, const
     }
 }
 
-static void ref_rope(float *x, int n_pairs, const float *cs, int inverse) {
+static void ref_rope(const ds41_ops *self, float *x, int n_pairs, const float *cs, int inverse) {
+    (void)self;
     ds41_rope_apply(x, n_pairs, cs, inverse);
 }
 
@@ -217,8 +229,9 @@ static float relu(float s) {
     return s > 0.0f ? s : 0.0f;
 }
 
-static void ref_index_scores(const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
+static void ref_index_scores(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
                              const uint8_t *const *keys, size_t n_keys, float *out) {
+    (void)self;
     float *key = scratch((size_t)dim * sizeof *key);
     float *terms = scratch((size_t)n_heads * sizeof *terms);
     for (size_t t = 0; t < n_keys; t++) {
@@ -235,8 +248,9 @@ static void ref_index_scores(const float *q, const float *w, int n_heads, int di
 
 #define ATTN_CHUNK 64
 
-static void ref_sparse_attn(const float *q, int n_heads, int head_dim, const float *sink, float scale,
+static void ref_sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim, const float *sink, float scale,
                             const ds41_attn_rows *rows, float *out) {
+    (void)self;
     const size_t hd = (size_t)head_dim, H = (size_t)n_heads;
     const size_t total = rows->n_window + rows->n_comp;
     float *kv = scratch(ATTN_CHUNK * hd * sizeof *kv);
@@ -296,8 +310,9 @@ static void ref_sparse_attn(const float *q, int n_heads, int head_dim, const flo
 
 /* ---- MoE ------------------------------------------------------------------------------ */
 
-static void ref_swiglu(const float *g, const float *u, size_t M, size_t n, float limit, const float *route,
+static void ref_swiglu(const ds41_ops *self, const float *g, const float *u, size_t M, size_t n, float limit, const float *route,
                        float *out) {
+    (void)self;
     for (size_t m = 0; m < M; m++)
         for (size_t i = 0; i < n; i++) {
             float gv = g[m * n + i], uv = u[m * n + i];
@@ -311,8 +326,9 @@ static void ref_swiglu(const float *g, const float *u, size_t M, size_t n, float
         }
 }
 
-static void ref_router(const float *logits, const float *bias, size_t M, int E, int k, float route_scale,
+static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale,
                        int32_t *sel, float *weight) {
+    (void)self;
     float *score = scratch((size_t)E * sizeof *score);
     float *biased = scratch((size_t)E * sizeof *biased);
     unsigned char *taken = scratch((size_t)E);
@@ -347,8 +363,9 @@ static void ref_router(const float *logits, const float *bias, size_t M, int E, 
 
 /* ---- Engram ------------------------------------------------------------------------------ */
 
-static void ref_engram_mix(float *h, const float *kv, const float *wqk, size_t M, int hc, size_t dim, float eps,
+static void ref_engram_mix(const ds41_ops *self, float *h, const float *kv, const float *wqk, size_t M, int hc, size_t dim, float eps,
                            float dim_scale) {
+    (void)self;
     double *terms = scratch(dim * sizeof *terms);
     for (size_t m = 0; m < M; m++) {
         const float *kvr = kv + m * (size_t)(hc + 1) * dim;
@@ -380,9 +397,32 @@ static void ref_engram_mix(float *h, const float *kv, const float *wqk, size_t M
     free(terms);
 }
 
+/* ---- gathers ------------------------------------------------------------------------------ */
+
+static void ref_embed(const ds41_ops *self, const uint16_t *table, const int32_t *ids, size_t M, int hc, size_t dim,
+                      float *out) {
+    (void)self;
+    for (size_t r = 0; r < M; r++)
+        for (size_t cp = 0; cp < (size_t)hc; cp++)
+            for (size_t d = 0; d < dim; d++)
+                out[(r * (size_t)hc + cp) * dim + d] = ds41_bf16_to_f32(table[(size_t)ids[r] * dim + d]);
+}
+
+static void ref_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t *scale, const int64_t *rows, size_t n,
+                         size_t cols, float *out) {
+    (void)self;
+    const size_t sc = (cols + 31) / 32;
+    for (size_t i = 0; i < n; i++) {
+        float *dst = out + i * cols;
+        ds41_dequant_fp8_rows_1x32(q + (size_t)rows[i] * cols, scale + (size_t)rows[i] * sc, 1, cols, dst);
+        for (size_t c = 0; c < cols; c++) dst[c] = ds41_bf16_round(dst[c]);
+    }
+}
+
 const ds41_ops ds41_ops_reference = {
     .name = "reference",
     .linear = ref_linear,
+    .linear_batch = ref_linear_batch,
     .rmsnorm = ref_rmsnorm,
     .hc_mix = ref_hc_mix,
     .hc_pre = ref_hc_pre,
@@ -393,4 +433,6 @@ const ds41_ops ds41_ops_reference = {
     .swiglu = ref_swiglu,
     .router = ref_router,
     .engram_mix = ref_engram_mix,
+    .embed = ref_embed,
+    .fp8_rows = ref_fp8_rows,
 };

@@ -41,7 +41,8 @@ auth:
   admin_group: null
 state_directory: $state
 engine:
-  mode: reference
+  mode: fast
+  threads: 2
   max_sequences: 32
   max_batch_tokens: 512
   prefill_chunk: 64

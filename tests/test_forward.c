@@ -22,6 +22,9 @@
 
 static char root[3000];
 
+/* This file tests the reference mode (the fast path: test_fast_forward.c). */
+static const ds41_engine_opts ref_opts = {.reference = true};
+
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
     (void)sb;
     (void)flag;
@@ -352,14 +355,15 @@ static void test_hooks(ds41_engine *e) {
 /* A backend that wraps the reference and counts calls: the forward pass
  * goes through the op table (the seam for the fast CPU and CUDA backends). */
 static long counted_linear, counted_attn;
-static void counting_linear(const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out) {
+static void counting_linear(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y,
+                            ds41_linear_out out) {
     counted_linear++;
-    ds41_ops_reference.linear(w, x, M, y, out);
+    ds41_ops_reference.linear(self, w, x, M, y, out);
 }
-static void counting_attn(const float *q, int n_heads, int head_dim, const float *sink, float scale,
-                          const ds41_attn_rows *rows, float *out) {
+static void counting_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim, const float *sink,
+                          float scale, const ds41_attn_rows *rows, float *out) {
     counted_attn++;
-    ds41_ops_reference.sparse_attn(q, n_heads, head_dim, sink, scale, rows, out);
+    ds41_ops_reference.sparse_attn(self, q, n_heads, head_dim, sink, scale, rows, out);
 }
 
 static void test_backend(const char *dir) {
@@ -367,9 +371,9 @@ static void test_backend(const char *dir) {
     counting.name = "counting";
     counting.linear = counting_linear;
     counting.sparse_attn = counting_attn;
-    ds41_engine_opts opts = {.reference = false, .backend = &counting};
     ds41_error err;
-    ds41_engine *a = ds41_engine_load(dir, NULL, &err), *b = ds41_engine_load(dir, &opts, &err);
+    ds41_engine_opts opts = {.reference = false, .backend = ds41_backend_from_ops(&counting, &err)};
+    ds41_engine *a = ds41_engine_load(dir, &ref_opts, &err), *b = ds41_engine_load(dir, &opts, &err);
     int ok = a && b && strcmp(ds41_engine_ops(b)->name, "counting") == 0;
     const size_t V = ok ? (size_t)ds41_engine_config(a)->vocab_size : 1;
     float *la = malloc(4 * V * sizeof *la), *lb = malloc(4 * V * sizeof *lb);
@@ -417,17 +421,17 @@ static void test_load_errors(const char *dir) {
     ds41_error err;
     /* Layer 3 as an extra index source: its indexer tensors are missing. */
     int ok = edit_config(dir, "index_source_layers", "[2, 3, 5, 7]") == 0;
-    ds41_engine *e = ds41_engine_load(dir, NULL, &err);
+    ds41_engine *e = ds41_engine_load(dir, &ref_opts, &err);
     TAP_CHECK(ok && !e && strstr(err.msg, "layers.3.attn.indexer.wq_b.weight") && strstr(err.msg, "missing"),
               "load names a missing tensor (%s)", err.msg);
     ds41_engine_free(e);
     ok = edit_config(dir, "index_source_layers", "[2, 5, 7]") == 0 && edit_config(dir, "q_lora_rank", "96") == 0;
-    e = ds41_engine_load(dir, NULL, &err);
+    e = ds41_engine_load(dir, &ref_opts, &err);
     TAP_CHECK(ok && !e && strstr(err.msg, "shape") && strstr(err.msg, "attn.q_norm.weight"),
               "load names a tensor with the wrong shape (%s)", err.msg);
     ds41_engine_free(e);
     ok = edit_config(dir, "q_lora_rank", "64") == 0 && edit_config(dir, "engram_compressed_vocab_size", "5") == 0;
-    e = ds41_engine_load(dir, NULL, &err);
+    e = ds41_engine_load(dir, &ref_opts, &err);
     TAP_CHECK(ok && !e && strstr(err.msg, "engram_compressed_vocab_size"),
               "load checks the tokenizer's Engram token map against the config (%s)", err.msg);
     ds41_engine_free(e);
@@ -441,7 +445,7 @@ static ds41_engine *make(const char *preset, uint64_t seed, char *dir_out) {
         TAP_NOTE("generate %s: %s", preset, err.msg);
         return NULL;
     }
-    ds41_engine *e = ds41_engine_load(dir_out, NULL, &err);
+    ds41_engine *e = ds41_engine_load(dir_out, &ref_opts, &err);
     if (!e) TAP_NOTE("load %s: %s", preset, err.msg);
     return e;
 }
@@ -486,7 +490,7 @@ int main(void) {
         ds41_model_config cfg;
         const int generated = ds41_model_generate(dir, &o, &cfg, &err) == 0;
         int ok = generated;
-        ds41_engine *ve = ok ? ds41_engine_load(dir, NULL, &err) : NULL;
+        ds41_engine *ve = ok ? ds41_engine_load(dir, &ref_opts, &err) : NULL;
         ds41_tensor_plan plan = {0};
         ok = ok && ve && ds41_tensor_plan_build(&cfg, &plan, &err) == 0;
         size_t n_vision = 0, n_dspark = 0;

@@ -52,7 +52,7 @@ static void test_linear(void) {
     memcpy(xq, x, sizeof x);
     for (size_t m = 0; m < M; m++) ds41_act_quant_qdq(xq + m * K, K);
     ds41_linear lf8 = {.kind = DS41_LINEAR_FP8, .n = N, .k = K, .q = q, .scale = sc, .scale_cols = 3};
-    ops->linear(&lf8, x, M, y, DS41_OUT_BF16);
+    ops->linear(ops, &lf8, x, M, y, DS41_OUT_BF16);
     int ok = 1, exact_bf16 = 1;
     for (size_t m = 0; m < M; m++)
         for (size_t n = 0; n < N; n++) {
@@ -82,7 +82,7 @@ static void test_linear(void) {
     ds41_quant_fp4_weight(w, N, K, q4, sc4);
     ds41_dequant_fp4_weight(q4, sc4, N, K, wd);
     ds41_linear lf4 = {.kind = DS41_LINEAR_FP4, .n = N, .k = K, .q = q4, .scale = sc4, .scale_cols = 3};
-    ops->linear(&lf4, x, M, y, DS41_OUT_BF16);
+    ops->linear(ops, &lf4, x, M, y, DS41_OUT_BF16);
     ok = 1;
     for (size_t m = 0; m < M; m++)
         for (size_t n = 0; n < N; n++) {
@@ -97,8 +97,8 @@ static void test_linear(void) {
     for (size_t i = 0; i < N * K; i++) wb[i] = ds41_bf16_bits(w[i]);
     ds41_linear lb = {.kind = DS41_LINEAR_BF16, .n = N, .k = K, .bf16 = wb};
     static float y32[M * N];
-    ops->linear(&lb, x, M, y, DS41_OUT_BF16);
-    ops->linear(&lb, x, M, y32, DS41_OUT_F32);
+    ops->linear(ops, &lb, x, M, y, DS41_OUT_BF16);
+    ops->linear(ops, &lb, x, M, y32, DS41_OUT_F32);
     ok = 1;
     for (size_t m = 0; m < M; m++)
         for (size_t n = 0; n < N; n++) {
@@ -114,7 +114,7 @@ static void test_rmsnorm(void) {
     uint16_t w[n];
     fill_bf16(x, n, 3.0);
     for (int i = 0; i < n; i++) w[i] = ds41_bf16_bits((float)(1.0 + 0.5 * urand()));
-    ops->rmsnorm(w, x, 1, n, 1e-20f, y);
+    ops->rmsnorm(ops, w, x, 1, n, 1e-20f, y);
     double ms = 0;
     for (int i = 0; i < n; i++) ms += (double)x[i] * x[i];
     ms /= n;
@@ -122,7 +122,7 @@ static void test_rmsnorm(void) {
     for (int i = 0; i < n; i++) ok &= close_bf16(y[i], ds41_bf16_to_f32(w[i]) * x[i] / sqrt(ms), 1.01, 1e-30);
     TAP_CHECK(ok, "rmsnorm = w x / sqrt(mean x^2) within one bf16 ulp");
     float zero[n] = {0}, yz[n];
-    ops->rmsnorm(w, zero, 1, n, 1e-20f, yz);
+    ops->rmsnorm(ops, w, zero, 1, n, 1e-20f, yz);
     int allz = 1;
     for (int i = 0; i < n; i++) allz &= yz[i] == 0.0f;
     TAP_CHECK(allz, "rmsnorm of zeros is zero (eps 1e-20 keeps rsqrt finite)");
@@ -135,7 +135,7 @@ static void test_hc(void) {
     for (size_t i = 0; i < NM * hc * D; i++) fn[i] = (float)(urand() * 0.05);
     for (int i = 0; i < NM; i++) base[i] = (float)urand();
     fill_bf16(h, hc * D, 1.0);
-    ops->hc_mix(fn, scale, base, h, 1, hc, D, 1e-20f, 20, 1e-6f, pre, post, comb);
+    ops->hc_mix(ops, fn, scale, base, h, 1, hc, D, 1e-20f, 20, 1e-6f, pre, post, comb);
     int ok = 1;
     for (int j = 0; j < hc; j++) {
         double cs = 0;
@@ -160,10 +160,10 @@ static void test_hc(void) {
     TAP_CHECK(ok_range && bits(pre[0]) == bits(want0), "pre = sigmoid(mix * scale + base) + eps exactly, post in (0, 2)");
 
     float onehot[hc] = {1, 0, 0, 0};
-    ops->hc_pre(h, onehot, 1, hc, D, x);
+    ops->hc_pre(ops, h, onehot, 1, hc, D, x);
     TAP_CHECK(memcmp(x, h, sizeof x) == 0, "hc_pre with the one-hot start selects copy 0");
     float p4[hc] = {0.25f, 0.25f, 0.25f, 0.25f};
-    ops->hc_pre(h, p4, 1, hc, D, x);
+    ops->hc_pre(ops, h, p4, 1, hc, D, x);
     int ok_pre = 1;
     for (int d = 0; d < D; d++) {
         float a = 0.25f * h[d];
@@ -173,7 +173,7 @@ static void test_hc(void) {
     TAP_CHECK(ok_pre, "hc_pre: ((p0 x0 + p1 x1) + p2 x2) + p3 x3, bf16");
 
     fill_bf16(o, D, 1.0);
-    ops->hc_post(o, h, post, comb, 1, hc, D, out);
+    ops->hc_post(ops, o, h, post, comb, 1, hc, D, out);
     int ok_post = 1;
     for (int j = 0; j < hc; j++)
         for (int d = 0; d < D; d++) {
@@ -218,7 +218,7 @@ static void test_attention(void) {
     float sink[H] = {0.3f, -2.0f, 1.5f};
     const float scale = (float)pow(64.0, -0.5);
     ds41_attn_rows rows = {.layout = &lay, .n_window = NW, .window = wp, .n_comp = NC, .comp = cp};
-    ops->sparse_attn(q, H, hd, sink, scale, &rows, out);
+    ops->sparse_attn(ops, q, H, hd, sink, scale, &rows, out);
     int ok = 1;
     for (int h = 0; h < H; h++) {
         double z[NW + NC], mx = -1e300, den = 0;
@@ -243,12 +243,12 @@ static void test_attention(void) {
     /* A single row and a very negative sink: the output is that row. */
     ds41_attn_rows one = {.layout = &lay, .n_window = 1, .window = wp};
     float sink_low[H] = {-1e30f, -1e30f, -1e30f};
-    ops->sparse_attn(q, H, hd, sink_low, scale, &one, out);
+    ops->sparse_attn(ops, q, H, hd, sink_low, scale, &one, out);
     TAP_CHECK(memcmp(out, vals[0], hd * sizeof(float)) == 0, "one row, no sink mass: the output is the row exactly");
 
     /* The sink only adds to the denominator: a large sink shrinks the output. */
     float sink_hi[H] = {30.0f, 30.0f, 30.0f};
-    ops->sparse_attn(q, H, hd, sink_hi, scale, &one, out);
+    ops->sparse_attn(ops, q, H, hd, sink_hi, scale, &one, out);
     int tiny = 1;
     for (int d = 0; d < hd; d++) tiny &= fabsf(out[d]) < 1e-9f;
     TAP_CHECK(tiny, "a large sink takes the probability mass (numerator unchanged)");
@@ -261,7 +261,7 @@ static void test_attention(void) {
     for (int h = 0; h < NH; h++) iw[h] = bfr(urand() / 64.0);
     const uint8_t *keys[NC];
     for (int j = 0; j < NC; j++) keys[j] = ent[j];
-    ops->index_scores(iq, iw, NH, ID, &lay, keys, NC, sc);
+    ops->index_scores(ops, iq, iw, NH, ID, &lay, keys, NC, sc);
     int ok_idx = 1;
     for (int j = 0; j < NC; j++) {
         float k[ID];
@@ -283,7 +283,7 @@ static void test_moe_parts(void) {
     float bias[E] = {0, 0, 0, 0, 10.0f, 0};
     int32_t sel[K];
     float w[K];
-    ops->router(logits, bias, 1, E, K, 1.5f, sel, w);
+    ops->router(ops, logits, bias, 1, E, K, 1.5f, sel, w);
     TAP_CHECK(sel[0] == 4 && sel[1] == 5 && sel[2] == 1, "router: bias only selects, ties go to the lower id (got %d %d %d)",
               sel[0], sel[1], sel[2]);
     float s4 = ds41_rm_sqrt(ds41_rm_softplus(-1.0f)), s5 = ds41_rm_sqrt(ds41_rm_softplus(3.0f)),
@@ -294,16 +294,16 @@ static void test_moe_parts(void) {
               "router weights: unbiased sqrt(softplus), normalised in choice order, times route_scale");
     float w1[1];
     int32_t sel1[1];
-    ops->router(logits, bias, 1, E, 1, 1.5f, sel1, w1);
+    ops->router(ops, logits, bias, 1, E, 1, 1.5f, sel1, w1);
     TAP_CHECK(sel1[0] == 4 && bits(w1[0]) == bits(s4 * 1.5f), "router with k = 1: no normalisation, route_scale applied");
 
     float g[4] = {12.0f, -3.0f, 1.0f, 0.5f}, u[4] = {20.0f, -30.0f, 2.0f, -1.0f}, route[1] = {0.5f}, h[4];
-    ops->swiglu(g, u, 1, 4, 10.0f, route, h);
+    ops->swiglu(ops, g, u, 1, 4, 10.0f, route, h);
     float want0 = ds41_bf16_round(0.5f * (ds41_rm_silu(10.0f) * 10.0f));
     float want1 = ds41_bf16_round(0.5f * (ds41_rm_silu(-3.0f) * -10.0f));
     TAP_CHECK(bits(h[0]) == bits(want0) && bits(h[1]) == bits(want1),
               "swiglu: gate clamped from above, up clamped both ways, route weight before w2");
-    ops->swiglu(g, u, 1, 4, 0.0f, NULL, h);
+    ops->swiglu(ops, g, u, 1, 4, 0.0f, NULL, h);
     TAP_CHECK(bits(h[0]) == bits(ds41_bf16_round(ds41_rm_silu(12.0f) * 20.0f)), "swiglu_limit 0: no clamp");
 }
 
@@ -315,7 +315,7 @@ static void test_engram_mix(void) {
     for (int i = 0; i < hc * D; i++) wqk[i] = (float)(1.0 + 0.1 * urand());
     memcpy(h0, h, sizeof h);
     const float ds = (float)pow(32.0, -0.5);
-    ops->engram_mix(h, kv, wqk, 1, hc, D, 1e-20f, ds);
+    ops->engram_mix(ops, h, kv, wqk, 1, hc, D, 1e-20f, ds);
     /* Recover each copy's gate from one element and check the formula. */
     int ok = 1;
     for (int c = 0; c < hc; c++) {
@@ -332,7 +332,7 @@ static void test_engram_mix(void) {
     TAP_CHECK(ok, "engram: h + sigmoid(signed sqrt of the normalised dot) * value, per copy");
     memset(kv + hc * D, 0, D * sizeof(float));
     memcpy(h, h0, sizeof h);
-    ops->engram_mix(h, kv, wqk, 1, hc, D, 1e-20f, ds);
+    ops->engram_mix(ops, h, kv, wqk, 1, hc, D, 1e-20f, ds);
     TAP_CHECK(memcmp(h, h0, sizeof h) == 0, "engram with a zero value leaves the stream unchanged");
 }
 

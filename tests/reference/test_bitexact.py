@@ -274,7 +274,7 @@ def main():
         ck = cks[2]
         ids = ','.join(map(str, make_prompt(ck, 2 * ck.cfg['window_size'] + 5, 400)))
         cd, pd = os.path.join(tmp, 'c.dump'), os.path.join(tmp, 'p.dump')
-        run([EVAL, '--model', ck.path, '--ids', ids, '--decode', '3', '--chunk', '4', '--out',
+        run([EVAL, '--model', ck.path, '--ids', ids, '--decode', '3', '--chunk', '4', '--reference', '--out',
              os.path.join(tmp, 'c.json'), '--dump', cd])
         run([PY, REF, '--model', ck.path, '--ids', ids, '--decode', '3', '--out', os.path.join(tmp, 'p.json'),
              '--dump', pd])

@@ -1,0 +1,176 @@
+#!/usr/bin/python3
+"""TAP: the fast CPU path checked layer by layer against the numpy reference (REFERENCE.md §10).
+
+`ds41-eval` (default mode: the fast path) dumps its own per-layer streams (§10.1); `ds41_ref.py
+--layer-check` replays the sequence feeding every block the dumped input stream and pre-mix, and
+compares each block's output per row (max |Δ| / max |ref|).  Acceptance: worst row ≤ 2e-2 and
+per-layer median ≤ 5e-3 for every block (the report's `pass`), logits ≤ 2e-2.
+
+Checkpoints: ds41-mkmodel `tiny` and `long` at several seeds, and gen_ckpt.py `wide` (an independent
+generator with other constants).  Prompts wrap the window, fill index_topk and pass the candidate
+budget; 4 greedy decode steps follow, and the prompt is fed in chunks on one case.  The best SIMD
+level runs everywhere; the lower levels (avx512, avx2, scalar) on one checkpoint each.
+
+Teeth: builds that skip one bf16 rounding point (DS41_FAST_BREAK, a test-only switch of the fast
+backend: attention probabilities before PV, the SwiGLU output before w2) must fail the check.
+
+Environment: DS41_BUILD_DIR (meson build tree), DS41_LONG_TESTS=1 for more seeds.
+"""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD = os.environ.get('DS41_BUILD_DIR', os.path.join(HERE, '..', '..', 'build'))
+MKMODEL = os.path.join(BUILD, 'daemon', 'ds41-mkmodel')
+EVAL = os.path.join(BUILD, 'daemon', 'ds41-eval')
+REF = os.path.join(HERE, 'ds41_ref.py')
+GEN = os.path.join(HERE, 'gen_ckpt.py')
+PY = sys.executable
+LONG = os.environ.get('DS41_LONG_TESTS') == '1'
+
+n_tests = 0
+n_failed = 0
+
+
+def tap(ok, desc, diag=None):
+    global n_tests, n_failed
+    n_tests += 1
+    print(f"{'ok' if ok else 'not ok'} {n_tests} - {desc}")
+    if not ok:
+        n_failed += 1
+        for line in str(diag or '').splitlines():
+            print(f"# {line}")
+    sys.stdout.flush()
+    return ok
+
+
+def note(msg):
+    print(f"# {msg}")
+    sys.stdout.flush()
+
+
+def run(cmd, env=None, check=True):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {p.returncode}: {p.stderr.strip()[-2000:]}")
+    return p
+
+
+def make_prompt(vocab, n, seed):
+    rnd = random.Random(seed)
+    ids = [rnd.randrange(vocab) for _ in range(n)]
+    if n >= 24:
+        ids[n // 2:n // 2 + 8] = ids[3:11]            # a repeated 8-gram (Engram history)
+        ids[n // 3:n // 3 + 5] = [ids[n // 3]] * 5     # a run of one token (index-score ties)
+    return ids
+
+
+class Ckpt:
+    def __init__(self, path, label):
+        self.path = path
+        self.label = label
+        with open(os.path.join(path, 'inference', 'config.json')) as f:
+            self.cfg = json.load(f)
+
+    def prompt_len(self):
+        c = self.cfg
+        return max(3 * c['window_size'], 2 * c['index_topk'] + 20,
+                   c['candidate_topk_blocks'] * c['candidate_block_size'] + 24)
+
+
+def layer_check(ck, tmp, seed, level=None, brk=None, chunk=None, decode=4):
+    """Dump from ds41-eval, replay in numpy.  Returns (exit status of the check, report or None)."""
+    ids = ','.join(map(str, make_prompt(ck.cfg['vocab_size'], ck.prompt_len(), seed)))
+    dump, out, rep = (os.path.join(tmp, n) for n in ('f.dump', 'f.json', 'rep.json'))
+    env = dict(os.environ)
+    env.pop('DS41_FAST_BREAK', None)
+    if brk:
+        env['DS41_FAST_BREAK'] = brk
+    cmd = [EVAL, '--model', ck.path, '--ids', ids, '--decode', str(decode), '--dump', dump, '--out', out]
+    if level:
+        cmd += ['--cpu', level]
+    if chunk:
+        cmd += ['--chunk', str(chunk)]
+    run(cmd, env=env)
+    p = run([PY, REF, '--model', ck.path, '--layer-check', dump, '--out', rep], check=False)
+    if p.returncode not in (0, 1):
+        raise RuntimeError(f"ds41_ref.py --layer-check exited {p.returncode}: {p.stderr.strip()[-2000:]}")
+    with open(rep) as f:
+        return p.returncode, json.load(f)
+
+
+def summary(rep):
+    worst = max(rep['layers'], key=lambda l: l['out']['max'])
+    med = max(l['out']['median'] for l in rep['layers'])
+    return (f"worst block output {worst['out']['max']:.2e} (layer {worst['layer']}), worst per-layer median "
+            f"{med:.2e}, logits {rep['logits']['max']:.2e}")
+
+
+def check_pass(ck, tmp, seed, level=None, chunk=None):
+    rc, rep = layer_check(ck, tmp, seed, level=level, chunk=chunk)
+    within = all(l['out']['max'] <= 2e-2 and l['out']['median'] <= 5e-3 for l in rep['layers'])
+    ok = rc == 0 and rep['pass'] and within and rep['logits']['max'] <= 2e-2
+    what = f"level {level}" if level else "best level"
+    tap(ok, f"{ck.label}, {what}{', prompt in chunks of %d' % chunk if chunk else ''}: every block within "
+            f"2e-2 (max) / 5e-3 (median), logits within 2e-2: {summary(rep)}",
+        json.dumps(rep['layers'], indent=None)[:3000])
+
+
+def check_fail(ck, tmp, seed, brk):
+    rc, rep = layer_check(ck, tmp, seed, brk=brk)
+    ok = rc == 1 and not rep['pass']
+    tap(ok, f"{ck.label} with DS41_FAST_BREAK={brk} (one bf16 rounding point skipped): the check fails "
+            f"({summary(rep)})")
+
+
+def main():
+    for exe in (MKMODEL, EVAL):
+        if not os.path.exists(exe):
+            print(f"1..0 # SKIP {exe} not built")
+            return 0
+    tmp = tempfile.mkdtemp(prefix='ds41-layercheck-')
+    t0 = time.time()
+    try:
+        cks = {}
+        seeds = {'tiny': [1, 2, 3] + ([4, 5] if LONG else []), 'long': [3, 4] + ([5, 6] if LONG else [])}
+        for preset, ss in seeds.items():
+            for seed in ss:
+                d = os.path.join(tmp, f'{preset}-{seed}')
+                run([MKMODEL, d, '--preset', preset, '--seed', str(seed), '--quiet'])
+                cks[(preset, seed)] = Ckpt(d, f'mkmodel {preset} seed {seed}')
+        d = os.path.join(tmp, 'wide-7')
+        run([PY, GEN, '--out', d, '--preset', 'wide', '--seed', '7'])
+        cks[('wide', 7)] = Ckpt(d, 'gen_ckpt wide seed 7')
+
+        probe = run([EVAL, '--help']).stdout
+        note(f"ds41-eval default mode: {'fast path' if 'default is the fast CPU' in probe else 'unknown'}")
+        for i, ((preset, seed), ck) in enumerate(cks.items()):
+            check_pass(ck, tmp, 1000 + i, chunk=7 if preset == 'long' and seed == 4 else None)
+
+        # The lower SIMD levels (this machine runs them all; CI's machine too).
+        check_pass(cks[('tiny', 1)], tmp, 2001, level='avx512')
+        check_pass(cks[('long', 3)], tmp, 2002, level='avx2')
+        check_pass(cks[('tiny', 2)], tmp, 2003, level='scalar')
+        check_pass(cks[('long', 4)], tmp, 2004, level='scalar')
+
+        # Teeth.
+        check_fail(cks[('tiny', 1)], tmp, 3001, 'attn_p_bf16')
+        check_fail(cks[('long', 3)], tmp, 3002, 'attn_p_bf16')
+        check_fail(cks[('tiny', 2)], tmp, 3003, 'swiglu_bf16')
+        check_fail(cks[('long', 4)], tmp, 3004, 'swiglu_bf16')
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    note(f"{time.time() - t0:.0f} s")
+    print(f"1..{n_tests}")
+    return 1 if n_failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,97 @@
+#!/bin/bash
+# ds41-bench end to end: the JSON report has every figure, consistent with
+# itself, for the batch sizes asked; text mode; bad arguments refused.
+# Behaviour only: no wall-time thresholds (the figures are reported, not
+# judged here).  TAP output.  Usage: test_bench.sh [PRESET] (default: tiny;
+# "bench" runs the full default measurement on the bench preset and prints
+# the figures as TAP notes).
+set -u
+bin=${DS41_BUILD_DIR:?DS41_BUILD_DIR not set}/daemon
+py=/usr/bin/python3
+[ -x "$py" ] || py=python3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+n=0
+fail=0
+ok() { n=$((n + 1)); echo "ok $n - $*"; }
+notok() { n=$((n + 1)); fail=1; echo "not ok $n - $*"; }
+preset=${1:-tiny}
+
+if ! "$bin/ds41-mkmodel" "$work/m" --preset "$preset" --seed 5 --quiet >"$work/mk.log" 2>&1; then
+    notok "mkmodel --preset $preset"; sed 's/^/# /' "$work/mk.log"; echo "1..$n"; exit 1
+fi
+ok "mkmodel --preset $preset"
+
+if [ "$preset" = bench ]; then
+    args=(--json)
+else
+    args=(--json --prompt 20 --steps 2 --batches 1,3 --bandwidth-gib 1 --threads 2)
+fi
+if "$bin/ds41-bench" --model "$work/m" "${args[@]}" >"$work/out.json" 2>"$work/err.log"; then
+    ok "ds41-bench ${args[*]} runs"
+else
+    notok "ds41-bench ${args[*]} runs"; sed 's/^/# /' "$work/err.log"
+fi
+
+# Structure and consistency of the report.
+"$py" - "$work/out.json" "$preset" >"$work/check.log" 2>&1 <<'EOF'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+preset = sys.argv[2]
+m, p, d = doc['machine'], doc['prefill'], doc['decode']
+want_batches = [1, 4, 16] if preset == 'bench' else [1, 3]
+assert doc['backend'].startswith('cpu-'), doc['backend']
+assert doc['threads'] >= 1
+assert 'load_average_1m' in doc
+assert m['read_bandwidth_gbs'] > 0 and m['fma_peak_gflops'] > 0 and m['read_passes'] == 6
+assert m['read_bandwidth_gbs'] == max(m['read_bandwidth_samples_gbs'])
+assert m['read_buffer_bytes'] >= (4 << 30 if preset == 'bench' else 1 << 29), m['read_buffer_bytes']
+assert p['tokens'] == (256 if preset == 'bench' else 20) and p['seconds'] > 0 and p['flops'] > 0
+assert abs(p['tokens_per_s'] - p['tokens'] / p['seconds']) <= 1e-3 * p['tokens_per_s']
+assert abs(p['fraction_of_fma_peak'] - p['gflops'] / m['fma_peak_gflops']) <= 1e-3
+assert [x['batch'] for x in d] == want_batches
+prev = 0
+for x in d:
+    assert x['steps'] == (8 if preset == 'bench' else 2)
+    assert x['weight_bytes_per_step'] > 0 and x['seconds_per_step'] > 0
+    assert abs(x['tokens_per_s'] - x['batch'] / x['seconds_per_step']) <= 1e-3 * x['tokens_per_s']
+    assert abs(x['weight_bytes_per_s'] - x['weight_bytes_per_step'] / x['seconds_per_step']) <= 1e-3 * x['weight_bytes_per_s']
+    assert abs(x['fraction_of_bandwidth'] - x['weight_bytes_per_s'] / (m['read_bandwidth_gbs'] * 1e9)) <= 1e-3
+    # more sequences route to more experts: a step never touches fewer bytes
+    assert x['weight_bytes_per_step'] >= prev, (x['weight_bytes_per_step'], prev)
+    prev = x['weight_bytes_per_step']
+print(f"backend {doc['backend']} x{doc['threads']}: read {m['read_bandwidth_gbs']:.2f} GB/s, FMA {m['fma_peak_gflops']:.0f} GFLOP/s")
+print(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.1f} tokens/s, {p['gflops']:.1f} GFLOP/s = {100 * p['fraction_of_fma_peak']:.1f}% of the FMA peak")
+for x in d:
+    print(f"decode B={x['batch']}: {x['tokens_per_s']:.2f} tokens/s, {x['weight_bytes_per_step'] / 1e6:.1f} MB/step, "
+          f"{100 * x['fraction_of_bandwidth']:.1f}% of the read bandwidth")
+EOF
+if [ $? -eq 0 ]; then
+    ok "the JSON report has every figure and they agree with each other"
+    sed 's/^/# /' "$work/check.log"
+else
+    notok "the JSON report has every figure and they agree with each other"; sed 's/^/# /' "$work/check.log"
+fi
+
+if [ "$preset" != bench ]; then
+    if "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 2 --bandwidth-gib 1 --cpu scalar \
+        >"$work/out.txt" 2>/dev/null && grep -q '^backend    cpu-scalar, ' "$work/out.txt" &&
+        grep -q '^decode B=2 ' "$work/out.txt" && grep -q 'of the FMA peak' "$work/out.txt"; then
+        ok "text report, --cpu scalar honoured"
+    else
+        notok "text report, --cpu scalar honoured"; sed 's/^/# /' "$work/out.txt"
+    fi
+    bad=0
+    for a in "--threads 0" "--prompt x" "--batches 1,,2" "--cpu sse" "--bandwidth-gib 0" "--steps -1"; do
+        # shellcheck disable=SC2086
+        "$bin/ds41-bench" --model "$work/m" $a >/dev/null 2>"$work/e.log"
+        rc=$?
+        if [ $rc -ne 2 ] || ! [ -s "$work/e.log" ]; then bad=1; echo "# $a: exit $rc"; fi
+    done
+    "$bin/ds41-bench" --model "$work/none" >/dev/null 2>"$work/e.log"
+    rc=$?
+    if [ $rc -ne 2 ] || ! grep -q config.json "$work/e.log"; then bad=1; echo "# missing model: exit $rc"; fi
+    if [ $bad -eq 0 ]; then ok "bad arguments and a missing checkpoint: exit 2 with a message"; else notok "bad arguments and a missing checkpoint: exit 2 with a message"; fi
+fi
+echo "1..$n"
+exit $fail

@@ -1,0 +1,635 @@
+/* The fast CPU backend's kernels (engine/ops_fast.h), at every SIMD level
+ * this machine has (amx, avx512, avx2, scalar), on random inputs of awkward
+ * sizes (one row, one column, K not a multiple of the vector width or of the
+ * 32-blocks where the format allows):
+ *  - each level against the exact reference op within the error bound of fp32
+ *    accumulation (plus one bf16 ulp where the output is rounded), and each
+ *    SIMD level against the scalar level with the same bound;
+ *  - activation quantization bit for bit (identity weights isolate every
+ *    quantized value, including RNE ties, the subnormal grid, saturation,
+ *    blocks with NaN and infinity, partial blocks);
+ *  - batch invariance: M rows at once = each row alone, bit for bit, and one
+ *    thread = two threads, bit for bit;
+ *  - the other ops (norms, hc mixes, attention, index scores, SwiGLU, Engram,
+ *    gathers) against the reference within their rounding. */
+#include "engine/backend.h"
+#include "engine/ops.h"
+#include "engine/ops_fast.h"
+#include "engine/quant.h"
+#include "engine/refmath.h"
+#include "tests/tap.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static double urand(void) { /* [-1, 1) */
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(rng >> 11) / 4503599627370496.0 - 1.0;
+}
+
+static float bfr(double x) {
+    return ds41_bf16_round((float)x);
+}
+
+static void fill_bf16(float *x, size_t n, double scale) {
+    for (size_t i = 0; i < n; i++) x[i] = bfr(urand() * scale * (i % 7 == 3 ? 8.0 : 1.0));
+}
+
+/* Levels this machine runs, highest first, and a backend for each. */
+static int n_levels;
+static ds41_cpu_level levels[4];
+static ds41_backend *backends[4];
+static ds41_backend *single_thread[4];
+
+static const ds41_ops *ops_of(int i) {
+    return &backends[i]->ops;
+}
+
+/* ---- linear ---------------------------------------------------------------------------- */
+
+typedef struct lin_case {
+    ds41_linear_kind kind;
+    size_t M, N, K;
+    ds41_linear_out out;
+} lin_case;
+
+typedef struct lin_data {
+    ds41_linear w;
+    uint8_t *q, *sc;
+    uint16_t *bf;
+    float *x, *wd, *xq;
+} lin_data;
+
+/* Random weights with per-block magnitudes that differ by powers of two (the
+ * ue8m0 scales vary across blocks). */
+static void make_linear(const lin_case *c, lin_data *d) {
+    const size_t N = c->N, K = c->K, kb = (K + 31) / 32;
+    float *w = malloc(N * K * sizeof *w);
+    for (size_t n = 0; n < N; n++)
+        for (size_t k = 0; k < K; k++)
+            w[n * K + k] = (float)(urand() * ldexp(1.0, -(int)((n / 32 + k / 32 + n) % 5)));
+    memset(d, 0, sizeof *d);
+    d->w.kind = c->kind;
+    d->w.n = (int64_t)N;
+    d->w.k = (int64_t)K;
+    d->wd = malloc(N * K * sizeof *d->wd);
+    if (c->kind == DS41_LINEAR_FP8) {
+        d->q = malloc(N * K);
+        d->sc = malloc(((N + 31) / 32) * kb);
+        ds41_quant_fp8_weight(w, N, K, d->q, d->sc);
+        ds41_dequant_fp8_weight(d->q, d->sc, N, K, d->wd);
+        d->w.q = d->q;
+        d->w.scale = d->sc;
+        d->w.scale_cols = (int64_t)kb;
+    } else if (c->kind == DS41_LINEAR_FP4) {
+        d->q = malloc(N * ((K + 1) / 2));
+        d->sc = malloc(N * kb);
+        ds41_quant_fp4_weight(w, N, K, d->q, d->sc);
+        ds41_dequant_fp4_weight(d->q, d->sc, N, K, d->wd);
+        d->w.q = d->q;
+        d->w.scale = d->sc;
+        d->w.scale_cols = (int64_t)kb;
+    } else {
+        d->bf = malloc(N * K * sizeof *d->bf);
+        for (size_t i = 0; i < N * K; i++) {
+            d->bf[i] = ds41_bf16_bits(w[i]);
+            d->wd[i] = ds41_bf16_to_f32(d->bf[i]);
+        }
+        d->w.bf16 = d->bf;
+    }
+    free(w);
+    d->x = malloc(c->M * K * sizeof *d->x);
+    d->xq = malloc(c->M * K * sizeof *d->xq);
+    fill_bf16(d->x, c->M * K, 2.0);
+    memcpy(d->xq, d->x, c->M * K * sizeof *d->xq);
+    if (c->kind != DS41_LINEAR_BF16)
+        for (size_t m = 0; m < c->M; m++) ds41_act_quant_qdq(d->xq + m * K, K);
+}
+
+static void free_linear(lin_data *d) {
+    free(d->q);
+    free(d->sc);
+    free(d->bf);
+    free(d->x);
+    free(d->wd);
+    free(d->xq);
+}
+
+/* |a - b| within the fp32 accumulation bound of K exact products (sum of
+ * magnitudes s) and, for bf16 outputs, one bf16 ulp. */
+static int within(float a, float b, double s, size_t K, int bf16_out) {
+    if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
+    double tol = 2.0 * (double)(K + 2) * 0x1p-24 * s;
+    if (bf16_out) tol += fmax(fabs((double)a), fabs((double)b)) * 0x1p-7;
+    return fabs((double)a - (double)b) <= tol + 1e-30;
+}
+
+static void test_linear_case(const lin_case *c) {
+    lin_data d;
+    make_linear(c, &d);
+    const size_t M = c->M, N = c->N, K = c->K;
+    const int bf = c->out == DS41_OUT_BF16;
+    float *ref = malloc(M * N * sizeof *ref), *scalar = malloc(M * N * sizeof *scalar);
+    float *y = malloc(M * N * sizeof *y), *row = malloc(N * sizeof *row);
+    double *mag = malloc(M * N * sizeof *mag);
+    for (size_t m = 0; m < M; m++)
+        for (size_t n = 0; n < N; n++) {
+            double s = 0;
+            for (size_t k = 0; k < K; k++) s += fabs((double)d.xq[m * K + k] * d.wd[n * K + k]);
+            mag[m * N + n] = s;
+        }
+    ds41_ops_reference.linear(&ds41_ops_reference, &d.w, d.x, M, ref, c->out);
+    const char *kn = c->kind == DS41_LINEAR_FP8 ? "FP8" : c->kind == DS41_LINEAR_FP4 ? "FP4" : "BF16";
+    for (int li = n_levels - 1; li >= 0; li--) {
+        const ds41_ops *ops = ops_of(li);
+        ops->linear(ops, &d.w, d.x, M, y, c->out);
+        int ok_ref = 1, ok_scalar = 1, inv = 1, threads = 1;
+        size_t bad = 0;
+        for (size_t i = 0; i < M * N; i++) {
+            if (!within(y[i], ref[i], mag[i], K, bf)) {
+                if (ok_ref) bad = i;
+                ok_ref = 0;
+            }
+            if (li < n_levels - 1) ok_scalar &= within(y[i], scalar[i], mag[i], K, bf);
+        }
+        /* Row by row = all rows at once, bit for bit. */
+        for (size_t m = 0; m < M && inv; m++) {
+            ops->linear(ops, &d.w, d.x + m * K, 1, row, c->out);
+            inv = memcmp(row, y + m * N, N * sizeof *row) == 0;
+        }
+        /* One thread = two threads. */
+        const ds41_ops *one = &single_thread[li]->ops;
+        float *y1 = malloc(M * N * sizeof *y1);
+        one->linear(one, &d.w, d.x, M, y1, c->out);
+        threads = memcmp(y1, y, M * N * sizeof *y) == 0;
+        free(y1);
+        if (li == n_levels - 1) memcpy(scalar, y, M * N * sizeof *y);
+        TAP_CHECK(ok_ref && ok_scalar && inv && threads,
+                  "%s linear %s M=%zu N=%zu K=%zu%s: = reference and = scalar within fp32 accumulation%s, "
+                  "rows alone = "
+                  "batched, 1 thread = 2 threads bit for bit",
+                  ds41_cpu_level_name(levels[li]), kn, M, N, K, bf ? "" : " (fp32 out)",
+                  bf ? " + 1 bf16 ulp" : "");
+        if (!ok_ref)
+            TAP_NOTE("element %zu: got %.9g, reference %.9g, magnitude sum %.3g", bad, (double)y[bad],
+                     (double)ref[bad], mag[bad]);
+        if (!inv) TAP_NOTE("rows computed alone differ from the batch");
+        if (!threads) TAP_NOTE("thread counts differ");
+    }
+    free(ref);
+    free(scalar);
+    free(y);
+    free(row);
+    free(mag);
+    free_linear(&d);
+}
+
+/* Identity FP8 weights (1.0, scale 2^0) isolate every quantized activation:
+ * y[m][n] = act_quant QDQ value of x[m][n], exactly. */
+static void test_act_quant(void) {
+    enum { K = 200, M = 5 };
+    static uint8_t q[K * K], sc[((K + 31) / 32) * ((K + 31) / 32)];
+    static float x[M * K], want[M * K], y[M * K];
+    memset(q, 0, sizeof q);
+    for (int i = 0; i < K; i++) q[i * K + i] = 0x38; /* e4m3 1.0 */
+    memset(sc, 127, sizeof sc);
+    ds41_linear w = {
+        .kind = DS41_LINEAR_FP8, .n = K, .k = K, .q = q, .scale = sc, .scale_cols = (K + 31) / 32};
+    /* Row 0: ties and boundaries relative to a block amax of 448 * 2^k. */
+    for (int i = 0; i < K; i++) {
+        const int blk = i / 32, j = i % 32;
+        const float s = ldexpf(1.0f, blk - 3); /* block scale 2^(blk-3) once amax = 448 s */
+        float v;
+        switch (j) {
+        case 0:
+            v = 448.0f * s;
+            break; /* the amax */
+        case 1:
+            v = -1.0625f * s;
+            break; /* tie between 1.0 and 1.125: to even 1.0 */
+        case 2:
+            v = 1.1875f * s;
+            break; /* tie 1.125 / 1.25: to even 1.25 */
+        case 3:
+            v = ldexpf(1.0f, -10) * s;
+            break; /* exactly half the subnormal step: 0 */
+        case 4:
+            v = ldexpf(3.0f, -10) * s;
+            break; /* 1.5 steps: to even 2 steps */
+        case 5:
+            v = -ldexpf(1.0f, -10) * s;
+            break; /* -0 */
+        case 6:
+            v = ldexpf(15.0f, -10) * s;
+            break; /* 7.5 steps: to 8 = 2^-6, the min normal */
+        case 7:
+            v = 0.0f;
+            break;
+        case 8:
+            v = -0.0f;
+            break;
+        default:
+            v = (float)(urand() * 300.0) * s;
+            break;
+        }
+        x[i] = bfr(v);
+    }
+    /* Row 1: a zero block (amax floor), tiny values, and a partial last
+     * block (K = 200). */
+    for (int i = 0; i < K; i++) {
+        float v = bfr(urand() * 3.0);
+        if (i / 32 == 3) v = 0.0f;
+        if (i / 32 == 4) v = bfr(urand() * 1e-6);
+        x[K + i] = v;
+    }
+    /* Row 2: huge values (scales near the top of the range). */
+    for (int i = 0; i < K; i++) x[2 * K + i] = bfr(urand() * 3e37);
+    /* Rows 3 and 4: a NaN, an infinity: the block's scale is NaN, and the
+     * products spread NaN to the whole row, in the reference as here. */
+    for (int i = 0; i < K; i++) x[3 * K + i] = x[4 * K + i] = bfr(urand());
+    x[3 * K + 37] = NAN;
+    x[4 * K + 70] = -INFINITY;
+    memcpy(want, x, sizeof x);
+    for (int m = 0; m < 3; m++) ds41_act_quant_qdq(want + m * K, K);
+    for (int i = 3 * K; i < M * K; i++) want[i] = NAN;
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        ops->linear(ops, &w, x, M, y, DS41_OUT_BF16);
+        int ok = 1, first = -1;
+        for (int i = 0; i < M * K; i++) {
+            const int same = (isnan(y[i]) && isnan(want[i])) || y[i] == want[i];
+            if (!same && first < 0) first = i;
+            ok &= same;
+        }
+        TAP_CHECK(
+            ok,
+            "%s: activations quantized exactly as ds41_act_quant (RNE ties, subnormal grid, NaN/inf/zero "
+            "blocks, huge scales, a partial block)",
+            ds41_cpu_level_name(levels[li]));
+        if (!ok)
+            TAP_NOTE("index %d: x %.9g got %.9g want %.9g", first, (double)x[first], (double)y[first],
+                     (double)want[first]);
+    }
+}
+
+static void test_linears(void) {
+    const lin_case cases[] = {
+        {DS41_LINEAR_FP8, 1, 1, 32, DS41_OUT_BF16},     {DS41_LINEAR_FP8, 1, 33, 96, DS41_OUT_BF16},
+        {DS41_LINEAR_FP8, 3, 70, 160, DS41_OUT_BF16},   {DS41_LINEAR_FP8, 17, 40, 40, DS41_OUT_BF16},
+        {DS41_LINEAR_FP8, 40, 65, 100, DS41_OUT_BF16},  {DS41_LINEAR_FP8, 130, 33, 64, DS41_OUT_BF16},
+        {DS41_LINEAR_FP4, 1, 1, 32, DS41_OUT_BF16},     {DS41_LINEAR_FP4, 2, 31, 64, DS41_OUT_BF16},
+        {DS41_LINEAR_FP4, 5, 65, 96, DS41_OUT_BF16},    {DS41_LINEAR_FP4, 33, 17, 50, DS41_OUT_BF16},
+        {DS41_LINEAR_FP4, 131, 40, 128, DS41_OUT_BF16}, {DS41_LINEAR_BF16, 1, 1, 1, DS41_OUT_BF16},
+        {DS41_LINEAR_BF16, 1, 7, 33, DS41_OUT_F32},     {DS41_LINEAR_BF16, 3, 40, 100, DS41_OUT_BF16},
+        {DS41_LINEAR_BF16, 17, 65, 64, DS41_OUT_F32},   {DS41_LINEAR_BF16, 35, 32, 96, DS41_OUT_BF16},
+        {DS41_LINEAR_BF16, 130, 20, 31, DS41_OUT_F32},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_linear_case(&cases[i]);
+}
+
+/* ---- the other ops ------------------------------------------------------------------- */
+
+/* max |a - b| / max |b| over n values <= tol (the layer check's measure). */
+static int rel_close(const float *a, const float *b, size_t n, double tol, double *got) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) != isnan(b[i])) {
+            *got = INFINITY;
+            return 0;
+        }
+        num = fmax(num, fabs((double)a[i] - b[i]));
+        den = fmax(den, fabs((double)b[i]));
+    }
+    *got = den > 0 ? num / den : num;
+    return *got <= tol;
+}
+
+static void test_norms_and_hc(void) {
+    enum { M = 5, D = 200, hc = 4 };
+    static float x[M * D], y[M * D], yr[M * D], h[M * hc * D], fn[24 * hc * D];
+    static uint16_t w[D];
+    fill_bf16(x, M * D, 3.0);
+    for (int i = 0; i < D; i++) w[i] = ds41_bf16_bits((float)(1.0 + 0.5 * urand()));
+    ds41_ops_reference.rmsnorm(&ds41_ops_reference, w, x, M, D, 1e-20f, yr);
+    fill_bf16(h, M * hc * D, 1.0);
+    for (int i = 0; i < 24 * hc * D; i++) fn[i] = (float)(urand() * 0.05);
+    const float scale[3] = {0.5f, 0.7f, 0.9f};
+    float base[24];
+    for (int i = 0; i < 24; i++) base[i] = (float)(urand() * 0.5);
+    static float pre[M * hc], post[M * hc], comb[M * hc * hc], pre_r[M * hc], post_r[M * hc],
+        comb_r[M * hc * hc];
+    ds41_ops_reference.hc_mix(&ds41_ops_reference, fn, scale, base, h, M, hc, D, 1e-20f, 20, 1e-6f, pre_r,
+                              post_r, comb_r);
+    static float hp[M * D], hp_r[M * D], o[M * D], ho[M * hc * D], ho_r[M * hc * D];
+    fill_bf16(o, M * D, 1.0);
+    ds41_ops_reference.hc_pre(&ds41_ops_reference, h, pre_r, M, hc, D, hp_r);
+    ds41_ops_reference.hc_post(&ds41_ops_reference, o, h, post_r, comb_r, M, hc, D, ho_r);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        const char *ln = ds41_cpu_level_name(levels[li]);
+        double e1 = 0, e2 = 0, e3 = 0;
+        ops->rmsnorm(ops, w, x, M, D, 1e-20f, y);
+        int inv = 1;
+        for (int m = 0; m < M; m++) {
+            float one[D];
+            ops->rmsnorm(ops, w, x + m * D, 1, D, 1e-20f, one);
+            inv &= memcmp(one, y + m * D, sizeof one) == 0;
+        }
+        TAP_CHECK(rel_close(y, yr, M * D, 2 * 0x1p-8, &e1) && inv,
+                  "%s rmsnorm (D %d): within a bf16 ulp of the reference (%.2g), rows alone = batched", ln, D,
+                  e1);
+        ops->hc_mix(ops, fn, scale, base, h, M, hc, D, 1e-20f, 20, 1e-6f, pre, post, comb);
+        const int ok_mix = rel_close(pre, pre_r, M * hc, 1e-5, &e1) &&
+                           rel_close(post, post_r, M * hc, 1e-5, &e2) &&
+                           rel_close(comb, comb_r, M * hc * hc, 1e-4, &e3);
+        float pre1[hc], post1[hc], comb1[hc * hc];
+        ops->hc_mix(ops, fn, scale, base, h + 2 * hc * D, 1, hc, D, 1e-20f, 20, 1e-6f, pre1, post1, comb1);
+        inv = memcmp(pre1, pre + 2 * hc, sizeof pre1) == 0 &&
+              memcmp(comb1, comb + 2 * hc * hc, sizeof comb1) == 0;
+        TAP_CHECK(ok_mix && inv,
+                  "%s hc_mix + Sinkhorn: fp32 close to the reference (%.2g %.2g %.2g), a row alone = batched",
+                  ln, e1, e2, e3);
+        ops->hc_pre(ops, h, pre_r, M, hc, D, hp);
+        ops->hc_post(ops, o, h, post_r, comb_r, M, hc, D, ho);
+        TAP_CHECK(memcmp(hp, hp_r, sizeof hp) == 0 && memcmp(ho, ho_r, sizeof ho) == 0,
+                  "%s hc_pre / hc_post: the reference's short sums, bit for bit", ln);
+    }
+}
+
+static void test_attention(void) {
+    ds41_kv_layout lay = {0};
+    lay.latent_dim = 64;
+    lay.index_dim = 32;
+    lay.latent_bytes = 64 / 2 + 64 / 16;
+    lay.index_bytes = 32 / 2 + 1;
+    lay.entry_bytes = lay.latent_bytes + lay.index_bytes;
+    lay.ring_row_bytes = 64 + 2;
+    enum { H = 3, hd = 64, NW = 70, NC = 90 };
+    static uint8_t wrow[NW][66], ent[NC][36 + 17];
+    static float q[H * hd], out[H * hd], ref[H * hd];
+    const uint8_t *wp[NW], *cp[NC];
+    for (int j = 0; j < NW; j++) {
+        float v[hd];
+        fill_bf16(v, hd, 2.0);
+        if (j == 5) v[3] = NAN; /* one NaN row: the output of every head is NaN in both */
+        ds41_act_quant(v, hd, wrow[j], wrow[j] + hd);
+        wp[j] = wrow[j];
+    }
+    for (int j = 0; j < NC; j++) {
+        float v[hd], k[32];
+        fill_bf16(v, hd, 2.0);
+        fill_bf16(k, 32, 1.0);
+        ds41_fp4_act_quant_e4m3(v, hd, ent[j], ent[j] + hd / 2);
+        ds41_fp4_act_quant_ue8m0(k, 32, ent[j] + lay.latent_bytes, ent[j] + lay.latent_bytes + 16);
+        cp[j] = ent[j];
+    }
+    fill_bf16(q, H * hd, 0.5);
+    float sink[H] = {0.3f, -2.0f, 1.5f};
+    const float scale = (float)pow(64.0, -0.5);
+    /* Window rows without the NaN one, then everything with it. */
+    const uint8_t *wp2[NW - 1];
+    for (int j = 0, k = 0; j < NW; j++)
+        if (j != 5) wp2[k++] = wp[j];
+    ds41_attn_rows rows = {.layout = &lay, .n_window = NW - 1, .window = wp2, .n_comp = NC, .comp = cp};
+    ds41_attn_rows with_nan = {.layout = &lay, .n_window = NW, .window = wp, .n_comp = 3, .comp = cp};
+    ds41_attn_rows one = {.layout = &lay, .n_window = 0, .window = wp, .n_comp = 1, .comp = cp};
+    ds41_ops_reference.sparse_attn(&ds41_ops_reference, q, H, hd, sink, scale, &rows, ref);
+    enum { NH = 4, ID = 32 };
+    float iq[NH * ID], iw[NH], sc[NC], sc_r[NC];
+    fill_bf16(iq, NH * ID, 1.0);
+    ds41_fp4_act_quant_ue8m0_qdq(iq, NH * ID);
+    for (int h = 0; h < NH; h++) iw[h] = bfr(urand() / 64.0);
+    ds41_ops_reference.index_scores(&ds41_ops_reference, iq, iw, NH, ID, &lay, cp, NC, sc_r);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        const char *ln = ds41_cpu_level_name(levels[li]);
+        double e = 0, worst = 0;
+        ops->sparse_attn(ops, q, H, hd, sink, scale, &rows, out);
+        int ok = 1;
+        for (int h = 0; h < H; h++) {
+            ok &= rel_close(out + h * hd, ref + h * hd, hd, 1e-2, &e);
+            worst = fmax(worst, e);
+        }
+        TAP_CHECK(
+            ok,
+            "%s sparse attention over 159 rows (window + compressed, 3 chunks of 64): per head within 1e-2 "
+            "of the reference (%.2g)",
+            ln, worst);
+        ops->sparse_attn(ops, q, H, hd, sink, scale, &with_nan, out);
+        int all_nan = 1;
+        for (int i = 0; i < H * hd; i++) all_nan &= isnan(out[i]);
+        float r1[H * hd], f1[H * hd];
+        const float low[H] = {-1e30f, -1e30f, -1e30f};
+        ds41_ops_reference.sparse_attn(&ds41_ops_reference, q, H, hd, low, scale, &one, r1);
+        ops->sparse_attn(ops, q, H, hd, low, scale, &one, f1);
+        TAP_CHECK(
+            all_nan && memcmp(r1, f1, sizeof r1) == 0,
+            "%s attention: a NaN row makes every output NaN; one row and no sink mass give the row exactly",
+            ln);
+        ops->index_scores(ops, iq, iw, NH, ID, &lay, cp, NC, sc);
+        int ok_idx = 1;
+        for (int j = 0; j < NC; j++)
+            ok_idx &= fabsf(sc[j] - sc_r[j]) <= 2 * 0x1p-8 * fmaxf(fabsf(sc_r[j]), 1e-3f);
+        TAP_CHECK(ok_idx, "%s index scores: within the reference's bf16 roundings", ln);
+    }
+}
+
+static void test_moe_engram_gathers(void) {
+    enum { M = 4, I = 70, E = 12, K = 3 };
+    static float g[M * I], u[M * I], hr[M * I], hf[M * I];
+    fill_bf16(g, M * I, 6.0);
+    fill_bf16(u, M * I, 12.0);
+    const float route[M] = {0.5f, 1.25f, 0.75f, 0.1f};
+    ds41_ops_reference.swiglu(&ds41_ops_reference, g, u, M, I, 10.0f, route, hr);
+    float logits[M * E], bias[E], wr[M * K], wf[M * K];
+    int32_t sr[M * K], sf[M * K];
+    for (int i = 0; i < M * E; i++) logits[i] = (float)(urand() * 4);
+    for (int i = 0; i < E; i++) bias[i] = (float)(urand() * 0.1);
+    ds41_ops_reference.router(&ds41_ops_reference, logits, bias, M, E, K, 1.5f, sr, wr);
+    enum { hc = 4, D = 48 };
+    static float h[M * hc * D], h0[M * hc * D], href[M * hc * D], kv[M * (hc + 1) * D], wqk[hc * D];
+    fill_bf16(h0, M * hc * D, 1.0);
+    fill_bf16(kv, M * (hc + 1) * D, 1.0);
+    for (int i = 0; i < hc * D; i++) wqk[i] = (float)(1.0 + 0.1 * urand());
+    const float ds = (float)pow((double)D, -0.5);
+    memcpy(href, h0, sizeof h0);
+    ds41_ops_reference.engram_mix(&ds41_ops_reference, href, kv, wqk, M, hc, D, 1e-20f, ds);
+    enum { V = 50, ED = 64 };
+    static uint16_t table[V * ED];
+    for (int i = 0; i < V * ED; i++) table[i] = ds41_bf16_bits((float)urand());
+    const int32_t ids[M] = {0, 49, 7, 7};
+    static float emb[M * hc * ED], emb_r[M * hc * ED];
+    ds41_ops_reference.embed(&ds41_ops_reference, table, ids, M, hc, ED, emb_r);
+    static uint8_t ft[V * ED], fs[V * ED / 32];
+    for (int i = 0; i < V * ED; i++) ft[i] = (uint8_t)(urand() * 120 + 120);
+    for (int i = 0; i < V * ED / 32; i++) fs[i] = (uint8_t)(120 + i % 9);
+    const int64_t rows[5] = {3, 0, 49, 3, 17};
+    static float fr[5 * ED], fr_r[5 * ED];
+    ds41_ops_reference.fp8_rows(&ds41_ops_reference, ft, fs, rows, 5, ED, fr_r);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        const char *ln = ds41_cpu_level_name(levels[li]);
+        ops->swiglu(ops, g, u, M, I, 10.0f, route, hf);
+        double e = 0;
+        int ok = 1;
+        for (int i = 0; i < M * I; i++) ok &= fabsf(hf[i] - hr[i]) <= 0x1p-8 * fabsf(hr[i]) + 1e-30f;
+        TAP_CHECK(ok, "%s swiglu: clamps, route weight, bf16 output within a bf16 ulp of the reference", ln);
+        ops->router(ops, logits, bias, M, E, K, 1.5f, sf, wf);
+        TAP_CHECK(memcmp(sr, sf, sizeof sr) == 0 && memcmp(wr, wf, sizeof wr) == 0, "%s router = reference",
+                  ln);
+        memcpy(h, h0, sizeof h0);
+        ops->engram_mix(ops, h, kv, wqk, M, hc, D, 1e-20f, ds);
+        TAP_CHECK(rel_close(h, href, M * hc * D, 2 * 0x1p-8, &e),
+                  "%s engram gating within bf16 of the reference (%.2g)", ln, e);
+        ops->embed(ops, table, ids, M, hc, ED, emb);
+        ops->fp8_rows(ops, ft, fs, rows, 5, ED, fr);
+        TAP_CHECK(memcmp(emb, emb_r, sizeof emb) == 0 && memcmp(fr, fr_r, sizeof fr) == 0,
+                  "%s embedding rows and FP8 table rows = reference", ln);
+    }
+}
+
+/* linear_batch = one linear call per member, bit for bit, including
+ * members with no rows and members of different kinds and sizes. */
+static void test_linear_batch(void) {
+    const lin_case cases[5] = {{DS41_LINEAR_FP4, 3, 40, 64, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP4, 0, 33, 64, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP8, 17, 70, 96, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP4, 1, 65, 128, DS41_OUT_BF16},
+                               {DS41_LINEAR_FP8, 40, 32, 64, DS41_OUT_BF16}};
+    lin_data d[5];
+    const ds41_linear *ws[5];
+    const float *xs[5];
+    size_t Ms[5];
+    float *ys[5], *one[5];
+    for (int i = 0; i < 5; i++) {
+        lin_case c = cases[i];
+        if (c.M == 0) c.M = 1; /* data for one row; the batch asks for none */
+        make_linear(&c, &d[i]);
+        ws[i] = &d[i].w;
+        xs[i] = d[i].x;
+        Ms[i] = cases[i].M;
+        ys[i] = calloc((Ms[i] ? Ms[i] : 1) * cases[i].N, sizeof(float));
+        one[i] = calloc((Ms[i] ? Ms[i] : 1) * cases[i].N, sizeof(float));
+    }
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        ops->linear_batch(ops, 5, ws, xs, Ms, ys, DS41_OUT_BF16);
+        int ok = 1;
+        for (int i = 0; i < 5; i++) {
+            if (!Ms[i]) continue;
+            ops->linear(ops, ws[i], xs[i], Ms[i], one[i], DS41_OUT_BF16);
+            ok &= memcmp(one[i], ys[i], Ms[i] * cases[i].N * sizeof(float)) == 0;
+        }
+        TAP_CHECK(ok, "%s linear_batch of 5 (FP8/FP4, 0..40 rows) = one linear call each, bit for bit",
+                  ds41_cpu_level_name(levels[li]));
+    }
+    float *r[5];
+    for (int i = 0; i < 5; i++) r[i] = calloc((Ms[i] ? Ms[i] : 1) * cases[i].N, sizeof(float));
+    ds41_ops_reference.linear_batch(&ds41_ops_reference, 5, ws, xs, Ms, r, DS41_OUT_BF16);
+    int ok = 1;
+    for (int i = 0; i < 5; i++) {
+        if (!Ms[i]) continue;
+        ds41_ops_reference.linear(&ds41_ops_reference, ws[i], xs[i], Ms[i], one[i], DS41_OUT_BF16);
+        ok &= memcmp(one[i], r[i], Ms[i] * cases[i].N * sizeof(float)) == 0;
+    }
+    TAP_CHECK(ok, "reference linear_batch = one reference linear call each");
+    for (int i = 0; i < 5; i++) {
+        free_linear(&d[i]);
+        free(ys[i]);
+        free(one[i]);
+        free(r[i]);
+    }
+}
+
+/* The kernels' double-precision reductions and exp against the exact ones
+ * (refmath): the double sum rounded once equals the exact sum rounded once,
+ * and exp equals ds41_rm_exp, on random inputs of awkward lengths. */
+static void test_primitives(void) {
+    const fast_kernels *ks[4] = {&ds41__fast_scalar, NULL, NULL, NULL};
+    int nk = 1;
+#if defined(__x86_64__)
+    const ds41_cpu_level top = ds41_cpu_level_detect();
+    if (top >= DS41_CPU_AVX2) ks[nk++] = &ds41__fast_avx2;
+    if (top >= DS41_CPU_AVX512) ks[nk++] = &ds41__fast_avx512;
+#endif
+    enum { NX = 100000 };
+    static float a[1030], b[1030], x[NX], e[NX];
+    for (int ki = 0; ki < nk; ki++) {
+        const fast_kernels *k = ks[ki];
+        k->init();
+        int ok_dot = 1, ok_sq = 1, ok_axpy = 1;
+        const size_t lens[] = {1, 2, 7, 8, 15, 16, 17, 33, 100, 512, 1029};
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            const size_t n = lens[li];
+            for (int rep = 0; rep < 20; rep++) {
+                for (size_t i = 0; i < n; i++) {
+                    a[i] = (float)(urand() * ldexp(1.0, (int)(urand() * 20)));
+                    b[i] = bfr(urand());
+                }
+                ok_dot &= (float)k->dot(a, b, n) == ds41_xdot_f32(a, b, n);
+                ok_sq &= (float)(k->sumsq(a, n) / (double)n) == ds41_mean_sq_f32(a, n);
+                double y[1030], want[1030];
+                for (size_t i = 0; i < n; i++) y[i] = want[i] = urand();
+                k->axpy(y, b[0], a, n);
+                for (size_t i = 0; i < n; i++)
+                    ok_axpy &= fabs(y[i] - (want[i] + (double)b[0] * a[i])) <= 1e-15 * (1 + fabs(y[i]));
+            }
+        }
+        for (int i = 0; i < NX; i++) x[i] = (float)(urand() * 110.0 - 10.0);
+        x[0] = 0.0f;
+        x[1] = -1e30f;
+        x[2] = 88.7f;
+        x[3] = -103.9f;
+        x[4] = NAN;
+        x[5] = -INFINITY;
+        k->exp(x, e, NX);
+        int ok_exp = 1, first = -1;
+        for (int i = 0; i < NX; i++) {
+            const float w = ds41_rm_exp(x[i]);
+            if (!((isnan(w) && isnan(e[i])) || memcmp(&w, &e[i], sizeof w) == 0)) {
+                if (first < 0) first = i;
+                ok_exp = 0;
+            }
+        }
+        TAP_CHECK(
+            ok_dot && ok_sq && ok_axpy && ok_exp,
+            "%s kernels: double dot / mean of squares rounded once = the exact ones, axpy in double, exp = "
+            "ds41_rm_exp on %d arguments",
+            ds41_cpu_level_name(k->level), NX);
+        if (first >= 0) TAP_NOTE("exp(%.9g): got %.9g", (double)x[first], (double)e[first]);
+    }
+}
+
+int main(void) {
+    ds41_error err;
+    const ds41_cpu_level top = ds41_cpu_level_detect();
+    for (int l = top; l >= DS41_CPU_SCALAR; l--) {
+        ds41_cpu_opts o = {.threads = 2, .level = (ds41_cpu_level)l};
+        ds41_cpu_opts o1 = {.threads = 1, .level = (ds41_cpu_level)l};
+        backends[n_levels] = ds41_backend_cpu_new(&o, &err);
+        single_thread[n_levels] = ds41_backend_cpu_new(&o1, &err);
+        if (!backends[n_levels] || !single_thread[n_levels]) {
+            TAP_CHECK(0, "backend at level %s: %s", ds41_cpu_level_name((ds41_cpu_level)l), err.msg);
+            return tap_done();
+        }
+        levels[n_levels] = (ds41_cpu_level)l;
+        TAP_CHECK((int)ds41_backend_cpu_level(backends[n_levels]) == l,
+                  "a backend at level %s runs at that level", ds41_cpu_level_name((ds41_cpu_level)l));
+        n_levels++;
+    }
+    TAP_NOTE("this machine's best level: %s", ds41_cpu_level_name(top));
+    test_primitives();
+    test_act_quant();
+    test_linears();
+    test_linear_batch();
+    test_norms_and_hc();
+    test_attention();
+    test_moe_engram_gathers();
+    for (int i = 0; i < n_levels; i++) {
+        ds41_backend_free(backends[i]);
+        ds41_backend_free(single_thread[i]);
+    }
+    return tap_done();
+}
