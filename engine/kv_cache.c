@@ -3,6 +3,7 @@
 #include "engine/quant.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -429,4 +430,254 @@ uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *s) {
     const ds41_kv_layout *l = &s->pool->layout;
     return (uint64_t)l->n_rings * l->window * l->ring_row_bytes + s->carry_floats * sizeof(float) +
            sizeof(ds41_engram_history);
+}
+
+/* ---- serialization ----------------------------------------------------------- */
+
+#define KV_SNAP_MAGIC "DS41KVSQ"
+#define KV_SNAP_VERSION 1u
+#define KV_SNAP_MAX_TOKENS (1ull << 40) /* far beyond any context; keeps every size product small */
+
+static void put_u32(uint8_t **p, uint32_t v) {
+    for (int i = 0; i < 4; i++) *(*p)++ = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t **p, uint64_t v) {
+    for (int i = 0; i < 8; i++) *(*p)++ = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static size_t kv_snap_header_bytes(const ds41_kv_layout *l) {
+    return 8 + 4 + 8 * 4 + (size_t)l->n_sources * 4 + 8 + (size_t)l->n_sources * 8;
+}
+
+static size_t kv_snap_ring_bytes(const ds41_kv_layout *l) {
+    return (size_t)l->n_rings * l->window * l->ring_row_bytes;
+}
+
+#define KV_SNAP_ENGRAM_BYTES (8 + 4 * DS41_ENGRAM_MAX_NGRAM)
+
+size_t ds41_kv_seq_serialized_size(const ds41_kv_seq *s) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    size_t n = kv_snap_header_bytes(l);
+    for (int src = 0; src < l->n_sources; src++) n += (size_t)s->src[src].n_entries * l->entry_bytes;
+    return n + kv_snap_ring_bytes(l) + s->carry_floats * 4 + KV_SNAP_ENGRAM_BYTES;
+}
+
+int ds41_kv_seq_serialize(const ds41_kv_seq *s, uint8_t *buf, size_t cap, size_t *written, ds41_error *err) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    size_t need = ds41_kv_seq_serialized_size(s);
+    if (written) *written = 0;
+    if (!buf || cap < need) return ds41_fail(err, "kv snapshot: buffer of %zu bytes, %zu needed", cap, need);
+    uint8_t *p = buf;
+    memcpy(p, KV_SNAP_MAGIC, 8);
+    p += 8;
+    put_u32(&p, KV_SNAP_VERSION);
+    put_u32(&p, (uint32_t)l->n_sources);
+    put_u32(&p, (uint32_t)l->n_rings);
+    put_u32(&p, (uint32_t)l->n_carries);
+    put_u32(&p, l->latent_dim);
+    put_u32(&p, l->index_dim);
+    put_u32(&p, l->window);
+    put_u32(&p, l->entry_bytes);
+    put_u32(&p, l->ring_row_bytes);
+    for (int src = 0; src < l->n_sources; src++) put_u32(&p, (uint32_t)l->source_ratio[src]);
+    put_u64(&p, s->tokens);
+    for (int src = 0; src < l->n_sources; src++) put_u64(&p, s->src[src].n_entries);
+    for (int src = 0; src < l->n_sources; src++) {
+        const page_table *t = &s->src[src];
+        for (uint64_t e = 0; e < t->n_entries; e += l->entries_per_page) {
+            uint64_t k = t->n_entries - e < l->entries_per_page ? t->n_entries - e : l->entries_per_page;
+            memcpy(p, page_ptr(s->pool, t->pages[e / l->entries_per_page]), (size_t)k * l->entry_bytes);
+            p += (size_t)k * l->entry_bytes;
+        }
+    }
+    memcpy(p, s->rings, kv_snap_ring_bytes(l));
+    p += kv_snap_ring_bytes(l);
+    for (size_t i = 0; i < s->carry_floats; i++) {
+        uint32_t bits;
+        memcpy(&bits, &s->carries[i], 4);
+        put_u32(&p, bits);
+    }
+    put_u64(&p, (uint64_t)s->engram.n_pushed);
+    for (int k = 0; k < DS41_ENGRAM_MAX_NGRAM; k++) put_u32(&p, (uint32_t)s->engram.recent[k]);
+    if (written) *written = (size_t)(p - buf);
+    return 0;
+}
+
+static bool e4m3_is_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
+
+/* A packed compressed entry holds finite values only: e4m3 latent scales
+ * that are not NaN, ue8m0 index-key scales that are not NaN (every FP4 code
+ * is finite). */
+static int check_entry(const ds41_kv_layout *l, const uint8_t *e, int src, uint64_t i, ds41_error *err) {
+    for (uint32_t k = 0; k < l->latent_dim / DS41_FP4_E4M3_BLOCK; k++)
+        if (e4m3_is_nan(e[l->latent_dim / 2 + k]))
+            return ds41_fail(err, "kv snapshot: source %d entry %llu: latent scale %u is NaN", src,
+                             (unsigned long long)i, k);
+    const uint8_t *key = e + l->latent_bytes;
+    for (uint32_t k = 0; k < l->index_dim / DS41_QUANT_BLOCK; k++)
+        if (key[l->index_dim / 2 + k] == 0xFF)
+            return ds41_fail(err, "kv snapshot: source %d entry %llu: index-key scale %u is NaN", src,
+                             (unsigned long long)i, k);
+    return 0;
+}
+
+int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, ds41_kv_seq **out,
+                            ds41_error *err) {
+    if (out) *out = NULL;
+    if (!pool || !buf || !out) return ds41_fail(err, "kv snapshot: no pool, input or output");
+    const ds41_kv_layout *l = &pool->layout;
+    const size_t head = kv_snap_header_bytes(l);
+    if (len < 12 || memcmp(buf, KV_SNAP_MAGIC, 8) != 0) return ds41_fail(err, "kv snapshot: bad magic");
+    if (get_u32(buf + 8) != KV_SNAP_VERSION)
+        return ds41_fail(err, "kv snapshot: version %u, this build reads %u", get_u32(buf + 8), KV_SNAP_VERSION);
+    if (len < 16) return ds41_fail(err, "kv snapshot: truncated header (%zu bytes)", len);
+    if (get_u32(buf + 12) != (uint32_t)l->n_sources)
+        return ds41_fail(err, "kv snapshot: %u kv sources, the model has %d", get_u32(buf + 12), l->n_sources);
+    if (len < head) return ds41_fail(err, "kv snapshot: truncated header (%zu of %zu bytes)", len, head);
+    const uint8_t *p = buf + 16;
+    const struct {
+        const char *name;
+        uint32_t want;
+    } fields[] = {{"n_rings", (uint32_t)l->n_rings}, {"n_carries", (uint32_t)l->n_carries},
+                  {"latent_dim", l->latent_dim},     {"index_dim", l->index_dim},
+                  {"window", l->window},             {"entry_bytes", l->entry_bytes},
+                  {"ring_row_bytes", l->ring_row_bytes}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++, p += 4)
+        if (get_u32(p) != fields[i].want)
+            return ds41_fail(err, "kv snapshot: %s is %u, the model has %u", fields[i].name, get_u32(p),
+                             fields[i].want);
+    for (int src = 0; src < l->n_sources; src++, p += 4)
+        if (get_u32(p) != (uint32_t)l->source_ratio[src])
+            return ds41_fail(err, "kv snapshot: source %d has ratio %u, the model %d", src, get_u32(p),
+                             l->source_ratio[src]);
+    const uint64_t tokens = get_u64(p);
+    p += 8;
+    if (tokens > KV_SNAP_MAX_TOKENS)
+        return ds41_fail(err, "kv snapshot: %llu tokens is beyond any context", (unsigned long long)tokens);
+    uint64_t entries[DS41_KV_MAX_SOURCES];
+    uint64_t body = 0;
+    for (int src = 0; src < l->n_sources; src++, p += 8) {
+        entries[src] = get_u64(p);
+        const uint64_t want = tokens / (uint64_t)l->source_ratio[src];
+        if (entries[src] != want)
+            return ds41_fail(err, "kv snapshot: source %d has %llu entries, %llu tokens at ratio %d need %llu", src,
+                             (unsigned long long)entries[src], (unsigned long long)tokens, l->source_ratio[src],
+                             (unsigned long long)want);
+        body += entries[src] * l->entry_bytes; /* <= 2^40 * 2^32: no overflow */
+    }
+    const uint64_t ring_bytes = kv_snap_ring_bytes(l);
+    uint64_t carry_floats = 0;
+    for (int src = 0; src < l->n_sources; src++)
+        if (l->source_carry[src] >= 0) carry_floats += 2 * (uint64_t)l->source_ratio[src] * l->latent_dim;
+    const uint64_t total = head + body + ring_bytes + carry_floats * 4 + KV_SNAP_ENGRAM_BYTES;
+    if ((uint64_t)len != total)
+        return ds41_fail(err, "kv snapshot: %zu bytes, the header describes %llu", len, (unsigned long long)total);
+
+    /* Check every value before building anything. */
+    const uint8_t *ent = p;
+    for (int src = 0; src < l->n_sources; src++)
+        for (uint64_t i = 0; i < entries[src]; i++, p += l->entry_bytes)
+            if (check_entry(l, p, src, i, err) != 0) return -1;
+    const uint8_t *rings = p;
+    for (uint32_t r = 0; r < (uint32_t)l->n_rings; r++) {
+        for (uint32_t slot = 0; slot < l->window; slot++, p += l->ring_row_bytes) {
+            if (slot >= tokens) {
+                for (uint32_t b = 0; b < l->ring_row_bytes; b++)
+                    if (p[b]) return ds41_fail(err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r, slot);
+                continue;
+            }
+            for (uint32_t b = 0; b < l->latent_dim; b++)
+                if (e4m3_is_nan(p[b])) return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u is NaN", r, slot, b);
+            for (uint32_t b = l->latent_dim; b < l->ring_row_bytes; b++)
+                if (p[b] == 0xFF) return ds41_fail(err, "kv snapshot: ring %u slot %u: scale %u is NaN", r, slot, b - l->latent_dim);
+        }
+    }
+    const uint8_t *carries = p;
+    {
+        const uint8_t *c = p;
+        for (int src = 0; src < l->n_sources; src++) {
+            if (l->source_carry[src] < 0) continue;
+            const size_t n = (size_t)l->source_ratio[src] * l->latent_dim;
+            for (size_t i = 0; i < 2 * n; i++, c += 4) {
+                uint32_t bits = get_u32(c);
+                float v;
+                memcpy(&v, &bits, 4);
+                bool ok = isfinite(v) || (i >= n && v == -INFINITY); /* score slots start at -inf */
+                if (!ok)
+                    return ds41_fail(err, "kv snapshot: source %d carry %s value %zu is not finite", src,
+                                     i < n ? "kv" : "score", i % n);
+            }
+        }
+        p = c;
+    }
+    ds41_engram_history hist;
+    memset(&hist, 0, sizeof hist);
+    hist.n_pushed = (int64_t)get_u64(p);
+    p += 8;
+    /* A model without Engram layers never pushes: 0 positions then. */
+    if ((uint64_t)hist.n_pushed != tokens && hist.n_pushed != 0)
+        return ds41_fail(err, "kv snapshot: the Engram history has %lld positions, the sequence %llu tokens",
+                         (long long)hist.n_pushed, (unsigned long long)tokens);
+    for (int k = 0; k < DS41_ENGRAM_MAX_NGRAM; k++, p += 4) {
+        int32_t v = (int32_t)get_u32(p);
+        if (k >= hist.n_pushed ? v != 0 : v < DS41_ENGRAM_DEAD)
+            return ds41_fail(err, "kv snapshot: Engram history slot %d holds %d", k, (int)v);
+        hist.recent[k] = v;
+    }
+
+    /* Build. */
+    ds41_kv_seq *s = seq_alloc(pool, err);
+    if (!s) return -1;
+    s->tokens = tokens;
+    memcpy(s->rings, rings, ring_bytes);
+    for (size_t i = 0; i < s->carry_floats; i++) {
+        uint32_t bits = get_u32(carries + 4 * i);
+        memcpy(&s->carries[i], &bits, 4);
+    }
+    s->engram = hist;
+    const uint8_t *e = ent;
+    for (int src = 0; src < l->n_sources; src++) {
+        page_table *t = &s->src[src];
+        const uint64_t n_pages = (entries[src] + l->entries_per_page - 1) / l->entries_per_page;
+        if (n_pages > UINT32_MAX) {
+            ds41_kv_seq_free(s);
+            return ds41_fail(err, "kv snapshot: source %d needs too many pages", src);
+        }
+        if (n_pages) {
+            t->pages = malloc((size_t)n_pages * sizeof *t->pages);
+            if (!t->pages) {
+                ds41_kv_seq_free(s);
+                return ds41_fail(err, "kv snapshot: out of memory");
+            }
+            t->cap = (uint32_t)n_pages;
+        }
+        for (uint64_t i = 0; i < entries[src]; i += l->entries_per_page) {
+            uint32_t id;
+            if (page_alloc(pool, &id) != 0) {
+                ds41_kv_seq_free(s);
+                return ds41_fail(err, "KV cache full (%llu pages of %u bytes)", (unsigned long long)pool->pages_max,
+                                 l->page_bytes);
+            }
+            t->pages[t->n_pages++] = id;
+            uint64_t k = entries[src] - i < l->entries_per_page ? entries[src] - i : l->entries_per_page;
+            memcpy(page_ptr(pool, id), e, (size_t)k * l->entry_bytes);
+            e += (size_t)k * l->entry_bytes;
+        }
+        t->n_entries = entries[src];
+    }
+    *out = s;
+    return 0;
 }

@@ -33,6 +33,7 @@
 #include "config/model_config.h"
 #include "engine/engram_layout.h"
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define DS41_KV_MAX_SOURCES 16
@@ -147,5 +148,41 @@ uint64_t ds41_kv_seq_pages(const ds41_kv_seq *seq);
 uint64_t ds41_kv_seq_page_bytes(const ds41_kv_seq *seq);
 /* Fixed per-sequence state: rings + carries + history. */
 uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *seq);
+
+/* ---- serialization (session snapshots) ------------------------------------ */
+
+/* The whole state of one sequence as bytes, so it can be written to disk and
+ * restored in another process: a restored sequence continues exactly as the
+ * original would (same logits, bit for bit).  Format "DS41KVSQ" version 1,
+ * little-endian, canonical (equal states give equal bytes):
+ *
+ *   magic "DS41KVSQ", u32 version,
+ *   u32 n_sources, n_rings, n_carries, latent_dim, index_dim, window,
+ *       entry_bytes, ring_row_bytes, u32 ratio[n_sources],
+ *   u64 tokens, u64 entries[n_sources]           (entries = tokens / ratio)
+ *   the packed entries of each source in order   (entries x entry_bytes;
+ *                                                 independent of the page size)
+ *   the window rings                             (n_rings x window x ring_row_bytes)
+ *   the carries as fp32 bit patterns             (per ratio>1 source: kv, score)
+ *   the Engram history: i64 n_pushed, i32 recent[DS41_ENGRAM_MAX_NGRAM]
+ *
+ * The layout fields must equal the reading pool's (a snapshot of another
+ * geometry is refused); the model's identity is the file format's business
+ * (storage/snapshot.h). */
+
+/* Exact size of ds41_kv_seq_serialize's output. */
+size_t ds41_kv_seq_serialized_size(const ds41_kv_seq *seq);
+/* Writes the state into buf[cap]; *written = the size.  Error when cap is too
+ * small.  Reads seq only (the caller makes sure no forward pass writes it). */
+int ds41_kv_seq_serialize(const ds41_kv_seq *seq, uint8_t *buf, size_t cap, size_t *written, ds41_error *err);
+/* A new sequence of pool rebuilt from buf[len] (untrusted: every count and
+ * size is checked against the pool's layout and the length, every packed
+ * scale and code must be a finite value, unused ring slots and Engram slots
+ * must be zero, trailing bytes are an error).  Errors name the field ("kv
+ * snapshot: source 2 has 7 entries, 40 tokens at ratio 4 need 10"); pages
+ * come from the pool ("KV cache full" when its budget is exhausted).  *out is
+ * NULL on error and nothing is left allocated. */
+int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, ds41_kv_seq **out,
+                            ds41_error *err);
 
 #endif
