@@ -1,0 +1,604 @@
+/* Session snapshot files (see snapshot.h). */
+#include "storage/snapshot.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#define SNAP_MAGIC "DS41SNAP"
+
+/* ---- CRC-64/XZ ------------------------------------------------------------------------------- */
+
+static uint64_t crc_table[256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+    const uint64_t poly = 0xC96C5795D7870F42ull; /* ECMA-182, reflected */
+    for (unsigned i = 0; i < 256; i++) {
+        uint64_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ poly : c >> 1;
+        crc_table[i] = c;
+    }
+}
+
+uint64_t ds41_crc64(uint64_t crc, const void *data, size_t len) {
+    pthread_once(&crc_once, crc_init);
+    const uint8_t *p = data;
+    crc = ~crc;
+    for (size_t i = 0; i < len; i++) crc = crc_table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* ---- SHA-256 (FIPS 180-4) -------------------------------------------------------------------- */
+
+typedef struct sha_ctx {
+    uint32_t h[8];
+    uint8_t block[64];
+    size_t fill;
+    uint64_t total;
+} sha_ctx;
+
+static const uint32_t sha_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+static uint32_t ror(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static void sha_block(sha_ctx *c, const uint8_t *b) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)b[4 * i] << 24 | (uint32_t)b[4 * i + 1] << 16 | (uint32_t)b[4 * i + 2] << 8 | b[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = ror(w[i - 15], 7) ^ ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ror(w[i - 2], 17) ^ ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = c->h[0], bb = c->h[1], cc = c->h[2], d = c->h[3], e = c->h[4], f = c->h[5], g = c->h[6],
+             h = c->h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (ror(e, 6) ^ ror(e, 11) ^ ror(e, 25)) + ((e & f) ^ (~e & g)) + sha_k[i] + w[i];
+        uint32_t t2 = (ror(a, 2) ^ ror(a, 13) ^ ror(a, 22)) + ((a & bb) ^ (a & cc) ^ (bb & cc));
+        h = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = cc;
+        cc = bb;
+        bb = a;
+        a = t1 + t2;
+    }
+    c->h[0] += a;
+    c->h[1] += bb;
+    c->h[2] += cc;
+    c->h[3] += d;
+    c->h[4] += e;
+    c->h[5] += f;
+    c->h[6] += g;
+    c->h[7] += h;
+}
+
+static void sha_init(sha_ctx *c) {
+    static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(c->h, iv, sizeof iv);
+    c->fill = 0;
+    c->total = 0;
+}
+
+static void sha_update(sha_ctx *c, const void *data, size_t len) {
+    const uint8_t *p = data;
+    c->total += len;
+    while (len) {
+        size_t k = 64 - c->fill < len ? 64 - c->fill : len;
+        memcpy(c->block + c->fill, p, k);
+        c->fill += k;
+        p += k;
+        len -= k;
+        if (c->fill == 64) {
+            sha_block(c, c->block);
+            c->fill = 0;
+        }
+    }
+}
+
+static void sha_final(sha_ctx *c, uint8_t out[32]) {
+    uint64_t bits = c->total * 8;
+    uint8_t pad = 0x80;
+    sha_update(c, &pad, 1);
+    pad = 0;
+    while (c->fill != 56) sha_update(c, &pad, 1);
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)(bits >> (56 - 8 * i));
+    sha_update(c, len, 8);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(c->h[i] >> 24);
+        out[4 * i + 1] = (uint8_t)(c->h[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(c->h[i] >> 8);
+        out[4 * i + 3] = (uint8_t)c->h[i];
+    }
+}
+
+void ds41_sha256(const void *data, size_t len, uint8_t out[32]) {
+    sha_ctx c;
+    sha_init(&c);
+    sha_update(&c, data, len);
+    sha_final(&c, out);
+}
+
+/* ---- little-endian helpers ------------------------------------------------------------------- */
+
+static void put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get32(const uint8_t *p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+
+static uint64_t get64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* ---- model identity -------------------------------------------------------------------------- */
+
+/* Hash a whole file into c; 0 / -1 (errno kept), ENOENT allowed when optional. */
+static int hash_file(sha_ctx *c, const char *path, bool optional, ds41_error *err) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (optional && errno == ENOENT) return 0;
+        return ds41_fail(err, "%s: %s", path, strerror(errno));
+    }
+    uint8_t buf[65536];
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            int e = errno;
+            close(fd);
+            return ds41_fail(err, "%s: %s", path, strerror(e));
+        }
+        if (n == 0) break;
+        sha_update(c, buf, (size_t)n);
+    }
+    close(fd);
+    return 0;
+}
+
+static int cmp_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* name, size, 8-byte length + header JSON, the first 4096 payload bytes. */
+static int hash_shard(sha_ctx *c, const char *dir, const char *name, ds41_error *err) {
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) return ds41_fail(err, "%s: path too long", name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ds41_fail(err, "%s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return ds41_fail(err, "%s: %s", path, strerror(e));
+    }
+    sha_update(c, name, strlen(name) + 1);
+    uint8_t size[8];
+    put64(size, (uint64_t)st.st_size);
+    sha_update(c, size, 8);
+    uint8_t hl[8];
+    uint64_t header_len = 0;
+    if (pread(fd, hl, 8, 0) == 8) header_len = get64(hl);
+    uint64_t upto = 8 + header_len + 4096;
+    if (header_len > (uint64_t)st.st_size || upto > (uint64_t)st.st_size) upto = (uint64_t)st.st_size;
+    uint8_t buf[65536];
+    for (uint64_t off = 0; off < upto;) {
+        size_t k = upto - off < sizeof buf ? (size_t)(upto - off) : sizeof buf;
+        ssize_t n = pread(fd, buf, k, (off_t)off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            int e = n < 0 ? errno : EIO;
+            close(fd);
+            return ds41_fail(err, "%s: %s", path, strerror(e));
+        }
+        sha_update(c, buf, (size_t)n);
+        off += (uint64_t)n;
+    }
+    close(fd);
+    return 0;
+}
+
+int ds41_snapshot_model_id(const char *dir, uint8_t id[DS41_SNAPSHOT_ID_BYTES], ds41_error *err) {
+    sha_ctx c;
+    sha_init(&c);
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/inference/config.json", dir);
+    if (hash_file(&c, path, false, err) != 0) return -1;
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    if (hash_file(&c, path, true, err) != 0) return -1;
+    DIR *d = opendir(dir);
+    if (!d) return ds41_fail(err, "%s: %s", dir, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *e;
+    int rc = 0;
+    while ((e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (len < 12 || strcmp(e->d_name + len - 12, ".safetensors") != 0) continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 16;
+            char **nn = realloc(names, cap * sizeof *nn);
+            if (!nn) {
+                rc = ds41_fail(err, "out of memory");
+                break;
+            }
+            names = nn;
+        }
+        if (!(names[n] = strdup(e->d_name))) {
+            rc = ds41_fail(err, "out of memory");
+            break;
+        }
+        n++;
+    }
+    closedir(d);
+    if (rc == 0) {
+        qsort(names, n, sizeof *names, cmp_names);
+        for (size_t i = 0; i < n && rc == 0; i++) rc = hash_shard(&c, dir, names[i], err);
+    }
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    if (rc != 0) return -1;
+    sha_final(&c, id);
+    return 0;
+}
+
+/* ---- writing --------------------------------------------------------------------------------- */
+
+static int write_all(int fd, const uint8_t *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static atomic_uint temp_counter;
+
+void ds41_snapshot_free(ds41_snapshot *s) {
+    if (!s) return;
+    free(s->ids);
+    free(s->kv);
+    free(s->sampler);
+    memset(s, 0, sizeof *s);
+}
+
+int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], const int32_t *ids,
+                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                        const ds41_snapshot_write_opts *opts, uint64_t *file_bytes, ds41_error *err) {
+    if (file_bytes) *file_bytes = 0;
+    if (!path || !model_id || !ids || !kv) return ds41_fail(err, "snapshot: missing argument");
+    if (n_ids == 0 || n_ids > DS41_SNAPSHOT_MAX_IDS)
+        return ds41_fail(err, "%s: %zu token ids (1..%u)", path, n_ids, DS41_SNAPSHOT_MAX_IDS);
+    if (kv_len == 0) return ds41_fail(err, "%s: empty KV state", path);
+    if (sampler_len && !sampler) return ds41_fail(err, "%s: sampler length without data", path);
+    for (size_t i = 0; i < n_ids; i++)
+        if (ids[i] < 0) return ds41_fail(err, "%s: token id %d at %zu is negative", path, ids[i], i);
+
+    /* the raw payload: kv then sampler */
+    const size_t raw_len = kv_len + sampler_len;
+    uint8_t *raw = NULL;
+    const uint8_t *src = kv;
+    if (sampler_len) {
+        raw = malloc(raw_len);
+        if (!raw) return ds41_fail(err, "%s: out of memory", path);
+        memcpy(raw, kv, kv_len);
+        memcpy(raw + kv_len, sampler, sampler_len);
+        src = raw;
+    }
+    const size_t head_and_ids = DS41_SNAPSHOT_HEAD_BYTES + 4 * n_ids;
+    const size_t bound = ZSTD_compressBound(raw_len);
+    uint8_t *file = malloc(head_and_ids + bound + 8);
+    if (!file) {
+        free(raw);
+        return ds41_fail(err, "%s: out of memory", path);
+    }
+    const int level = opts && opts->zstd_level ? opts->zstd_level : 3;
+    size_t z = ZSTD_compress(file + head_and_ids, bound, src, raw_len, level);
+    free(raw);
+    if (ZSTD_isError(z)) {
+        free(file);
+        return ds41_fail(err, "%s: zstd: %s", path, ZSTD_getErrorName(z));
+    }
+    memcpy(file, SNAP_MAGIC, 8);
+    put32(file + 8, DS41_SNAPSHOT_VERSION);
+    put32(file + 12, sampler_len ? DS41_SNAPSHOT_FLAG_SAMPLER : 0);
+    memcpy(file + 16, model_id, DS41_SNAPSHOT_ID_BYTES);
+    put64(file + 48, n_ids);
+    put64(file + 56, kv_len);
+    put64(file + 64, sampler_len);
+    put64(file + 72, z);
+    put64(file + 80, (uint64_t)(int64_t)time(NULL));
+    for (size_t i = 0; i < n_ids; i++) put32(file + DS41_SNAPSHOT_HEAD_BYTES + 4 * i, (uint32_t)ids[i]);
+    uint64_t hc = ds41_crc64(0, file, 88);
+    hc = ds41_crc64(hc, file + DS41_SNAPSHOT_HEAD_BYTES, 4 * n_ids);
+    put64(file + 88, hc);
+    const size_t total = head_and_ids + z + 8;
+    put64(file + total - 8, ds41_crc64(0, file, total - 8));
+
+    /* temporary file beside the target */
+    char dir[PATH_MAX], tmp[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    const char *base = slash ? slash + 1 : path;
+    if (slash)
+        *slash = 0;
+    else
+        snprintf(dir, sizeof dir, ".");
+    if (snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%ld-%u", dir, base, (long)getpid(), atomic_fetch_add(&temp_counter, 1)) >=
+        (int)sizeof tmp) {
+        free(file);
+        return ds41_fail(err, "%s: path too long", path);
+    }
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
+    if (fd < 0) {
+        int e = errno;
+        free(file);
+        return ds41_fail(err, "%s: cannot create a temporary file: %s", path, strerror(e));
+    }
+    const char *what = "write";
+    int rc = 0;
+    size_t half = total / 2;
+    if (write_all(fd, file, half) != 0) rc = -1;
+    if (rc == 0 && opts && opts->test_delay_ms) {
+        struct timespec ts = {.tv_sec = opts->test_delay_ms / 1000, .tv_nsec = (long)(opts->test_delay_ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+    if (rc == 0 && write_all(fd, file + half, total - half) != 0) rc = -1;
+    if (rc == 0 && fsync(fd) != 0) rc = -1, what = "fsync";
+    int e = errno;
+    free(file);
+    if (close(fd) != 0 && rc == 0) rc = -1, e = errno, what = "close";
+    if (rc == 0 && rename(tmp, path) != 0) rc = -1, e = errno, what = "rename";
+    if (rc != 0) {
+        unlink(tmp);
+        return ds41_fail(err, "%s: %s failed: %s", path, what, strerror(e));
+    }
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    if (file_bytes) *file_bytes = total;
+    return 0;
+}
+
+/* ---- reading --------------------------------------------------------------------------------- */
+
+/* Check the fixed head (magic, version, flags, identity, lengths) against the file length. */
+static int parse_head(const uint8_t *h, uint64_t file_len, const char *label,
+                      const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out, uint64_t *payload_len,
+                      ds41_error *err) {
+    if (file_len < DS41_SNAPSHOT_HEAD_BYTES)
+        return ds41_fail(err, "%s: truncated (%llu bytes, the head alone is %d)", label, (unsigned long long)file_len,
+                         DS41_SNAPSHOT_HEAD_BYTES);
+    if (memcmp(h, SNAP_MAGIC, 8) != 0) return ds41_fail(err, "%s: not a ds41 snapshot (bad magic)", label);
+    out->version = get32(h + 8);
+    if (out->version != DS41_SNAPSHOT_VERSION)
+        return ds41_fail(err, "%s: format version %u, this build reads %u", label, out->version, DS41_SNAPSHOT_VERSION);
+    out->flags = get32(h + 12);
+    if (out->flags & ~DS41_SNAPSHOT_FLAG_SAMPLER) return ds41_fail(err, "%s: unknown flags 0x%x", label, out->flags);
+    memcpy(out->model_id, h + 16, DS41_SNAPSHOT_ID_BYTES);
+    const uint64_t n_ids = get64(h + 48), kv_len = get64(h + 56), sampler_len = get64(h + 64);
+    *payload_len = get64(h + 72);
+    out->created = (int64_t)get64(h + 80);
+    if (n_ids == 0 || n_ids > DS41_SNAPSHOT_MAX_IDS)
+        return ds41_fail(err, "%s: %llu token ids (1..%u)", label, (unsigned long long)n_ids, DS41_SNAPSHOT_MAX_IDS);
+    if (kv_len == 0 || kv_len > (1ull << 48)) return ds41_fail(err, "%s: KV state of %llu bytes", label, (unsigned long long)kv_len);
+    if (sampler_len > (1ull << 32) || (sampler_len != 0) != ((out->flags & DS41_SNAPSHOT_FLAG_SAMPLER) != 0))
+        return ds41_fail(err, "%s: sampler state of %llu bytes with flags 0x%x", label, (unsigned long long)sampler_len,
+                         out->flags);
+    if (*payload_len == 0 || *payload_len > (1ull << 48))
+        return ds41_fail(err, "%s: payload of %llu bytes", label, (unsigned long long)*payload_len);
+    const uint64_t want = DS41_SNAPSHOT_HEAD_BYTES + 4 * n_ids + *payload_len + 8;
+    if (file_len < want)
+        return ds41_fail(err, "%s: truncated (%llu bytes, the head describes %llu)", label, (unsigned long long)file_len,
+                         (unsigned long long)want);
+    if (file_len > want)
+        return ds41_fail(err, "%s: %llu bytes, the head describes %llu (trailing data)", label,
+                         (unsigned long long)file_len, (unsigned long long)want);
+    if (model_id && memcmp(model_id, out->model_id, DS41_SNAPSHOT_ID_BYTES) != 0)
+        return ds41_fail(err, "%s: made for another model (identity differs)", label);
+    out->n_ids = (size_t)n_ids;
+    out->kv_len = (size_t)kv_len;
+    out->sampler_len = (size_t)sampler_len;
+    out->file_bytes = file_len;
+    return 0;
+}
+
+/* head_check, then the ids (each must fit an int32). */
+static int parse_ids(const uint8_t *buf, const char *label, ds41_snapshot *out, ds41_error *err) {
+    uint64_t hc = ds41_crc64(0, buf, 88);
+    hc = ds41_crc64(hc, buf + DS41_SNAPSHOT_HEAD_BYTES, 4 * out->n_ids);
+    if (hc != get64(buf + 88)) return ds41_fail(err, "%s: head checksum mismatch (file corrupted)", label);
+    out->ids = malloc(out->n_ids * sizeof *out->ids);
+    if (!out->ids) return ds41_fail(err, "%s: out of memory", label);
+    for (size_t i = 0; i < out->n_ids; i++) {
+        uint32_t v = get32(buf + DS41_SNAPSHOT_HEAD_BYTES + 4 * i);
+        if (v > INT32_MAX) return ds41_fail(err, "%s: token id %u at %zu out of range", label, v, i);
+        out->ids[i] = (int32_t)v;
+    }
+    return 0;
+}
+
+int ds41_snapshot_parse(const uint8_t *buf, size_t len, const char *label,
+                        const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], uint64_t max_raw, ds41_snapshot *out,
+                        ds41_error *err) {
+    memset(out, 0, sizeof *out);
+    uint64_t payload_len = 0;
+    if (!buf) return ds41_fail(err, "%s: no data", label);
+    if (parse_head(buf, len, label, model_id, out, &payload_len, err) != 0) goto fail;
+    if (get64(buf + len - 8) != ds41_crc64(0, buf, len - 8)) {
+        ds41_fail(err, "%s: checksum mismatch (file corrupted)", label);
+        goto fail;
+    }
+    if (parse_ids(buf, label, out, err) != 0) goto fail;
+    const uint64_t raw_len = (uint64_t)out->kv_len + out->sampler_len;
+    if (raw_len > max_raw) {
+        ds41_fail(err, "%s: state of %llu bytes exceeds the %llu this model's snapshot can have", label,
+                  (unsigned long long)raw_len, (unsigned long long)max_raw);
+        goto fail;
+    }
+    const uint8_t *payload = buf + DS41_SNAPSHOT_HEAD_BYTES + 4 * out->n_ids;
+    unsigned long long content = ZSTD_getFrameContentSize(payload, (size_t)payload_len);
+    if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN || content != raw_len) {
+        ds41_fail(err, "%s: the compressed payload does not declare %llu bytes", label, (unsigned long long)raw_len);
+        goto fail;
+    }
+    size_t frame = ZSTD_findFrameCompressedSize(payload, (size_t)payload_len);
+    if (ZSTD_isError(frame) || frame != payload_len) {
+        ds41_fail(err, "%s: the payload is not exactly one zstd frame", label);
+        goto fail;
+    }
+    uint8_t *raw = malloc(raw_len ? (size_t)raw_len : 1);
+    if (!raw) {
+        ds41_fail(err, "%s: out of memory (%llu bytes)", label, (unsigned long long)raw_len);
+        goto fail;
+    }
+    size_t got = ZSTD_decompress(raw, (size_t)raw_len, payload, (size_t)payload_len);
+    if (ZSTD_isError(got) || got != raw_len) {
+        free(raw);
+        ds41_fail(err, "%s: zstd: %s", label, ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short output");
+        goto fail;
+    }
+    if (out->sampler_len) {
+        out->sampler = malloc(out->sampler_len);
+        if (!out->sampler) {
+            free(raw);
+            ds41_fail(err, "%s: out of memory", label);
+            goto fail;
+        }
+        memcpy(out->sampler, raw + out->kv_len, out->sampler_len);
+    }
+    out->kv = raw;
+    return 0;
+fail:
+    ds41_snapshot_free(out);
+    return -1;
+}
+
+/* The whole file, at most max bytes. */
+static int slurp(const char *path, uint64_t max, uint8_t **data, size_t *len, ds41_error *err) {
+    *data = NULL;
+    *len = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ds41_fail(err, "%s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return ds41_fail(err, "%s: not a regular file", path);
+    }
+    if ((uint64_t)st.st_size > max) {
+        close(fd);
+        return ds41_fail(err, "%s: %lld bytes is more than a snapshot of this model can be", path, (long long)st.st_size);
+    }
+    uint8_t *b = malloc(st.st_size ? (size_t)st.st_size : 1);
+    if (!b) {
+        close(fd);
+        return ds41_fail(err, "%s: out of memory", path);
+    }
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t n = read(fd, b + got, (size_t)st.st_size - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    close(fd);
+    *data = b;
+    *len = got;
+    return 0;
+}
+
+int ds41_snapshot_read(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], uint64_t max_raw,
+                       ds41_snapshot *out, ds41_error *err) {
+    memset(out, 0, sizeof *out);
+    uint8_t *data;
+    size_t len;
+    const uint64_t max_file = DS41_SNAPSHOT_HEAD_BYTES + 4ull * DS41_SNAPSHOT_MAX_IDS + 8 +
+                              (max_raw < (1ull << 48) ? ZSTD_compressBound((size_t)max_raw) : (1ull << 49));
+    if (slurp(path, max_file, &data, &len, err) != 0) return -1;
+    int rc = ds41_snapshot_parse(data, len, path, model_id, max_raw, out, err);
+    free(data);
+    return rc;
+}
+
+int ds41_snapshot_read_head(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out,
+                            ds41_error *err) {
+    memset(out, 0, sizeof *out);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ds41_fail(err, "%s: %s", path, strerror(errno));
+    struct stat st;
+    uint8_t head[DS41_SNAPSHOT_HEAD_BYTES];
+    uint64_t payload_len;
+    int rc = 0;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        rc = ds41_fail(err, "%s: not a regular file", path);
+    else if (pread(fd, head, sizeof head, 0) != (ssize_t)sizeof head)
+        rc = ds41_fail(err, "%s: truncated (%lld bytes, the head alone is %d)", path, (long long)st.st_size,
+                       DS41_SNAPSHOT_HEAD_BYTES);
+    else
+        rc = parse_head(head, (uint64_t)st.st_size, path, model_id, out, &payload_len, err);
+    if (rc == 0) {
+        size_t n = DS41_SNAPSHOT_HEAD_BYTES + 4 * out->n_ids;
+        uint8_t *b = malloc(n);
+        if (!b)
+            rc = ds41_fail(err, "%s: out of memory", path);
+        else if (pread(fd, b, n, 0) != (ssize_t)n)
+            rc = ds41_fail(err, "%s: truncated ids", path);
+        else
+            rc = parse_ids(b, path, out, err);
+        free(b);
+    }
+    close(fd);
+    if (rc != 0) ds41_snapshot_free(out);
+    return rc;
+}
+
+int ds41_snapshot_clean_temp(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, ".tmp-", 5) != 0) continue;
+        char p[PATH_MAX];
+        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) >= (int)sizeof p) continue;
+        if (unlink(p) == 0) n++;
+    }
+    closedir(d);
+    return n;
+}

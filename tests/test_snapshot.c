@@ -1,0 +1,286 @@
+/* storage/snapshot: the session snapshot file format -- checksums, round trips, every corruption
+ * and truncation refused with a message naming the file, atomic writes (a writer killed in the
+ * middle of a save leaves only a temporary file, which is cleaned), model identity. */
+#include "engine/model_gen.h"
+#include "storage/snapshot.h"
+#include "tap.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static char ROOT[512];
+static uint8_t MODEL_A[32], MODEL_B[32];
+
+static uint8_t *slurp(const char *path, size_t *len) {
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = malloc(n > 0 ? (size_t)n : 1);
+    *len = fread(b, 1, (size_t)n, f);
+    fclose(f);
+    return b;
+}
+
+static void put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* Recompute both checksums (to reach the checks behind them). */
+static void fix_checks(uint8_t *b, size_t len) {
+    uint64_t n_ids = get64(b + 48);
+    uint64_t hc = ds41_crc64(0, b, 88);
+    hc = ds41_crc64(hc, b + 96, 4 * n_ids);
+    put64(b + 88, hc);
+    put64(b + len - 8, ds41_crc64(0, b, len - 8));
+}
+
+static bool refused(const uint8_t *b, size_t len, const uint8_t *model, uint64_t max_raw, const char *want, char *msg,
+                    size_t msg_size) {
+    ds41_snapshot s;
+    ds41_error err = {{0}};
+    int rc = ds41_snapshot_parse(b, len, "SNAPFILE", model, max_raw, &s, &err);
+    snprintf(msg, msg_size, "%.300s", err.msg);
+    if (rc == 0) {
+        ds41_snapshot_free(&s);
+        return false;
+    }
+    return s.ids == NULL && s.kv == NULL && strstr(err.msg, "SNAPFILE") && (!want || strstr(err.msg, want));
+}
+
+static void test_hashes(void) {
+    TAP_CHECK(ds41_crc64(0, "123456789", 9) == 0x995DC9BBDF1939FAull, "CRC-64/XZ check value");
+    TAP_CHECK(ds41_crc64(ds41_crc64(0, "1234", 4), "56789", 5) == 0x995DC9BBDF1939FAull, "CRC-64 continues");
+    uint8_t h[32];
+    ds41_sha256("abc", 3, h);
+    static const uint8_t abc[32] = {0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40,
+                                    0xde, 0x5d, 0xae, 0x22, 0x23, 0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17,
+                                    0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61, 0xf2, 0x00, 0x15, 0xad};
+    TAP_CHECK(memcmp(h, abc, 32) == 0, "SHA-256(\"abc\")");
+    char m[1000];
+    memset(m, 'a', sizeof m);
+    ds41_sha256(m, 1000, h); /* 1000 x 'a' spans several blocks and the length padding */
+    static const uint8_t a1000[32] = {0x41, 0xed, 0xec, 0xe4, 0x2d, 0x63, 0xe8, 0xd9, 0xbf, 0x51, 0x5a,
+                                      0x9b, 0xa6, 0x93, 0x2e, 0x1c, 0x20, 0xcb, 0xc9, 0xf5, 0xa5, 0xd1,
+                                      0x34, 0x64, 0x5a, 0xdb, 0x5d, 0xb1, 0xb9, 0x73, 0x7e, 0xa3};
+    TAP_CHECK(memcmp(h, a1000, 32) == 0, "SHA-256 of 1000 'a'");
+}
+
+static int32_t IDS[300];
+static uint8_t KV[5000], SMP[77];
+
+static void test_round_trip(void) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/one.snap", ROOT);
+    ds41_error err = {{0}};
+    uint64_t bytes = 0;
+    int rc = ds41_snapshot_write(path, MODEL_A, IDS, 300, KV, sizeof KV, SMP, sizeof SMP, NULL, &bytes, &err);
+    struct stat st;
+    TAP_CHECK(rc == 0 && stat(path, &st) == 0 && (uint64_t)st.st_size == bytes, "write (%llu bytes; %s)",
+              (unsigned long long)bytes, rc ? err.msg : "ok");
+    TAP_CHECK(bytes < sizeof KV, "the payload is compressed (%llu < %zu)", (unsigned long long)bytes, sizeof KV);
+    ds41_snapshot s;
+    rc = ds41_snapshot_read(path, MODEL_A, 1 << 20, &s, &err);
+    TAP_CHECK(rc == 0 && s.n_ids == 300 && memcmp(s.ids, IDS, sizeof IDS) == 0 && s.kv_len == sizeof KV &&
+                  memcmp(s.kv, KV, sizeof KV) == 0 && s.sampler_len == sizeof SMP && memcmp(s.sampler, SMP, sizeof SMP) == 0 &&
+                  s.flags == DS41_SNAPSHOT_FLAG_SAMPLER && s.created > 0,
+              "read gives back ids, KV state and sampler state (%s)", rc ? err.msg : "ok");
+    ds41_snapshot_free(&s);
+    rc = ds41_snapshot_read_head(path, MODEL_A, &s, &err);
+    TAP_CHECK(rc == 0 && s.n_ids == 300 && memcmp(s.ids, IDS, sizeof IDS) == 0 && !s.kv && s.kv_len == sizeof KV,
+              "read_head gives the ids without the payload (%s)", rc ? err.msg : "ok");
+    ds41_snapshot_free(&s);
+    rc = ds41_snapshot_read_head(path, MODEL_B, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, path) && strstr(err.msg, "another model"),
+              "read_head refuses another model's snapshot (%s)", err.msg);
+    rc = ds41_snapshot_read(path, MODEL_B, 1 << 20, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, path) && strstr(err.msg, "another model"),
+              "read refuses another model's snapshot, naming the file (%s)", err.msg);
+    rc = ds41_snapshot_read(path, MODEL_A, sizeof KV, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, "exceeds"), "a state larger than the caller's bound is refused (%s)", err.msg);
+
+    /* without a sampler */
+    char p2[700];
+    snprintf(p2, sizeof p2, "%s/two.snap", ROOT);
+    rc = ds41_snapshot_write(p2, MODEL_A, IDS, 1, KV, 10, NULL, 0, NULL, NULL, &err);
+    if (rc == 0) rc = ds41_snapshot_read(p2, NULL, 1 << 20, &s, &err);
+    TAP_CHECK(rc == 0 && s.n_ids == 1 && s.kv_len == 10 && !s.sampler && s.flags == 0,
+              "a snapshot without sampler state round-trips (%s)", rc ? err.msg : "ok");
+    ds41_snapshot_free(&s);
+    /* bad arguments */
+    int32_t neg[2] = {1, -5};
+    TAP_CHECK(ds41_snapshot_write(p2, MODEL_A, neg, 2, KV, 10, NULL, 0, NULL, NULL, &err) == -1 &&
+                  strstr(err.msg, "negative"),
+              "negative ids are refused at write (%s)", err.msg);
+    TAP_CHECK(ds41_snapshot_write(p2, MODEL_A, IDS, 0, KV, 10, NULL, 0, NULL, NULL, &err) == -1,
+              "no ids is refused at write (%s)", err.msg);
+    char p3[700];
+    snprintf(p3, sizeof p3, "%s/missing-dir/x.snap", ROOT);
+    TAP_CHECK(ds41_snapshot_write(p3, MODEL_A, IDS, 3, KV, 10, NULL, 0, NULL, NULL, &err) == -1 && strstr(err.msg, p3),
+              "an unwritable place fails naming the file (%s)", err.msg);
+    rc = ds41_snapshot_read(p3, MODEL_A, 1 << 20, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, p3), "a missing file fails naming it (%s)", err.msg);
+
+    /* every corruption and truncation */
+    size_t len = 0;
+    uint8_t *file = slurp(path, &len);
+    if (!file) return;
+    uint8_t *b = malloc(len + 1);
+    char msg[400];
+    size_t bad = SIZE_MAX;
+    for (size_t i = 0; i < len && bad == SIZE_MAX; i++) {
+        memcpy(b, file, len);
+        b[i] ^= (uint8_t)(1u << (i % 8));
+        if (!refused(b, len, MODEL_A, 1 << 20, NULL, msg, sizeof msg)) bad = i;
+    }
+    TAP_CHECK(bad == SIZE_MAX, "every single-bit flip of the %zu bytes is refused (first accepted: %zu)", len, bad);
+    memcpy(b, file, len);
+    b[len / 2] ^= 0x40;
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "checksum mismatch (file corrupted)", msg, sizeof msg),
+              "a corrupted payload: checksum mismatch (%s)", msg);
+    bad = SIZE_MAX;
+    for (size_t n = 0; n < len && bad == SIZE_MAX; n++)
+        if (!refused(file, n, MODEL_A, 1 << 20, NULL, msg, sizeof msg)) bad = n;
+    TAP_CHECK(bad == SIZE_MAX, "every truncation is refused (first accepted: %zu)", bad);
+    TAP_CHECK(refused(file, len - 100, MODEL_A, 1 << 20, "truncated", msg, sizeof msg), "truncated file (%s)", msg);
+    memcpy(b, file, len);
+    b[len] = 0;
+    TAP_CHECK(refused(b, len + 1, MODEL_A, 1 << 20, "trailing data", msg, sizeof msg), "trailing data (%s)", msg);
+    memcpy(b, file, len);
+    b[8] = 2;
+    fix_checks(b, len);
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "format version 2, this build reads 1", msg, sizeof msg),
+              "another format version (%s)", msg);
+    memcpy(b, file, len);
+    b[12] = 4;
+    fix_checks(b, len);
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "unknown flags", msg, sizeof msg), "unknown flags (%s)", msg);
+    memcpy(b, file, len);
+    b[0] = 'X';
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "bad magic", msg, sizeof msg), "bad magic (%s)", msg);
+    memcpy(b, file, len);
+    b[96 + 3] = 0x80; /* id 0 >= 2^31 */
+    fix_checks(b, len);
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "out of range", msg, sizeof msg), "an id beyond int32 (%s)", msg);
+    memcpy(b, file, len);
+    put64(b + 56, sizeof KV + 1); /* kv_len no longer matches the frame */
+    fix_checks(b, len);
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "does not declare", msg, sizeof msg),
+              "lengths that disagree with the zstd frame (%s)", msg);
+    memcpy(b, file, len);
+    b[96 + 4 * 300 + 60] ^= 0x55; /* inside the zstd frame, checksums fixed: zstd must catch it or the sizes */
+    fix_checks(b, len);
+    {
+        ds41_snapshot s2;
+        ds41_error e2 = {{0}};
+        int r = ds41_snapshot_parse(b, len, "SNAPFILE", MODEL_A, 1 << 20, &s2, &e2);
+        bool ok = r == -1 ? strstr(e2.msg, "SNAPFILE") != NULL : s2.kv_len == sizeof KV; /* never a crash */
+        ds41_snapshot_free(&s2);
+        TAP_CHECK(ok, "a damaged zstd frame behind valid checksums never crashes (%s)", r ? e2.msg : "decoded");
+    }
+    free(b);
+    free(file);
+}
+
+static void test_atomic(void) {
+    char dir[700], path[800];
+    snprintf(dir, sizeof dir, "%s/atomic", ROOT);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/victim.snap", dir);
+    ds41_error err = {{0}};
+    /* an old version of the file exists */
+    int rc = ds41_snapshot_write(path, MODEL_A, IDS, 10, KV, 100, NULL, 0, NULL, NULL, &err);
+    pid_t pid = fork();
+    if (pid == 0) {
+        ds41_snapshot_write_opts o = {.test_delay_ms = 5000};
+        ds41_snapshot_write(path, MODEL_A, IDS, 300, KV, sizeof KV, NULL, 0, &o, NULL, &err);
+        _exit(0);
+    }
+    /* wait until the temporary file appears, then kill the writer mid-save */
+    int tmp_seen = 0;
+    for (int i = 0; i < 400 && !tmp_seen; i++) {
+        struct timespec ts = {0, 10000000L};
+        nanosleep(&ts, NULL);
+        char cmd[900];
+        snprintf(cmd, sizeof cmd, "ls -a %s | grep -q '^\\.tmp-victim.snap'", dir);
+        tmp_seen = system(cmd) == 0;
+    }
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    ds41_snapshot s;
+    int rr = ds41_snapshot_read(path, MODEL_A, 1 << 20, &s, &err);
+    TAP_CHECK(rc == 0 && tmp_seen && WIFSIGNALED(status) && rr == 0 && s.n_ids == 10,
+              "SIGKILL in the middle of a save leaves the previous snapshot intact (%s)", rr ? err.msg : "ok");
+    ds41_snapshot_free(&s);
+    TAP_CHECK(ds41_snapshot_clean_temp(dir) == 1, "the killed writer's temporary file is cleaned");
+    TAP_CHECK(ds41_snapshot_clean_temp(dir) == 0, "and nothing else is removed");
+}
+
+static void test_model_id(void) {
+    char a[700], b[700], c[700];
+    snprintf(a, sizeof a, "%s/m1", ROOT);
+    snprintf(b, sizeof b, "%s/m2", ROOT);
+    snprintf(c, sizeof c, "%s/m3", ROOT);
+    ds41_error err = {{0}};
+    ds41_model_gen_opts o1 = {.preset = "tiny", .seed = 1}, o2 = {.preset = "tiny", .seed = 2};
+    int rc = ds41_model_generate(a, &o1, NULL, &err);
+    if (rc == 0) rc = ds41_model_generate(b, &o2, NULL, &err);
+    if (rc == 0) rc = ds41_model_generate(c, &o1, NULL, &err);
+    uint8_t ia[32], ib[32], ic[32], ia2[32];
+    if (rc == 0) rc = ds41_snapshot_model_id(a, ia, &err);
+    if (rc == 0) rc = ds41_snapshot_model_id(b, ib, &err);
+    if (rc == 0) rc = ds41_snapshot_model_id(c, ic, &err);
+    if (rc == 0) rc = ds41_snapshot_model_id(a, ia2, &err);
+    TAP_CHECK(rc == 0 && memcmp(ia, ia2, 32) == 0 && memcmp(ia, ic, 32) == 0,
+              "model identity: stable, equal for identical checkpoints (%s)", rc ? err.msg : "ok");
+    TAP_CHECK(rc == 0 && memcmp(ia, ib, 32) != 0, "model identity differs for checkpoints that differ only in the seed");
+    char missing[800];
+    snprintf(missing, sizeof missing, "%s/nope", ROOT);
+    TAP_CHECK(ds41_snapshot_model_id(missing, ia, &err) == -1 && strstr(err.msg, "config.json"),
+              "a directory without a config fails naming the file (%s)", err.msg);
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+int main(void) {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(ROOT, sizeof ROOT, "%s/ds41-snapfmt-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(ROOT)) {
+        TAP_CHECK(0, "mkdtemp");
+        return tap_done();
+    }
+    memset(MODEL_A, 0xA1, 32);
+    memset(MODEL_B, 0xB2, 32);
+    for (int i = 0; i < 300; i++) IDS[i] = (i * 7919) % 129280;
+    for (size_t i = 0; i < sizeof KV; i++) KV[i] = (uint8_t)(i % 251 < 40 ? i * 13 : 0);
+    for (size_t i = 0; i < sizeof SMP; i++) SMP[i] = (uint8_t)(i * 3 + 1);
+    test_hashes();
+    test_round_trip();
+    test_atomic();
+    test_model_id();
+    nftw(ROOT, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    return tap_done();
+}
