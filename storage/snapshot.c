@@ -326,7 +326,18 @@ int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_I
         return ds41_fail(err, "%s: out of memory", path);
     }
     const int level = opts && opts->zstd_level ? opts->zstd_level : 3;
-    size_t z = ZSTD_compress(file + head_and_ids, bound, src, raw_len, level);
+    /* zstd's own content checksum too: a second line of defence behind file_check */
+    size_t z;
+    ZSTD_CCtx *cctx = ZSTD_createCCtx();
+    if (!cctx) {
+        z = (size_t)-1;
+    } else {
+        ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, level);
+        ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 1);
+        ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1);
+        z = ZSTD_compress2(cctx, file + head_and_ids, bound, src, raw_len);
+        ZSTD_freeCCtx(cctx);
+    }
     free(raw);
     if (ZSTD_isError(z)) {
         free(file);

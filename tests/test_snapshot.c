@@ -3,6 +3,7 @@
  * middle of a save leaves only a temporary file, which is cleaned), model identity. */
 #include "engine/model_gen.h"
 #include "storage/snapshot.h"
+#include "storage/snapshot_store.h"
 #include "tap.h"
 
 #include <errno.h>
@@ -258,6 +259,151 @@ static void test_model_id(void) {
               "a directory without a config fails naming the file (%s)", err.msg);
 }
 
+
+static void collect(void *acc, const ds41_snapshot_entry *e) {
+    ds41_snapshot_entry *v = acc;
+    for (int i = 0; i < 16; i++)
+        if (!v[i].name[0]) {
+            v[i] = *e;
+            return;
+        }
+}
+
+static size_t count_entries(ds41_snapshot_store *st, ds41_snapshot_entry *v) {
+    memset(v, 0, 16 * sizeof *v);
+    ds41_snapshot_store_list(st, collect, v);
+    size_t n = 0;
+    while (n < 16 && v[n].name[0]) n++;
+    return n;
+}
+
+static void test_store(void) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/store/model-a", ROOT);
+    ds41_snapshot_store_opts o = {.dir = dir};
+    memcpy(o.model_id, MODEL_A, 32);
+    ds41_snapshot_store *st = NULL;
+    ds41_error err = {{0}};
+    int rc = ds41_snapshot_store_open(&o, &st, &err);
+    if (!TAP_CHECK(rc == 0, "store: opens (creating %s) (%s)", dir, rc ? err.msg : "ok")) return;
+    ds41_snapshot_entry e100, e200;
+    rc = ds41_snapshot_store_save(st, IDS, 100, KV, 1000, NULL, 0, &e100, &err);
+    if (rc == 0) rc = ds41_snapshot_store_save(st, IDS, 200, KV, 2000, SMP, sizeof SMP, &e200, &err);
+    TAP_CHECK(rc == 0 && strlen(e100.name) == 40 && e200.has_sampler && e200.n_ids == 200,
+              "store: two saves (%s)", rc ? err.msg : "ok");
+    char name[41];
+    size_t m1 = ds41_snapshot_store_match(st, IDS, 250, name);
+    bool n1 = strcmp(name, e200.name) == 0;
+    size_t m2 = ds41_snapshot_store_match(st, IDS, 150, name);
+    size_t m3 = ds41_snapshot_store_match(st, IDS, 100, name);
+    int32_t other[120];
+    memcpy(other, IDS, sizeof other);
+    other[50] ^= 1;
+    size_t m4 = ds41_snapshot_store_match(st, other, 120, name);
+    TAP_CHECK(m1 == 200 && n1 && m2 == 100 && m3 == 0 && m4 == 0,
+              "store: match finds the longest proper prefix (%zu %zu %zu %zu)", m1, m2, m3, m4);
+    ds41_snapshot s;
+    rc = ds41_snapshot_store_load(st, e200.name, &s, &err);
+    TAP_CHECK(rc == 0 && s.n_ids == 200 && s.kv_len == 2000 && memcmp(s.kv, KV, 2000) == 0 && s.sampler_len == sizeof SMP,
+              "store: load gives the state back (%s)", rc ? err.msg : "ok");
+    ds41_snapshot_free(&s);
+    int32_t *ids = malloc(50 * sizeof *ids);
+    uint8_t *kv = malloc(500);
+    memcpy(ids, IDS, 50 * sizeof *ids);
+    memcpy(kv, KV, 500);
+    rc = ds41_snapshot_store_save_async(st, ids, 50, kv, 500, &err);
+    ds41_snapshot_store_flush(st);
+    ds41_snapshot_entry v[16];
+    TAP_CHECK(rc == 0 && count_entries(st, v) == 3 && ds41_snapshot_store_match(st, IDS, 60, name) == 50,
+              "store: an asynchronous save is indexed after flush");
+    TAP_CHECK(ds41_snapshot_store_load(st, "../../etc/passwd", &s, &err) == -1 && strstr(err.msg, "no snapshot"),
+              "store: a malformed name is refused (%s)", err.msg);
+    ds41_snapshot_store_free(st);
+
+    /* a crashed writer's temp file, a file of another model, a corrupted file */
+    char p[900];
+    snprintf(p, sizeof p, "%s/.tmp-x.snap-1-1", dir);
+    FILE *f = fopen(p, "w");
+    if (f) fclose(f);
+    char other_name[41];
+    ds41_snapshot_store_name(IDS, 7, other_name);
+    snprintf(p, sizeof p, "%s/%s.snap", dir, other_name);
+    ds41_snapshot_write(p, MODEL_B, IDS, 7, KV, 10, NULL, 0, NULL, NULL, &err);
+    rc = ds41_snapshot_store_open(&o, &st, &err);
+    size_t n_after = rc == 0 ? count_entries(st, v) : 0;
+    TAP_CHECK(rc == 0 && n_after == 3 && ds41_snapshot_store_match(st, IDS, 250, name) == 200,
+              "store: reopening rebuilds the index from the files, skipping another model's (%zu entries)", n_after);
+    struct stat sb;
+    snprintf(p, sizeof p, "%s/.tmp-x.snap-1-1", dir);
+    TAP_CHECK(stat(p, &sb) != 0, "store: opening removes temporary files of interrupted saves");
+    if (rc != 0) return;
+    snprintf(p, sizeof p, "%s/%s.snap", dir, e200.name);
+    {
+        size_t len = 0;
+        uint8_t *b = slurp(p, &len);
+        if (b && len > 200) {
+            b[len - 100] ^= 0xFF;
+            FILE *w = fopen(p, "wb");
+            fwrite(b, 1, len, w);
+            fclose(w);
+        }
+        free(b);
+    }
+    rc = ds41_snapshot_store_load(st, e200.name, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, p) && strstr(err.msg, "checksum") && stat(p, &sb) != 0 &&
+                  ds41_snapshot_store_match(st, IDS, 250, name) == 100,
+              "store: a corrupted snapshot is refused naming the file, deleted, and the next match falls back (%s)",
+              err.msg);
+    snprintf(p, sizeof p, "%s/%s.snap", dir, e100.name);
+    truncate(p, 60);
+    rc = ds41_snapshot_store_load(st, e100.name, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, p) && strstr(err.msg, "truncated"), "store: a truncated snapshot is refused (%s)",
+              err.msg);
+    ds41_snapshot_store_stats ss;
+    ds41_snapshot_store_get_stats(st, &ss);
+    TAP_CHECK(ss.load_errors == 2 && ss.entries == 1, "store: statistics count the refused loads (%llu errors, %llu entries)",
+              (unsigned long long)ss.load_errors, (unsigned long long)ss.entries);
+    ds41_snapshot_store_free(st);
+
+    /* LRU cap */
+    char dir2[700];
+    snprintf(dir2, sizeof dir2, "%s/store/capped", ROOT);
+    o.dir = dir2;
+    o.max_bytes = 2500;
+    rc = ds41_snapshot_store_open(&o, &st, &err);
+    if (rc != 0) return;
+    ds41_snapshot_entry a, b, c;
+    static uint8_t noise[3000];
+    uint64_t x = 1;
+    for (size_t i = 0; i < sizeof noise; i++) {
+        x = x * 6364136223846793005u + 1442695040888963407u;
+        noise[i] = (uint8_t)(x >> 56);
+    }
+    ds41_snapshot_store_save(st, IDS, 10, noise, 1000, NULL, 0, &a, &err);
+    ds41_snapshot_store_save(st, IDS, 20, noise, 1000, NULL, 0, &b, &err);
+    ds41_snapshot_store_load(st, a.name, &s, &err); /* a becomes the most recently used */
+    ds41_snapshot_free(&s);
+    sleep(1);
+    ds41_snapshot_store_load(st, a.name, &s, &err);
+    ds41_snapshot_free(&s);
+    ds41_snapshot_store_save(st, IDS, 30, noise, 1000, NULL, 0, &c, &err);
+    size_t n = count_entries(st, v);
+    bool has_a = false, has_b = false, has_c = false;
+    for (size_t i = 0; i < n; i++) {
+        has_a |= strcmp(v[i].name, a.name) == 0;
+        has_b |= strcmp(v[i].name, b.name) == 0;
+        has_c |= strcmp(v[i].name, c.name) == 0;
+    }
+    ds41_snapshot_store_get_stats(st, &ss);
+    TAP_CHECK(has_a && !has_b && has_c && ss.bytes <= 2500 && ss.evictions == 1,
+              "store: the byte cap evicts the least recently used snapshot (%zu left, %llu bytes)", n,
+              (unsigned long long)ss.bytes);
+    TAP_CHECK(ds41_snapshot_store_remove(st, a.name, &err) == 0 && ds41_snapshot_store_remove(st, a.name, &err) == -1 &&
+                  strstr(err.msg, "no snapshot"),
+              "store: remove deletes once (%s)", err.msg);
+    ds41_snapshot_store_free(st);
+}
+
 static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
     (void)st;
     (void)flag;
@@ -281,6 +427,7 @@ int main(void) {
     test_round_trip();
     test_atomic();
     test_model_id();
+    test_store();
     nftw(ROOT, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     return tap_done();
 }
