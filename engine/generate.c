@@ -425,6 +425,8 @@ const ds41_chat_completion *ds41_generation_result(const ds41_generation *g) {
 
 uint64_t ds41_generation_seed(const ds41_generation *g) { return ds41_sampler_seed(g->sampler); }
 
+const ds41_sampler *ds41_generation_sampler(const ds41_generation *g) { return g->sampler; }
+
 /* ---- the output splitter -------------------------------------------------------------------- */
 
 static bool marker_watched(const ds41_generation *g, int m) {

@@ -218,6 +218,8 @@ const char *ds41_generation_text(const ds41_generation *g, size_t *len);
 /* After the finish: the parsed assistant turn (CHAT: reasoning_content, content, tool_calls;
  * RAW / IDS: content = T).  NULL before. */
 const ds41_chat_completion *ds41_generation_result(const ds41_generation *g);
+/* The generation's sampler (its state can be snapshotted: ds41_sampler_snapshot). */
+const ds41_sampler *ds41_generation_sampler(const ds41_generation *g);
 /* The seed the sampler uses (the given one, or the one drawn). */
 uint64_t ds41_generation_seed(const ds41_generation *g);
 

@@ -41,7 +41,26 @@ typedef struct cache_entry {
     uint64_t last_use; /* LRU clock */
     int64_t created, last_used;
     uint64_t bytes; /* page bytes referenced */
+    bool finished;  /* a finished conversation (prompt + answer): goes to the disk tier on eviction */
 } cache_entry;
+
+/* Work the engine thread does between two steps for another thread (export of a running
+ * request, import into the cache), which then waits for `done`. */
+typedef enum job_kind { JOB_EXPORT = 0, JOB_IMPORT } job_kind;
+typedef struct sched_job {
+    job_kind kind;
+    uint64_t req_id;                 /* EXPORT */
+    ds41_sched_export *out;          /* EXPORT */
+    const uint8_t *kv;               /* IMPORT */
+    size_t kv_len;
+    const int32_t *ids;
+    size_t n_ids;
+    uint64_t entry_n;                /* IMPORT result */
+    bool done;
+    int rc;
+    ds41_error err;
+    struct sched_job *next;
+} sched_job;
 
 struct ds41_scheduler {
     ds41_engine *engine;
@@ -68,6 +87,8 @@ struct ds41_scheduler {
     uint64_t cache_clock, cache_numbers;
 
     ds41_sched_stats st;
+    sched_job *jobs; /* pending, under mu */
+    pthread_cond_t jobs_done;
     /* generated tokens per second: 10 one-second buckets */
     int64_t tps_sec[10];
     uint64_t tps_count[10];
@@ -160,6 +181,8 @@ static bool cache_evict_one(ds41_scheduler *s, size_t keep) {
     for (size_t i = 0; i < s->n_cache; i++)
         if (i != keep && (victim == SIZE_MAX || s->cache[i].last_use < s->cache[victim].last_use)) victim = i;
     if (victim == SIZE_MAX) return false;
+    const cache_entry *e = &s->cache[victim];
+    if (e->finished && s->cfg.disk.evicted) s->cfg.disk.evicted(s->cfg.disk.ctx, e->seq, e->ids, e->n_ids);
     cache_drop(s, victim);
     return true;
 }
@@ -171,10 +194,10 @@ static void cache_trim(ds41_scheduler *s) {
 }
 
 /* Keep seq (taken over) with the ids it consumed.  An entry with the same ids is replaced. */
-static void cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids, size_t n) {
+static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids, size_t n, bool finished) {
     if (!s->cfg.prefix_cache || n == 0) {
         ds41_kv_seq_free(seq);
-        return;
+        return NULL;
     }
     for (size_t i = 0; i < s->n_cache; i++) {
         if (s->cache[i].n_ids == n && memcmp(s->cache[i].ids, ids, n * sizeof *ids) == 0) {
@@ -186,7 +209,7 @@ static void cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids
     if (!copy || s->n_cache >= DS41_SCHED_MAX_CACHE_ENTRIES + 1) {
         free(copy);
         ds41_kv_seq_free(seq);
-        return;
+        return NULL;
     }
     memcpy(copy, ids, n * sizeof *ids);
     cache_entry *e = &s->cache[s->n_cache++];
@@ -197,7 +220,12 @@ static void cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids
     e->last_use = ++s->cache_clock;
     e->created = e->last_used = wall_now();
     e->bytes = ds41_kv_seq_page_bytes(seq);
+    e->finished = finished;
+    const uint64_t number = e->n;
     cache_trim(s);
+    for (size_t i = 0; i < s->n_cache; i++) /* trimming may move or drop it */
+        if (s->cache[i].n == number) return &s->cache[i];
+    return NULL;
 }
 
 /* The longest entry whose ids are a proper prefix of ids[0..n).  SIZE_MAX when none. */
@@ -289,6 +317,24 @@ static void publish(req *r) {
     r->pub_generated = ds41_generation_completion_tokens(r->g);
 }
 
+/* The disk tier: restore the longest stored prefix of a prompt into the in-memory cache.  Returns
+ * the new entry's index, or SIZE_MAX. */
+static size_t disk_restore(ds41_scheduler *s, const int32_t *ids, size_t n_prompt) {
+    size_t n_cached = 0;
+    ds41_kv_seq *seq = s->cfg.disk.restore(s->cfg.disk.ctx, s->pool, ids, n_prompt, &n_cached);
+    if (!seq) return SIZE_MAX;
+    if (n_cached == 0 || n_cached >= n_prompt || ds41_kv_seq_tokens(seq) != n_cached) {
+        slog(s, "disk prefix cache: a restored sequence of %llu tokens does not fit a prefix of %zu",
+             (unsigned long long)ds41_kv_seq_tokens(seq), n_cached);
+        ds41_kv_seq_free(seq);
+        return SIZE_MAX;
+    }
+    if (!cache_insert(s, seq, ids, n_cached, false)) return SIZE_MAX;
+    s->st.disk_hits++;
+    s->st.disk_cached_tokens += n_cached;
+    return cache_lookup(s, ids, n_prompt);
+}
+
 /* Admit queue heads while there is a slot and room.  Returns with every admitted request in
  * running[] (phase PREFILL). */
 static void admit(ds41_scheduler *s) {
@@ -298,6 +344,7 @@ static void admit(ds41_scheduler *s) {
         size_t n_prompt = ds41_generation_prompt_tokens(r->g);
         const int32_t *ids = ds41_generation_tokens(r->g, NULL);
         size_t hit = s->cfg.prefix_cache ? cache_lookup(s, ids, n_prompt) : SIZE_MAX;
+        if (hit == SIZE_MAX && s->cfg.prefix_cache && s->cfg.disk.restore && n_prompt >= 2) hit = disk_restore(s, ids, n_prompt);
         size_t cached = hit == SIZE_MAX ? 0 : s->cache[hit].n_ids;
         uint64_t need = pages_for(s->layout, cached, n_prompt - cached + reserve);
         /* evict other entries (swap-removal may move the hit: look it up again) */
@@ -462,7 +509,7 @@ static void finish_request(ds41_scheduler *s, req *r, uint32_t idx) {
         const int32_t *ids = ds41_generation_tokens(r->g, &n);
         uint64_t consumed = ds41_kv_seq_tokens(r->seq);
         if (consumed <= n) {
-            cache_insert(s, r->seq, ids, (size_t)consumed);
+            cache_insert(s, r->seq, ids, (size_t)consumed, true);
             r->seq = NULL;
         }
     }
@@ -475,10 +522,78 @@ static uint32_t running_index(ds41_scheduler *s, const req *r) {
     return UINT32_MAX;
 }
 
+/* Run the pending jobs (engine thread, under mu, no forward pass in flight). */
+static void run_jobs(ds41_scheduler *s) {
+    if (!s->jobs) return;
+    for (sched_job *j = s->jobs; j; j = j->next) {
+        j->rc = -1;
+        if (j->kind == JOB_EXPORT) {
+            req *r = NULL;
+            for (uint32_t i = 0; i < s->n_running; i++)
+                if (s->running[i]->id == j->req_id) r = s->running[i];
+            if (!r) {
+                ds41_fail(&j->err, "request %llu is not running", (unsigned long long)j->req_id);
+            } else if (!r->seq || ds41_kv_seq_tokens(r->seq) == 0) {
+                ds41_fail(&j->err, "request %llu has not fed any token yet", (unsigned long long)j->req_id);
+            } else {
+                size_t n_tokens;
+                const int32_t *ids = ds41_generation_tokens(r->g, &n_tokens);
+                const size_t n = (size_t)ds41_kv_seq_tokens(r->seq);
+                const ds41_sampler *sm = ds41_generation_sampler(r->g);
+                ds41_sched_export *x = j->out;
+                x->seq = n <= n_tokens ? ds41_kv_seq_fork(r->seq, &j->err) : NULL;
+                x->ids = malloc(n * sizeof *x->ids);
+                x->sampler_len = ds41_sampler_snapshot_size(sm);
+                x->sampler = malloc(x->sampler_len ? x->sampler_len : 1);
+                if (!x->seq || !x->ids || !x->sampler ||
+                    ds41_sampler_snapshot(sm, x->sampler, x->sampler_len, &x->sampler_len, &j->err) != 0) {
+                    if (!j->err.msg[0]) ds41_fail(&j->err, "out of memory");
+                    ds41_sched_export_free(x);
+                } else {
+                    memcpy(x->ids, ids, n * sizeof *ids);
+                    x->n_ids = n;
+                    j->rc = 0;
+                }
+            }
+        } else {
+            ds41_kv_seq *seq = NULL;
+            if (ds41_kv_seq_deserialize(s->pool, j->kv, j->kv_len, &seq, &j->err) == 0) {
+                if (ds41_kv_seq_tokens(seq) != j->n_ids) {
+                    ds41_fail(&j->err, "the state holds %llu tokens, the snapshot lists %zu ids",
+                              (unsigned long long)ds41_kv_seq_tokens(seq), j->n_ids);
+                    ds41_kv_seq_free(seq);
+                } else {
+                    cache_entry *e = cache_insert(s, seq, j->ids, j->n_ids, false);
+                    if (e) {
+                        j->entry_n = e->n;
+                        j->rc = 0;
+                    } else {
+                        ds41_fail(&j->err, "the prefix cache cannot keep it (full or off)");
+                    }
+                }
+            }
+        }
+        j->done = true;
+    }
+    s->jobs = NULL;
+    pthread_cond_broadcast(&s->jobs_done);
+}
+
+static void fail_jobs(ds41_scheduler *s) {
+    for (sched_job *j = s->jobs; j; j = j->next) {
+        j->rc = -1;
+        ds41_fail(&j->err, "the scheduler is stopping");
+        j->done = true;
+    }
+    s->jobs = NULL;
+    pthread_cond_broadcast(&s->jobs_done);
+}
+
 static void *engine_main(void *arg) {
     ds41_scheduler *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
+        run_jobs(s);
         /* cancellations */
         bool drain_over = s->stopping && past(s->deadline);
         for (req **pp = &s->queue_head, *prev = NULL; *pp;) {
@@ -621,7 +736,7 @@ static void *engine_main(void *arg) {
             uint64_t fed = ds41_kv_seq_tokens(r->seq);
             if (r->snapshot_due && fed == n_prompt - 1) {
                 ds41_kv_seq *snap = ds41_kv_seq_fork(r->seq, &err);
-                if (snap) cache_insert(s, snap, ds41_generation_tokens(r->g, NULL), n_prompt - 1);
+                if (snap) cache_insert(s, snap, ds41_generation_tokens(r->g, NULL), n_prompt - 1, false);
                 r->snapshot_due = false;
             }
             if (fed >= n_prompt) r->phase = PH_DECODE;
@@ -630,6 +745,7 @@ static void *engine_main(void *arg) {
     }
     /* stopping: everything queued or running has ended */
     deliver_endings(s);
+    fail_jobs(s);
     pthread_mutex_unlock(&s->mu);
     return NULL;
 }
@@ -675,9 +791,11 @@ int ds41_scheduler_new(ds41_engine *engine, const ds41_sched_config *cfg, ds41_s
     pthread_cond_init(&s->wake, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->jobs_done, NULL);
     int e = pthread_create(&s->thread, NULL, engine_main, s);
     if (e != 0) {
         pthread_cond_destroy(&s->wake);
+        pthread_cond_destroy(&s->jobs_done);
         pthread_mutex_destroy(&s->mu);
         ds41_fail(err, "scheduler: cannot start the engine thread: %s", strerror(e));
         goto fail;
@@ -713,8 +831,12 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     pthread_cond_broadcast(&s->wake);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
+    /* finished conversations go to the disk tier (the engine thread is gone: no lock needed) */
+    for (size_t i = 0; i < s->n_cache && s->cfg.disk.evicted; i++)
+        if (s->cache[i].finished) s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, s->cache[i].ids, s->cache[i].n_ids);
     while (s->n_cache) cache_drop(s, s->n_cache - 1);
     pthread_cond_destroy(&s->wake);
+    pthread_cond_destroy(&s->jobs_done);
     pthread_mutex_destroy(&s->mu);
     ds41_sampler_scratch_free(s->scratch);
     free(s->running);
@@ -890,4 +1012,89 @@ void ds41_scheduler_clear_cache(ds41_scheduler *s) {
     pthread_mutex_lock(&s->mu);
     while (s->n_cache) cache_drop(s, s->n_cache - 1);
     pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- snapshots: export and import ------------------------------------------------------------- */
+
+void ds41_sched_export_free(ds41_sched_export *x) {
+    if (!x) return;
+    ds41_kv_seq_free(x->seq);
+    free(x->ids);
+    free(x->sampler);
+    memset(x, 0, sizeof *x);
+}
+
+/* Queue a job and wait for the engine thread (called with mu held; returns with it held). */
+static void run_job_on_engine(ds41_scheduler *s, sched_job *j) {
+    j->next = s->jobs;
+    s->jobs = j;
+    pthread_cond_signal(&s->wake);
+    while (!j->done) pthread_cond_wait(&s->jobs_done, &s->mu);
+}
+
+int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *out, ds41_error *err) {
+    memset(out, 0, sizeof *out);
+    if (!s || !id || (id[0] != 'r' && id[0] != 'c') || id[1] < '0' || id[1] > '9')
+        return ds41_fail(err, "no session %.40s", id ? id : "(null)");
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(id + 1, &end, 10);
+    if (errno || *end) return ds41_fail(err, "no session %.40s", id);
+    pthread_mutex_lock(&s->mu);
+    int rc = -1;
+    if (id[0] == 'c') {
+        size_t i = 0;
+        while (i < s->n_cache && s->cache[i].n != n) i++;
+        if (i == s->n_cache) {
+            ds41_fail(err, "no session %.40s", id);
+        } else {
+            const cache_entry *e = &s->cache[i];
+            out->seq = ds41_kv_seq_fork(e->seq, err);
+            out->ids = malloc(e->n_ids * sizeof *out->ids);
+            if (!out->seq || !out->ids) {
+                if (out->seq) ds41_fail(err, "out of memory");
+                ds41_sched_export_free(out);
+            } else {
+                memcpy(out->ids, e->ids, e->n_ids * sizeof *e->ids);
+                out->n_ids = e->n_ids;
+                rc = 0;
+            }
+        }
+    } else {
+        bool queued = false;
+        for (req *r = s->queue_head; r; r = r->next) queued |= r->id == n;
+        if (queued) {
+            ds41_fail(err, "session %.40s is queued: nothing to save yet", id);
+        } else if (s->stopping) {
+            ds41_fail(err, "the scheduler is stopping");
+        } else {
+            sched_job j = {.kind = JOB_EXPORT, .req_id = n, .out = out};
+            run_job_on_engine(s, &j);
+            rc = j.rc;
+            if (rc != 0 && err) *err = j.err;
+            if (rc != 0 && strstr(j.err.msg, "is not running")) ds41_fail(err, "no session %.40s", id);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int ds41_scheduler_import(ds41_scheduler *s, const uint8_t *kv, size_t kv_len, const int32_t *ids, size_t n,
+                          char entry_id[32], ds41_error *err) {
+    if (entry_id) entry_id[0] = 0;
+    if (!s || !kv || !ids || n == 0) return ds41_fail(err, "scheduler: bad import");
+    if (!s->cfg.prefix_cache) return ds41_fail(err, "the prefix cache is disabled");
+    pthread_mutex_lock(&s->mu);
+    int rc = -1;
+    if (s->stopping) {
+        ds41_fail(err, "the scheduler is stopping");
+    } else {
+        sched_job j = {.kind = JOB_IMPORT, .kv = kv, .kv_len = kv_len, .ids = ids, .n_ids = n};
+        run_job_on_engine(s, &j);
+        rc = j.rc;
+        if (rc != 0 && err) *err = j.err;
+        if (rc == 0 && entry_id) snprintf(entry_id, 32, "c%llu", (unsigned long long)j.entry_n);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
 }

@@ -50,6 +50,22 @@
 #define DS41_SCHED_HIST_BUCKETS 10
 extern const unsigned ds41_sched_hist_bounds[DS41_SCHED_HIST_BUCKETS - 1]; /* 1 2 4 8 16 32 64 128 256 */
 
+/* The disk tier of the prefix cache (optional; ds41d implements it with storage/snapshot_store.h).
+ * Both callbacks run on the engine thread with the scheduler's lock held and no forward pass in
+ * flight (so they may allocate from and read the pool); they must not call into the scheduler.
+ * Only used with prefix_cache on. */
+typedef struct ds41_sched_disk {
+    /* A prompt ids[0..n) missed the in-memory prefix cache: return a new sequence of `pool`
+     * holding the state after the longest stored proper prefix of it, with that prefix's length
+     * in *n_cached; NULL when there is none or it cannot be restored (the request is then
+     * prefilled as usual). */
+    ds41_kv_seq *(*restore)(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached);
+    /* A finished conversation's entry (prompt + answer) leaves the in-memory cache -- evicted, or
+     * the scheduler is being freed: the disk tier may keep it.  seq and ids are borrowed. */
+    void (*evicted)(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n);
+    void *ctx;
+} ds41_sched_disk;
+
 typedef struct ds41_sched_config {
     uint32_t max_sequences;    /* sequences generating at once (>= 1) */
     uint32_t max_batch_tokens; /* tokens per forward step (>= max_sequences) */
@@ -61,6 +77,7 @@ typedef struct ds41_sched_config {
                                       (at most its max_tokens); 0 = 256 */
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes; /* 0 = any page live sequences do not need */
+    ds41_sched_disk disk; /* zeroed = no disk tier */
     /* Log lines (warnings: preemptions, errors); NULL = silent.  Engine thread. */
     void (*log)(void *log_ctx, const char *line);
     void *log_ctx;
@@ -122,6 +139,7 @@ typedef struct ds41_sched_stats {
     uint64_t decode_hist[DS41_SCHED_HIST_BUCKETS]; /* decode steps by decoding sequences (non-cumulative) */
     uint64_t decode_seqs_sum;  /* sum of decoding sequences over decode steps */
     uint64_t prefix_hits, prefix_misses;
+    uint64_t disk_hits, disk_cached_tokens; /* misses of the in-memory cache served from the disk tier */
     uint64_t preemptions;
     double tokens_per_s; /* generated tokens per second over the last ~10 s */
     uint32_t queued, running, max_running_seen;
@@ -149,6 +167,31 @@ void ds41_scheduler_sessions(ds41_scheduler *s, void (*emit)(void *acc, const ds
 /* Delete a session by id: a cache entry is freed, a request cancelled.  0, or -1 when no such
  * session exists. */
 int ds41_scheduler_delete_session(ds41_scheduler *s, const char *id);
+
+/* A copy of a session's state for a snapshot (ds41_scheduler_export). */
+typedef struct ds41_sched_export {
+    ds41_kv_seq *seq;      /* a fork of the session's sequence (copy-on-write; ds41_kv_seq_free it) */
+    int32_t *ids;          /* the n_ids token ids it consumed (malloc'd) */
+    size_t n_ids;
+    uint8_t *sampler;      /* running requests: the sampler state (ds41_sampler_snapshot bytes) */
+    size_t sampler_len;
+} ds41_sched_export;
+
+/* Copy the state of session `id` (see ds41_sched_session): a cache entry "c<n>" at once, a
+ * running request "r<n>" by the engine thread between two steps (this call waits for it).  The
+ * copy shares pages with the session (copy on write) and stays valid whatever the session does
+ * next.  Errors: no such session, a queued request (nothing computed yet), a request with
+ * nothing fed yet, the scheduler stopping, out of memory. */
+int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *out, ds41_error *err);
+void ds41_sched_export_free(ds41_sched_export *x);
+
+/* Put a serialized sequence (ds41_kv_seq_deserialize bytes, borrowed) that consumed ids[0..n)
+ * into the in-memory prefix cache (done by the engine thread between two steps; this call
+ * waits).  *entry_id (may be NULL) receives the entry's session id ("c<n>").  Errors: the prefix
+ * cache is off, the bytes are refused (engine/kv_cache.h), their token count is not n, the pool
+ * is full, the scheduler is stopping. */
+int ds41_scheduler_import(ds41_scheduler *s, const uint8_t *kv, size_t kv_len, const int32_t *ids, size_t n,
+                          char entry_id[32], ds41_error *err);
 
 /* Drop every prefix-cache entry (e.g. before unloading). */
 void ds41_scheduler_clear_cache(ds41_scheduler *s);
