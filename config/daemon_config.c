@@ -111,6 +111,11 @@ static const key_desc keys[] = {
     {"prefix_cache.enabled", "prefix_cache", "enabled", V_BOOL, CFG(prefix_cache.enabled), 0, 0, false, false, NULL},
     {"prefix_cache.max_bytes", "prefix_cache", "max_bytes", V_SIZE, CFG(prefix_cache.max_bytes), 0, UINT64_MAX, false,
      true, NULL},
+    {"snapshots.enabled", "snapshots", "enabled", V_BOOL, CFG(snapshots.enabled), 0, 0, false, false, NULL},
+    {"snapshots.max_bytes", "snapshots", "max_bytes", V_SIZE, CFG(snapshots.max_bytes), 0, UINT64_MAX, false, false,
+     NULL},
+    {"snapshots.test_save_delay_ms", "snapshots", "test_save_delay_ms", V_UINT, CFG(snapshots.test_save_delay_ms), 0,
+     600000, false, false, NULL},
     {"log.level", "log", "level", V_ENUM, CFG(log.level), 0, 0, false, false, log_levels},
 };
 #define N_KEYS (sizeof keys / sizeof keys[0])
@@ -123,7 +128,7 @@ _Static_assert(sizeof(bool) == 1, "bool fields are 1 byte");
 /* Top-level keys in schema order: sections, the scalar state_directory and
  * the models sequence. */
 static const char *const root_keys[] = {"listen", "auth",   "state_directory", "models",       "embedded_model",
-                                        "engine", "memory", "limits",          "prefix_cache", "log"};
+                                        "engine", "memory", "limits",          "prefix_cache", "snapshots", "log"};
 #define N_ROOT (sizeof root_keys / sizeof root_keys[0])
 
 /* Most entries `models` may have. */
@@ -708,6 +713,9 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->limits.drain_timeout_s = 30;
     cfg->prefix_cache.enabled = true;
     cfg->prefix_cache.max_bytes = 0;
+    cfg->snapshots.enabled = true;
+    cfg->snapshots.max_bytes = 4ull << 30;
+    cfg->snapshots.test_save_delay_ms = 0;
     cfg->log.level = DS41_LOG_INFO;
     if (!cfg->listen.socket || !cfg->listen.socket_group || !cfg->auth.admin_group || !cfg->state_directory ||
         !cfg->embedded_model.name || !cfg->embedded_model.preset) {

@@ -74,6 +74,15 @@
  *   prefix_cache.enabled     true     keep KV pages of finished sessions for prompt reuse.
  *   prefix_cache.max_bytes   auto     their budget ("auto"/0: any KV page no live session
  *                            needs); when both are set, <= memory.kv_cache_bytes.
+ *   snapshots.enabled        true     session snapshots on disk (the disk tier of the prefix
+ *                            cache) under <state_directory>/snapshots/<model>/: finished
+ *                            conversations leaving the prefix cache and at shutdown, and on
+ *                            request (admin routes); a prompt that misses the prefix cache
+ *                            restores the longest stored prefix.  Needs prefix_cache.enabled.
+ *   snapshots.max_bytes      4GiB     their total file size per model, least recently used
+ *                            deleted first; 0 = no cap.
+ *   snapshots.test_save_delay_ms 0    TEST ONLY: pause every snapshot write half-way for this
+ *                            many ms (so a test can kill the daemon mid-save); 0..600000.
  *   log.level                info     error | warning | info | debug.
  *
  * Value rules: booleans are exactly `true` or `false` (YAML 1.1's yes/no/on/off
@@ -186,6 +195,11 @@ typedef struct ds41_daemon_config {
         bool enabled;
         uint64_t max_bytes;
     } prefix_cache;
+    struct {
+        bool enabled;
+        uint64_t max_bytes;          /* 0 = no cap */
+        uint32_t test_save_delay_ms; /* TEST ONLY */
+    } snapshots;
     struct {
         ds41_log_level level;
     } log;
