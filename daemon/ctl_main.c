@@ -37,6 +37,10 @@ static void usage(FILE *f) {
             "  models unload NAME           unload a model (admin)\n"
             "  ps                           live sessions with tokens and KV bytes (admin)\n"
             "  cache                        KV cache per session and per tier (admin)\n"
+            "  cache ls                     session snapshots on disk (admin)\n"
+            "  cache save SESSION           write a session (see ps) to a snapshot (admin)\n"
+            "  cache restore SNAPSHOT       load a snapshot into the prefix cache (admin)\n"
+            "  cache rm SNAPSHOT            delete a snapshot (admin)\n"
             "  chat [PROMPT]                chat, streaming; interactive without PROMPT\n"
             "       [--model M] [--system TEXT] [--thinking] [--effort N] [--max-tokens N]\n"
             "       [--temperature T] [--seed S]\n"
@@ -392,6 +396,74 @@ static int cmd_cache(void) {
     json_decref(c);
     json_decref(s);
     return 0;
+}
+
+/* cache ls | save SESSION | restore SNAPSHOT | rm SNAPSHOT */
+static int cmd_cache_snapshots(int argc, char **argv) {
+    const char *sub = argv[1];
+    if (strcmp(sub, "ls") == 0 && argc == 2) {
+        json_t *j = call_json("GET", "/admin/snapshots", NULL, NULL, false);
+        if (!j) return 1;
+        if (g_json) {
+            print_json(j);
+        } else {
+            table t = {.cols = 6};
+            table_row(&t, "SNAPSHOT", "TOKENS", "SIZE", "CREATED", "LAST_USED", "SAMPLER");
+            size_t i;
+            json_t *e;
+            json_array_foreach(json_object_get(j, "data"), i, e) {
+                char size[32], created[32], used[32];
+                human_bytes((double)jint(e, "bytes"), size, sizeof size);
+                time_t c = (time_t)jint(e, "created"), u = (time_t)jint(e, "last_used");
+                struct tm tc, tu;
+                strftime(created, sizeof created, "%Y-%m-%d %H:%M:%S", localtime_r(&c, &tc));
+                strftime(used, sizeof used, "%Y-%m-%d %H:%M:%S", localtime_r(&u, &tu));
+                table_row(&t, jstr(e, "id"), fmt("%lld", jint(e, "tokens")), size, created, used,
+                          json_is_true(json_object_get(e, "sampler_state")) ? "yes" : "no");
+            }
+            table_print(&t);
+        }
+        json_decref(j);
+        return 0;
+    }
+    if ((strcmp(sub, "save") == 0 || strcmp(sub, "restore") == 0 || strcmp(sub, "rm") == 0) && argc == 3) {
+        const char *arg = argv[2];
+        json_t *j;
+        if (strcmp(sub, "rm") == 0) {
+            for (const char *p = arg; *p; p++)
+                if (*p == '/' || *p == '?' || *p == '#' || *p == '%' || (unsigned char)*p <= ' ')
+                    return fail("not a snapshot id: %s", arg);
+            char path[600];
+            snprintf(path, sizeof path, "/admin/snapshots/%.500s", arg);
+            j = call_json("DELETE", path, NULL, NULL, false);
+        } else {
+            bool save = strcmp(sub, "save") == 0;
+            json_t *body = json_pack("{s:s}", save ? "session" : "id", arg);
+            char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
+            json_decref(body);
+            if (!text) return fail("out of memory");
+            j = call_json("POST", save ? "/admin/snapshots/save" : "/admin/snapshots/restore", text, NULL, false);
+            free(text);
+        }
+        if (!j) return 1;
+        if (g_json) {
+            print_json(j);
+        } else if (strcmp(sub, "save") == 0) {
+            char size[32];
+            human_bytes((double)jint(j, "bytes"), size, sizeof size);
+            printf("saved %s as %s (%lld tokens, %s%s)\n", arg, jstr(j, "id"), jint(j, "tokens"), size,
+                   json_is_true(json_object_get(j, "sampler_state")) ? ", with its sampler state" : "");
+        } else if (strcmp(sub, "restore") == 0) {
+            printf("restored %s into the prefix cache as %s (%lld tokens)\n", arg, jstr(j, "session"),
+                   jint(j, "tokens"));
+        } else {
+            printf("deleted %s\n", arg);
+        }
+        json_decref(j);
+        return 0;
+    }
+    fprintf(stderr, "ds41ctl: cache: expected ls, save SESSION, restore SNAPSHOT or rm SNAPSHOT\n");
+    return 2;
 }
 
 static int cmd_metrics(void) {
@@ -1141,6 +1213,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "models") == 0) return cmd_models(sub_argc, sub_argv);
     if (strcmp(cmd, "ps") == 0 && sub_argc == 1) return cmd_ps();
     if (strcmp(cmd, "cache") == 0 && sub_argc == 1) return cmd_cache();
+    if (strcmp(cmd, "cache") == 0) return cmd_cache_snapshots(sub_argc, sub_argv);
     if (strcmp(cmd, "chat") == 0) return cmd_chat(sub_argc, sub_argv);
     if (strcmp(cmd, "generate") == 0) return cmd_generate(sub_argc, sub_argv);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(sub_argc, sub_argv);

@@ -8,6 +8,7 @@
 #include "engine/pyjson.h"
 #include "engine/scheduler.h"
 #include "engine/tokenizer.h"
+#include "storage/snapshot_store.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -42,6 +43,10 @@ typedef struct settings {
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes;
+    bool snapshots;
+    uint64_t snapshots_max_bytes;
+    uint32_t snapshot_delay_ms; /* TEST ONLY */
+    char *snapshots_dir;        /* <state_directory>/snapshots */
 } settings;
 
 static void settings_free(settings *st) {
@@ -53,6 +58,7 @@ static void settings_free(settings *st) {
     free(st->embedded_name);
     free(st->embedded_preset);
     free(st->embedded_dir);
+    free(st->snapshots_dir);
     memset(st, 0, sizeof *st);
 }
 
@@ -107,6 +113,16 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->request_timeout_s = cfg->limits.request_timeout_s;
     st->prefix_cache = cfg->prefix_cache.enabled;
     st->prefix_cache_max_bytes = cfg->prefix_cache.max_bytes;
+    st->snapshots = cfg->snapshots.enabled && cfg->prefix_cache.enabled;
+    st->snapshots_max_bytes = cfg->snapshots.max_bytes;
+    st->snapshot_delay_ms = cfg->snapshots.test_save_delay_ms;
+    char sdir[PATH_MAX];
+    if (snprintf(sdir, sizeof sdir, "%s/snapshots", cfg->state_directory ? cfg->state_directory : ".") >=
+        (int)sizeof sdir) {
+        settings_free(st);
+        return ds41_fail(err, "state_directory: path too long");
+    }
+    if (!(st->snapshots_dir = sdup(sdir))) goto oom;
     return 0;
 oom:
     settings_free(st);
@@ -129,6 +145,8 @@ typedef struct model {
     ds41_vocab *vocab;
     ds41_tokenizer *tok;
     ds41_scheduler *sched;
+    ds41_snapshot_store *store; /* the disk tier (NULL: snapshots off) */
+    ds41_kv_pool *layout_pool;  /* an empty pool: the KV layout for snapshot size bounds */
     uint32_t n_vocab;
     uint64_t context;
     uint64_t bytes; /* checkpoint bytes (mapped) */
@@ -186,7 +204,11 @@ static void model_unload(model *m, unsigned drain_ms) {
     m->sched = NULL;
     m->state = DS41_MODEL_UNLOADED;
     snprintf(m->detail, sizeof m->detail, "unloaded");
-    ds41_scheduler_free(sched, drain_ms);
+    ds41_scheduler_free(sched, drain_ms); /* hands cached conversations to the store */
+    ds41_snapshot_store_free(m->store);  /* after the scheduler: writes what it was handed */
+    ds41_kv_pool_free(m->layout_pool);
+    m->store = NULL;
+    m->layout_pool = NULL;
     ds41_tokenizer_free(m->tok);
     ds41_vocab_free(m->vocab);
     ds41_engine_free(m->engine);
@@ -315,6 +337,103 @@ static void sched_log(void *ctx, const char *line) {
     ds41_log(DS41_LOG_WARNING, "model %s: %s", m->name, line);
 }
 
+/* ---- the disk tier of the prefix cache (storage/snapshot_store.h) ---------------------------- */
+
+static void store_log(void *ctx, const char *line) {
+    model *m = ctx;
+    ds41_log(DS41_LOG_WARNING, "model %s: %s", m->name, line);
+}
+
+/* The largest state a snapshot of n_ids tokens of this model can hold: the KV state of n_ids
+ * tokens plus room for a sampler state. */
+static uint64_t snapshot_max_raw(void *ctx, size_t n_ids) {
+    model *m = ctx;
+    return ds41_kv_serialized_size_for(ds41_kv_pool_layout(m->layout_pool), n_ids) + (64ull << 20);
+}
+
+/* Scheduler callback (engine thread): a prompt missed the in-memory cache. */
+static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached) {
+    model *m = ctx;
+    *n_cached = 0;
+    char name[DS41_SNAPSHOT_NAME_LEN + 1];
+    if (ds41_snapshot_store_match(m->store, ids, n, name) == 0) return NULL;
+    ds41_snapshot snap;
+    ds41_error err = {{0}};
+    if (ds41_snapshot_store_load(m->store, name, &snap, &err) != 0) return NULL; /* logged by the store */
+    ds41_kv_seq *seq = NULL;
+    if (snap.n_ids >= n || memcmp(snap.ids, ids, snap.n_ids * sizeof *ids) != 0) {
+        ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s does not hold a prefix of the prompt", m->name, name);
+    } else if (ds41_kv_seq_deserialize(pool, snap.kv, snap.kv_len, &seq, &err) != 0) {
+        bool full = strstr(err.msg, "KV cache full") != NULL;
+        ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s/%s.snap refused: %s%s", m->name,
+                 ds41_snapshot_store_dir(m->store), name, err.msg, full ? "" : " (deleted)");
+        if (!full) ds41_snapshot_store_remove(m->store, name, NULL);
+    } else if (ds41_kv_seq_tokens(seq) != snap.n_ids) {
+        ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s holds %llu tokens for %zu ids (deleted)", m->name, name,
+                 (unsigned long long)ds41_kv_seq_tokens(seq), snap.n_ids);
+        ds41_kv_seq_free(seq);
+        seq = NULL;
+        ds41_snapshot_store_remove(m->store, name, NULL);
+    } else {
+        *n_cached = snap.n_ids;
+        ds41_log(DS41_LOG_DEBUG, "model %s: restored %zu tokens from snapshot %s", m->name, snap.n_ids, name);
+    }
+    ds41_snapshot_free(&snap);
+    return seq;
+}
+
+/* Scheduler callback (engine thread, or the thread freeing the scheduler): a finished
+ * conversation leaves the in-memory cache.  Serialized here (a copy of its pages), written by the
+ * store's writer thread. */
+static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n) {
+    model *m = ctx;
+    if ((uint64_t)n != ds41_kv_seq_tokens(seq) || n == 0) return;
+    size_t len = ds41_kv_seq_serialized_size(seq), written = 0;
+    uint8_t *kv = malloc(len);
+    int32_t *copy = malloc(n * sizeof *copy);
+    ds41_error err = {{0}};
+    if (!kv || !copy || ds41_kv_seq_serialize(seq, kv, len, &written, &err) != 0) {
+        ds41_log(DS41_LOG_WARNING, "model %s: cannot snapshot a conversation: %s", m->name,
+                 err.msg[0] ? err.msg : "out of memory");
+        free(kv);
+        free(copy);
+        return;
+    }
+    memcpy(copy, ids, n * sizeof *copy);
+    if (ds41_snapshot_store_save_async(m->store, copy, n, kv, len, &err) != 0)
+        ds41_log(DS41_LOG_WARNING, "model %s: cannot snapshot a conversation: %s", m->name, err.msg);
+}
+
+/* Open the model's snapshot store (loader thread).  Failing to is not fatal: the model serves
+ * without a disk tier. */
+static void open_store(model *m, const settings *st, ds41_engine *engine) {
+    ds41_error err = {{0}};
+    char dir[PATH_MAX];
+    if (snprintf(dir, sizeof dir, "%s/%s", st->snapshots_dir, m->name) >= (int)sizeof dir) {
+        ds41_log(DS41_LOG_WARNING, "model %s: snapshots off: path too long", m->name);
+        return;
+    }
+    ds41_snapshot_store_opts o = {.dir = dir,
+                                  .max_bytes = st->snapshots_max_bytes,
+                                  .max_raw = snapshot_max_raw,
+                                  .max_raw_ctx = m,
+                                  .write = {.test_delay_ms = st->snapshot_delay_ms},
+                                  .log = store_log,
+                                  .log_ctx = m};
+    m->layout_pool = ds41_engine_new_pool(engine, 0, 0, &err);
+    if (!m->layout_pool || ds41_snapshot_model_id(m->path, o.model_id, &err) != 0 ||
+        ds41_snapshot_store_open(&o, &m->store, &err) != 0) {
+        ds41_log(DS41_LOG_WARNING, "model %s: snapshots off: %s", m->name, err.msg);
+        ds41_kv_pool_free(m->layout_pool);
+        m->layout_pool = NULL;
+        m->store = NULL;
+        return;
+    }
+    ds41_snapshot_store_stats ss;
+    ds41_snapshot_store_get_stats(m->store, &ss);
+    ds41_log(DS41_LOG_INFO, "model %s: %llu session snapshot(s) in %s", m->name, (unsigned long long)ss.entries, dir);
+}
+
 typedef struct load_arg {
     model *m;
     settings st; /* a copy of what loading needs */
@@ -363,6 +482,8 @@ static void *loader_main(void *p) {
                             .prefix_cache_max_bytes = a->st.prefix_cache_max_bytes,
                             .log = sched_log,
                             .log_ctx = m};
+    if (a->st.snapshots && !m->store) open_store(m, &a->st, engine);
+    if (m->store) sc.disk = (ds41_sched_disk){.restore = disk_restore, .evicted = disk_evicted, .ctx = m};
     if (ds41_scheduler_new(engine, &sc, &sched, &err) != 0) goto fail;
 
     pthread_rwlock_wrlock(&m->lock);
@@ -386,6 +507,10 @@ static void *loader_main(void *p) {
     return NULL;
 fail:
     ds41_scheduler_free(sched, 0);
+    ds41_snapshot_store_free(m->store);
+    m->store = NULL;
+    ds41_kv_pool_free(m->layout_pool);
+    m->layout_pool = NULL;
     ds41_tokenizer_free(tok);
     ds41_vocab_free(vocab);
     ds41_engine_free(engine);
@@ -407,8 +532,9 @@ static int settings_copy(const settings *src, settings *dst) {
     dst->embedded_name = sdup(src->embedded_name);
     dst->embedded_preset = sdup(src->embedded_preset);
     dst->embedded_dir = sdup(src->embedded_dir);
+    dst->snapshots_dir = sdup(src->snapshots_dir);
     return (src->embedded_name && !dst->embedded_name) || (src->embedded_preset && !dst->embedded_preset) ||
-                   (src->embedded_dir && !dst->embedded_dir)
+                   (src->embedded_dir && !dst->embedded_dir) || (src->snapshots_dir && !dst->snapshots_dir)
                ? -1
                : 0;
 }
@@ -1212,6 +1338,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     ds41_engine_service *s = ctx;
     ds41_svc_cache c = {0};
     uint64_t kv_used = 0, kv_cap = 0, pc_bytes = 0, hits = 0, misses = 0;
+    uint64_t sn_bytes = 0, sn_cap = 0, sn_hits = 0, sn_misses = 0;
     bool first = true;
     pthread_rwlock_rdlock(&s->cfg_lock);
     for (size_t i = 0; i < s->n_models; i++) {
@@ -1233,19 +1360,182 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
             pc_bytes += st.cache_bytes;
             hits += st.prefix_hits;
             misses += st.prefix_misses;
+            if (m->store) {
+                ds41_snapshot_store_stats ss;
+                ds41_snapshot_store_get_stats(m->store, &ss);
+                sn_bytes += ss.bytes;
+                sn_cap += ss.max_bytes;
+                sn_hits += ss.hits;
+                sn_misses += ss.misses;
+            }
         }
         pthread_rwlock_unlock(&m->lock);
     }
     pthread_rwlock_unlock(&s->cfg_lock);
     c.pages_free = c.pages_total > c.pages_used ? c.pages_total - c.pages_used : 0;
-    ds41_svc_cache_tier tiers[2] = {
+    ds41_svc_cache_tier tiers[3] = {
         {.name = "kv", .used_bytes = kv_used, .capacity_bytes = kv_cap},
         {.name = "prefix", .used_bytes = pc_bytes, .capacity_bytes = s->st.prefix_cache_max_bytes, .hits = hits,
          .misses = misses},
+        {.name = "snapshots", .used_bytes = sn_bytes, .capacity_bytes = sn_cap, .hits = sn_hits, .misses = sn_misses},
     };
     c.tiers = tiers;
-    c.n_tiers = 2;
+    c.n_tiers = s->st.snapshots ? 3 : 2;
     emit(acc, &c);
+    return 0;
+}
+
+/* ---- session snapshots (admin) ------------------------------------------------------------------ */
+
+typedef struct snap_acc {
+    const char *model;
+    ds41_svc_snapshot_emit emit;
+    void *acc;
+} snap_acc;
+
+static void emit_snapshot(void *p, const ds41_snapshot_entry *e) {
+    snap_acc *a = p;
+    char id[256];
+    snprintf(id, sizeof id, "%s:%s", a->model, e->name);
+    ds41_svc_snapshot out = {.id = id,
+                             .model = a->model,
+                             .tokens = e->n_ids,
+                             .bytes = e->bytes,
+                             .created = e->created,
+                             .last_used = e->last_used,
+                             .has_sampler = e->has_sampler};
+    a->emit(a->acc, &out);
+}
+
+static int svc_list_snapshots(void *ctx, ds41_svc_snapshot_emit emit, void *acc, ds41_svc_error *err) {
+    (void)err;
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_models; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        if (m->state == DS41_MODEL_READY && m->store) {
+            snap_acc a = {.model = m->name, .emit = emit, .acc = acc};
+            ds41_snapshot_store_list(m->store, emit_snapshot, &a);
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return 0;
+}
+
+/* Split "<model>:<rest>" and take the READY model's read lock (cfg_lock held by the caller).
+ * NULL: no such model (or not loaded). */
+static model *model_of_id(ds41_engine_service *s, const char *id, const char **rest) {
+    const char *colon = id ? strrchr(id, ':') : NULL;
+    if (!colon || colon == id || (size_t)(colon - id) >= 160) return NULL;
+    char name[160];
+    snprintf(name, sizeof name, "%.*s", (int)(colon - id), id);
+    model *m = find_model(s, name);
+    if (!m) return NULL;
+    pthread_rwlock_rdlock(&m->lock);
+    if (m->state != DS41_MODEL_READY) {
+        pthread_rwlock_unlock(&m->lock);
+        return NULL;
+    }
+    *rest = colon + 1;
+    return m;
+}
+
+static int svc_save_snapshot(void *ctx, const char *session_id, ds41_svc_snapshot_emit emit, void *acc,
+                             ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    const char *sid = NULL;
+    model *m = model_of_id(s, session_id, &sid);
+    int rc = -1;
+    if (!m) {
+        ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "session", "no session '%.200s'", session_id);
+    } else if (!m->store) {
+        ds41_svc_fail(err, DS41_SVC_CONFLICT, NULL, "snapshots are disabled for model %s (snapshots.enabled)",
+                      m->name);
+    } else {
+        ds41_sched_export x;
+        ds41_error e = {{0}};
+        if (ds41_scheduler_export(m->sched, sid, &x, &e) != 0) {
+            ds41_svc_fail(err, strstr(e.msg, "no session") ? DS41_SVC_NOT_FOUND : DS41_SVC_CONFLICT, "session",
+                          "%.200s: %s", session_id, e.msg);
+        } else {
+            size_t len = ds41_kv_seq_serialized_size(x.seq), written = 0;
+            uint8_t *kv = malloc(len);
+            ds41_snapshot_entry entry;
+            if (!kv || ds41_kv_seq_serialize(x.seq, kv, len, &written, &e) != 0 ||
+                ds41_snapshot_store_save(m->store, x.ids, x.n_ids, kv, len, x.sampler, x.sampler_len, &entry, &e) !=
+                    0) {
+                ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "%s", e.msg[0] ? e.msg : "out of memory");
+            } else {
+                snap_acc a = {.model = m->name, .emit = emit, .acc = acc};
+                emit_snapshot(&a, &entry);
+                ds41_log(DS41_LOG_INFO, "model %s: saved %s (%zu tokens) as snapshot %s", m->name, session_id,
+                         x.n_ids, entry.name);
+                rc = 0;
+            }
+            free(kv);
+            ds41_sched_export_free(&x);
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+static int svc_restore_snapshot(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
+                                uint64_t *tokens, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    const char *name = NULL;
+    model *m = model_of_id(s, snapshot_id, &name);
+    int rc = -1;
+    if (!m || !m->store) {
+        ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "id", "no snapshot '%.200s'", snapshot_id);
+        if (m) pthread_rwlock_unlock(&m->lock);
+    } else {
+        ds41_snapshot snap;
+        ds41_error e = {{0}};
+        if (ds41_snapshot_store_load(m->store, name, &snap, &e) != 0) {
+            bool missing = strncmp(e.msg, "no snapshot", 11) == 0;
+            ds41_svc_fail(err, missing ? DS41_SVC_NOT_FOUND : DS41_SVC_BAD_REQUEST, "id", "%s%s",
+                          missing ? "" : "snapshot refused: ", e.msg);
+        } else {
+            char cid[32];
+            if (ds41_scheduler_import(m->sched, snap.kv, snap.kv_len, snap.ids, snap.n_ids, cid, &e) != 0) {
+                bool full = strstr(e.msg, "KV cache full") || strstr(e.msg, "cannot keep");
+                ds41_svc_fail(err, full ? DS41_SVC_KV_FULL : DS41_SVC_BAD_REQUEST, "id", "snapshot %.200s: %s",
+                              snapshot_id, e.msg);
+                if (!full && !strstr(e.msg, "stopping") && !strstr(e.msg, "disabled")) {
+                    ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s refused: %s (deleted)", m->name, name, e.msg);
+                    ds41_snapshot_store_remove(m->store, name, NULL);
+                }
+            } else {
+                snprintf(session_id, session_id_size, "%s:%s", m->name, cid);
+                *tokens = snap.n_ids;
+                rc = 0;
+            }
+            ds41_snapshot_free(&snap);
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    return rc;
+}
+
+static int svc_delete_snapshot(void *ctx, const char *snapshot_id, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    const char *name = NULL;
+    model *m = model_of_id(s, snapshot_id, &name);
+    int rc = -1;
+    if (m) {
+        if (m->store) rc = ds41_snapshot_store_remove(m->store, name, NULL);
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    if (rc != 0) return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, NULL, "no snapshot '%.200s'", snapshot_id);
     return 0;
 }
 
@@ -1291,7 +1581,11 @@ int ds41_engine_service_new(const ds41_daemon_config *cfg, ds41_engine_service_p
                               .unload_model = svc_unload_model,
                               .list_sessions = svc_list_sessions,
                               .delete_session = svc_delete_session,
-                              .cache_info = svc_cache_info};
+                              .cache_info = svc_cache_info,
+                              .list_snapshots = svc_list_snapshots,
+                              .save_snapshot = svc_save_snapshot,
+                              .restore_snapshot = svc_restore_snapshot,
+                              .delete_snapshot = svc_delete_snapshot};
     *out = s;
     return 0;
 }

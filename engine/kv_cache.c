@@ -475,6 +475,16 @@ size_t ds41_kv_seq_serialized_size(const ds41_kv_seq *s) {
     return n + kv_snap_ring_bytes(l) + s->carry_floats * 4 + KV_SNAP_ENGRAM_BYTES;
 }
 
+uint64_t ds41_kv_serialized_size_for(const ds41_kv_layout *l, uint64_t tokens) {
+    if (tokens > KV_SNAP_MAX_TOKENS) tokens = KV_SNAP_MAX_TOKENS;
+    uint64_t n = kv_snap_header_bytes(l) + kv_snap_ring_bytes(l) + KV_SNAP_ENGRAM_BYTES;
+    for (int src = 0; src < l->n_sources; src++) {
+        n += tokens / (uint64_t)l->source_ratio[src] * l->entry_bytes;
+        if (l->source_carry[src] >= 0) n += 2ull * (uint64_t)l->source_ratio[src] * l->latent_dim * 4;
+    }
+    return n;
+}
+
 int ds41_kv_seq_serialize(const ds41_kv_seq *s, uint8_t *buf, size_t cap, size_t *written, ds41_error *err) {
     const ds41_kv_layout *l = &s->pool->layout;
     size_t need = ds41_kv_seq_serialized_size(s);

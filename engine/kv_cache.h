@@ -172,6 +172,9 @@ uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *seq);
 
 /* Exact size of ds41_kv_seq_serialize's output. */
 size_t ds41_kv_seq_serialized_size(const ds41_kv_seq *seq);
+/* The serialized size of any sequence of this layout that consumed `tokens` tokens (a bound
+ * for readers of untrusted snapshots). */
+uint64_t ds41_kv_serialized_size_for(const ds41_kv_layout *l, uint64_t tokens);
 /* Writes the state into buf[cap]; *written = the size.  Error when cap is too
  * small.  Reads seq only (the caller makes sure no forward pass writes it). */
 int ds41_kv_seq_serialize(const ds41_kv_seq *seq, uint8_t *buf, size_t cap, size_t *written, ds41_error *err);

@@ -25,7 +25,7 @@
 #include "ipc/json_util.h"
 
 #define MAX_TOOL_CALLS 128
-#define N_ROUTES 14
+#define N_ROUTES 18
 
 struct ds41_api {
     ds41_service svc;
@@ -1347,6 +1347,116 @@ static void route_admin_cache(ds41_http_exchange *ex, void *ctx) {
     respond_json(ex, 200, acc.obj);
 }
 
+/* ---------------------------------------------------------------- snapshots */
+
+static void snapshot_emit(void *accp, const ds41_svc_snapshot *s) {
+    list_acc *acc = accp;
+    if (!s || !s->id || acc->oom) return;
+    json_t *o = json_object();
+    bool ok = o && !ds41_json_set_str(o, "id", s->id) && !ds41_json_set_str(o, "model", s->model) &&
+              !ds41_json_set_new(o, "tokens", ju64(s->tokens)) && !ds41_json_set_new(o, "bytes", ju64(s->bytes)) &&
+              !ds41_json_set_new(o, "created", json_integer(s->created)) &&
+              !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
+              !ds41_json_set_new(o, "sampler_state", json_boolean(s->has_sampler));
+    if (!ok || json_array_append_new(acc->list, o)) {
+        if (!ok) json_decref(o);
+        acc->oom = true;
+    }
+}
+
+static void route_admin_snapshots(ds41_http_exchange *ex, void *ctx) {
+    ds41_api *api = ctx;
+    if (!need(ex, api->svc.list_snapshots != NULL, "snapshots")) return;
+    list_acc acc = {.list = json_array()};
+    ds41_svc_error err = {0};
+    if (!acc.list) {
+        ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
+        return;
+    }
+    if (api->svc.list_snapshots(api->svc.ctx, snapshot_emit, &acc, &err) != 0 || acc.oom) {
+        json_decref(acc.list);
+        if (acc.oom)
+            ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
+        else
+            respond_svc_error(ex, &err);
+        return;
+    }
+    respond_json(ex, 200, json_pack("{s:s,s:o}", "object", "list", "data", acc.list));
+}
+
+/* A body {"KEY": "<id>"} with nothing else; the id 1..200 bytes. */
+static int one_id_body(ds41_http_exchange *ex, const char *key, json_t **root, const char **id) {
+    if (parse_body(ex, root)) return -1;
+    const char *const keys[] = {key, NULL};
+    ds41_svc_error err = {0};
+    if (ds41_api_check_keys(*root, NULL, keys, &err) || ds41_api_get_string(*root, NULL, key, true, id, &err)) {
+        json_decref(*root);
+        bad_request(ex, &err);
+        return -1;
+    }
+    if (strlen(*id) == 0 || strlen(*id) > 200) {
+        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, key, "'%s' must have 1..200 bytes", key);
+        json_decref(*root);
+        bad_request(ex, &err);
+        return -1;
+    }
+    return 0;
+}
+
+static void route_admin_snapshot_save(ds41_http_exchange *ex, void *ctx) {
+    ds41_api *api = ctx;
+    if (!need(ex, api->svc.save_snapshot != NULL, "snapshots")) return;
+    json_t *root;
+    const char *session;
+    if (one_id_body(ex, "session", &root, &session)) return;
+    list_acc acc = {.list = json_array()};
+    ds41_svc_error err = {0};
+    int rc = acc.list ? api->svc.save_snapshot(api->svc.ctx, session, snapshot_emit, &acc, &err) : -1;
+    json_decref(root);
+    if (rc != 0 || acc.oom || json_array_size(acc.list) != 1) {
+        if (rc != 0 && acc.list)
+            respond_svc_error(ex, &err);
+        else
+            ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
+        json_decref(acc.list);
+        return;
+    }
+    json_t *snap = json_incref(json_array_get(acc.list, 0));
+    json_decref(acc.list);
+    respond_json(ex, 200, snap);
+}
+
+static void route_admin_snapshot_restore(ds41_http_exchange *ex, void *ctx) {
+    ds41_api *api = ctx;
+    if (!need(ex, api->svc.restore_snapshot != NULL, "snapshots")) return;
+    json_t *root;
+    const char *id;
+    if (one_id_body(ex, "id", &root, &id)) return;
+    char session[256] = "";
+    uint64_t tokens = 0;
+    ds41_svc_error err = {0};
+    int rc = api->svc.restore_snapshot(api->svc.ctx, id, session, sizeof session, &tokens, &err);
+    json_t *out = rc == 0 ? json_pack("{s:s,s:s,s:o}", "id", id, "session", session, "tokens", ju64(tokens)) : NULL;
+    json_decref(root);
+    if (rc != 0) {
+        respond_svc_error(ex, &err);
+        return;
+    }
+    respond_json(ex, 200, out);
+}
+
+static void route_admin_snapshot_delete(ds41_http_exchange *ex, void *ctx) {
+    ds41_api *api = ctx;
+    if (!need(ex, api->svc.delete_snapshot != NULL, "snapshots")) return;
+    const char *id = ds41_http_path_param(ex);
+    ds41_svc_error err = {0};
+    if (api->svc.delete_snapshot(api->svc.ctx, id, &err) != 0) {
+        respond_svc_error(ex, &err);
+        return;
+    }
+    respond_json(ex, 200, json_pack("{s:s,s:b}", "id", id, "deleted", 1));
+}
+
 /* ================================================================ the api */
 
 int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41_api_options *opts,
@@ -1378,6 +1488,11 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"DELETE", "/admin/sessions/*", DS41_AUTH_ADMIN, false, "admin_session_delete",
          route_admin_session_delete},
         {"GET", "/admin/cache", DS41_AUTH_ADMIN, false, "admin_cache", route_admin_cache},
+        {"GET", "/admin/snapshots", DS41_AUTH_ADMIN, false, "admin_snapshots", route_admin_snapshots},
+        {"POST", "/admin/snapshots/save", DS41_AUTH_ADMIN, true, "admin_snapshots_save", route_admin_snapshot_save},
+        {"POST", "/admin/snapshots/restore", DS41_AUTH_ADMIN, true, "admin_snapshots_restore",
+         route_admin_snapshot_restore},
+        {"DELETE", "/admin/snapshots/*", DS41_AUTH_ADMIN, false, "admin_snapshot_delete", route_admin_snapshot_delete},
     };
     memcpy(api->routes, routes, sizeof routes);
     api->router = (ds41_http_router){.routes = api->routes,

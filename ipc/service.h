@@ -153,6 +153,21 @@ typedef struct ds41_svc_cache {
     size_t n_tiers;
 } ds41_svc_cache;
 
+/* --------------------------------------------------------------- snapshots */
+
+/* A session snapshot on disk (the disk tier of the prefix cache). */
+typedef struct ds41_svc_snapshot {
+    const char *id;    /* "<model>:<name>", [A-Za-z0-9._:-]{1,200} (DELETE /admin/snapshots/{id}) */
+    const char *model;
+    uint64_t tokens;   /* token ids it holds (the prefix it restores) */
+    uint64_t bytes;    /* file size */
+    int64_t created;   /* unix seconds */
+    int64_t last_used; /* unix seconds */
+    bool has_sampler;  /* saved from a running request: the sampler state is included */
+} ds41_svc_snapshot;
+
+typedef void (*ds41_svc_snapshot_emit)(void *acc, const ds41_svc_snapshot *snapshot);
+
 /* -------------------------------------------------------------- generation */
 
 typedef enum ds41_gen_kind {
@@ -394,6 +409,19 @@ typedef struct ds41_service {
      * to stay valid only during that call). */
     int (*cache_info)(void *ctx, void (*emit)(void *acc, const ds41_svc_cache *cache), void *acc,
                       ds41_svc_error *err);
+    /* Session snapshots (NULL = not implemented, 501).  list: every snapshot of every loaded
+     * model.  save: write the state of session `session_id` (a ds41_svc_session id) to disk and
+     * emit the snapshot once (NOT_FOUND: no such session; CONFLICT: snapshots disabled or
+     * nothing to save yet).  restore: load snapshot `snapshot_id` into its model's prefix
+     * cache; *session_id receives the new cache session's id, *tokens its length (NOT_FOUND;
+     * BAD_REQUEST with the reason when the file is refused: corrupted, truncated, other
+     * version or model -- it is then deleted).  delete: remove it (NOT_FOUND). */
+    int (*list_snapshots)(void *ctx, ds41_svc_snapshot_emit emit, void *acc, ds41_svc_error *err);
+    int (*save_snapshot)(void *ctx, const char *session_id, ds41_svc_snapshot_emit emit, void *acc,
+                         ds41_svc_error *err);
+    int (*restore_snapshot)(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
+                            uint64_t *tokens, ds41_svc_error *err);
+    int (*delete_snapshot)(void *ctx, const char *snapshot_id, ds41_svc_error *err);
 } ds41_service;
 
 #endif
