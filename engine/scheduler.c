@@ -41,7 +41,8 @@ typedef struct cache_entry {
     uint64_t last_use; /* LRU clock */
     int64_t created, last_used;
     uint64_t bytes; /* page bytes referenced */
-    bool finished;  /* a finished conversation (prompt + answer): goes to the disk tier on eviction */
+    bool persist;   /* computed here (not restored from the disk tier / imported): goes to the disk
+                       tier when it leaves */
 } cache_entry;
 
 /* Work the engine thread does between two steps for another thread (export of a running
@@ -182,7 +183,7 @@ static bool cache_evict_one(ds41_scheduler *s, size_t keep) {
         if (i != keep && (victim == SIZE_MAX || s->cache[i].last_use < s->cache[victim].last_use)) victim = i;
     if (victim == SIZE_MAX) return false;
     const cache_entry *e = &s->cache[victim];
-    if (e->finished && s->cfg.disk.evicted) s->cfg.disk.evicted(s->cfg.disk.ctx, e->seq, e->ids, e->n_ids);
+    if (e->persist && s->cfg.disk.evicted) s->cfg.disk.evicted(s->cfg.disk.ctx, e->seq, e->ids, e->n_ids);
     cache_drop(s, victim);
     return true;
 }
@@ -194,7 +195,7 @@ static void cache_trim(ds41_scheduler *s) {
 }
 
 /* Keep seq (taken over) with the ids it consumed.  An entry with the same ids is replaced. */
-static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids, size_t n, bool finished) {
+static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids, size_t n, bool persist) {
     if (!s->cfg.prefix_cache || n == 0) {
         ds41_kv_seq_free(seq);
         return NULL;
@@ -220,7 +221,7 @@ static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int3
     e->last_use = ++s->cache_clock;
     e->created = e->last_used = wall_now();
     e->bytes = ds41_kv_seq_page_bytes(seq);
-    e->finished = finished;
+    e->persist = persist;
     const uint64_t number = e->n;
     cache_trim(s);
     for (size_t i = 0; i < s->n_cache; i++) /* trimming may move or drop it */
@@ -736,7 +737,7 @@ static void *engine_main(void *arg) {
             uint64_t fed = ds41_kv_seq_tokens(r->seq);
             if (r->snapshot_due && fed == n_prompt - 1) {
                 ds41_kv_seq *snap = ds41_kv_seq_fork(r->seq, &err);
-                if (snap) cache_insert(s, snap, ds41_generation_tokens(r->g, NULL), n_prompt - 1, false);
+                if (snap) cache_insert(s, snap, ds41_generation_tokens(r->g, NULL), n_prompt - 1, true);
                 r->snapshot_due = false;
             }
             if (fed >= n_prompt) r->phase = PH_DECODE;
@@ -831,9 +832,9 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     pthread_cond_broadcast(&s->wake);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
-    /* finished conversations go to the disk tier (the engine thread is gone: no lock needed) */
+    /* cached prefixes go to the disk tier (the engine thread is gone: no lock needed) */
     for (size_t i = 0; i < s->n_cache && s->cfg.disk.evicted; i++)
-        if (s->cache[i].finished) s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, s->cache[i].ids, s->cache[i].n_ids);
+        if (s->cache[i].persist) s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, s->cache[i].ids, s->cache[i].n_ids);
     while (s->n_cache) cache_drop(s, s->n_cache - 1);
     pthread_cond_destroy(&s->wake);
     pthread_cond_destroy(&s->jobs_done);

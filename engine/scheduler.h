@@ -60,8 +60,10 @@ typedef struct ds41_sched_disk {
      * in *n_cached; NULL when there is none or it cannot be restored (the request is then
      * prefilled as usual). */
     ds41_kv_seq *(*restore)(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached);
-    /* A finished conversation's entry (prompt + answer) leaves the in-memory cache -- evicted, or
-     * the scheduler is being freed: the disk tier may keep it.  seq and ids are borrowed. */
+    /* An entry the scheduler computed -- a prompt minus its last token, or a finished
+     * conversation (prompt + answer) -- leaves the in-memory cache: evicted, or the scheduler is
+     * being freed.  The disk tier may keep it.  (Entries that came from the disk tier or from
+     * ds41_scheduler_import are not handed back.)  seq and ids are borrowed. */
     void (*evicted)(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n);
     void *ctx;
 } ds41_sched_disk;

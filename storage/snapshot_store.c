@@ -220,13 +220,15 @@ int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot
         ds41_snapshot s;
         ds41_error e = {{0}};
         if (ds41_snapshot_read_head(p, st->o.model_id, &s, &e) != 0) {
-            slog(st, "skipping snapshot: %s", e.msg);
+            slog(st, "unreadable snapshot deleted: %s", e.msg);
+            unlink(p);
             continue;
         }
         char want[DS41_SNAPSHOT_NAME_LEN + 1];
         ds41_snapshot_store_name(s.ids, s.n_ids, want);
         if (strcmp(want, name) != 0) {
-            slog(st, "skipping snapshot %s: its ids do not match its name", p);
+            slog(st, "unreadable snapshot deleted: %s: its ids do not match its name", p);
+            unlink(p);
             ds41_snapshot_free(&s);
             continue;
         }
@@ -307,6 +309,16 @@ size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const int32_t *ids, si
     }
     pthread_mutex_unlock(&st->mu);
     return len;
+}
+
+bool ds41_snapshot_store_contains(ds41_snapshot_store *st, const int32_t *ids, size_t n) {
+    char name[DS41_SNAPSHOT_NAME_LEN + 1];
+    ds41_snapshot_store_name(ids, n, name);
+    pthread_mutex_lock(&st->mu);
+    size_t i = find(st, name);
+    bool yes = i != SIZE_MAX && st->e[i].info.n_ids == n && memcmp(st->e[i].ids, ids, n * sizeof *ids) == 0;
+    pthread_mutex_unlock(&st->mu);
+    return yes;
 }
 
 int ds41_snapshot_store_load(ds41_snapshot_store *st, const char *name, ds41_snapshot *out, ds41_error *err) {

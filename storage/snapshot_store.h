@@ -7,9 +7,10 @@
  * crashed writers (".tmp-*") are removed when the store opens.
  *
  * Index.  An in-memory table of every valid snapshot's token ids, rebuilt when the store opens
- * from each file's head and ids (head_check verified; the payload is not read).  Files that are
- * not valid snapshot heads, or made for another model, are skipped with a log line (and left
- * alone).  ds41_snapshot_store_match picks the longest snapshot whose ids are a proper prefix of
+ * from each file's head and ids (head_check verified; the payload is not read).  Files named like
+ * snapshots that are not valid snapshot heads (truncated, corrupted, another format version) or
+ * were made for another model (the model under this name was replaced) are logged and deleted:
+ * they could never be restored.  ds41_snapshot_store_match picks the longest snapshot whose ids are a proper prefix of
  * a prompt (a linear scan: one comparison of at most the snapshot's length per snapshot).
  * Loading verifies the whole file (storage/snapshot.h); a file that fails is logged with the
  * reason, dropped from the index and deleted, and the caller falls back to prefill.
@@ -74,6 +75,9 @@ void ds41_snapshot_store_name(const int32_t *ids, size_t n, char name[DS41_SNAPS
  * name.  Counts a hit or a miss. */
 size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const int32_t *ids, size_t n,
                                  char name[DS41_SNAPSHOT_NAME_LEN + 1]);
+
+/* Whether a snapshot of exactly ids[0..n) is indexed. */
+bool ds41_snapshot_store_contains(ds41_snapshot_store *st, const int32_t *ids, size_t n);
 
 /* Read and verify snapshot `name` (40 hex digits) into *out (ds41_snapshot_free).  It becomes
  * the most recently used.  Errors name the file; a file that fails verification is deleted

@@ -148,9 +148,9 @@ static void test_disk_tier(void) {
     submit(s, turn1, 60, 12, &r1, &id);
     wait_for(&r1, 0, 60);
     ds41_scheduler_free(s, 1000);
-    TAP_CHECK(r1.n_done == 1 && r1.status == DS41_SCHED_DONE && d.evicted_calls == 1 && d.n_ids == 60 + 11,
-              "stopping hands the finished conversation to the disk tier (%d calls, %zu ids: prompt + answer less "
-              "the last token)",
+    TAP_CHECK(r1.n_done == 1 && r1.status == DS41_SCHED_DONE && d.evicted_calls == 2 && d.n_ids == 60 + 11,
+              "stopping hands the cached prefixes to the disk tier (%d calls: the prompt less its last token, then "
+              "the conversation of %zu ids: prompt + answer less the last token)",
               d.evicted_calls, d.n_ids);
 
     /* turn 2 = turn 1 + its answer + new user tokens, on a fresh scheduler with / without the disk */
@@ -179,7 +179,7 @@ static void test_disk_tier(void) {
                   (unsigned long long)st.disk_hits, (unsigned long long)st.disk_cached_tokens);
         ds41_scheduler_free(s, 1000);
     }
-    TAP_CHECK(a.n_done == 1 && b.n_done == 1 && a.cached == 0 && b.cached == stored && d.restore_calls == 1 && d.evicted_calls == 2,
+    TAP_CHECK(a.n_done == 1 && b.n_done == 1 && a.cached == 0 && b.cached == stored && d.restore_calls == 1 && d.evicted_calls == 4,
               "a miss of the memory cache restores from the disk tier (cached_tokens %zu of %zu)", b.cached, n2);
     TAP_CHECK(a.n_tokens == 10 && b.n_tokens == 10 && memcmp(a.tokens, b.tokens, sizeof(int32_t) * 10) == 0,
               "the next turn after a restore gives the same tokens as a full prefill");

@@ -333,6 +333,9 @@ static void test_store(void) {
     size_t n_after = rc == 0 ? count_entries(st, v) : 0;
     TAP_CHECK(rc == 0 && n_after == 3 && ds41_snapshot_store_match(st, IDS, 250, name) == 200,
               "store: reopening rebuilds the index from the files, skipping another model's (%zu entries)", n_after);
+    snprintf(p, sizeof p, "%s/%s.snap", dir, other_name);
+    struct stat sb0;
+    TAP_CHECK(stat(p, &sb0) != 0, "store: the other model's snapshot is deleted at open");
     struct stat sb;
     snprintf(p, sizeof p, "%s/.tmp-x.snap-1-1", dir);
     TAP_CHECK(stat(p, &sb) != 0, "store: opening removes temporary files of interrupted saves");
