@@ -30,8 +30,18 @@
  *                                            "pages_free","bytes_per_token","tiers":[{"name",
  *                                            "used_bytes","capacity_bytes","hits","misses",
  *                                            "hit_rate"}]}
+ *   GET     /admin/snapshots          A      {"object":"list","data":[{"id","model","tokens","bytes",
+ *                                            "created","last_used","sampler_state"}]} (session
+ *                                            snapshots on disk; id = "<model>:<40 hex digits>")
+ *   POST    /admin/snapshots/save     A      {"session": session id} -> the snapshot object; 404
+ *                                            unknown session, 409 snapshots off / nothing fed yet
+ *   POST    /admin/snapshots/restore  A      {"id": snapshot id} -> {"id","session","tokens"}: loaded
+ *                                            into the prefix cache; 404 unknown, 400 refused (the
+ *                                            message names the file and why; the file is deleted)
+ *   DELETE  /admin/snapshots/{id}     A      {"id":...,"deleted":true}; 404 when unknown
  *
- * No route reads a file or runs a command for a client; the only path a
+ * No route reads a file or runs a command for a client (snapshot ids are
+ * checked by the service against the names it indexed); the only path a
  * client can name is "path" of /admin/models/load (admin class only), which
  * must be absolute and free of ".." segments here, and which the SERVICE
  * confines to its configured model directories (ipc/service.h).
