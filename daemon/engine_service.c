@@ -1077,11 +1077,15 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     ds41_sched_stats *st = calloc(n ? n : 1, sizeof *st);
     bool *ready = calloc(n ? n : 1, sizeof *ready);
     ds41_model_state *state = calloc(n ? n : 1, sizeof *state);
-    if (!st || !ready || !state) {
+    ds41_snapshot_store_stats *sn = calloc(n ? n : 1, sizeof *sn);
+    bool *has_store = calloc(n ? n : 1, sizeof *has_store);
+    if (!st || !ready || !state || !sn || !has_store) {
         pthread_rwlock_unlock(&s->cfg_lock);
         free(st);
         free(ready);
         free(state);
+        free(sn);
+        free(has_store);
         return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
     }
     for (size_t i = 0; i < n; i++) {
@@ -1091,6 +1095,10 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
         if (m->state == DS41_MODEL_READY) {
             ds41_scheduler_stats(m->sched, &st[i]);
             ready[i] = true;
+            if (m->store) {
+                ds41_snapshot_store_get_stats(m->store, &sn[i]);
+                has_store[i] = true;
+            }
         }
         pthread_rwlock_unlock(&m->lock);
     }
@@ -1143,6 +1151,28 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     PER_MODEL("ds41_forward_steps_total", "counter", "Forward passes (batched steps).", st[i].steps);
     PER_MODEL("ds41_preemptions_total", "counter", "Sequences preempted because the KV cache was full.",
               st[i].preemptions);
+#define PER_STORE(metric, type, help, expr)                                                              \
+    do {                                                                                                 \
+        metric_head(&b, metric, type, help);                                                             \
+        for (size_t i = 0; i < n; i++)                                                                   \
+            if (has_store[i])                                                                            \
+                ds41_buf_printf(&b, metric "{model=\"%s\"} %llu\n", s->models[i]->name,                      \
+                                (unsigned long long)(expr));                                             \
+    } while (0)
+    PER_STORE("ds41_snapshot_files", "gauge", "Session snapshots on disk.", sn[i].entries);
+    PER_STORE("ds41_snapshot_bytes", "gauge", "Bytes of the session snapshots on disk.", sn[i].bytes);
+    PER_STORE("ds41_snapshot_hits_total", "counter", "Prefix-cache misses served by a snapshot on disk.", sn[i].hits);
+    PER_STORE("ds41_snapshot_misses_total", "counter", "Prefix-cache misses no snapshot on disk covered.",
+              sn[i].misses);
+    PER_STORE("ds41_snapshot_restored_tokens_total", "counter", "Tokens of the snapshots loaded.",
+              sn[i].restored_tokens);
+    PER_STORE("ds41_snapshot_load_errors_total", "counter", "Snapshots refused when loading (and deleted).",
+              sn[i].load_errors);
+    PER_STORE("ds41_snapshot_saves_total", "counter", "Snapshots written.", sn[i].saves);
+    PER_STORE("ds41_snapshot_save_errors_total", "counter", "Snapshot writes that failed.", sn[i].save_errors);
+    PER_STORE("ds41_snapshot_evictions_total", "counter", "Snapshots deleted by the snapshots.max_bytes cap.",
+              sn[i].evictions);
+#undef PER_STORE
     metric_head(&b, "ds41_kv_cache_bytes", "gauge", "KV cache page bytes in use and free (free: under the budget).");
     for (size_t i = 0; i < n; i++) {
         if (!ready[i]) continue;
@@ -1196,6 +1226,8 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     free(st);
     free(ready);
     free(state);
+    free(sn);
+    free(has_store);
     *text = ds41_buf_take(&b, text_len);
     if (!*text) return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
     return 0;

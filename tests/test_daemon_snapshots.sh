@@ -56,6 +56,12 @@ check "and its prompt came from the disk snapshot: cached_tokens $cb2 = $c2" tes
 api GET /admin/cache >/dev/null
 check "/admin/cache: a snapshots tier with one hit" test "$(pyj '",".join("%d:%s" % (t["hits"], t["used_bytes"] > 0) for t in o["tiers"] if t["name"] == "snapshots")')" = "1:True"
 
+curl -s --unix-socket "$sock" http://ds41/metrics >"$work/metrics.txt"
+check "/metrics: the snapshot series (one hit, the restored tokens)" \
+    bash -c "grep -q '^ds41_snapshot_hits_total{model=\"ds41-tiny\"} 1\$' '$work/metrics.txt' &&
+             grep -q '^ds41_snapshot_restored_tokens_total{model=\"ds41-tiny\"} $c2\$' '$work/metrics.txt' &&
+             grep -q '^ds41_snapshot_files{model=\"ds41-tiny\"} [1-9]' '$work/metrics.txt'"
+
 # ---- admin routes and ds41ctl --------------------------------------------------------------
 ctl cache ls >"$work/ls.txt"; rc=$?
 check "cache ls: a table of the snapshots" \
