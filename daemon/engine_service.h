@@ -21,6 +21,17 @@
  * A request running longer than limits.request_timeout_s is cancelled (checked by
  * ds41_engine_service_tick).
  *
+ * Snapshots (snapshots.enabled, with prefix_cache.enabled).  Each loaded model gets a
+ * storage/snapshot_store.h store in <state_directory>/snapshots/<model>/ with the model's
+ * identity (ds41_snapshot_model_id of its directory).  It is the disk tier of the scheduler's
+ * prefix cache: a prompt that misses the in-memory cache restores the longest stored prefix
+ * (read, verified and deserialized on the engine thread), and every prefix the scheduler cached
+ * is serialized when it leaves the in-memory cache or the model unloads (shutdown), then written
+ * by the store's writer thread; unloading waits for those writes.  A snapshot that fails
+ * verification is logged, deleted, and the request prefilled.  The admin snapshot routes save a
+ * session (a cached prefix, or a running request with its sampler state), restore a snapshot into
+ * the prefix cache, list and delete.
+ *
  * Threads: every ds41_service function may run on many threads at once. */
 #ifndef DS41_DAEMON_ENGINE_SERVICE_H
 #define DS41_DAEMON_ENGINE_SERVICE_H

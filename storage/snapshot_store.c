@@ -39,7 +39,12 @@ struct ds41_snapshot_store {
     pthread_t writer;
     bool writer_started, stopping, writing;
     wjob *head, *tail;
+    uint64_t pending_bytes; /* state bytes queued for the writer */
 };
+
+/* Queued saves beyond this many bytes are dropped (a disk slower than the evictions must not
+ * make the queue grow without bound). */
+#define MAX_PENDING_BYTES (1ull << 30)
 
 __attribute__((format(printf, 2, 3))) static void slog(ds41_snapshot_store *st, const char *fmt, ...) {
     if (!st->o.log) return;
@@ -167,6 +172,7 @@ static void *writer_main(void *p) {
         wjob *j = st->head;
         st->head = j->next;
         if (!st->head) st->tail = NULL;
+        st->pending_bytes -= j->kv_len;
         st->writing = true;
         pthread_mutex_unlock(&st->mu);
         int rc;
@@ -409,6 +415,16 @@ int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t
     j->kv = kv;
     j->kv_len = kv_len;
     pthread_mutex_lock(&st->mu);
+    if (st->pending_bytes + kv_len > MAX_PENDING_BYTES) {
+        st->st.save_errors++;
+        pthread_mutex_unlock(&st->mu);
+        free(ids);
+        free(kv);
+        free(j);
+        return ds41_fail(err, "%s: %llu bytes of snapshots already wait for the disk; this one is dropped", st->dir,
+                         (unsigned long long)MAX_PENDING_BYTES);
+    }
+    st->pending_bytes += kv_len;
     if (st->tail)
         st->tail->next = j;
     else

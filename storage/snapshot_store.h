@@ -20,7 +20,8 @@
  * until the total fits (the one just saved is kept even if it alone is larger).
  *
  * Writes.  ds41_snapshot_store_save writes synchronously; ds41_snapshot_store_save_async hands
- * the buffers to the store's writer thread (so an engine thread never waits on the disk);
+ * the buffers to the store's writer thread (so an engine thread never waits on the disk; at most
+ * 1 GiB of state waits, beyond that a save is dropped with an error);
  * ds41_snapshot_store_flush and ds41_snapshot_store_free wait for queued writes.
  *
  * Threads: every function may be called from any thread. */
