@@ -183,4 +183,21 @@ st=$(api POST /v1/chat/completions "$body2"); b5=$(answer)
 check "and the conversation still gives the uninterrupted answer" test "$st:$b5" = "200:$a2"
 stop_daemon TERM
 check "no daemon error on the way (no crash: exit 0)" test "$daemon_status" = 0
+
+# ---- the snapshot routes are admin routes --------------------------------------------------
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && getent group nogroup >/dev/null && getent group adm >/dev/null; then
+    write_config "$cfg"
+    sed -i 's/^  socket_group: null/  socket_group: nogroup/; s/^  admin_group: null/  admin_group: adm/' "$cfg"
+    start_daemon "$cfg" || { notok "ds41d restarts"; finish; exit 0; }
+    as() { local groups=$1; shift; setpriv --reuid=65534 --regid=65534 $groups -- "$@"; }
+    req() { as "$1" curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" -X "$2" -H 'Content-Type: application/json' ${4:+--data-binary "$4"} "http://ds41$3"; }
+    codes="$(req --clear-groups GET /admin/snapshots) $(req --clear-groups POST /admin/snapshots/save '{"session":"ds41-tiny:c1"}')"
+    codes="$codes $(req --clear-groups POST /admin/snapshots/restore '{"id":"ds41-tiny:x"}') $(req --clear-groups DELETE /admin/snapshots/ds41-tiny:x)"
+    check "a peer outside the admin group: 403 on every snapshot route ($codes)" test "$codes" = "403 403 403 403"
+    code=$(req --groups=4 GET /admin/snapshots)
+    check "a member of the admin group: 200 ($code)" test "$code" = 200
+    stop_daemon TERM
+else
+    skip "peer classes need root, setpriv and the groups nogroup and adm"
+fi
 finish
