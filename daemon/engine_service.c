@@ -352,14 +352,18 @@ static uint64_t snapshot_max_raw(void *ctx, size_t n_ids) {
 }
 
 /* Scheduler callback (engine thread): a prompt missed the in-memory cache. */
-static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached) {
-    model *m = ctx;
+static ds41_kv_seq *disk_restore_once(model *m, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached,
+                                      bool *retry) {
     *n_cached = 0;
+    *retry = false;
     char name[DS41_SNAPSHOT_NAME_LEN + 1];
     if (ds41_snapshot_store_match(m->store, ids, n, name) == 0) return NULL;
     ds41_snapshot snap;
     ds41_error err = {{0}};
-    if (ds41_snapshot_store_load(m->store, name, &snap, &err) != 0) return NULL; /* logged by the store */
+    if (ds41_snapshot_store_load(m->store, name, &snap, &err) != 0) { /* logged by the store, deleted */
+        *retry = strncmp(err.msg, "no snapshot", 11) != 0;
+        return NULL;
+    }
     ds41_kv_seq *seq = NULL;
     if (snap.n_ids >= n || memcmp(snap.ids, ids, snap.n_ids * sizeof *ids) != 0) {
         ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s does not hold a prefix of the prompt", m->name, name);
@@ -368,17 +372,29 @@ static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *i
         ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s/%s.snap refused: %s%s", m->name,
                  ds41_snapshot_store_dir(m->store), name, err.msg, full ? "" : " (deleted)");
         if (!full) ds41_snapshot_store_remove(m->store, name, NULL);
+        *retry = !full;
     } else if (ds41_kv_seq_tokens(seq) != snap.n_ids) {
         ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s holds %llu tokens for %zu ids (deleted)", m->name, name,
                  (unsigned long long)ds41_kv_seq_tokens(seq), snap.n_ids);
         ds41_kv_seq_free(seq);
         seq = NULL;
         ds41_snapshot_store_remove(m->store, name, NULL);
+        *retry = true;
     } else {
         *n_cached = snap.n_ids;
         ds41_log(DS41_LOG_DEBUG, "model %s: restored %zu tokens from snapshot %s", m->name, snap.n_ids, name);
     }
     ds41_snapshot_free(&snap);
+    return seq;
+}
+
+/* A refused snapshot leaves the index: the next longest one is tried (a few at most). */
+static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached) {
+    model *m = ctx;
+    bool retry = true;
+    ds41_kv_seq *seq = NULL;
+    for (int attempt = 0; attempt < 4 && retry && !seq; attempt++)
+        seq = disk_restore_once(m, pool, ids, n, n_cached, &retry);
     return seq;
 }
 
