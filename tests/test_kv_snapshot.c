@@ -145,18 +145,18 @@ static void run_mode(const char *dir, bool reference) {
     /* ---- untrusted input ---- */
     char msg[1100];
     bool all = true;
-    size_t bad_cut = 0;
+    long long bad_cut = -1;
     for (size_t n = 0; n < len; n += n < 160 ? 1 : 97) {
         ds41_kv_seq *t = NULL;
         ds41_error te = {{0}};
         if (ds41_kv_seq_deserialize(pool, snap, n, &t, &te) == 0 || t || !te.msg[0]) {
             all = false;
-            bad_cut = n;
+            bad_cut = (long long)n;
             ds41_kv_seq_free(t);
             break;
         }
     }
-    TAP_CHECK(all, "%s: every truncation is refused with a message (first accepted: %zu)", mode, bad_cut);
+    TAP_CHECK(all, "%s: every truncation is refused with a message (first accepted: %lld)", mode, bad_cut);
     {
         uint8_t *longer = malloc(len + 1);
         memcpy(longer, snap, len);

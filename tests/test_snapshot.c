@@ -151,7 +151,8 @@ static void test_round_trip(void) {
         b[i] ^= (uint8_t)(1u << (i % 8));
         if (!refused(b, len, MODEL_A, 1 << 20, NULL, msg, sizeof msg)) bad = i;
     }
-    TAP_CHECK(bad == SIZE_MAX, "every single-bit flip of the %zu bytes is refused (first accepted: %zu)", len, bad);
+    TAP_CHECK(bad == SIZE_MAX, "every single-bit flip of the %zu bytes is refused (first accepted: %lld)", len,
+              bad == SIZE_MAX ? -1LL : (long long)bad);
     memcpy(b, file, len);
     b[len / 2] ^= 0x40;
     TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "checksum mismatch (file corrupted)", msg, sizeof msg),
@@ -159,7 +160,7 @@ static void test_round_trip(void) {
     bad = SIZE_MAX;
     for (size_t n = 0; n < len && bad == SIZE_MAX; n++)
         if (!refused(file, n, MODEL_A, 1 << 20, NULL, msg, sizeof msg)) bad = n;
-    TAP_CHECK(bad == SIZE_MAX, "every truncation is refused (first accepted: %zu)", bad);
+    TAP_CHECK(bad == SIZE_MAX, "every truncation is refused (first accepted: %lld)", bad == SIZE_MAX ? -1LL : (long long)bad);
     TAP_CHECK(refused(file, len - 100, MODEL_A, 1 << 20, "truncated", msg, sizeof msg), "truncated file (%s)", msg);
     memcpy(b, file, len);
     b[len] = 0;
