@@ -399,8 +399,8 @@ static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *i
 }
 
 /* Scheduler callback (engine thread, or the thread freeing the scheduler): a cached prefix (a
- * prompt less its last token, or a finished conversation) leaves the in-memory cache.  Serialized here (a copy of its pages), written by the
- * store's writer thread. */
+ * prompt less its last token, or a finished conversation) leaves the in-memory cache.  Serialized
+ * here (a copy of its pages), written by the store's writer thread. */
 static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n) {
     model *m = ctx;
     if ((uint64_t)n != ds41_kv_seq_tokens(seq) || n == 0) return;

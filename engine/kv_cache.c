@@ -606,13 +606,18 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
         for (uint32_t slot = 0; slot < l->window; slot++, p += l->ring_row_bytes) {
             if (slot >= tokens) {
                 for (uint32_t b = 0; b < l->ring_row_bytes; b++)
-                    if (p[b]) return ds41_fail(err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r, slot);
+                    if (p[b])
+                        return ds41_fail(err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r,
+                                         slot);
                 continue;
             }
             for (uint32_t b = 0; b < l->latent_dim; b++)
-                if (e4m3_is_nan(p[b])) return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u is NaN", r, slot, b);
+                if (e4m3_is_nan(p[b]))
+                    return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u is NaN", r, slot, b);
             for (uint32_t b = l->latent_dim; b < l->ring_row_bytes; b++)
-                if (p[b] == 0xFF) return ds41_fail(err, "kv snapshot: ring %u slot %u: scale %u is NaN", r, slot, b - l->latent_dim);
+                if (p[b] == 0xFF)
+                    return ds41_fail(err, "kv snapshot: ring %u slot %u: scale %u is NaN", r, slot,
+                                     b - l->latent_dim);
         }
     }
     const uint8_t *carries = p;

@@ -345,7 +345,8 @@ static void admit(ds41_scheduler *s) {
         size_t n_prompt = ds41_generation_prompt_tokens(r->g);
         const int32_t *ids = ds41_generation_tokens(r->g, NULL);
         size_t hit = s->cfg.prefix_cache ? cache_lookup(s, ids, n_prompt) : SIZE_MAX;
-        if (hit == SIZE_MAX && s->cfg.prefix_cache && s->cfg.disk.restore && n_prompt >= 2) hit = disk_restore(s, ids, n_prompt);
+        if (hit == SIZE_MAX && s->cfg.prefix_cache && s->cfg.disk.restore && n_prompt >= 2)
+            hit = disk_restore(s, ids, n_prompt);
         size_t cached = hit == SIZE_MAX ? 0 : s->cache[hit].n_ids;
         uint64_t need = pages_for(s->layout, cached, n_prompt - cached + reserve);
         /* evict other entries (swap-removal may move the hit: look it up again) */
@@ -834,7 +835,8 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     pthread_join(s->thread, NULL);
     /* cached prefixes go to the disk tier (the engine thread is gone: no lock needed) */
     for (size_t i = 0; i < s->n_cache && s->cfg.disk.evicted; i++)
-        if (s->cache[i].persist) s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, s->cache[i].ids, s->cache[i].n_ids);
+        if (s->cache[i].persist)
+            s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, s->cache[i].ids, s->cache[i].n_ids);
     while (s->n_cache) cache_drop(s, s->n_cache - 1);
     pthread_cond_destroy(&s->wake);
     pthread_cond_destroy(&s->jobs_done);

@@ -58,12 +58,15 @@ static const uint32_t sha_k[64] = {
     0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
     0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
 
-static uint32_t ror(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+static uint32_t ror(uint32_t x, int n) {
+    return (x >> n) | (x << (32 - n));
+}
 
 static void sha_block(sha_ctx *c, const uint8_t *b) {
     uint32_t w[64];
     for (int i = 0; i < 16; i++)
-        w[i] = (uint32_t)b[4 * i] << 24 | (uint32_t)b[4 * i + 1] << 16 | (uint32_t)b[4 * i + 2] << 8 | b[4 * i + 3];
+        w[i] = (uint32_t)b[4 * i] << 24 | (uint32_t)b[4 * i + 1] << 16 | (uint32_t)b[4 * i + 2] << 8 |
+               b[4 * i + 3];
     for (int i = 16; i < 64; i++) {
         uint32_t s0 = ror(w[i - 15], 7) ^ ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
         uint32_t s1 = ror(w[i - 2], 17) ^ ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
@@ -188,12 +191,15 @@ static int hash_file(sha_ctx *c, const char *path, bool optional, ds41_error *er
     return 0;
 }
 
-static int cmp_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+static int cmp_names(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
 
 /* name, size, 8-byte length + header JSON, the first 4096 payload bytes. */
 static int hash_shard(sha_ctx *c, const char *dir, const char *name, ds41_error *err) {
     char path[PATH_MAX];
-    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) return ds41_fail(err, "%s: path too long", name);
+    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
+        return ds41_fail(err, "%s: path too long", name);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ds41_fail(err, "%s: %s", path, strerror(errno));
     struct stat st;
@@ -296,8 +302,9 @@ void ds41_snapshot_free(ds41_snapshot *s) {
 }
 
 int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], const int32_t *ids,
-                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler, size_t sampler_len,
-                        const ds41_snapshot_write_opts *opts, uint64_t *file_bytes, ds41_error *err) {
+                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler,
+                        size_t sampler_len, const ds41_snapshot_write_opts *opts, uint64_t *file_bytes,
+                        ds41_error *err) {
     if (file_bytes) *file_bytes = 0;
     if (!path || !model_id || !ids || !kv) return ds41_fail(err, "snapshot: missing argument");
     if (n_ids == 0 || n_ids > DS41_SNAPSHOT_MAX_IDS)
@@ -368,8 +375,8 @@ int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_I
         *slash = 0;
     else
         snprintf(dir, sizeof dir, ".");
-    if (snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%ld-%u", dir, base, (long)getpid(), atomic_fetch_add(&temp_counter, 1)) >=
-        (int)sizeof tmp) {
+    if (snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%ld-%u", dir, base, (long)getpid(),
+                 atomic_fetch_add(&temp_counter, 1)) >= (int)sizeof tmp) {
         free(file);
         return ds41_fail(err, "%s: path too long", path);
     }
@@ -384,7 +391,8 @@ int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_I
     size_t half = total / 2;
     if (write_all(fd, file, half) != 0) rc = -1;
     if (rc == 0 && opts && opts->test_delay_ms) {
-        struct timespec ts = {.tv_sec = opts->test_delay_ms / 1000, .tv_nsec = (long)(opts->test_delay_ms % 1000) * 1000000L};
+        struct timespec ts = {.tv_sec = opts->test_delay_ms / 1000,
+                              .tv_nsec = (long)(opts->test_delay_ms % 1000) * 1000000L};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
         }
     }
@@ -411,33 +419,37 @@ int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_I
 
 /* Check the fixed head (magic, version, flags, identity, lengths) against the file length. */
 static int parse_head(const uint8_t *h, uint64_t file_len, const char *label,
-                      const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out, uint64_t *payload_len,
-                      ds41_error *err) {
+                      const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out,
+                      uint64_t *payload_len, ds41_error *err) {
     if (file_len < DS41_SNAPSHOT_HEAD_BYTES)
-        return ds41_fail(err, "%s: truncated (%llu bytes, the head alone is %d)", label, (unsigned long long)file_len,
-                         DS41_SNAPSHOT_HEAD_BYTES);
+        return ds41_fail(err, "%s: truncated (%llu bytes, the head alone is %d)", label,
+                         (unsigned long long)file_len, DS41_SNAPSHOT_HEAD_BYTES);
     if (memcmp(h, SNAP_MAGIC, 8) != 0) return ds41_fail(err, "%s: not a ds41 snapshot (bad magic)", label);
     out->version = get32(h + 8);
     if (out->version != DS41_SNAPSHOT_VERSION)
-        return ds41_fail(err, "%s: format version %u, this build reads %u", label, out->version, DS41_SNAPSHOT_VERSION);
+        return ds41_fail(err, "%s: format version %u, this build reads %u", label, out->version,
+                         DS41_SNAPSHOT_VERSION);
     out->flags = get32(h + 12);
-    if (out->flags & ~DS41_SNAPSHOT_FLAG_SAMPLER) return ds41_fail(err, "%s: unknown flags 0x%x", label, out->flags);
+    if (out->flags & ~DS41_SNAPSHOT_FLAG_SAMPLER)
+        return ds41_fail(err, "%s: unknown flags 0x%x", label, out->flags);
     memcpy(out->model_id, h + 16, DS41_SNAPSHOT_ID_BYTES);
     const uint64_t n_ids = get64(h + 48), kv_len = get64(h + 56), sampler_len = get64(h + 64);
     *payload_len = get64(h + 72);
     out->created = (int64_t)get64(h + 80);
     if (n_ids == 0 || n_ids > DS41_SNAPSHOT_MAX_IDS)
-        return ds41_fail(err, "%s: %llu token ids (1..%u)", label, (unsigned long long)n_ids, DS41_SNAPSHOT_MAX_IDS);
-    if (kv_len == 0 || kv_len > (1ull << 48)) return ds41_fail(err, "%s: KV state of %llu bytes", label, (unsigned long long)kv_len);
+        return ds41_fail(err, "%s: %llu token ids (1..%u)", label, (unsigned long long)n_ids,
+                         DS41_SNAPSHOT_MAX_IDS);
+    if (kv_len == 0 || kv_len > (1ull << 48))
+        return ds41_fail(err, "%s: KV state of %llu bytes", label, (unsigned long long)kv_len);
     if (sampler_len > (1ull << 32) || (sampler_len != 0) != ((out->flags & DS41_SNAPSHOT_FLAG_SAMPLER) != 0))
-        return ds41_fail(err, "%s: sampler state of %llu bytes with flags 0x%x", label, (unsigned long long)sampler_len,
-                         out->flags);
+        return ds41_fail(err, "%s: sampler state of %llu bytes with flags 0x%x", label,
+                         (unsigned long long)sampler_len, out->flags);
     if (*payload_len == 0 || *payload_len > (1ull << 48))
         return ds41_fail(err, "%s: payload of %llu bytes", label, (unsigned long long)*payload_len);
     const uint64_t want = DS41_SNAPSHOT_HEAD_BYTES + 4 * n_ids + *payload_len + 8;
     if (file_len < want)
-        return ds41_fail(err, "%s: truncated (%llu bytes, the head describes %llu)", label, (unsigned long long)file_len,
-                         (unsigned long long)want);
+        return ds41_fail(err, "%s: truncated (%llu bytes, the head describes %llu)", label,
+                         (unsigned long long)file_len, (unsigned long long)want);
     if (file_len > want)
         return ds41_fail(err, "%s: %llu bytes, the head describes %llu (trailing data)", label,
                          (unsigned long long)file_len, (unsigned long long)want);
@@ -486,7 +498,8 @@ int ds41_snapshot_parse(const uint8_t *buf, size_t len, const char *label,
     const uint8_t *payload = buf + DS41_SNAPSHOT_HEAD_BYTES + 4 * out->n_ids;
     unsigned long long content = ZSTD_getFrameContentSize(payload, (size_t)payload_len);
     if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN || content != raw_len) {
-        ds41_fail(err, "%s: the compressed payload does not declare %llu bytes", label, (unsigned long long)raw_len);
+        ds41_fail(err, "%s: the compressed payload does not declare %llu bytes", label,
+                  (unsigned long long)raw_len);
         goto fail;
     }
     size_t frame = ZSTD_findFrameCompressedSize(payload, (size_t)payload_len);
@@ -534,7 +547,8 @@ static int slurp(const char *path, uint64_t max, uint8_t **data, size_t *len, ds
     }
     if ((uint64_t)st.st_size > max) {
         close(fd);
-        return ds41_fail(err, "%s: %lld bytes is more than a snapshot of this model can be", path, (long long)st.st_size);
+        return ds41_fail(err, "%s: %lld bytes is more than a snapshot of this model can be", path,
+                         (long long)st.st_size);
     }
     uint8_t *b = malloc(st.st_size ? (size_t)st.st_size : 1);
     if (!b) {
@@ -567,8 +581,8 @@ int ds41_snapshot_read(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID
     return rc;
 }
 
-int ds41_snapshot_read_head(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out,
-                            ds41_error *err) {
+int ds41_snapshot_read_head(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES],
+                            ds41_snapshot *out, ds41_error *err) {
     memset(out, 0, sizeof *out);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ds41_fail(err, "%s: %s", path, strerror(errno));

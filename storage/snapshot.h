@@ -88,7 +88,7 @@ void ds41_snapshot_free(ds41_snapshot *s);
 
 /* Options of ds41_snapshot_write. */
 typedef struct ds41_snapshot_write_opts {
-    int zstd_level;            /* 0 = 3 */
+    int zstd_level; /* 0 = 3 */
     /* TEST ONLY: sleep this many milliseconds after writing half of the temporary file, before
      * the rest, the fsync and the rename, so a test can kill the process in the middle of a
      * save.  0 in production. */
@@ -100,8 +100,9 @@ typedef struct ds41_snapshot_write_opts {
  * *file_bytes (may be NULL) receives the file's size.  Errors name the file (no space, rights);
  * no temporary file is left behind on error. */
 int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], const int32_t *ids,
-                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler, size_t sampler_len,
-                        const ds41_snapshot_write_opts *opts, uint64_t *file_bytes, ds41_error *err);
+                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler,
+                        size_t sampler_len, const ds41_snapshot_write_opts *opts, uint64_t *file_bytes,
+                        ds41_error *err);
 
 /* Verify and decode a whole snapshot held in memory, labelled `label` in errors.  model_id NULL =
  * any model.  max_raw bounds kv_len + sampler_len (what will be allocated).  On success *out
@@ -116,8 +117,8 @@ int ds41_snapshot_read(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID
 
 /* Read only the head and the ids (head_check verified, the file length consistent with the
  * head); kv stays NULL.  For building an index without reading payloads. */
-int ds41_snapshot_read_head(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out,
-                            ds41_error *err);
+int ds41_snapshot_read_head(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES],
+                            ds41_snapshot *out, ds41_error *err);
 
 /* Remove the temporary files a crashed writer may have left in dir (names starting ".tmp-").
  * Returns how many were removed (-1 when dir cannot be read). */

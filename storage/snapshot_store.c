@@ -161,7 +161,8 @@ static int mkdir_p(const char *path) {
 }
 
 static void do_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv, size_t kv_len,
-                    const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *out, int *rc, ds41_error *err);
+                    const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *out, int *rc,
+                    ds41_error *err);
 
 static void *writer_main(void *p) {
     ds41_snapshot_store *st = p;
@@ -190,7 +191,8 @@ static void *writer_main(void *p) {
     return NULL;
 }
 
-int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot_store **out, ds41_error *err) {
+int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot_store **out,
+                             ds41_error *err) {
     *out = NULL;
     if (!opts || !opts->dir || !*opts->dir) return ds41_fail(err, "snapshot store: no directory");
     if (mkdir_p(opts->dir) != 0) return ds41_fail(err, "%s: cannot create: %s", opts->dir, strerror(errno));
@@ -216,7 +218,8 @@ int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot
     struct dirent *de;
     while ((de = readdir(d))) {
         size_t len = strlen(de->d_name);
-        if (len != DS41_SNAPSHOT_NAME_LEN + 5 || strcmp(de->d_name + DS41_SNAPSHOT_NAME_LEN, ".snap") != 0) continue;
+        if (len != DS41_SNAPSHOT_NAME_LEN + 5 || strcmp(de->d_name + DS41_SNAPSHOT_NAME_LEN, ".snap") != 0)
+            continue;
         char name[DS41_SNAPSHOT_NAME_LEN + 1];
         memcpy(name, de->d_name, DS41_SNAPSHOT_NAME_LEN);
         name[DS41_SNAPSHOT_NAME_LEN] = 0;
@@ -367,13 +370,15 @@ int ds41_snapshot_store_load(ds41_snapshot_store *st, const char *name, ds41_sna
 }
 
 static void do_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv, size_t kv_len,
-                    const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *out, int *rc, ds41_error *err) {
+                    const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *out, int *rc,
+                    ds41_error *err) {
     ds41_snapshot_entry info = {0};
     ds41_snapshot_store_name(ids, n, info.name);
     char p[PATH_MAX];
     path_of(st, info.name, p, sizeof p);
     uint64_t bytes = 0;
-    *rc = ds41_snapshot_write(p, st->o.model_id, ids, n, kv, kv_len, sampler, sampler_len, &st->o.write, &bytes, err);
+    *rc = ds41_snapshot_write(p, st->o.model_id, ids, n, kv, kv_len, sampler, sampler_len, &st->o.write,
+                              &bytes, err);
     int32_t *copy = *rc == 0 ? malloc(n * sizeof *copy) : NULL;
     if (*rc == 0 && !copy) *rc = ds41_fail(err, "out of memory");
     pthread_mutex_lock(&st->mu);
@@ -395,15 +400,16 @@ static void do_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const
     pthread_mutex_unlock(&st->mu);
 }
 
-int ds41_snapshot_store_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv, size_t kv_len,
-                             const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *entry, ds41_error *err) {
+int ds41_snapshot_store_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv,
+                             size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                             ds41_snapshot_entry *entry, ds41_error *err) {
     int rc;
     do_save(st, ids, n, kv, kv_len, sampler, sampler_len, entry, &rc, err);
     return rc;
 }
 
-int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t n, uint8_t *kv, size_t kv_len,
-                                   ds41_error *err) {
+int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t n, uint8_t *kv,
+                                   size_t kv_len, ds41_error *err) {
     wjob *j = calloc(1, sizeof *j);
     if (!j) {
         free(ids);
@@ -421,8 +427,8 @@ int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t
         free(ids);
         free(kv);
         free(j);
-        return ds41_fail(err, "%s: %llu bytes of snapshots already wait for the disk; this one is dropped", st->dir,
-                         (unsigned long long)MAX_PENDING_BYTES);
+        return ds41_fail(err, "%s: %llu bytes of snapshots already wait for the disk; this one is dropped",
+                         st->dir, (unsigned long long)MAX_PENDING_BYTES);
     }
     st->pending_bytes += kv_len;
     if (st->tail)
@@ -475,4 +481,6 @@ void ds41_snapshot_store_get_stats(ds41_snapshot_store *st, ds41_snapshot_store_
     pthread_mutex_unlock(&st->mu);
 }
 
-const char *ds41_snapshot_store_dir(const ds41_snapshot_store *st) { return st->dir; }
+const char *ds41_snapshot_store_dir(const ds41_snapshot_store *st) {
+    return st->dir;
+}

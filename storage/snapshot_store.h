@@ -10,10 +10,10 @@
  * from each file's head and ids (head_check verified; the payload is not read).  Files named like
  * snapshots that are not valid snapshot heads (truncated, corrupted, another format version) or
  * were made for another model (the model under this name was replaced) are logged and deleted:
- * they could never be restored.  ds41_snapshot_store_match picks the longest snapshot whose ids are a proper prefix of
- * a prompt (a linear scan: one comparison of at most the snapshot's length per snapshot).
- * Loading verifies the whole file (storage/snapshot.h); a file that fails is logged with the
- * reason, dropped from the index and deleted, and the caller falls back to prefill.
+ * they could never be restored.  ds41_snapshot_store_match picks the longest snapshot whose ids are a proper
+ * prefix of a prompt (a linear scan: one comparison of at most the snapshot's length per snapshot). Loading
+ * verifies the whole file (storage/snapshot.h); a file that fails is logged with the reason, dropped from the
+ * index and deleted, and the caller falls back to prefill.
  *
  * Capacity.  max_bytes caps the files' total size: after every save the least recently used
  * snapshots (by last save or load; the file's mtime carries it across restarts) are deleted
@@ -51,21 +51,22 @@ typedef struct ds41_snapshot_store_opts {
 typedef struct ds41_snapshot_entry {
     char name[DS41_SNAPSHOT_NAME_LEN + 1];
     size_t n_ids;
-    uint64_t bytes; /* file size */
+    uint64_t bytes;             /* file size */
     int64_t created, last_used; /* unix seconds */
     bool has_sampler;
 } ds41_snapshot_entry;
 
 typedef struct ds41_snapshot_store_stats {
     uint64_t entries, bytes, max_bytes;
-    uint64_t hits, misses;     /* ds41_snapshot_store_match */
+    uint64_t hits, misses; /* ds41_snapshot_store_match */
     uint64_t loads, load_errors, saves, save_errors, evictions;
     uint64_t restored_tokens; /* ids of successful loads */
 } ds41_snapshot_store_stats;
 
 /* Open (creating the directory), clean temporary files, build the index.  Errors: the directory
  * cannot be created or read, out of memory. */
-int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot_store **out, ds41_error *err);
+int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot_store **out,
+                             ds41_error *err);
 /* Wait for queued writes, stop the writer, free.  NULL is fine. */
 void ds41_snapshot_store_free(ds41_snapshot_store *st);
 
@@ -87,12 +88,13 @@ int ds41_snapshot_store_load(ds41_snapshot_store *st, const char *name, ds41_sna
 
 /* Write a snapshot of ids[0..n) now (replacing one of the same ids), then apply the cap.  *entry
  * (may be NULL) describes it. */
-int ds41_snapshot_store_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv, size_t kv_len,
-                             const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *entry, ds41_error *err);
+int ds41_snapshot_store_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv,
+                             size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                             ds41_snapshot_entry *entry, ds41_error *err);
 
 /* Queue a save; ids and kv (malloc'd) are taken over, also on error (then freed). */
-int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t n, uint8_t *kv, size_t kv_len,
-                                   ds41_error *err);
+int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t n, uint8_t *kv,
+                                   size_t kv_len, ds41_error *err);
 /* Wait until every queued save is written (or failed). */
 void ds41_snapshot_store_flush(ds41_snapshot_store *st);
 

@@ -39,7 +39,8 @@ static int feed(ds41_engine *e, ds41_kv_seq *seq, const int32_t *ids, size_t n, 
 }
 
 /* Sample + accept one token from logits. */
-static int step(ds41_sampler *sm, ds41_sampler_scratch *sc, const float *logits, int32_t *tok, ds41_error *err) {
+static int step(ds41_sampler *sm, ds41_sampler_scratch *sc, const float *logits, int32_t *tok,
+                ds41_error *err) {
     ds41_sample_result r;
     if (ds41_sampler_sample(sm, sc, logits, NV, &r, err) != 0) return -1;
     *tok = (int32_t)r.token;
@@ -116,14 +117,14 @@ static void run_mode(const char *dir, bool reference) {
     ds41_sampler *scs = NULL;
     rc = ds41_kv_seq_deserialize(pool4, snap, len, &c, &err);
     if (rc == 0) rc = ds41_sampler_restore(&scs, ssnap, slen, &err);
-    TAP_CHECK(rc == 0 && ds41_kv_seq_tokens(c) == PROMPT + CUT, "%s: restore into a pool of 4-entry pages (%s)",
-              mode, rc ? err.msg : "ok");
+    TAP_CHECK(rc == 0 && ds41_kv_seq_tokens(c) == PROMPT + CUT,
+              "%s: restore into a pool of 4-entry pages (%s)", mode, rc ? err.msg : "ok");
     if (rc == 0) {
         size_t len2 = ds41_kv_seq_serialized_size(c), w2 = 0;
         uint8_t *snap2 = malloc(len2);
         ds41_kv_seq_serialize(c, snap2, len2, &w2, &err);
-        TAP_CHECK(len2 == len && memcmp(snap, snap2, len) == 0, "%s: the restored sequence serializes to the same bytes",
-                  mode);
+        TAP_CHECK(len2 == len && memcmp(snap, snap2, len) == 0,
+                  "%s: the restored sequence serializes to the same bytes", mode);
         free(snap2);
         bool same = memcmp(tok, ref_tok, CUT * sizeof *tok) == 0;
         int first_diff = -1;
@@ -131,7 +132,8 @@ static void run_mode(const char *dir, bool reference) {
             rc = step(scs, sc, logits, &tok[k], &err);
             if (rc == 0) rc = feed(e, c, &tok[k], 1, logits, &err);
             if (rc == 0 && first_diff < 0 &&
-                (tok[k] != ref_tok[k] || memcmp(logits, ref_logits + (size_t)(k + 1) * NV, NV * sizeof(float)) != 0))
+                (tok[k] != ref_tok[k] ||
+                 memcmp(logits, ref_logits + (size_t)(k + 1) * NV, NV * sizeof(float)) != 0))
                 first_diff = k;
         }
         TAP_CHECK(rc == 0 && same && first_diff < 0,
@@ -164,34 +166,40 @@ static void run_mode(const char *dir, bool reference) {
         ds41_kv_seq *t = NULL;
         ds41_error te = {{0}};
         int r = ds41_kv_seq_deserialize(pool, longer, len + 1, &t, &te);
-        TAP_CHECK(r == -1 && !t && strstr(te.msg, "bytes, the header describes"), "%s: a trailing byte is refused (%s)",
-                  mode, te.msg);
+        TAP_CHECK(r == -1 && !t && strstr(te.msg, "bytes, the header describes"),
+                  "%s: a trailing byte is refused (%s)", mode, te.msg);
         free(longer);
     }
-    TAP_CHECK(mutate_refused(pool, snap, len, 0, 'X', "magic", msg, sizeof msg), "%s: bad magic (%s)", mode, msg);
-    TAP_CHECK(mutate_refused(pool, snap, len, 8, 2, "version 2", msg, sizeof msg), "%s: other version (%s)", mode, msg);
-    TAP_CHECK(mutate_refused(pool, snap, len, 12, 9, "kv sources", msg, sizeof msg), "%s: other source count (%s)",
+    TAP_CHECK(mutate_refused(pool, snap, len, 0, 'X', "magic", msg, sizeof msg), "%s: bad magic (%s)", mode,
+              msg);
+    TAP_CHECK(mutate_refused(pool, snap, len, 8, 2, "version 2", msg, sizeof msg), "%s: other version (%s)",
               mode, msg);
-    TAP_CHECK(mutate_refused(pool, snap, len, 16 + 4 * 4, 9, "window is 9", msg, sizeof msg), "%s: other window (%s)",
-              mode, msg);
+    TAP_CHECK(mutate_refused(pool, snap, len, 12, 9, "kv sources", msg, sizeof msg),
+              "%s: other source count (%s)", mode, msg);
+    TAP_CHECK(mutate_refused(pool, snap, len, 16 + 4 * 4, 9, "window is 9", msg, sizeof msg),
+              "%s: other window (%s)", mode, msg);
     const ds41_kv_layout *l = ds41_kv_pool_layout(pool);
     const size_t tok_off = 16 + 7 * 4 + (size_t)l->n_sources * 4;
-    TAP_CHECK(mutate_refused(pool, snap, len, tok_off, (uint8_t)(snap[tok_off] + 1), "entries", msg, sizeof msg) ||
-                  mutate_refused(pool, snap, len, tok_off, (uint8_t)(snap[tok_off] + 1), "bytes", msg, sizeof msg),
-              "%s: token count inconsistent with the entries (%s)", mode, msg);
+    TAP_CHECK(
+        mutate_refused(pool, snap, len, tok_off, (uint8_t)(snap[tok_off] + 1), "entries", msg, sizeof msg) ||
+            mutate_refused(pool, snap, len, tok_off, (uint8_t)(snap[tok_off] + 1), "bytes", msg, sizeof msg),
+        "%s: token count inconsistent with the entries (%s)", mode, msg);
     TAP_CHECK(mutate_refused(pool, snap, len, tok_off + 7, 0x7F, "beyond any context", msg, sizeof msg),
               "%s: absurd token count (%s)", mode, msg);
     const size_t body = tok_off + 8 + (size_t)l->n_sources * 8;
-    TAP_CHECK(mutate_refused(pool, snap, len, body + l->latent_dim / 2, 0x7F, "latent scale 0 is NaN", msg, sizeof msg),
-              "%s: NaN latent scale (%s)", mode, msg);
-    TAP_CHECK(mutate_refused(pool, snap, len, body + l->latent_bytes + l->index_dim / 2, 0xFF, "index-key scale", msg,
+    TAP_CHECK(mutate_refused(pool, snap, len, body + l->latent_dim / 2, 0x7F, "latent scale 0 is NaN", msg,
                              sizeof msg),
+              "%s: NaN latent scale (%s)", mode, msg);
+    TAP_CHECK(mutate_refused(pool, snap, len, body + l->latent_bytes + l->index_dim / 2, 0xFF,
+                             "index-key scale", msg, sizeof msg),
               "%s: NaN index-key scale (%s)", mode, msg);
     size_t ent_bytes = 0;
-    for (int s = 0; s < l->n_sources; s++) ent_bytes += (PROMPT + CUT) / (size_t)l->source_ratio[s] * l->entry_bytes;
+    for (int s = 0; s < l->n_sources; s++)
+        ent_bytes += (PROMPT + CUT) / (size_t)l->source_ratio[s] * l->entry_bytes;
     const size_t ring_off = body + ent_bytes;
-    TAP_CHECK(mutate_refused(pool, snap, len, ring_off + 3, 0xFF, "ring 0 slot 0: value 3 is NaN", msg, sizeof msg),
-              "%s: NaN ring value (%s)", mode, msg);
+    TAP_CHECK(
+        mutate_refused(pool, snap, len, ring_off + 3, 0xFF, "ring 0 slot 0: value 3 is NaN", msg, sizeof msg),
+        "%s: NaN ring value (%s)", mode, msg);
     const size_t carry_off = ring_off + (size_t)l->n_rings * l->window * l->ring_row_bytes;
     if (l->n_carries > 0) {
         bool ok = mutate_refused(pool, snap, len, carry_off + 3, 0x7F, "carry", msg, sizeof msg);
@@ -208,10 +216,12 @@ static void run_mode(const char *dir, bool reference) {
         TAP_SKIP("%s: no carries in this model", mode);
     }
     const size_t eng_off = len - (8 + 4 * DS41_ENGRAM_MAX_NGRAM);
-    TAP_CHECK(mutate_refused(pool, snap, len, eng_off, (uint8_t)(snap[eng_off] + 1), "Engram history has", msg, sizeof msg),
+    TAP_CHECK(mutate_refused(pool, snap, len, eng_off, (uint8_t)(snap[eng_off] + 1), "Engram history has",
+                             msg, sizeof msg),
               "%s: Engram position count inconsistent (%s)", mode, msg);
-    TAP_CHECK(mutate_refused(pool, snap, len, eng_off + 8 + 3, 0x80, "Engram history slot 0", msg, sizeof msg),
-              "%s: Engram id below DEAD (%s)", mode, msg);
+    TAP_CHECK(
+        mutate_refused(pool, snap, len, eng_off + 8 + 3, 0x80, "Engram history slot 0", msg, sizeof msg),
+        "%s: Engram id below DEAD (%s)", mode, msg);
 
     /* a short sequence: ring slots beyond the tokens must stay empty */
     {
@@ -222,7 +232,8 @@ static void run_mode(const char *dir, bool reference) {
         ds41_kv_seq_serialize(sh, sb2, sl, &sw, &err);
         size_t sbody = tok_off + 8 + (size_t)l->n_sources * 8;
         for (int s = 0; s < l->n_sources; s++) sbody += 3 / (size_t)l->source_ratio[s] * l->entry_bytes;
-        TAP_CHECK(mutate_refused(pool, sb2, sl, sbody + 5 * l->ring_row_bytes, 1, "beyond the tokens", msg, sizeof msg),
+        TAP_CHECK(mutate_refused(pool, sb2, sl, sbody + 5 * l->ring_row_bytes, 1, "beyond the tokens", msg,
+                                 sizeof msg),
                   "%s: a written ring slot beyond the tokens is refused (%s)", mode, msg);
         TAP_CHECK(mutate_refused(pool, sb2, sl, sl - 4, 1, "Engram history slot 7", msg, sizeof msg),
                   "%s: an Engram slot beyond the positions must be zero (%s)", mode, msg);
@@ -238,7 +249,8 @@ static void run_mode(const char *dir, bool reference) {
         int r = small ? ds41_kv_seq_deserialize(small, snap, len, &t, &te) : 0;
         ds41_kv_pool_stats ps = {0};
         if (small) ds41_kv_pool_get_stats(small, &ps);
-        TAP_CHECK(r == -1 && !t && strstr(te.msg, "KV cache full") && ps.pages_in_use == 0 && ps.sequences == 0,
+        TAP_CHECK(r == -1 && !t && strstr(te.msg, "KV cache full") && ps.pages_in_use == 0 &&
+                      ps.sequences == 0,
                   "%s: a pool without room refuses and keeps nothing (%s)", mode, te.msg);
         ds41_kv_pool_free(small);
     }
@@ -274,7 +286,8 @@ int main(void) {
     snprintf(dir, sizeof dir, "%s/tiny", root);
     ds41_error err = {{0}};
     ds41_model_gen_opts mo = {.preset = "tiny", .seed = 3};
-    if (TAP_CHECK(ds41_model_generate(dir, &mo, NULL, &err) == 0, "tiny checkpoint (%s)", err.msg[0] ? err.msg : "ok")) {
+    if (TAP_CHECK(ds41_model_generate(dir, &mo, NULL, &err) == 0, "tiny checkpoint (%s)",
+                  err.msg[0] ? err.msg : "ok")) {
         run_mode(dir, false);
         run_mode(dir, true);
     }

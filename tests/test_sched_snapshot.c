@@ -75,7 +75,8 @@ static bool wait_for(rec *r, size_t deltas, int seconds) {
     return ok;
 }
 
-static int submit(ds41_scheduler *s, const int32_t *ids, size_t n, uint32_t max_tokens, rec *r, uint64_t *id) {
+static int submit(ds41_scheduler *s, const int32_t *ids, size_t n, uint32_t max_tokens, rec *r,
+                  uint64_t *id) {
     ds41_generation_params p = ds41_generation_params_default();
     p.kind = DS41_GENERATION_IDS;
     uint32_t u[1024];
@@ -115,7 +116,8 @@ static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, 
     memcpy(d->ids, ids, d->n_ids * sizeof *ids);
 }
 
-static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached) {
+static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n,
+                                 size_t *n_cached) {
     mem_disk *d = ctx;
     d->restore_calls++;
     *n_cached = 0;
@@ -128,7 +130,10 @@ static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *i
 }
 
 static ds41_sched_config config(mem_disk *d) {
-    ds41_sched_config c = {.max_sequences = 4, .max_batch_tokens = 256, .prefill_chunk = 64, .max_queue = 16,
+    ds41_sched_config c = {.max_sequences = 4,
+                           .max_batch_tokens = 256,
+                           .prefill_chunk = 64,
+                           .max_queue = 16,
                            .prefix_cache = true};
     if (d) c.disk = (ds41_sched_disk){.restore = disk_restore, .evicted = disk_evicted, .ctx = d};
     return c;
@@ -143,15 +148,17 @@ static void test_disk_tier(void) {
     for (int i = 0; i < 60; i++) turn1[i] = 3 + (i * 37) % 700;
     rec r1;
     rec_init(&r1);
-    if (!TAP_CHECK(ds41_scheduler_new(E, &c, &s, &err) == 0, "scheduler with a disk tier (%s)", err.msg)) return;
+    if (!TAP_CHECK(ds41_scheduler_new(E, &c, &s, &err) == 0, "scheduler with a disk tier (%s)", err.msg))
+        return;
     uint64_t id;
     submit(s, turn1, 60, 12, &r1, &id);
     wait_for(&r1, 0, 60);
     ds41_scheduler_free(s, 1000);
-    TAP_CHECK(r1.n_done == 1 && r1.status == DS41_SCHED_DONE && d.evicted_calls == 2 && d.n_ids == 60 + 11,
-              "stopping hands the cached prefixes to the disk tier (%d calls: the prompt less its last token, then "
-              "the conversation of %zu ids: prompt + answer less the last token)",
-              d.evicted_calls, d.n_ids);
+    TAP_CHECK(
+        r1.n_done == 1 && r1.status == DS41_SCHED_DONE && d.evicted_calls == 2 && d.n_ids == 60 + 11,
+        "stopping hands the cached prefixes to the disk tier (%d calls: the prompt less its last token, then "
+        "the conversation of %zu ids: prompt + answer less the last token)",
+        d.evicted_calls, d.n_ids);
 
     /* turn 2 = turn 1 + its answer + new user tokens, on a fresh scheduler with / without the disk */
     int32_t turn2[120];
@@ -175,12 +182,15 @@ static void test_disk_tier(void) {
         wait_for(&b, 0, 60);
         ds41_sched_stats st;
         ds41_scheduler_stats(s, &st);
-        TAP_CHECK(st.disk_hits == 1 && st.disk_cached_tokens == stored, "stats count the disk hit (%llu, %llu tokens)",
-                  (unsigned long long)st.disk_hits, (unsigned long long)st.disk_cached_tokens);
+        TAP_CHECK(st.disk_hits == 1 && st.disk_cached_tokens == stored,
+                  "stats count the disk hit (%llu, %llu tokens)", (unsigned long long)st.disk_hits,
+                  (unsigned long long)st.disk_cached_tokens);
         ds41_scheduler_free(s, 1000);
     }
-    TAP_CHECK(a.n_done == 1 && b.n_done == 1 && a.cached == 0 && b.cached == stored && d.restore_calls == 1 && d.evicted_calls == 4,
-              "a miss of the memory cache restores from the disk tier (cached_tokens %zu of %zu)", b.cached, n2);
+    TAP_CHECK(a.n_done == 1 && b.n_done == 1 && a.cached == 0 && b.cached == stored && d.restore_calls == 1 &&
+                  d.evicted_calls == 4,
+              "a miss of the memory cache restores from the disk tier (cached_tokens %zu of %zu)", b.cached,
+              n2);
     TAP_CHECK(a.n_tokens == 10 && b.n_tokens == 10 && memcmp(a.tokens, b.tokens, sizeof(int32_t) * 10) == 0,
               "the next turn after a restore gives the same tokens as a full prefill");
     free(d.kv);
@@ -217,7 +227,8 @@ static void test_export_import(void) {
     wait_for(&r, 0, 60);
     char cid[32] = "";
     int irc = rc == 0 ? ds41_scheduler_import(s, kv, len, x.ids, x.n_ids, cid, &err) : -1;
-    TAP_CHECK(irc == 0 && cid[0] == 'c', "import puts it into the prefix cache as %s (%s)", cid, irc ? err.msg : "ok");
+    TAP_CHECK(irc == 0 && cid[0] == 'c', "import puts it into the prefix cache as %s (%s)", cid,
+              irc ? err.msg : "ok");
     ds41_sched_export y;
     int erc = ds41_scheduler_export(s, cid, &y, &err);
     TAP_CHECK(erc == 0 && y.n_ids == x.n_ids && !y.sampler && ds41_kv_seq_tokens(y.seq) == y.n_ids,
@@ -240,8 +251,8 @@ static void test_export_import(void) {
         rec_init(&q);
         submit(s, more, x.n_ids + 1, 3, &q, &id);
         wait_for(&q, 0, 60);
-        TAP_CHECK(q.n_done == 1 && q.cached == x.n_ids, "a prompt extending the imported ids is served from it (%zu cached)",
-                  q.cached);
+        TAP_CHECK(q.n_done == 1 && q.cached == x.n_ids,
+                  "a prompt extending the imported ids is served from it (%zu cached)", q.cached);
     }
     free(kv);
     ds41_sched_export_free(&x);

@@ -53,8 +53,8 @@ static void fix_checks(uint8_t *b, size_t len) {
     put64(b + len - 8, ds41_crc64(0, b, len - 8));
 }
 
-static bool refused(const uint8_t *b, size_t len, const uint8_t *model, uint64_t max_raw, const char *want, char *msg,
-                    size_t msg_size) {
+static bool refused(const uint8_t *b, size_t len, const uint8_t *model, uint64_t max_raw, const char *want,
+                    char *msg, size_t msg_size) {
     ds41_snapshot s;
     ds41_error err = {{0}};
     int rc = ds41_snapshot_parse(b, len, "SNAPFILE", model, max_raw, &s, &err);
@@ -96,16 +96,19 @@ static void test_round_trip(void) {
     struct stat st;
     TAP_CHECK(rc == 0 && stat(path, &st) == 0 && (uint64_t)st.st_size == bytes, "write (%llu bytes; %s)",
               (unsigned long long)bytes, rc ? err.msg : "ok");
-    TAP_CHECK(bytes < sizeof KV, "the payload is compressed (%llu < %zu)", (unsigned long long)bytes, sizeof KV);
+    TAP_CHECK(bytes < sizeof KV, "the payload is compressed (%llu < %zu)", (unsigned long long)bytes,
+              sizeof KV);
     ds41_snapshot s;
     rc = ds41_snapshot_read(path, MODEL_A, 1 << 20, &s, &err);
     TAP_CHECK(rc == 0 && s.n_ids == 300 && memcmp(s.ids, IDS, sizeof IDS) == 0 && s.kv_len == sizeof KV &&
-                  memcmp(s.kv, KV, sizeof KV) == 0 && s.sampler_len == sizeof SMP && memcmp(s.sampler, SMP, sizeof SMP) == 0 &&
-                  s.flags == DS41_SNAPSHOT_FLAG_SAMPLER && s.created > 0,
+                  memcmp(s.kv, KV, sizeof KV) == 0 && s.sampler_len == sizeof SMP &&
+                  memcmp(s.sampler, SMP, sizeof SMP) == 0 && s.flags == DS41_SNAPSHOT_FLAG_SAMPLER &&
+                  s.created > 0,
               "read gives back ids, KV state and sampler state (%s)", rc ? err.msg : "ok");
     ds41_snapshot_free(&s);
     rc = ds41_snapshot_read_head(path, MODEL_A, &s, &err);
-    TAP_CHECK(rc == 0 && s.n_ids == 300 && memcmp(s.ids, IDS, sizeof IDS) == 0 && !s.kv && s.kv_len == sizeof KV,
+    TAP_CHECK(rc == 0 && s.n_ids == 300 && memcmp(s.ids, IDS, sizeof IDS) == 0 && !s.kv &&
+                  s.kv_len == sizeof KV,
               "read_head gives the ids without the payload (%s)", rc ? err.msg : "ok");
     ds41_snapshot_free(&s);
     rc = ds41_snapshot_read_head(path, MODEL_B, &s, &err);
@@ -115,7 +118,8 @@ static void test_round_trip(void) {
     TAP_CHECK(rc == -1 && strstr(err.msg, path) && strstr(err.msg, "another model"),
               "read refuses another model's snapshot, naming the file (%s)", err.msg);
     rc = ds41_snapshot_read(path, MODEL_A, sizeof KV, &s, &err);
-    TAP_CHECK(rc == -1 && strstr(err.msg, "exceeds"), "a state larger than the caller's bound is refused (%s)", err.msg);
+    TAP_CHECK(rc == -1 && strstr(err.msg, "exceeds"),
+              "a state larger than the caller's bound is refused (%s)", err.msg);
 
     /* without a sampler */
     char p2[700];
@@ -134,7 +138,8 @@ static void test_round_trip(void) {
               "no ids is refused at write (%s)", err.msg);
     char p3[700];
     snprintf(p3, sizeof p3, "%s/missing-dir/x.snap", ROOT);
-    TAP_CHECK(ds41_snapshot_write(p3, MODEL_A, IDS, 3, KV, 10, NULL, 0, NULL, NULL, &err) == -1 && strstr(err.msg, p3),
+    TAP_CHECK(ds41_snapshot_write(p3, MODEL_A, IDS, 3, KV, 10, NULL, 0, NULL, NULL, &err) == -1 &&
+                  strstr(err.msg, p3),
               "an unwritable place fails naming the file (%s)", err.msg);
     rc = ds41_snapshot_read(p3, MODEL_A, 1 << 20, &s, &err);
     TAP_CHECK(rc == -1 && strstr(err.msg, p3), "a missing file fails naming it (%s)", err.msg);
@@ -151,8 +156,8 @@ static void test_round_trip(void) {
         b[i] ^= (uint8_t)(1u << (i % 8));
         if (!refused(b, len, MODEL_A, 1 << 20, NULL, msg, sizeof msg)) bad = i;
     }
-    TAP_CHECK(bad == SIZE_MAX, "every single-bit flip of the %zu bytes is refused (first accepted: %lld)", len,
-              bad == SIZE_MAX ? -1LL : (long long)bad);
+    TAP_CHECK(bad == SIZE_MAX, "every single-bit flip of the %zu bytes is refused (first accepted: %lld)",
+              len, bad == SIZE_MAX ? -1LL : (long long)bad);
     memcpy(b, file, len);
     b[len / 2] ^= 0x40;
     TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "checksum mismatch (file corrupted)", msg, sizeof msg),
@@ -160,11 +165,14 @@ static void test_round_trip(void) {
     bad = SIZE_MAX;
     for (size_t n = 0; n < len && bad == SIZE_MAX; n++)
         if (!refused(file, n, MODEL_A, 1 << 20, NULL, msg, sizeof msg)) bad = n;
-    TAP_CHECK(bad == SIZE_MAX, "every truncation is refused (first accepted: %lld)", bad == SIZE_MAX ? -1LL : (long long)bad);
-    TAP_CHECK(refused(file, len - 100, MODEL_A, 1 << 20, "truncated", msg, sizeof msg), "truncated file (%s)", msg);
+    TAP_CHECK(bad == SIZE_MAX, "every truncation is refused (first accepted: %lld)",
+              bad == SIZE_MAX ? -1LL : (long long)bad);
+    TAP_CHECK(refused(file, len - 100, MODEL_A, 1 << 20, "truncated", msg, sizeof msg), "truncated file (%s)",
+              msg);
     memcpy(b, file, len);
     b[len] = 0;
-    TAP_CHECK(refused(b, len + 1, MODEL_A, 1 << 20, "trailing data", msg, sizeof msg), "trailing data (%s)", msg);
+    TAP_CHECK(refused(b, len + 1, MODEL_A, 1 << 20, "trailing data", msg, sizeof msg), "trailing data (%s)",
+              msg);
     memcpy(b, file, len);
     b[8] = 2;
     fix_checks(b, len);
@@ -180,14 +188,16 @@ static void test_round_trip(void) {
     memcpy(b, file, len);
     b[96 + 3] = 0x80; /* id 0 >= 2^31 */
     fix_checks(b, len);
-    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "out of range", msg, sizeof msg), "an id beyond int32 (%s)", msg);
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "out of range", msg, sizeof msg), "an id beyond int32 (%s)",
+              msg);
     memcpy(b, file, len);
     put64(b + 56, sizeof KV + 1); /* kv_len no longer matches the frame */
     fix_checks(b, len);
     TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "does not declare", msg, sizeof msg),
               "lengths that disagree with the zstd frame (%s)", msg);
     memcpy(b, file, len);
-    b[96 + 4 * 300 + 60] ^= 0x55; /* inside the zstd frame, checksums fixed: zstd must catch it or the sizes */
+    b[96 + 4 * 300 + 60] ^=
+        0x55; /* inside the zstd frame, checksums fixed: zstd must catch it or the sizes */
     fix_checks(b, len);
     {
         ds41_snapshot s2;
@@ -195,7 +205,8 @@ static void test_round_trip(void) {
         int r = ds41_snapshot_parse(b, len, "SNAPFILE", MODEL_A, 1 << 20, &s2, &e2);
         bool ok = r == -1 ? strstr(e2.msg, "SNAPFILE") != NULL : s2.kv_len == sizeof KV; /* never a crash */
         ds41_snapshot_free(&s2);
-        TAP_CHECK(ok, "a damaged zstd frame behind valid checksums never crashes (%s)", r ? e2.msg : "decoded");
+        TAP_CHECK(ok, "a damaged zstd frame behind valid checksums never crashes (%s)",
+                  r ? e2.msg : "decoded");
     }
     free(b);
     free(file);
@@ -230,7 +241,8 @@ static void test_atomic(void) {
     ds41_snapshot s;
     int rr = ds41_snapshot_read(path, MODEL_A, 1 << 20, &s, &err);
     TAP_CHECK(rc == 0 && tmp_seen && WIFSIGNALED(status) && rr == 0 && s.n_ids == 10,
-              "SIGKILL in the middle of a save leaves the previous snapshot intact (%s)", rr ? err.msg : "ok");
+              "SIGKILL in the middle of a save leaves the previous snapshot intact (%s)",
+              rr ? err.msg : "ok");
     ds41_snapshot_free(&s);
     TAP_CHECK(ds41_snapshot_clean_temp(dir) == 1, "the killed writer's temporary file is cleaned");
     TAP_CHECK(ds41_snapshot_clean_temp(dir) == 0, "and nothing else is removed");
@@ -253,13 +265,13 @@ static void test_model_id(void) {
     if (rc == 0) rc = ds41_snapshot_model_id(a, ia2, &err);
     TAP_CHECK(rc == 0 && memcmp(ia, ia2, 32) == 0 && memcmp(ia, ic, 32) == 0,
               "model identity: stable, equal for identical checkpoints (%s)", rc ? err.msg : "ok");
-    TAP_CHECK(rc == 0 && memcmp(ia, ib, 32) != 0, "model identity differs for checkpoints that differ only in the seed");
+    TAP_CHECK(rc == 0 && memcmp(ia, ib, 32) != 0,
+              "model identity differs for checkpoints that differ only in the seed");
     char missing[800];
     snprintf(missing, sizeof missing, "%s/nope", ROOT);
     TAP_CHECK(ds41_snapshot_model_id(missing, ia, &err) == -1 && strstr(err.msg, "config.json"),
               "a directory without a config fails naming the file (%s)", err.msg);
 }
-
 
 static void collect(void *acc, const ds41_snapshot_entry *e) {
     ds41_snapshot_entry *v = acc;
@@ -305,7 +317,8 @@ static void test_store(void) {
               "store: match finds the longest proper prefix (%zu %zu %zu %zu)", m1, m2, m3, m4);
     ds41_snapshot s;
     rc = ds41_snapshot_store_load(st, e200.name, &s, &err);
-    TAP_CHECK(rc == 0 && s.n_ids == 200 && s.kv_len == 2000 && memcmp(s.kv, KV, 2000) == 0 && s.sampler_len == sizeof SMP,
+    TAP_CHECK(rc == 0 && s.n_ids == 200 && s.kv_len == 2000 && memcmp(s.kv, KV, 2000) == 0 &&
+                  s.sampler_len == sizeof SMP,
               "store: load gives the state back (%s)", rc ? err.msg : "ok");
     ds41_snapshot_free(&s);
     int32_t *ids = malloc(50 * sizeof *ids);
@@ -317,7 +330,8 @@ static void test_store(void) {
     ds41_snapshot_entry v[16];
     TAP_CHECK(rc == 0 && count_entries(st, v) == 3 && ds41_snapshot_store_match(st, IDS, 60, name) == 50,
               "store: an asynchronous save is indexed after flush");
-    TAP_CHECK(ds41_snapshot_store_load(st, "../../etc/passwd", &s, &err) == -1 && strstr(err.msg, "no snapshot"),
+    TAP_CHECK(ds41_snapshot_store_load(st, "../../etc/passwd", &s, &err) == -1 &&
+                  strstr(err.msg, "no snapshot"),
               "store: a malformed name is refused (%s)", err.msg);
     ds41_snapshot_store_free(st);
 
@@ -333,7 +347,8 @@ static void test_store(void) {
     rc = ds41_snapshot_store_open(&o, &st, &err);
     size_t n_after = rc == 0 ? count_entries(st, v) : 0;
     TAP_CHECK(rc == 0 && n_after == 3 && ds41_snapshot_store_match(st, IDS, 250, name) == 200,
-              "store: reopening rebuilds the index from the files, skipping another model's (%zu entries)", n_after);
+              "store: reopening rebuilds the index from the files, skipping another model's (%zu entries)",
+              n_after);
     snprintf(p, sizeof p, "%s/%s.snap", dir, other_name);
     struct stat sb0;
     TAP_CHECK(stat(p, &sb0) != 0, "store: the other model's snapshot is deleted at open");
@@ -354,18 +369,20 @@ static void test_store(void) {
         free(b);
     }
     rc = ds41_snapshot_store_load(st, e200.name, &s, &err);
-    TAP_CHECK(rc == -1 && strstr(err.msg, p) && strstr(err.msg, "checksum") && stat(p, &sb) != 0 &&
-                  ds41_snapshot_store_match(st, IDS, 250, name) == 100,
-              "store: a corrupted snapshot is refused naming the file, deleted, and the next match falls back (%s)",
-              err.msg);
+    TAP_CHECK(
+        rc == -1 && strstr(err.msg, p) && strstr(err.msg, "checksum") && stat(p, &sb) != 0 &&
+            ds41_snapshot_store_match(st, IDS, 250, name) == 100,
+        "store: a corrupted snapshot is refused naming the file, deleted, and the next match falls back (%s)",
+        err.msg);
     snprintf(p, sizeof p, "%s/%s.snap", dir, e100.name);
     truncate(p, 60);
     rc = ds41_snapshot_store_load(st, e100.name, &s, &err);
-    TAP_CHECK(rc == -1 && strstr(err.msg, p) && strstr(err.msg, "truncated"), "store: a truncated snapshot is refused (%s)",
-              err.msg);
+    TAP_CHECK(rc == -1 && strstr(err.msg, p) && strstr(err.msg, "truncated"),
+              "store: a truncated snapshot is refused (%s)", err.msg);
     ds41_snapshot_store_stats ss;
     ds41_snapshot_store_get_stats(st, &ss);
-    TAP_CHECK(ss.load_errors == 2 && ss.entries == 1, "store: statistics count the refused loads (%llu errors, %llu entries)",
+    TAP_CHECK(ss.load_errors == 2 && ss.entries == 1,
+              "store: statistics count the refused loads (%llu errors, %llu entries)",
               (unsigned long long)ss.load_errors, (unsigned long long)ss.entries);
     ds41_snapshot_store_free(st);
 
@@ -402,8 +419,8 @@ static void test_store(void) {
     TAP_CHECK(has_a && !has_b && has_c && ss.bytes <= 2500 && ss.evictions == 1,
               "store: the byte cap evicts the least recently used snapshot (%zu left, %llu bytes)", n,
               (unsigned long long)ss.bytes);
-    TAP_CHECK(ds41_snapshot_store_remove(st, a.name, &err) == 0 && ds41_snapshot_store_remove(st, a.name, &err) == -1 &&
-                  strstr(err.msg, "no snapshot"),
+    TAP_CHECK(ds41_snapshot_store_remove(st, a.name, &err) == 0 &&
+                  ds41_snapshot_store_remove(st, a.name, &err) == -1 && strstr(err.msg, "no snapshot"),
               "store: remove deletes once (%s)", err.msg);
     ds41_snapshot_store_free(st);
 }
