@@ -322,7 +322,12 @@ static void publish(req *r) {
  * the new entry's index, or SIZE_MAX. */
 static size_t disk_restore(ds41_scheduler *s, const int32_t *ids, size_t n_prompt) {
     size_t n_cached = 0;
+    /* Reading and verifying a file takes a while: other threads (submit, stats, listings) go on
+     * meanwhile.  Nothing this thread relies on changes: only the engine thread takes requests
+     * off the queue or runs forward passes, and no cache index is held across the call. */
+    pthread_mutex_unlock(&s->mu);
     ds41_kv_seq *seq = s->cfg.disk.restore(s->cfg.disk.ctx, s->pool, ids, n_prompt, &n_cached);
+    pthread_mutex_lock(&s->mu);
     if (!seq) return SIZE_MAX;
     if (n_cached == 0 || n_cached >= n_prompt || ds41_kv_seq_tokens(seq) != n_cached) {
         slog(s, "disk prefix cache: a restored sequence of %llu tokens does not fit a prefix of %zu",

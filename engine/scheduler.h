@@ -51,9 +51,10 @@
 extern const unsigned ds41_sched_hist_bounds[DS41_SCHED_HIST_BUCKETS - 1]; /* 1 2 4 8 16 32 64 128 256 */
 
 /* The disk tier of the prefix cache (optional; ds41d implements it with storage/snapshot_store.h).
- * Both callbacks run on the engine thread with the scheduler's lock held and no forward pass in
- * flight (so they may allocate from and read the pool); they must not call into the scheduler.
- * Only used with prefix_cache on. */
+ * Both callbacks run with no forward pass in flight (so they may allocate from and read the
+ * pool) and must not call into the scheduler: restore on the engine thread WITHOUT the
+ * scheduler's lock (a file read must not stall submit or stats), evicted with the lock held (keep
+ * it short: copy, do not write).  Only used with prefix_cache on. */
 typedef struct ds41_sched_disk {
     /* A prompt ids[0..n) missed the in-memory prefix cache: return a new sequence of `pool`
      * holding the state after the longest stored proper prefix of it, with that prefix's length
