@@ -521,8 +521,12 @@ static void block_scan(ds41_generation *g) {
                 g->bstate = BS_AFTER_PARAM;
                 continue;
             }
-            size_t h1 = held_suffix(r, n, "<" DSML_PARAM_END), h2 = held_suffix(r, n, "<\n" DSML_PARAM_END);
+            /* hold what may still end the value (a bare "/｜DSML｜ parameter" too: it would end the
+             * parser's chunk without its '<', and the streamer has to see it to stall) */
+            size_t h1 = held_suffix(r, n, "<" DSML_PARAM_END), h2 = held_suffix(r, n, "<\n" DSML_PARAM_END),
+                   h3 = held_suffix(r, n, DSML_PARAM_END);
             size_t hold = h1 > h2 ? h1 : h2;
+            if (h3 > hold) hold = h3;
             value_piece(g, r, n - hold);
             g->block_pos += n - hold;
             return;
