@@ -69,7 +69,8 @@
  * Tool choice (CHAT).  TOOL_CHOICE_AUTO leaves the model free.  REQUIRED and NAMED constrain
  * the output to a DSML tool call: from the start of the content (in thinking mode: after the
  * model's "</think>"; the reasoning stays free, but EOS is masked there) only tokens whose bytes
- * continue the grammar are allowed (their logits are set to -inf before sampling):
+ * continue the grammar are allowed (the others' logits are set to -inf before sampling, so
+ * logprobs describe the masked distribution, as with other guided-decoding servers):
  *     "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"" NAME "\">\n"      NAME: a tool of `tools`
  *                                                                     (NAMED: that one)
  *     then any number of  "<｜DSML｜ parameter name=\"" P "\" string=\"true|false\">" VALUE

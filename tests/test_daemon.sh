@@ -96,10 +96,10 @@ cat >"$work/named.json" <<'EOF'
 {"messages":[{"role":"user","content":"Weather in Paris?"}],
  "tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
  "tool_choice":{"type":"function","function":{"name":"get_weather"}},
- "thinking":{"type":"disabled"}, "max_tokens":60, "seed":7, "temperature":1}
+ "thinking":{"type":"disabled"}, "max_tokens":60, "seed":7, "temperature":1, "logprobs":true, "top_logprobs":3}
 EOF
 code=$(api POST /v1/chat/completions "@$work/named.json")
-check "tool_choice named without forced output: one get_weather call with JSON arguments, finish tool_calls" \
+check "tool_choice named without forced output (with logprobs): one get_weather call with JSON arguments, finish tool_calls" \
     test "$code $(pyj '([(c["function"]["name"], type(json.loads(c["function"]["arguments"])).__name__) for c in o["choices"][0]["message"]["tool_calls"]], o["choices"][0]["finish_reason"])')" = \
     "200 ([('get_weather', 'dict')], 'tool_calls')"
 named_args=$(pyj 'o["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]')
