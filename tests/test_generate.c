@@ -711,11 +711,11 @@ static void test_tool_choice(void) {
     p.max_tokens = 120;
     p.sampler.has_seed = 1;
     bool ok = true, json_ok = true;
-    char bad[1400] = "";
+    char bad[2048] = "";
     for (uint64_t seed = 1; seed <= 6 && ok; seed++) {
         p.sampler.seed = seed;
         run r = run_gen(&p, NULL);
-        json_t *args = r.n_calls ? json_loads(r.call_args[0], 0, NULL) : NULL;
+        json_t *args = r.n_calls ? json_loads(r.call_args[0], JSON_ALLOW_NUL, NULL) : NULL;
         if (!args) json_ok = false;
         json_decref(args);
         if (r.rc != 0 || r.n_calls != 1 || strcmp(r.call_names[0], "get_time") != 0 ||
@@ -812,6 +812,37 @@ static void test_tool_choice(void) {
                   strcmp(r.finish_name, "tool_calls") == 0,
               "tool_choice required with parallel_tool_calls false: one call");
     run_free(&r);
+
+    /* uniform logits (every allowed token equally likely), many seeds and budgets, both modes */
+    ok = true;
+    size_t n_params_seen = 0;
+    for (uint64_t trial = 0; trial < 300 && ok; trial++) {
+        p.tool_choice = trial % 2 ? DS41_GENERATION_TOOL_CHOICE_REQUIRED : DS41_GENERATION_TOOL_CHOICE_NAMED;
+        p.tool_choice_name = trial % 2 ? NULL : "get_weather";
+        p.parallel_tool_calls = trial % 3 != 0;
+        p.max_tokens = (uint32_t)(50 + (trial * 37) % 150);
+        p.sampler.seed = 1000 + trial;
+        run_opts fast = {.no_model = true};
+        r = run_gen(&p, &fast);
+        json_t *args = r.n_calls ? json_loads(r.call_args[0], JSON_ALLOW_NUL, NULL) : NULL;
+        if (args) n_params_seen += json_object_size(args);
+        if (r.rc != 0 || r.n_calls < 1 || !args || strcmp(r.finish_name, "tool_calls") != 0 || r.result_content_len ||
+            (!p.parallel_tool_calls && r.n_calls != 1) || (trial % 2 == 0 && strcmp(r.call_names[0], "get_weather") != 0) ||
+            !streamed_calls_equal_result(&r) || !streamed_equals_result(&r)) {
+            ok = false;
+            snprintf(bad, sizeof bad, "trial %llu: rc %d, %zu calls, finish %s, %zu tokens, content '%.300s', "
+                     "call '%.200s' streamed '%.200s' %s", (unsigned long long)trial, r.rc, r.n_calls, r.finish_name,
+                     r.n_tokens, r.result_content ? r.result_content : "", r.n_calls ? r.call_args[0] : "",
+                     cstr(&r.stream_args[0]), r.err);
+        }
+        json_decref(args);
+        run_free(&r);
+    }
+    TAP_CHECK(ok && n_params_seen > 0,
+              "300 runs over uniform logits (named / required, parallel or not, max_tokens 50..199): always a "
+              "call with JSON-object arguments, finish tool_calls, streamed = parsed (%zu parameters in all) %s",
+              n_params_seen, bad);
+    p.parallel_tool_calls = true;
 
     ds41_error err = {{0}};
     ds41_generation *g = NULL;
