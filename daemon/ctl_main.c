@@ -1,7 +1,9 @@
 /* ds41ctl: control and query ds41d over its Unix socket (see ds41ctl(1)).  Human tables by
  * default, JSON with --json. */
 #include "daemon/ctl_client.h"
+#include "engine/backend.h"
 #include "engine/pyjson.h"
+#include "engine/threadpool.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -49,7 +51,8 @@ static void usage(FILE *f) {
             "  bench                        prefill and decode throughput through the daemon\n"
             "       [--requests N] [--concurrency C] [--prompt-tokens P] [--max-tokens T] [--model M]\n"
             "  doctor [--model DIR]         check this machine: io_uring, O_DIRECT on the model\n"
-            "                               directory, memlock, CPU features, GPU, free memory\n"
+            "                               directory, memlock, CPU features, CPU kernel level and\n"
+            "                               threads, GPU, free memory\n"
             "  metrics                      the daemon's Prometheus metrics\n"
             "--json prints JSON for scripts.  Exit status: 0 ok, 1 failure (including an unreachable\n"
             "daemon), 2 bad usage.\n",
@@ -581,12 +584,16 @@ static bool on_chat_event(void *ctx, const char *data, size_t len) {
                                  "arguments", "");
                 json_object_set_new(s->tool_calls, idx, call);
             }
+            /* streamed as OpenAI does: the name in the first delta, arguments in pieces (any length) */
             json_t *f = json_object_get(tc, "function"), *cf = json_object_get(call, "function");
-            char buf[8192];
-            snprintf(buf, sizeof buf, "%s%s", jstr(cf, "name"), jstr(f, "name"));
-            json_object_set_new(cf, "name", json_string(buf));
-            snprintf(buf, sizeof buf, "%s%s", jstr(cf, "arguments"), jstr(f, "arguments"));
-            json_object_set_new(cf, "arguments", json_string(buf));
+            static const char *const fields[] = {"name", "arguments"};
+            for (int fi = 0; fi < 2; fi++) {
+                ds41_buf joined = {0};
+                ds41_buf_puts(&joined, jstr(cf, fields[fi]));
+                ds41_buf_puts(&joined, jstr(f, fields[fi]));
+                if (!joined.oom) json_object_set_new(cf, fields[fi], json_stringn(joined.data ? joined.data : "", joined.len));
+                ds41_buf_free(&joined);
+            }
         }
         const char *fr = json_string_value(json_object_get(ch, "finish_reason"));
         if (fr) snprintf(s->finish, sizeof s->finish, "%s", fr);
@@ -1137,6 +1144,16 @@ static int cmd_doctor(int argc, char **argv) {
         ds41_buf_printf(&f, "(%ld CPUs)", ncpu);
         dr(&d, "cpu", good ? "ok" : "warn", f.data ? f.data : "");
         ds41_buf_free(&f);
+    }
+
+    /* the fast CPU path this machine gets (engine/backend.h), and its default thread count */
+    {
+        ds41_cpu_level lv = ds41_cpu_level_detect();
+        const char *cap = getenv("DS41_CPU_LEVEL");
+        dr(&d, "backend", lv >= DS41_CPU_AVX2 ? "ok" : "warn",
+           fmt("fast CPU kernels at level %s%s%s%s; %d threads (one per usable CPU; engine.threads overrides)",
+               ds41_cpu_level_name(lv), cap && *cap ? " (DS41_CPU_LEVEL=" : "", cap && *cap ? cap : "",
+               cap && *cap ? ")" : "", ds41_cpu_count()));
     }
 
     /* GPU */

@@ -635,6 +635,7 @@ struct job {
     int refs;
     struct timespec started;
     int tool_index;
+    bool stream; /* tool calls go out as fragments while generated (else whole, at the end) */
     job *next;
 };
 
@@ -684,6 +685,16 @@ static void on_delta(void *ctx, const ds41_generation *g, const ds41_generation_
         ev.n_logprobs = 1;
     }
     if (ev.content_len || ev.reasoning_len || ev.n_logprobs) j->sink.event(j->sink.sink_ctx, &ev);
+    if (j->stream) {
+        for (size_t i = 0; i < d->n_tool_deltas; i++) {
+            const ds41_generation_tool_delta *td = &d->tool_deltas[i];
+            if (td->index > INT_MAX) continue;
+            ds41_gen_event tc = {.type = DS41_GEN_TOOL_CALL, .tool_index = (int)td->index, .tool_name = td->name,
+                                 .arguments = td->arguments, .arguments_len = td->arguments_len};
+            j->sink.event(j->sink.sink_ctx, &tc);
+        }
+        return;
+    }
     for (size_t i = 0; i < d->n_tool_calls; i++) {
         const ds41_chat_tool_call *c = &d->tool_calls[i];
         ds41_gen_event tc = {.type = DS41_GEN_TOOL_CALL, .tool_index = j->tool_index++, .tool_name = c->name,
@@ -728,7 +739,7 @@ static void on_done(void *ctx, const ds41_generation *g, ds41_sched_status statu
 /* ---- request translation ---------------------------------------------------------------------- */
 
 typedef struct gen_inputs {
-    json_t *messages, *tools, *response_format;
+    json_t *messages, *tools, *response_format, *tool_choice;
     ds41_logit_bias *bias;
     uint32_t *ids;
     ds41_token_ids forced;
@@ -739,6 +750,7 @@ static void gen_inputs_free(gen_inputs *in) {
     json_decref(in->messages);
     json_decref(in->tools);
     json_decref(in->response_format);
+    json_decref(in->tool_choice);
     free(in->bias);
     free(in->ids);
     ds41_token_ids_free(&in->forced);
@@ -766,6 +778,14 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
         p->messages = in->messages;
         p->tools = choice_none ? NULL : in->tools;
         p->parse_tool_calls = !choice_none;
+        p->parallel_tool_calls = req->parallel_tool_calls;
+        if (!choice_none && load_json(req->tool_choice_json, "tool_choice", &in->tool_choice, err)) return -1;
+        if (json_is_string(in->tool_choice) && strcmp(json_string_value(in->tool_choice), "required") == 0) {
+            p->tool_choice = DS41_GENERATION_TOOL_CHOICE_REQUIRED;
+        } else if (json_is_object(in->tool_choice)) {
+            p->tool_choice = DS41_GENERATION_TOOL_CHOICE_NAMED;
+            p->tool_choice_name = json_string_value(json_object_get(json_object_get(in->tool_choice, "function"), "name"));
+        }
         p->response_format = in->response_format;
         p->thinking = req->thinking == DS41_THINKING_ENABLED;
         p->reasoning_effort = p->thinking ? req->reasoning_effort : 0;
@@ -841,7 +861,8 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
 static int generation_error(const ds41_error *e, bool chat, ds41_svc_error *err) {
     if (strstr(e->msg, "context"))
         return ds41_svc_fail(err, DS41_SVC_CONTEXT_LENGTH, chat ? "messages" : "prompt", "%s", e->msg);
-    const char *param = strncmp(e->msg, "sampling", 8) == 0  ? "logit_bias"
+    const char *param = strncmp(e->msg, "tool_choice", 11) == 0 ? "tool_choice"
+                        : strncmp(e->msg, "sampling", 8) == 0  ? "logit_bias"
                         : strncmp(e->msg, "stop", 4) == 0     ? "stop"
                         : strncmp(e->msg, "prompt", 6) == 0   ? "prompt"
                                                               : "messages";
@@ -879,6 +900,7 @@ static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
     j->sink = *sink;
     j->logprobs = p.sampler.logprobs != 0;
     j->top_logprobs = (int)p.sampler.top_logprobs;
+    j->stream = req->stream;
     j->refs = 2;
     clock_gettime(CLOCK_MONOTONIC, &j->started);
     snprintf(accept->model, sizeof accept->model, "%s", m->name);

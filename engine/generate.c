@@ -18,6 +18,75 @@ typedef enum split_state {
     SPLIT_DONE,  /* after an EOS text: the parser drops the rest */
 } split_state;
 
+/* The parser's DSML stop strings (REFERENCE §11.7; engine/chat.c reads until them). */
+#define DSML_INVOKE_START "<" DS41_CHAT_DSML " invoke"
+#define DSML_INVOKE_END "</" DS41_CHAT_DSML " invoke"
+#define DSML_PARAM_START "<" DS41_CHAT_DSML " parameter"
+#define DSML_PARAM_END "/" DS41_CHAT_DSML " parameter"
+#define DSML_CALLS_END "</" DS41_CHAT_DSML " calls>"
+
+/* Where the tool-call streamer stands in a block (the parser's steps, see generate.h). */
+typedef enum block_state {
+    BS_CALLS = 0,   /* after "\n\n<｜DSML｜ calls" or an invoke's end: ">\n" + invoke or calls end */
+    BS_HEAD,        /* after "<｜DSML｜ invoke": name="..." up to a parameter or the invoke end */
+    BS_PARAM_HEAD,  /* after "<｜DSML｜ parameter": name="..." string="true|false"> */
+    BS_VALUE,       /* inside a value, streamed up to block_pos */
+    BS_AFTER_PARAM, /* after "/｜DSML｜ parameter": ">\n" + parameter or invoke end */
+    BS_DONE,        /* after "</｜DSML｜ calls>" */
+    BS_STALLED,     /* off the grammar (or a call parallel_tool_calls drops): the final parse decides */
+} block_state;
+
+/* A call streamed so far: its name and the arguments text sent. */
+typedef struct stream_call {
+    char *name;
+    size_t name_len;
+    ds41_buf args;
+} stream_call;
+
+/* One fragment of this step; its text lives in step_frag_text (offsets: the buffer may move). */
+typedef struct frag {
+    size_t index;
+    bool has_name;
+    size_t name_off, name_len;
+    size_t args_off, args_len;
+} frag;
+
+/* The tool-choice constraint (generate.h "Tool choice"), driven by the bytes of each token. */
+typedef enum cstate {
+    CS_OFF = 0,
+    CS_WAIT_THINK, /* thinking mode: free reasoning (no EOS) until "</think>" */
+    CS_LITERAL,    /* one of cands[] must follow */
+    CS_VALUE,      /* a parameter value: free (no EOS) until "</｜DSML｜ parameter>" */
+    CS_EOS_ONLY,   /* after "</｜DSML｜ calls>" */
+} cstate;
+
+typedef enum lit_kind { LIT_START, LIT_NAME, LIT_AFTER_HEAD, LIT_AFTER_PARAM, LIT_AFTER_INVOKE } lit_kind;
+
+typedef struct ctool {
+    char *name;
+    size_t n_props;
+    char **props;
+    int *prop_type; /* 0 not declared, 1 "string", 2 another type */
+} ctool;
+
+typedef struct cand {
+    char *text;
+    size_t len;
+    int next;  /* CS_VALUE, CS_EOS_ONLY or 100 + lit_kind */
+    int arg;   /* LIT_NAME -> AFTER_HEAD: the tool; -> VALUE: the property */
+} cand;
+
+#define VALUE_END "</" DS41_CHAT_DSML " parameter>"
+
+/* What closes the block from a state where it can close (forced when the token budget runs out). */
+enum { CLOSE_VALUE, CLOSE_HEAD, CLOSE_PARAM, CLOSE_INVOKE, N_CLOSES };
+static const char *const CLOSE_TEXT[N_CLOSES] = {
+    VALUE_END "\n" DSML_INVOKE_END ">\n" DSML_CALLS_END,
+    DSML_INVOKE_END ">\n" DSML_CALLS_END,
+    "\n" DSML_INVOKE_END ">\n" DSML_CALLS_END,
+    DSML_CALLS_END,
+};
+
 enum { M_THINK_END, M_TOOL_CALLS, M_EOS, N_MARKERS };
 static const char *const MARKER_TEXT[N_MARKERS] = {DS41_CHAT_THINK_END, TOOL_CALLS_START, DS41_CHAT_EOS};
 
@@ -56,6 +125,41 @@ struct ds41_generation {
     /* this step's text */
     ds41_buf step_reasoning, step_content;
 
+    /* tool-call streaming */
+    bool parallel_tool_calls;
+    block_state bstate;
+    size_t block_pos;  /* absolute position in text the streamer has reached */
+    bool value_string; /* the open value is a string="true" one */
+    size_t n_params;   /* parameters of the open invoke */
+    ds41_buf param_names; /* the open invoke's parameter names, each followed by a NUL */
+    stream_call *calls;
+    size_t n_calls, cap_calls;
+    frag *frags; /* this step's fragments */
+    size_t n_frags, cap_frags;
+    ds41_buf frag_text;
+    ds41_generation_tool_delta *deltas;
+    size_t cap_deltas;
+    bool frag_oom;
+
+    /* tool-choice constraint */
+    cstate cst;
+    lit_kind lit;
+    cand *cands;
+    size_t n_cands;
+    ds41_buf cur;  /* bytes of the current literal so far */
+    ds41_buf tail; /* the last bytes (WAIT_THINK / VALUE end detection) */
+    ctool *ctools;
+    size_t n_ctools;
+    int ctool_cur;     /* the tool of the open invoke */
+    bool *prop_used;   /* per property of ctool_cur */
+    size_t n_invokes;  /* invokes the constraint has opened */
+    int32_t eos_id;    /* -1: none (or ignore_eos) */
+    ds41_token_ids close_ids[N_CLOSES]; /* CLOSE_TEXT[], canonical tokens */
+    uint32_t *cforce;  /* tokens the constraint forces next */
+    size_t n_cforce, cforce_pos;
+    float *masked;     /* n_vocab logits with the constraint applied */
+    uint32_t max_tokens;
+
     ds41_generation_finish finish;
     bool has_result;
     ds41_chat_completion result;
@@ -66,6 +170,7 @@ ds41_generation_params ds41_generation_params_default(void) {
     memset(&p, 0, sizeof p);
     p.kind = DS41_GENERATION_CHAT;
     p.parse_tool_calls = true;
+    p.parallel_tool_calls = true;
     p.sampler = ds41_sampler_params_default();
     return p;
 }
@@ -178,6 +283,606 @@ static int tokenize_prompt(ds41_generation *g, const char *text, size_t len, ds4
     return 0;
 }
 
+/* ---- tool-call streaming ---------------------------------------------------------------------- */
+
+static bool has_prefix(const char *s, size_t n, const char *lit) {
+    size_t l = strlen(lit);
+    return n >= l && memcmp(s, lit, l) == 0;
+}
+
+/* s[0..n) is a proper prefix of lit (may still become it). */
+static bool may_become(const char *s, size_t n, const char *lit) {
+    size_t l = strlen(lit);
+    return n < l && memcmp(s, lit, n) == 0;
+}
+
+static void frag_push(ds41_generation *g, size_t index, const char *name, size_t name_len, const char *args,
+                      size_t args_len) {
+    if (index >= g->n_calls) return;
+    if (!name && !args_len) return;
+    ds41_buf_put(&g->calls[index].args, args, args_len);
+    /* the step's last fragment grows when it holds the same call's arguments (a first fragment
+     * keeps its empty arguments) */
+    if (!name && g->n_frags && g->frags[g->n_frags - 1].index == index && !g->frags[g->n_frags - 1].has_name &&
+        g->frags[g->n_frags - 1].args_off + g->frags[g->n_frags - 1].args_len == g->frag_text.len) {
+        ds41_buf_put(&g->frag_text, args, args_len);
+        g->frags[g->n_frags - 1].args_len += args_len;
+        return;
+    }
+    if (g->n_frags == g->cap_frags) {
+        size_t nc = g->cap_frags ? g->cap_frags * 2 : 8;
+        frag *nf = realloc(g->frags, nc * sizeof *nf);
+        if (!nf) {
+            g->frag_oom = true;
+            return;
+        }
+        g->frags = nf;
+        g->cap_frags = nc;
+    }
+    frag *f = &g->frags[g->n_frags++];
+    f->index = index;
+    f->has_name = name != NULL;
+    f->name_off = g->frag_text.len;
+    f->name_len = name ? name_len : 0;
+    if (name) {
+        ds41_buf_put(&g->frag_text, name, name_len);
+        ds41_buf_putc(&g->frag_text, 0); /* names are NUL-terminated (ds41_gen_event takes C strings) */
+    }
+    f->args_off = g->frag_text.len;
+    f->args_len = args_len;
+    ds41_buf_put(&g->frag_text, args, args_len);
+}
+
+static void frag_args(ds41_generation *g, const char *s, size_t n) {
+    if (g->n_calls) frag_push(g, g->n_calls - 1, NULL, 0, s, n);
+}
+
+/* A new call named name[0..n) ("ns::name" streams its bare name, as the parser splits it). */
+static void call_start(ds41_generation *g, const char *name, size_t n) {
+    const char *sep = memmem(name, n, "::", 2);
+    if (sep) {
+        n -= (size_t)(sep - name) + 2;
+        name = sep + 2;
+    }
+    if (g->n_calls == g->cap_calls) {
+        size_t nc = g->cap_calls ? g->cap_calls * 2 : 4;
+        stream_call *ncs = realloc(g->calls, nc * sizeof *ncs);
+        if (!ncs) {
+            g->frag_oom = true;
+            return;
+        }
+        g->calls = ncs;
+        g->cap_calls = nc;
+    }
+    stream_call *c = &g->calls[g->n_calls];
+    memset(c, 0, sizeof *c);
+    c->name = malloc(n + 1);
+    if (!c->name) {
+        g->frag_oom = true;
+        return;
+    }
+    if (n) memcpy(c->name, name, n);
+    c->name[n] = 0;
+    c->name_len = n;
+    g->n_calls++;
+    frag_push(g, g->n_calls - 1, c->name, n, "", 0);
+}
+
+/* A piece of the open value: JSON-escaped (without quotes) for a string value, raw otherwise. */
+static void value_piece(ds41_generation *g, const char *s, size_t n) {
+    if (!n) return;
+    if (!g->value_string) {
+        frag_args(g, s, n);
+        return;
+    }
+    ds41_buf q = {0};
+    ds41_py_dumps_string(s, n, &q);
+    if (q.oom || q.len < 2) g->frag_oom = true;
+    else frag_args(g, q.data + 1, q.len - 2);
+    ds41_buf_free(&q);
+}
+
+/* Python's \s for one ASCII byte (the streamer stalls on other whitespace: the parser decides). */
+static bool ascii_space(unsigned char c) { return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20); }
+
+/* The longest suffix of s[0..n) that is a proper prefix of lit. */
+static size_t held_suffix(const char *s, size_t n, const char *lit) {
+    size_t l = strlen(lit);
+    for (size_t k = l - 1 < n ? l - 1 : n; k > 0; k--)
+        if (memcmp(s + n - k, lit, k) == 0) return k;
+    return 0;
+}
+
+static bool param_name_seen(const ds41_generation *g, const char *name, size_t n) {
+    size_t pos = 0;
+    while (pos < g->param_names.len) {
+        const char *s = g->param_names.data + pos;
+        size_t l = strlen(s);
+        if (l == n && memcmp(s, name, n) == 0) return true;
+        pos += l + 1;
+    }
+    return false;
+}
+
+/* Stream as much of the block as the text decides (see generate.h "Tool-call streaming"). */
+static void block_scan(ds41_generation *g) {
+    const char *t = g->text.data ? g->text.data : "";
+    const size_t len = g->text.len;
+    for (;;) {
+        const char *r = t + g->block_pos;
+        const size_t n = len - g->block_pos;
+        switch (g->bstate) {
+        case BS_CALLS: {
+            static const char inv[] = ">\n" DSML_INVOKE_START, end[] = ">\n" DSML_CALLS_END;
+            if (has_prefix(r, n, inv)) {
+                g->block_pos += strlen(inv);
+                g->bstate = !g->parallel_tool_calls && g->n_calls > 0 ? BS_STALLED : BS_HEAD;
+                continue;
+            }
+            if (has_prefix(r, n, end)) {
+                g->block_pos += strlen(end);
+                g->bstate = BS_DONE;
+                return;
+            }
+            if (!may_become(r, n, inv) && !may_become(r, n, end)) g->bstate = BS_STALLED;
+            return;
+        }
+        case BS_HEAD: {
+            const char *ps = memmem(r, n, DSML_PARAM_START, strlen(DSML_PARAM_START));
+            const char *ie = memmem(r, n, DSML_INVOKE_END, strlen(DSML_INVOKE_END));
+            if (!ps && !ie) return;
+            bool param = ps && (!ie || ps < ie);
+            size_t cn = (size_t)((param ? ps : ie) - r), i = 0;
+            while (i < cn && ascii_space((unsigned char)r[i])) i++;
+            if (cn - i < 6 || memcmp(r + i, "name=\"", 6) != 0 || (i < cn && (unsigned char)r[i] >= 0x80)) {
+                g->bstate = BS_STALLED;
+                return;
+            }
+            size_t name0 = i + 6, name1 = SIZE_MAX;
+            for (size_t q = name0; q + 3 <= cn; q++) {
+                if (memcmp(r + q, "\">\n", 3) == 0 && (q + 3 == cn || (q + 4 == cn && r[cn - 1] == '\n'))) {
+                    name1 = q;
+                    break;
+                }
+            }
+            if (name1 == SIZE_MAX) {
+                g->bstate = BS_STALLED;
+                return;
+            }
+            call_start(g, r + name0, name1 - name0);
+            g->n_params = 0;
+            g->param_names.len = 0;
+            if (param) {
+                g->block_pos += cn + strlen(DSML_PARAM_START);
+                g->bstate = BS_PARAM_HEAD;
+            } else {
+                frag_args(g, "{}", 2);
+                g->block_pos += cn + strlen(DSML_INVOKE_END);
+                g->bstate = BS_CALLS;
+            }
+            continue;
+        }
+        case BS_PARAM_HEAD: {
+            static const char lead[] = " name=\"", t_lit[] = "\" string=\"true\">", f_lit[] = "\" string=\"false\">";
+            if (!has_prefix(r, n, lead)) {
+                if (!may_become(r, n, lead)) g->bstate = BS_STALLED;
+                return;
+            }
+            const char *pe = memmem(r, n, DSML_PARAM_END, strlen(DSML_PARAM_END));
+            size_t lim = pe ? (size_t)(pe - r) : n, at = SIZE_MAX, lit = 0;
+            bool is_string = false;
+            for (size_t q = 7; q < lim; q++) {
+                if (has_prefix(r + q, lim - q, t_lit)) {
+                    at = q, lit = strlen(t_lit), is_string = true;
+                    break;
+                }
+                if (has_prefix(r + q, lim - q, f_lit)) {
+                    at = q, lit = strlen(f_lit);
+                    break;
+                }
+                if (!pe && (may_become(r + q, n - q, t_lit) || may_become(r + q, n - q, f_lit))) return;
+            }
+            if (at == SIZE_MAX) {
+                if (pe) g->bstate = BS_STALLED;
+                return;
+            }
+            if (param_name_seen(g, r + 7, at - 7) || memchr(r + 7, 0, at - 7)) {
+                g->bstate = BS_STALLED; /* Duplicate parameter name: the parse fails */
+                return;
+            }
+            ds41_buf_put(&g->param_names, r + 7, at - 7);
+            ds41_buf_putc(&g->param_names, 0);
+            ds41_buf head = {0};
+            ds41_buf_puts(&head, g->n_params ? ", " : "{");
+            ds41_py_dumps_string(r + 7, at - 7, &head);
+            ds41_buf_puts(&head, is_string ? ": \"" : ": ");
+            if (head.oom) g->frag_oom = true;
+            else frag_args(g, head.data, head.len);
+            ds41_buf_free(&head);
+            g->n_params++;
+            g->value_string = is_string;
+            g->block_pos += at + lit;
+            g->bstate = BS_VALUE;
+            continue;
+        }
+        case BS_VALUE: {
+            const char *pe = memmem(r, n, DSML_PARAM_END, strlen(DSML_PARAM_END));
+            if (pe) {
+                size_t e = (size_t)(pe - r), ve;
+                if (e >= 1 && r[e - 1] == '<') ve = e - 1;
+                else if (e >= 2 && r[e - 2] == '<' && r[e - 1] == '\n') ve = e - 2;
+                else {
+                    g->bstate = BS_STALLED;
+                    return;
+                }
+                value_piece(g, r, ve);
+                if (g->value_string) frag_args(g, "\"", 1);
+                g->block_pos += e + strlen(DSML_PARAM_END);
+                g->bstate = BS_AFTER_PARAM;
+                continue;
+            }
+            /* hold what may still end the value (a bare "/｜DSML｜ parameter" too: it would end the
+             * parser's chunk without its '<', and the streamer has to see it to stall) */
+            size_t h1 = held_suffix(r, n, "<" DSML_PARAM_END), h2 = held_suffix(r, n, "<\n" DSML_PARAM_END),
+                   h3 = held_suffix(r, n, DSML_PARAM_END);
+            size_t hold = h1 > h2 ? h1 : h2;
+            if (h3 > hold) hold = h3;
+            value_piece(g, r, n - hold);
+            g->block_pos += n - hold;
+            return;
+        }
+        case BS_AFTER_PARAM: {
+            static const char nxt[] = ">\n" DSML_PARAM_START, cl[] = ">\n" DSML_INVOKE_END;
+            if (has_prefix(r, n, nxt)) {
+                g->block_pos += strlen(nxt);
+                g->bstate = BS_PARAM_HEAD;
+                continue;
+            }
+            if (has_prefix(r, n, cl)) {
+                frag_args(g, "}", 1);
+                g->block_pos += strlen(cl);
+                g->bstate = BS_CALLS;
+                continue;
+            }
+            if (!may_become(r, n, nxt) && !may_become(r, n, cl)) g->bstate = BS_STALLED;
+            return;
+        }
+        case BS_DONE:
+        case BS_STALLED: return;
+        }
+    }
+}
+
+/* After the final parse: complete each streamed call and stream the calls not streamed yet, so a
+ * call's fragments add up to its parsed arguments.  A streamed call the parse contradicts (its
+ * block did not parse) gets nothing more. */
+static void stream_reconcile(ds41_generation *g) {
+    const ds41_chat_completion *r = &g->result;
+    for (size_t i = 0; i < r->n_tool_calls; i++) {
+        const ds41_chat_tool_call *c = &r->tool_calls[i];
+        if (i < g->n_calls) {
+            const stream_call *sc = &g->calls[i];
+            if (sc->name_len == c->name_len && memcmp(sc->name, c->name, c->name_len) == 0 &&
+                sc->args.len <= c->arguments_len && (!sc->args.len || memcmp(sc->args.data, c->arguments, sc->args.len) == 0))
+                frag_push(g, i, NULL, 0, c->arguments + sc->args.len, c->arguments_len - sc->args.len);
+            continue;
+        }
+        if (i != g->n_calls) break; /* a call before it was missed (out of memory) */
+        call_start(g, c->name, c->name_len);
+        if (g->n_calls == i + 1) frag_push(g, i, NULL, 0, c->arguments, c->arguments_len);
+    }
+}
+
+/* ---- the tool-choice constraint --------------------------------------------------------------- */
+
+static void ctools_free(ds41_generation *g) {
+    for (size_t i = 0; i < g->n_ctools; i++) {
+        free(g->ctools[i].name);
+        for (size_t k = 0; k < g->ctools[i].n_props; k++) free(g->ctools[i].props[k]);
+        free(g->ctools[i].props);
+        free(g->ctools[i].prop_type);
+    }
+    free(g->ctools);
+    g->ctools = NULL;
+    g->n_ctools = 0;
+}
+
+static void cands_clear(ds41_generation *g) {
+    for (size_t i = 0; i < g->n_cands; i++) free(g->cands[i].text);
+    g->n_cands = 0;
+}
+
+static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *b, const char *c, int next, int arg) {
+    if (g->n_cands >= cap) return false;
+    ds41_buf t = {0};
+    ds41_buf_puts(&t, a);
+    ds41_buf_puts(&t, b);
+    ds41_buf_puts(&t, c);
+    if (t.oom) {
+        ds41_buf_free(&t);
+        return false;
+    }
+    size_t len;
+    char *text = ds41_buf_take(&t, &len);
+    if (!text) return false;
+    g->cands[g->n_cands++] = (cand){.text = text, .len = len, .next = next, .arg = arg};
+    return true;
+}
+
+/* Enter a literal state: the candidates that may follow. */
+static void constraint_literal(ds41_generation *g, lit_kind kind) {
+    cands_clear(g);
+    g->cur.len = 0;
+    g->lit = kind;
+    g->cst = CS_LITERAL;
+    size_t cap = 2;
+    if (kind == LIT_NAME) cap = g->n_ctools;
+    if (kind == LIT_AFTER_HEAD || kind == LIT_AFTER_PARAM) cap = 1 + 2 * (g->ctool_cur >= 0 ? g->ctools[g->ctool_cur].n_props : 0);
+    free(g->cands);
+    g->cands = calloc(cap ? cap : 1, sizeof *g->cands);
+    bool ok = g->cands != NULL;
+    switch (kind) {
+    case LIT_START:
+        ok = ok && cand_add(g, cap, "\n\n<" DS41_CHAT_DSML " calls>\n", DSML_INVOKE_START, " name=\"", 100 + LIT_NAME, 0);
+        break;
+    case LIT_NAME:
+        for (size_t i = 0; ok && i < g->n_ctools; i++) ok = cand_add(g, cap, g->ctools[i].name, "\">\n", "", 100 + LIT_AFTER_HEAD, (int)i);
+        break;
+    case LIT_AFTER_HEAD:
+    case LIT_AFTER_PARAM: {
+        const char *lead = kind == LIT_AFTER_PARAM ? "\n" : "";
+        const ctool *ct = &g->ctools[g->ctool_cur];
+        for (size_t k = 0; ok && k < ct->n_props; k++) {
+            if (g->prop_used[k]) continue;
+            ds41_buf pre = {0};
+            ds41_buf_puts(&pre, lead);
+            ds41_buf_puts(&pre, DSML_PARAM_START " name=\"");
+            ds41_buf_puts(&pre, ct->props[k]);
+            ds41_buf_putc(&pre, 0);
+            if (pre.oom) ok = false;
+            if (ok && ct->prop_type[k] != 2) ok = cand_add(g, cap, pre.data, "\" string=\"true\">", "", CS_VALUE, (int)k);
+            if (ok && ct->prop_type[k] != 1) ok = cand_add(g, cap, pre.data, "\" string=\"false\">", "", CS_VALUE, (int)k);
+            ds41_buf_free(&pre);
+        }
+        ok = ok && cand_add(g, cap, lead, DSML_INVOKE_END ">\n", "", 100 + LIT_AFTER_INVOKE, 0);
+        break;
+    }
+    case LIT_AFTER_INVOKE:
+        ok = ok && cand_add(g, cap, DSML_CALLS_END, "", "", CS_EOS_ONLY, 0);
+        if (g->parallel_tool_calls) ok = ok && cand_add(g, cap, DSML_INVOKE_START, " name=\"", "", 100 + LIT_NAME, 0);
+        break;
+    }
+    if (!ok) {
+        g->cst = CS_OFF; /* out of memory: the model goes free rather than the request failing */
+        return;
+    }
+    if (g->n_cands == 1 && g->cforce_pos >= g->n_cforce) {
+        /* No choice: its canonical tokens (the model's own tokenization, and the fewest). */
+        ds41_token_ids ids = {0};
+        ds41_error e;
+        bool fits = ds41_tokenizer_encode(g->tok, g->cands[0].text, g->cands[0].len, &ids, &e) == 0 && ids.n > 0;
+        for (size_t i = 0; fits && i < ids.n; i++) fits = ids.ids[i] < g->n_vocab;
+        uint32_t *f = fits ? malloc(ids.n * sizeof *f) : NULL;
+        if (f) {
+            memcpy(f, ids.ids, ids.n * sizeof *f);
+            free(g->cforce);
+            g->cforce = f;
+            g->n_cforce = ids.n;
+            g->cforce_pos = 0;
+        }
+        ds41_token_ids_free(&ids);
+    }
+}
+
+/* One generated byte through the constraint. */
+static void constraint_byte(ds41_generation *g, char c) {
+    switch (g->cst) {
+    case CS_OFF: return;
+    case CS_WAIT_THINK:
+    case CS_VALUE: {
+        const char *end = g->cst == CS_WAIT_THINK ? DS41_CHAT_THINK_END : VALUE_END;
+        size_t el = strlen(end);
+        ds41_buf_putc(&g->tail, c);
+        if (g->tail.len > el) {
+            memmove(g->tail.data, g->tail.data + g->tail.len - el, el);
+            g->tail.len = el;
+        }
+        if (g->tail.len == el && memcmp(g->tail.data, end, el) == 0) {
+            g->tail.len = 0;
+            constraint_literal(g, g->cst == CS_WAIT_THINK ? LIT_START : LIT_AFTER_PARAM);
+        }
+        return;
+    }
+    case CS_LITERAL: {
+        ds41_buf_putc(&g->cur, c);
+        if (g->cur.oom) {
+            g->cst = CS_OFF;
+            return;
+        }
+        bool alive = false;
+        for (size_t i = 0; i < g->n_cands; i++) {
+            const cand *k = &g->cands[i];
+            if (k->len < g->cur.len || memcmp(k->text, g->cur.data, g->cur.len) != 0) continue;
+            alive = true;
+            if (k->len != g->cur.len) continue;
+            int next = k->next, arg = k->arg;
+            if (next == CS_VALUE) {
+                g->prop_used[arg] = true;
+                g->tail.len = 0;
+                g->cst = CS_VALUE;
+            } else if (next == CS_EOS_ONLY) {
+                g->cst = g->eos_id >= 0 ? CS_EOS_ONLY : CS_OFF;
+            } else {
+                lit_kind lk = (lit_kind)(next - 100);
+                if (lk == LIT_AFTER_HEAD) {
+                    g->ctool_cur = arg;
+                    free(g->prop_used);
+                    g->prop_used = calloc(g->ctools[arg].n_props + 1, sizeof *g->prop_used);
+                    g->n_invokes++;
+                    if (!g->prop_used) {
+                        g->cst = CS_OFF;
+                        return;
+                    }
+                }
+                constraint_literal(g, lk);
+            }
+            return;
+        }
+        if (!alive) g->cst = CS_OFF; /* forced output left the grammar */
+        return;
+    }
+    case CS_EOS_ONLY: g->cst = CS_OFF; return;
+    }
+}
+
+/* The logits the sampler sees under the constraint (or logits itself when it does not apply). */
+static const float *constraint_logits(ds41_generation *g, const float *logits) {
+    if (g->cst == CS_OFF) return logits;
+    if (!g->masked) {
+        g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
+        if (!g->masked) return logits;
+    }
+    float *m = g->masked;
+    if (g->cst == CS_LITERAL) {
+        bool any = false;
+        for (uint32_t t = 0; t < g->n_vocab; t++) {
+            size_t bl = 0;
+            const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, t, &bl);
+            bool ok = false;
+            for (size_t i = 0; b && bl && !ok && i < g->n_cands; i++) {
+                const cand *k = &g->cands[i];
+                ok = g->cur.len + bl <= k->len && memcmp(k->text, g->cur.data, g->cur.len) == 0 &&
+                     memcmp(k->text + g->cur.len, b, bl) == 0;
+            }
+            m[t] = ok ? logits[t] : -INFINITY;
+            if (ok && logits[t] > -INFINITY) any = true;
+        }
+        if (!any) {
+            g->cst = CS_OFF; /* no token of this vocabulary continues the grammar */
+            return logits;
+        }
+        return m;
+    }
+    if (g->cst == CS_EOS_ONLY) {
+        if (g->eos_id < 0 || !(logits[g->eos_id] > -INFINITY)) return logits;
+        for (uint32_t t = 0; t < g->n_vocab; t++) m[t] = -INFINITY;
+        m[g->eos_id] = logits[g->eos_id];
+        return m;
+    }
+    /* WAIT_THINK, VALUE: everything but EOS */
+    memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
+    if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
+    for (uint32_t t = 0; t < g->n_vocab; t++)
+        if (m[t] > -INFINITY) return m;
+    return logits;
+}
+
+/* The longest name candidate + '">\n' (bytes: a model may spend a token per byte). */
+static size_t longest_name(const ds41_generation *g) {
+    size_t m = 0;
+    for (size_t i = 0; i < g->n_ctools; i++) {
+        size_t l = strlen(g->ctools[i].name) + 3;
+        if (l > m) m = l;
+    }
+    return m;
+}
+
+/* Where the block can close (a value, or the start of a literal after a head, a parameter or an
+ * invoke): when the token budget (max_tokens, the context) would no longer hold the canonical
+ * close and an EOS plus the worst case of any choice the model may make there (a token per byte
+ * of its literal, up to the next such point), force the close. */
+static void constraint_budget(ds41_generation *g) {
+    if (g->cforce_pos < g->n_cforce) return;
+    int which;
+    size_t reserve = 0;
+    if (g->cst == CS_VALUE) {
+        which = CLOSE_VALUE;
+    } else if (g->cst == CS_LITERAL && g->cur.len == 0 &&
+               (g->lit == LIT_AFTER_HEAD || g->lit == LIT_AFTER_PARAM || g->lit == LIT_AFTER_INVOKE)) {
+        which = g->lit == LIT_AFTER_HEAD ? CLOSE_HEAD : g->lit == LIT_AFTER_PARAM ? CLOSE_PARAM : CLOSE_INVOKE;
+        for (size_t i = 0; i < g->n_cands; i++) {
+            const cand *k = &g->cands[i];
+            size_t r = 0;
+            if (k->next == CS_VALUE) r = k->len + g->close_ids[CLOSE_VALUE].n + 1;
+            else if (k->next == 100 + LIT_NAME) r = k->len + longest_name(g) + g->close_ids[CLOSE_HEAD].n + 1;
+            else if (k->next == 100 + LIT_AFTER_INVOKE) r = k->len + strlen(DSML_CALLS_END) + 1;
+            else r = k->len + 1; /* the calls end, then EOS */
+            if (r > reserve) reserve = r;
+        }
+    } else {
+        return;
+    }
+    const ds41_token_ids *close = &g->close_ids[which];
+    if (!close->n) return;
+    size_t gen = g->n_tokens - g->n_prompt; /* generated before this step */
+    size_t left = SIZE_MAX;
+    if (g->max_tokens) left = g->max_tokens > gen ? g->max_tokens - gen : 0;
+    if (g->max_context) {
+        size_t c = g->max_context > g->n_tokens ? g->max_context - g->n_tokens : 0;
+        if (c < left) left = c;
+    }
+    size_t need = close->n + (g->eos_id >= 0 ? 1 : 0);
+    if (left > need + reserve) return;
+    free(g->cforce);
+    g->cforce = malloc(need * sizeof *g->cforce);
+    if (!g->cforce) {
+        g->n_cforce = g->cforce_pos = 0;
+        return;
+    }
+    memcpy(g->cforce, close->ids, close->n * sizeof *g->cforce);
+    if (g->eos_id >= 0) g->cforce[close->n] = (uint32_t)g->eos_id;
+    g->n_cforce = need;
+    g->cforce_pos = 0;
+}
+
+/* The tools the constraint may call, from the request's tools array. */
+static int constraint_setup(ds41_generation *g, const ds41_generation_params *p, ds41_error *err) {
+    const char *what = p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED ? "tool_choice" : "tool_choice 'required'";
+    size_t n = json_is_array(p->tools) ? json_array_size(p->tools) : 0;
+    if (n == 0) return ds41_fail(err, "%s: no tools", what);
+    if (p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED && !p->tool_choice_name)
+        return ds41_fail(err, "tool_choice: no function name");
+    g->ctools = calloc(n, sizeof *g->ctools);
+    if (!g->ctools) return oom(err);
+    for (size_t i = 0; i < n; i++) {
+        const json_t *fn = json_object_get(json_array_get(p->tools, i), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        if (!name || !*name || strchr(name, '"')) continue;
+        if (p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED && strcmp(name, p->tool_choice_name) != 0) continue;
+        ctool *ct = &g->ctools[g->n_ctools++];
+        ct->name = strdup(name);
+        if (!ct->name) return oom(err);
+        const json_t *props = json_object_get(json_object_get(fn, "parameters"), "properties");
+        size_t np = json_is_object(props) ? json_object_size(props) : 0;
+        ct->props = calloc(np + 1, sizeof *ct->props);
+        ct->prop_type = calloc(np + 1, sizeof *ct->prop_type);
+        if (!ct->props || !ct->prop_type) return oom(err);
+        const char *key;
+        const json_t *schema;
+        json_object_foreach((json_t *)props, key, schema) {
+            if (!*key || strchr(key, '"') || strchr(key, '<')) continue; /* not writable in the grammar */
+            const char *type = json_string_value(json_object_get(schema, "type"));
+            ct->props[ct->n_props] = strdup(key);
+            if (!ct->props[ct->n_props]) return oom(err);
+            ct->prop_type[ct->n_props++] = !type ? 0 : strcmp(type, "string") == 0 ? 1 : 2;
+        }
+    }
+    if (g->n_ctools == 0)
+        return p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED
+                   ? ds41_fail(err, "tool_choice: function '%s' is not among the tools", p->tool_choice_name)
+                   : ds41_fail(err, "%s: no usable tools", what);
+    for (int c = 0; c < N_CLOSES; c++) {
+        if (ds41_tokenizer_encode(g->tok, CLOSE_TEXT[c], strlen(CLOSE_TEXT[c]), &g->close_ids[c], err) != 0)
+            return ds41_error_prefix(err, "tool_choice");
+        for (size_t i = 0; i < g->close_ids[c].n; i++)
+            if (g->close_ids[c].ids[i] >= g->n_vocab) g->close_ids[c].n = 0; /* cannot force it: no budget close */
+    }
+    g->ctool_cur = -1;
+    if (g->parse_mode == DS41_CHAT_MODE_THINKING) g->cst = CS_WAIT_THINK;
+    else constraint_literal(g, LIT_START);
+    return 0;
+}
+
 /* ---- setup --------------------------------------------------------------------------------- */
 
 int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params *p, uint32_t n_vocab,
@@ -193,6 +898,8 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
     g->kind = p->kind;
     g->max_context = p->max_context;
     g->parse_tool_calls = p->kind == DS41_GENERATION_CHAT && p->parse_tool_calls;
+    g->parallel_tool_calls = p->parallel_tool_calls;
+    g->max_tokens = p->max_tokens;
 
     bool prefix = false;
     switch (p->kind) {
@@ -284,6 +991,7 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
         uint32_t eos_ids[1];
         uint32_t n_eos = 0;
         if (!p->ignore_eos && eos >= 0 && (uint32_t)eos < n_vocab) eos_ids[n_eos++] = (uint32_t)eos;
+        g->eos_id = n_eos ? (int32_t)eos_ids[0] : -1;
         if (ds41_gen_limits_init(&g->limits, p->max_tokens, eos_ids, n_eos, p->stop_ids, p->n_stop_ids, err) != 0)
             goto fail;
     }
@@ -334,6 +1042,9 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
         }
         g->n_forced = p->n_forced;
     }
+    if (g->parse_tool_calls && p->tool_choice != DS41_GENERATION_TOOL_CHOICE_AUTO &&
+        constraint_setup(g, p, err) != 0)
+        goto fail;
     *out = g;
     return 0;
 fail:
@@ -355,6 +1066,24 @@ void ds41_generation_free(ds41_generation *g) {
     ds41_buf_free(&g->all_reasoning);
     ds41_buf_free(&g->all_content);
     if (g->has_result) ds41_chat_completion_free(&g->result);
+    for (size_t i = 0; i < g->n_calls; i++) {
+        free(g->calls[i].name);
+        ds41_buf_free(&g->calls[i].args);
+    }
+    free(g->calls);
+    free(g->frags);
+    ds41_buf_free(&g->frag_text);
+    free(g->deltas);
+    ds41_buf_free(&g->param_names);
+    cands_clear(g);
+    free(g->cands);
+    ds41_buf_free(&g->cur);
+    ds41_buf_free(&g->tail);
+    ctools_free(g);
+    free(g->prop_used);
+    for (int i = 0; i < N_CLOSES; i++) ds41_token_ids_free(&g->close_ids[i]);
+    free(g->cforce);
+    free(g->masked);
     free(g);
 }
 
@@ -458,6 +1187,10 @@ static void split_advance(ds41_generation *g, bool final) {
         g->split_pos = len;
         return;
     }
+    if (g->state == SPLIT_BLOCK) {
+        block_scan(g);
+        return;
+    }
     while (g->state == SPLIT_REASONING || g->state == SPLIT_CONTENT) {
         size_t best = SIZE_MAX;
         int which = -1;
@@ -496,6 +1229,10 @@ static void split_advance(ds41_generation *g, bool final) {
             g->state = SPLIT_CONTENT;
         } else if (which == M_TOOL_CALLS) {
             g->state = SPLIT_BLOCK;
+            g->bstate = BS_CALLS;
+            g->block_pos = best + strlen(TOOL_CALLS_START);
+            block_scan(g);
+            return;
         } else {
             g->state = SPLIT_DONE;
         }
@@ -564,6 +1301,16 @@ static int finalize(ds41_generation *g, ds41_error *err) {
     ds41_buf_free(&parse_in);
     if (rc != 0) return oom(err);
     g->has_result = true;
+    if (!g->parallel_tool_calls && g->result.n_tool_calls > 1) {
+        /* parallel_tool_calls false: the first call only */
+        for (size_t i = 1; i < g->result.n_tool_calls; i++) {
+            free(g->result.tool_calls[i].name);
+            free(g->result.tool_calls[i].tool_namespace);
+            free(g->result.tool_calls[i].arguments);
+        }
+        g->result.n_tool_calls = 1;
+    }
+    stream_reconcile(g);
     emit_rest(g, SPLIT_REASONING, g->result.reasoning_content, g->result.reasoning_content_len);
     emit_rest(g, SPLIT_CONTENT, g->result.content, g->result.content_len);
     g->state = SPLIT_DONE;
@@ -577,6 +1324,8 @@ static void step_reset(ds41_generation *g, ds41_generation_delta *out) {
     g->step_content.len = 0;
     if (g->step_reasoning.data) g->step_reasoning.data[0] = 0;
     if (g->step_content.data) g->step_content.data[0] = 0;
+    g->n_frags = 0;
+    g->frag_text.len = 0;
     memset(out, 0, sizeof *out);
 }
 
@@ -591,6 +1340,31 @@ static void step_fill(ds41_generation *g, ds41_generation_delta *out) {
         out->tool_calls = g->result.tool_calls;
         out->n_tool_calls = g->result.n_tool_calls;
     }
+    if (g->n_frags && g->n_frags <= g->cap_deltas) {
+        for (size_t i = 0; i < g->n_frags; i++) {
+            const frag *f = &g->frags[i];
+            g->deltas[i] = (ds41_generation_tool_delta){
+                .index = f->index,
+                .name = f->has_name ? g->frag_text.data + f->name_off : NULL,
+                .name_len = f->name_len,
+                .arguments = f->args_len ? g->frag_text.data + f->args_off : "",
+                .arguments_len = f->args_len,
+            };
+        }
+        out->tool_deltas = g->deltas;
+        out->n_tool_deltas = g->n_frags;
+    }
+}
+
+/* Room for this step's tool deltas (before step_fill, which cannot fail). */
+static int deltas_reserve(ds41_generation *g) {
+    if (g->frag_oom || g->frag_text.oom) return -1;
+    if (g->n_frags <= g->cap_deltas) return 0;
+    ds41_generation_tool_delta *nd = realloc(g->deltas, g->n_frags * sizeof *nd);
+    if (!nd) return -1;
+    g->deltas = nd;
+    g->cap_deltas = g->n_frags;
+    return 0;
 }
 
 /* log_softmax(logits)[token] in double precision (forced tokens' logprob). */
@@ -616,10 +1390,14 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
     g->n_tokens--;
 
     ds41_sample_result res;
-    if (ds41_sampler_sample(g->sampler, scratch, logits, g->n_vocab, &res, err) != 0) return -1;
     size_t gen_index = g->n_tokens - g->n_prompt;
-    if (gen_index < g->n_forced) {
-        uint32_t forced = g->forced[gen_index];
+    bool test_forced = gen_index < g->n_forced;
+    if (!test_forced) constraint_budget(g);
+    bool c_forced = !test_forced && g->cst != CS_OFF && g->cforce_pos < g->n_cforce;
+    const float *use = test_forced || c_forced ? logits : constraint_logits(g, logits);
+    if (ds41_sampler_sample(g->sampler, scratch, use, g->n_vocab, &res, err) != 0) return -1;
+    if (test_forced || c_forced) {
+        uint32_t forced = test_forced ? g->forced[gen_index] : g->cforce[g->cforce_pos++];
         if (res.token != forced) {
             res.token = forced;
             if (!isnan(res.logprob)) res.logprob = raw_logprob(logits, g->n_vocab, forced);
@@ -639,6 +1417,11 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
         out->emitted = true;
         const char *piece;
         size_t piece_len;
+        if (g->cst != CS_OFF) {
+            size_t bl = 0;
+            const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, token, &bl);
+            for (size_t i = 0; b && i < bl; i++) constraint_byte(g, (char)b[i]);
+        }
         if (ds41_detok_push(g->detok, token, &piece, &piece_len) != 0) return oom(err);
         ds41_stop_output so;
         if (ds41_stop_matcher_feed(g->stop, piece, piece_len, &so, err) != 0) return -1;
@@ -658,7 +1441,9 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
     }
     split_advance(g, false);
     if (g->finish != DS41_GENERATION_RUNNING && finalize(g, err) != 0) return -1;
-    if (g->step_reasoning.oom || g->step_content.oom || g->all_reasoning.oom || g->all_content.oom) return oom(err);
+    if (g->step_reasoning.oom || g->step_content.oom || g->all_reasoning.oom || g->all_content.oom ||
+        deltas_reserve(g) != 0)
+        return oom(err);
     step_fill(g, out);
     return 0;
 }
@@ -671,7 +1456,7 @@ int ds41_generation_abort(ds41_generation *g, ds41_generation_delta *out, ds41_e
         g->finish = DS41_GENERATION_ABORTED;
         split_advance(g, false);
         if (finalize(g, err) != 0) return -1;
-        if (g->step_reasoning.oom || g->step_content.oom) return oom(err);
+        if (g->step_reasoning.oom || g->step_content.oom || deltas_reserve(g) != 0) return oom(err);
         step_fill(g, out);
         return 0;
     }

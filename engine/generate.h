@@ -41,16 +41,52 @@
  *   - thinking mode: reasoning until the first of "</think>", a tool-call block
  *     ("\n\n<｜DSML｜ calls") or an EOS text; "</think>" itself is dropped;
  *   - then content until the first of an EOS text or a tool-call block;
- *   - a tool-call block is held back whole until generation ends: DSML is only decided on the
- *     complete text (a malformed or cut-off block becomes content, never a half-written call),
- *     so tool calls arrive in the final step, one ds41_chat_tool_call each, after any rest of the
- *     content.
+ *   - a tool-call block never reaches reasoning or content while it is generated: it is
+ *     streamed as tool-call fragments (tool_deltas, below) and decided on the complete text at
+ *     the end (a malformed or cut-off block becomes content, as the lenient parser has it).
  * Text that might be the beginning of one of those markers is held back until it is decided.
  * When generation ends, T (plus the EOS text when it ended on EOS) is parsed with the strict
  * parser, falling back to the lenient one; the final step delivers whatever of that parse's
  * reasoning_content and content was not streamed yet, and its tool calls.  So the concatenation
  * of every step's reasoning (content) equals the final message's reasoning_content (content),
  * byte for byte, however the text was cut into tokens.
+ *
+ * Tool-call streaming.  While a block is generated it is scanned with the strict parser's rules
+ * (REFERENCE §11.7) and streamed, the way OpenAI and vLLM stream tool calls: a call's first
+ * fragment carries its index and bare name with empty arguments, as soon as its invoke line is
+ * complete; later fragments carry pieces of its arguments JSON text, written the way the parser
+ * writes them ({"key": "string value", "key2": raw}), a string parameter's value piece by piece
+ * as it is generated (text that may still become "</｜DSML｜ parameter>" is held back), a raw
+ * (string="false") value likewise, the closing brace when the invoke closes.  When the block
+ * deviates from the grammar the scanner stops there.  The final step completes every streamed
+ * call (the rest of its arguments) and streams the calls not streamed yet, from the final parse,
+ * so the concatenation of a call's fragments equals that call's arguments in the parsed message,
+ * which is the same as without streaming.  Only when the final parse keeps no call at all (a
+ * block cut off by max_tokens / a stop / an abort, or malformed further on) do fragments already
+ * sent describe a call the parsed message lacks (a streaming server cannot take them back; its
+ * finish_reason is then "length" / "stop", not "tool_calls", and the block's text is content).
+ *
+ * Tool choice (CHAT).  TOOL_CHOICE_AUTO leaves the model free.  REQUIRED and NAMED constrain
+ * the output to a DSML tool call: from the start of the content (in thinking mode: after the
+ * model's "</think>"; the reasoning stays free, but EOS is masked there) only tokens whose bytes
+ * continue the grammar are allowed (the others' logits are set to -inf before sampling, so
+ * logprobs describe the masked distribution, as with other guided-decoding servers):
+ *     "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"" NAME "\">\n"      NAME: a tool of `tools`
+ *                                                                     (NAMED: that one)
+ *     then any number of  "<｜DSML｜ parameter name=\"" P "\" string=\"true|false\">" VALUE
+ *                         "</｜DSML｜ parameter>\n"    P: a property of the tool's parameters
+ *                         schema not used yet; string="true" for "type": "string", "false" for
+ *                         other declared types, either when none is declared; VALUE is free
+ *     then "</｜DSML｜ invoke>\n", then (parallel_tool_calls) another invoke or
+ *     "</｜DSML｜ calls>", then only EOS.
+ * A value is the model's own text; when the token budget (max_tokens, the context) would no
+ * longer hold the canonical tokens of "</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜
+ * calls>" and an EOS, those are forced, so a call is made even by a model that never ends its
+ * value (a random-weight one); a max_tokens too small for the invoke line itself cuts the call
+ * off.  Forced output (below) overrides the constraint; a forced token that leaves the grammar
+ * ends it.  tool_choice "none" is the caller's: it renders no tools and sets parse_tool_calls
+ * false.  parallel_tool_calls false keeps the first call only (the parsed message and the
+ * stream; under REQUIRED / NAMED the grammar closes the block after one invoke).
  *
  * Forced output (tests only).  params.forced_ids makes the first n_forced generated tokens those
  * ids instead of samples (the logits are still required, checked and, with logprobs, described);
@@ -95,6 +131,13 @@ typedef enum ds41_generation_finish {
     DS41_GENERATION_ABORTED,     /* ds41_generation_abort (cancelled, server error) */
 } ds41_generation_finish;
 
+/* tool_choice (see "Tool choice" above). */
+typedef enum ds41_generation_tool_choice {
+    DS41_GENERATION_TOOL_CHOICE_AUTO = 0,
+    DS41_GENERATION_TOOL_CHOICE_REQUIRED, /* some tool of params.tools */
+    DS41_GENERATION_TOOL_CHOICE_NAMED,    /* params.tool_choice_name */
+} ds41_generation_tool_choice;
+
 /* What a request asks for.  Everything is borrowed for the duration of ds41_generation_new
  * (copied where kept).  Start from ds41_generation_params_default(). */
 typedef struct ds41_generation_params {
@@ -107,6 +150,9 @@ typedef struct ds41_generation_params {
     bool thinking;                 /* thinking mode (reasoning in <think>...</think>) */
     int reasoning_effort;          /* thinking mode's effort 1..100; 0 = the model's default (75) */
     bool parse_tool_calls;         /* CHAT: split DSML tool-call blocks into tool calls (default true) */
+    ds41_generation_tool_choice tool_choice; /* CHAT with tools: see "Tool choice" above */
+    const char *tool_choice_name;  /* NAMED: the function's name (one of tools') */
+    bool parallel_tool_calls;      /* default true; false: the first call only */
 
     /* RAW: text[0..text_len) (any bytes; invalid UTF-8 is encoded as U+FFFD) */
     const char *text;
@@ -136,10 +182,20 @@ typedef struct ds41_generation_params {
     size_t n_forced;
 } ds41_generation_params;
 
-/* kind CHAT, chat mode, parse_tool_calls true, ds41_sampler_params_default(), nothing else. */
+/* kind CHAT, chat mode, parse_tool_calls and parallel_tool_calls true, tool choice AUTO, ds41_sampler_params_default(), nothing else. */
 ds41_generation_params ds41_generation_params_default(void);
 
 typedef struct ds41_generation ds41_generation;
+
+/* One tool-call fragment (see "Tool-call streaming" above).  name is set (bare name, as in
+ * ds41_chat_tool_call; NUL-terminated) on a call's first fragment only, with arguments_len 0. */
+typedef struct ds41_generation_tool_delta {
+    size_t index; /* the call's index in the response, from 0 */
+    const char *name;
+    size_t name_len;
+    const char *arguments; /* a piece of the arguments JSON text */
+    size_t arguments_len;
+} ds41_generation_tool_delta;
 
 /* What one step produced.  Pointers are owned by the generation and valid until its next call. */
 typedef struct ds41_generation_delta {
@@ -155,20 +211,26 @@ typedef struct ds41_generation_delta {
     const char *content;
     size_t content_len;
 
-    /* Final step only (CHAT): the parsed tool calls. */
+    /* Final step only (CHAT): the parsed tool calls (whole; a server that does not stream
+     * uses these). */
     const ds41_chat_tool_call *tool_calls;
     size_t n_tool_calls;
+
+    /* Tool-call fragments that became final at this step, in order (CHAT). */
+    const ds41_generation_tool_delta *tool_deltas;
+    size_t n_tool_deltas;
 
     bool finished;
     ds41_generation_finish finish;
 } ds41_generation_delta;
 
-/* Render and tokenize the prompt and set up sampling and stopping.  tok is borrowed and must
+/* Render and tokenize the prompt and set up sampling, stopping and the tool-choice constraint.  tok is borrowed and must
  * outlive the generation; n_vocab is the model's vocabulary size (token ids, logit_bias and
  * forced ids must be below it).  Errors (nothing allocated, *out NULL): a bad message list or
  * effort (engine/chat.h's messages), images (not supported), an empty prompt, a prompt id >=
  * n_vocab, a prompt that leaves no room in max_context, bad sampler parameters, bad stop
- * strings, too many stop ids, out of memory. */
+ * strings, too many stop ids, a REQUIRED / NAMED tool choice without tools (or NAMED naming
+ * none of them), out of memory. */
 int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params *params, uint32_t n_vocab,
                         ds41_generation **out, ds41_error *err);
 void ds41_generation_free(ds41_generation *g);

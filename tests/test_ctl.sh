@@ -82,9 +82,9 @@ check "bench: 4 of 4 requests, prefill and decode rates" \
 ctl bench --requests 2 --concurrency 2 --prompt-tokens 8 --max-tokens 2 >"$work/bench.txt"
 check "bench: human summary" bash -c "grep -q '^requests: *2 of 2 succeeded' '$work/bench.txt' && grep -q '^decode:' '$work/bench.txt'"
 ctl --json doctor >"$work/doctor.json"
-check "doctor: daemon, io_uring, O_DIRECT (on the daemon's model directory), memlock, cpu, gpu, memory" \
+check "doctor: daemon, io_uring, O_DIRECT (on the daemon's model directory), memlock, cpu, backend, gpu, memory" \
     test "$(pyj '([c["check"] for c in o], [c["status"] for c in o if c["check"] in ("daemon", "O_DIRECT")])' "$work/doctor.json")" = \
-    "(['daemon', 'io_uring', 'O_DIRECT', 'memlock', 'cpu', 'gpu', 'memory'], ['ok', 'ok'])"
+    "(['daemon', 'io_uring', 'O_DIRECT', 'memlock', 'cpu', 'backend', 'gpu', 'memory'], ['ok', 'ok'])"
 ctl doctor --model "$work/nowhere" >"$work/doctor.txt"; rc=$?
 check "doctor: a missing model directory fails the O_DIRECT check (exit 1)" \
     bash -c "test $rc -eq 1 && grep -q '^O_DIRECT *fail' '$work/doctor.txt'"

@@ -1,7 +1,7 @@
 #!/bin/bash
 # ds41d end to end with curl over its real Unix socket, on the embedded model generated on first
 # start into a temporary state directory: configuration checks, health and models, chat and
-# completions (stream and not), forced reasoning and tool calls, the prefix cache, errors,
+# completions (stream and not), forced reasoning and tool calls (streamed as deltas), tool_choice, the prefix cache, errors,
 # tokenize/detokenize, metrics, admin routes, SIGTERM.  TAP.
 . "$(dirname "$0")/daemon_lib.sh"
 
@@ -77,6 +77,39 @@ sse_collect "$work/tool.sse" >"$work/tool_s.out"
 check "forced output streamed: the same reasoning and tool call (with an id), finish tool_calls" \
     test "$(pyj '(o["reasoning_content"], [(c["function"]["name"], json.loads(c["function"]["arguments"]), c["id"].startswith("call_")) for c in o["tool_calls"]], o["finish_reason"], o["content"])' "$work/tool_s.out")" = \
     "('The user wants the weather.', [('get_weather', {'city': 'Paris'}, True)], 'tool_calls', '')"
+"$py" - "$work/tool.sse" >"$work/tool_raw.out" <<'EOF'
+import json, sys
+parts = []
+for line in open(sys.argv[1], encoding="utf-8"):
+    if line.startswith("data: {"):
+        for ch in json.loads(line[6:]).get("choices", []):
+            parts += ch.get("delta", {}).get("tool_calls") or []
+first = parts[0] if parts else {}
+print(len(parts) >= 3, sorted(first), first.get("function"),
+      all(sorted(p) == ["function", "index"] and sorted(p["function"]) == ["arguments"] for p in parts[1:]))
+EOF
+check "tool call streamed as deltas: first chunk index, id, type, name with arguments \"\", then argument pieces" \
+    test "$(cat "$work/tool_raw.out")" = "True ['function', 'id', 'index', 'type'] {'name': 'get_weather', 'arguments': ''} True"
+
+# tool_choice naming a function makes the random model call it, streamed or not
+cat >"$work/named.json" <<'EOF'
+{"messages":[{"role":"user","content":"Weather in Paris?"}],
+ "tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
+ "tool_choice":{"type":"function","function":{"name":"get_weather"}},
+ "thinking":{"type":"disabled"}, "max_tokens":60, "seed":7, "temperature":1, "logprobs":true, "top_logprobs":3}
+EOF
+code=$(api POST /v1/chat/completions "@$work/named.json")
+check "tool_choice named without forced output (with logprobs): one get_weather call with JSON arguments, finish tool_calls" \
+    test "$code $(pyj '([(c["function"]["name"], type(json.loads(c["function"]["arguments"])).__name__) for c in o["choices"][0]["message"]["tool_calls"]], o["choices"][0]["finish_reason"])')" = \
+    "200 ([('get_weather', 'dict')], 'tool_calls')"
+named_args=$(pyj 'o["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]')
+"$py" -c 'import json,sys;o=json.load(open(sys.argv[1]));o["stream"]=True;print(json.dumps(o))' "$work/named.json" >"$work/named_s.json"
+curl -sN --unix-socket "$sock" -H 'Content-Type: application/json' --data-binary "@$work/named_s.json" \
+    http://ds41/v1/chat/completions >"$work/named.sse"
+sse_collect "$work/named.sse" >"$work/named_s.out"
+check "tool_choice named, streamed: the same call from the pieces" \
+    test "$(pyj '([(c["function"]["name"], c["function"]["arguments"]) for c in o["tool_calls"]], o["finish_reason"])' "$work/named_s.out")" = \
+    "$("$py" -c 'import sys; print(([("get_weather", sys.argv[1])], "tool_calls"))' "$named_args")"
 code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"Hi"}],"reasoning_effort":"low","max_tokens":3,"ds41_forced_output":"ok</think>Hello!<｜end▁of▁sentence｜>"}')
 check "reasoning_effort implies thinking: reasoning and content split at </think>" \
     test "$code $(pyj '(o["choices"][0]["message"].get("reasoning_content"), o["choices"][0]["finish_reason"])')" = "200 ('ok', 'length')"
@@ -119,7 +152,7 @@ check "an unknown field: 400 unknown_field" test "$code $(pyj 'o["error"]["code"
 # ---- metrics and admin --------------------------------------------------------------------------------
 curl -s --unix-socket "$sock" http://ds41/metrics >"$work/metrics.txt"
 check "metrics: requests by outcome, tokens, queue, KV bytes, decode histogram, prefix hit rate" \
-    bash -c "grep -q '^ds41_requests_total{model=\"ds41-tiny\",outcome=\"tool_calls\"} 2' '$work/metrics.txt' &&
+    bash -c "grep -q '^ds41_requests_total{model=\"ds41-tiny\",outcome=\"tool_calls\"} 4' '$work/metrics.txt' &&
              grep -q '^ds41_generated_tokens_total' '$work/metrics.txt' && grep -q '^ds41_queue_depth' '$work/metrics.txt' &&
              grep -q '^ds41_kv_cache_bytes{model=\"ds41-tiny\",state=\"free\"}' '$work/metrics.txt' &&
              grep -q '^ds41_decode_batch_sequences_bucket{model=\"ds41-tiny\",le=\"+Inf\"}' '$work/metrics.txt' &&

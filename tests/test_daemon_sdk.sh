@@ -39,7 +39,7 @@ while IFS= read -r line; do
     what=$("$py" -c 'import json,sys;o=json.loads(sys.argv[1]);print(o["what"] + ("" if o["ok"] else " -- " + o["detail"]))' "$line")
     if [ "$("$py" -c 'import json,sys;print(json.loads(sys.argv[1])["ok"])' "$line")" = True ]; then ok "SDK: $what"; else notok "SDK: $what"; fi
 done <"$work/sdk.out"
-check "the SDK script ran all 11 cases" test $cases -eq 11
+check "the SDK script ran all 18 cases" test $cases -eq 18
 [ -s "$work/sdk.err" ] && sed 's/^/# node: /' "$work/sdk.err" | head -20
 stop_daemon TERM
 check "the daemon exits 0" test "$daemon_status" = 0

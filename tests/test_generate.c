@@ -45,6 +45,12 @@ typedef struct run {
     ds41_generation_finish finish;
     char finish_name[32];
     bool logprobs_ok;
+    /* tool-call fragments, accumulated per index as a client does */
+    ds41_buf stream_names[8], stream_args[8];
+    size_t n_stream_calls;
+    bool frags_ok;          /* a name only on a call's first fragment, with empty arguments */
+    size_t frag_steps;      /* steps that carried fragments */
+    size_t frag_steps_early; /* ... before the final step */
 } run;
 
 static void run_free(run *r) {
@@ -59,6 +65,10 @@ static void run_free(run *r) {
     }
     free(r->call_names);
     free(r->call_args);
+    for (size_t i = 0; i < 8; i++) {
+        ds41_buf_free(&r->stream_names[i]);
+        ds41_buf_free(&r->stream_args[i]);
+    }
     memset(r, 0, sizeof *r);
 }
 
@@ -82,7 +92,7 @@ typedef struct run_opts {
 static run run_gen(const ds41_generation_params *p, const run_opts *o) {
     static const run_opts none = {0};
     if (!o) o = &none;
-    run r = {.deltas_valid_utf8 = true, .logprobs_ok = true};
+    run r = {.deltas_valid_utf8 = true, .logprobs_ok = true, .frags_ok = true};
     ds41_error err = {{0}};
     ds41_generation *g = NULL;
     ds41_kv_seq *seq = NULL, *base = NULL;
@@ -137,6 +147,25 @@ static run run_gen(const ds41_generation_params *p, const run_opts *o) {
             (!isfinite(d.sample.logprob) || d.sample.logprob > 0 || d.sample.n_top != o->n_top))
             r.logprobs_ok = false;
         if (d.n_tool_calls) r.n_final_calls_events++;
+        if (d.n_tool_deltas) {
+            r.frag_steps++;
+            if (!d.finished) r.frag_steps_early++;
+        }
+        for (size_t i = 0; i < d.n_tool_deltas; i++) {
+            const ds41_generation_tool_delta *td = &d.tool_deltas[i];
+            if (td->index > r.n_stream_calls || td->index >= 8) {
+                r.frags_ok = false;
+                continue;
+            }
+            bool first = td->index == r.n_stream_calls;
+            if (first != (td->name != NULL) || (first && (td->arguments_len || td->name[td->name_len] != 0)))
+                r.frags_ok = false;
+            if (first) {
+                r.n_stream_calls++;
+                ds41_buf_put(&r.stream_names[td->index], td->name, td->name_len);
+            }
+            ds41_buf_put(&r.stream_args[td->index], td->arguments, td->arguments_len);
+        }
         if (d.finished) break;
     }
     size_t n_all;
@@ -180,6 +209,18 @@ static bool streamed_equals_result(const run *r) {
            (r->reasoning.len == 0 || memcmp(r->reasoning.data, r->result_reasoning, r->reasoning.len) == 0) &&
            r->content.len == r->result_content_len &&
            (r->content.len == 0 || memcmp(r->content.data, r->result_content, r->content.len) == 0);
+}
+
+/* The calls a client accumulates from the fragments are the parsed ones. */
+static bool streamed_calls_equal_result(const run *r) {
+    if (!r->frags_ok || r->n_stream_calls != r->n_calls) return false;
+    for (size_t i = 0; i < r->n_calls; i++) {
+        const ds41_buf *nm = &r->stream_names[i], *ar = &r->stream_args[i];
+        if (nm->len != strlen(r->call_names[i]) || (nm->len && memcmp(nm->data, r->call_names[i], nm->len) != 0) ||
+            ar->len != strlen(r->call_args[i]) || (ar->len && memcmp(ar->data, r->call_args[i], ar->len) != 0))
+            return false;
+    }
+    return true;
 }
 
 static const char *cstr(const ds41_buf *b) { return b->data ? b->data : ""; }
@@ -443,6 +484,10 @@ static void test_forced(void) {
               r.n_calls ? r.call_args[0] : "none");
     TAP_CHECK(strcmp(r.finish_name, "tool_calls") == 0 && streamed_equals_result(&r),
               "finish_reason tool_calls; the streamed reasoning and content equal the parsed message");
+    TAP_CHECK(streamed_calls_equal_result(&r) && r.frag_steps_early >= 3,
+              "the call is streamed as it is generated (%zu steps before the last carry fragments): name first "
+              "with empty arguments, the fragments add up to the parsed arguments ('%s')",
+              r.frag_steps_early, cstr(&r.stream_args[0]));
     size_t n_think;
     uint32_t *think_ids = encode("I should call the tool.</think>", &n_think);
     TAP_CHECK(r.n_reasoning_tokens == n_think, "reasoning tokens = the tokens up to </think> (%zu)", r.n_reasoning_tokens);
@@ -458,8 +503,10 @@ static void test_forced(void) {
     r = run_gen(&p, NULL);
     TAP_CHECK(r.rc == 0 && r.n_calls == 0 && strcmp(r.finish_name, "length") == 0 &&
                   strncmp(r.result_content, "Checking.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke", 30) == 0 &&
-                  streamed_equals_result(&r),
-              "a block cut by max_tokens gives no tool call; its text is content, streamed at the end");
+                  streamed_equals_result(&r) && r.n_stream_calls == 1 && r.frags_ok &&
+                  strncmp(cstr(&r.stream_args[0]), "{\"city\": \"Paris\", \"days\": 3}", r.stream_args[0].len) == 0,
+              "a block cut by max_tokens gives no tool call; its text is content, streamed at the end "
+              "(the fragments sent before the cut stay: '%s')", cstr(&r.stream_args[0]));
     run_free(&r);
     free(forced);
 
@@ -599,6 +646,9 @@ static void test_split_property(void) {
         ">",    ">\n",  "</",  "</think>",   "<think>",        " invoke",    " name=\"f\"",     " parameter",
         "é",    "😀",   "x=1", "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"g\">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>",
         "<｜end▁of▁sentence｜>", "</｜DSML｜ calls>", "string=\"true\">v</｜DSML｜ parameter>\n",
+        "<｜DSML｜ parameter name=\"k\" string=\"true\">", "<｜DSML｜ parameter name=\"n\" string=\"false\">",
+        "</｜DSML｜ parameter>\n", "</｜DSML｜ parameter>", "</｜DSML｜ invoke>\n", "<｜DSML｜ invoke name=\"h\">\n",
+        "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n", "\"q\\é\t", "<\n", "1.5",
     };
     const size_t n_pieces = sizeof pieces / sizeof *pieces;
     json_t *msgs = user("x");
@@ -626,7 +676,8 @@ static void test_split_property(void) {
         p.ignore_eos = (trial % 5) == 0;
         run_opts fast = {.no_model = true};
         run r = run_gen(&p, &fast);
-        if (r.rc != 0 || !streamed_equals_result(&r) || !r.deltas_valid_utf8) {
+        if (r.rc != 0 || !streamed_equals_result(&r) || !r.deltas_valid_utf8 || !r.frags_ok ||
+            (r.n_calls > 0 && !streamed_calls_equal_result(&r))) {
             ok = false;
             snprintf(bad, sizeof bad, "trial %d (thinking %d, tools %d): %.150s", trial, p.thinking,
                      p.parse_tool_calls, text.data);
@@ -636,8 +687,174 @@ static void test_split_property(void) {
         free(forced);
         ds41_buf_free(&text);
     }
-    TAP_CHECK(ok && with_calls > 0, "1000 random marker texts: streamed reasoning/content = the parsed message (%zu with calls) %s",
+    TAP_CHECK(ok && with_calls > 0,
+              "1000 random marker texts: streamed reasoning/content = the parsed message, streamed tool calls = "
+              "the parsed ones whenever the parse has calls (%zu with calls) %s",
               with_calls, bad);
+    json_decref(msgs);
+}
+
+/* tool_choice required / named constrain a random-weight model into a call; parallel_tool_calls. */
+static void test_tool_choice(void) {
+    json_t *msgs = user("Weather?");
+    json_t *tools = json_loads(
+        "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"city\":{\"type\":\"string\"},\"note\":{\"type\":\"string\"}}}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"get_time\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"zone\":{\"type\":\"string\"}}}}}]",
+        0, NULL);
+    ds41_generation_params p = ds41_generation_params_default();
+    p.messages = msgs;
+    p.tools = tools;
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_NAMED;
+    p.tool_choice_name = "get_time";
+    p.max_tokens = 120;
+    p.sampler.has_seed = 1;
+    bool ok = true, json_ok = true;
+    char bad[2048] = "";
+    for (uint64_t seed = 1; seed <= 6 && ok; seed++) {
+        p.sampler.seed = seed;
+        run r = run_gen(&p, NULL);
+        json_t *args = r.n_calls ? json_loads(r.call_args[0], JSON_ALLOW_NUL, NULL) : NULL;
+        if (!args) json_ok = false;
+        json_decref(args);
+        if (r.rc != 0 || r.n_calls != 1 || strcmp(r.call_names[0], "get_time") != 0 ||
+            strcmp(r.finish_name, "tool_calls") != 0 || r.result_content_len != 0 || !streamed_calls_equal_result(&r) ||
+            !streamed_equals_result(&r)) {
+            ok = false;
+            snprintf(bad, sizeof bad, "seed %llu: rc %d, %zu calls, finish %s, content '%.60s' %s", (unsigned long long)seed,
+                     r.rc, r.n_calls, r.finish_name, r.result_content ? r.result_content : "", r.err);
+        }
+        run_free(&r);
+    }
+    TAP_CHECK(ok && json_ok,
+              "tool_choice named, random model, 6 seeds: exactly one call to that function, no content, finish "
+              "tool_calls, JSON arguments (string values), streamed = parsed %s", bad);
+
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_REQUIRED;
+    p.tool_choice_name = NULL;
+    p.max_tokens = 60;
+    ok = true;
+    for (uint64_t seed = 1; seed <= 6 && ok; seed++) {
+        p.sampler.seed = seed;
+        run r = run_gen(&p, NULL);
+        if (r.rc != 0 || r.n_calls < 1 || strcmp(r.finish_name, "tool_calls") != 0 ||
+            (strcmp(r.call_names[0], "get_time") != 0 && strcmp(r.call_names[0], "get_weather") != 0) ||
+            !streamed_calls_equal_result(&r)) {
+            ok = false;
+            snprintf(bad, sizeof bad, "seed %llu: rc %d, %zu calls, finish %s, %zu tokens, content '%.300s' %s",
+                     (unsigned long long)seed, r.rc, r.n_calls, r.finish_name, r.n_tokens,
+                     r.result_content ? r.result_content : "", r.err);
+        }
+        run_free(&r);
+    }
+    TAP_CHECK(ok, "tool_choice required, random model, max_tokens 60: a call to one of the tools %s", bad);
+
+    /* thinking: the reasoning is free, the call starts after </think> */
+    size_t nf;
+    uint32_t *forced = encode("Let me see.</think>", &nf);
+    p.thinking = true;
+    p.forced_ids = forced;
+    p.n_forced = nf;
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_NAMED;
+    p.tool_choice_name = "get_weather";
+    p.sampler.seed = 5;
+    p.max_tokens = 80;
+    run r = run_gen(&p, NULL);
+    TAP_CHECK(r.rc == 0 && r.n_calls == 1 && strcmp(r.call_names[0], "get_weather") == 0 &&
+                  strcmp(r.result_reasoning, "Let me see.") == 0 && r.result_content_len == 0 &&
+                  streamed_calls_equal_result(&r) && streamed_equals_result(&r),
+              "thinking mode: the reasoning stays the model's, the named call follows </think> (%s)", r.err);
+    run_free(&r);
+    free(forced);
+
+    /* max_tokens too small for the invoke line: no call (cut off) */
+    p.forced_ids = NULL;
+    p.n_forced = 0;
+    p.thinking = false;
+    p.max_tokens = 3;
+    r = run_gen(&p, NULL);
+    TAP_CHECK(r.rc == 0 && r.n_calls == 0 && strcmp(r.finish_name, "length") == 0,
+              "a max_tokens that cannot hold the invoke line cuts the call off (finish length)");
+    run_free(&r);
+
+    /* parallel_tool_calls false keeps the first of two calls (auto, forced output) */
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_AUTO;
+    p.max_tokens = 0;
+    forced = encode("\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_time\">\n<｜DSML｜ parameter name=\"zone\" "
+                    "string=\"true\">UTC</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke "
+                    "name=\"get_weather\">\n</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜>",
+                    &nf);
+    p.forced_ids = forced;
+    p.n_forced = nf;
+    r = run_gen(&p, NULL);
+    TAP_CHECK(r.rc == 0 && r.n_calls == 2 && streamed_calls_equal_result(&r) &&
+                  strcmp(r.call_args[1], "{}") == 0,
+              "parallel_tool_calls true: both calls, streamed and parsed");
+    run_free(&r);
+    p.parallel_tool_calls = false;
+    r = run_gen(&p, NULL);
+    TAP_CHECK(r.rc == 0 && r.n_calls == 1 && strcmp(r.call_names[0], "get_time") == 0 &&
+                  strcmp(r.call_args[0], "{\"zone\": \"UTC\"}") == 0 && streamed_calls_equal_result(&r) &&
+                  strcmp(r.finish_name, "tool_calls") == 0,
+              "parallel_tool_calls false: the first call only, streamed and parsed");
+    run_free(&r);
+    free(forced);
+
+    /* parallel false under a named choice: the grammar closes the block after one invoke */
+    p.forced_ids = NULL;
+    p.n_forced = 0;
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_REQUIRED;
+    p.max_tokens = 60;
+    p.sampler.seed = 9;
+    r = run_gen(&p, NULL);
+    TAP_CHECK(r.rc == 0 && r.n_calls == 1 &&
+                  strcmp(r.finish_name, "tool_calls") == 0,
+              "tool_choice required with parallel_tool_calls false: one call");
+    run_free(&r);
+
+    /* uniform logits (every allowed token equally likely), many seeds and budgets, both modes */
+    ok = true;
+    size_t n_params_seen = 0;
+    for (uint64_t trial = 0; trial < 300 && ok; trial++) {
+        p.tool_choice = trial % 2 ? DS41_GENERATION_TOOL_CHOICE_REQUIRED : DS41_GENERATION_TOOL_CHOICE_NAMED;
+        p.tool_choice_name = trial % 2 ? NULL : "get_weather";
+        p.parallel_tool_calls = trial % 3 != 0;
+        p.max_tokens = (uint32_t)(50 + (trial * 37) % 150);
+        p.sampler.seed = 1000 + trial;
+        run_opts fast = {.no_model = true};
+        r = run_gen(&p, &fast);
+        json_t *args = r.n_calls ? json_loads(r.call_args[0], JSON_ALLOW_NUL, NULL) : NULL;
+        if (args) n_params_seen += json_object_size(args);
+        if (r.rc != 0 || r.n_calls < 1 || !args || strcmp(r.finish_name, "tool_calls") != 0 || r.result_content_len ||
+            (!p.parallel_tool_calls && r.n_calls != 1) || (trial % 2 == 0 && strcmp(r.call_names[0], "get_weather") != 0) ||
+            !streamed_calls_equal_result(&r) || !streamed_equals_result(&r)) {
+            ok = false;
+            snprintf(bad, sizeof bad, "trial %llu: rc %d, %zu calls, finish %s, %zu tokens, content '%.300s', "
+                     "call '%.200s' streamed '%.200s' %s", (unsigned long long)trial, r.rc, r.n_calls, r.finish_name,
+                     r.n_tokens, r.result_content ? r.result_content : "", r.n_calls ? r.call_args[0] : "",
+                     cstr(&r.stream_args[0]), r.err);
+        }
+        json_decref(args);
+        run_free(&r);
+    }
+    TAP_CHECK(ok && n_params_seen > 0,
+              "300 runs over uniform logits (named / required, parallel or not, max_tokens 50..199): always a "
+              "call with JSON-object arguments, finish tool_calls, streamed = parsed (%zu parameters in all) %s",
+              n_params_seen, bad);
+    p.parallel_tool_calls = true;
+
+    ds41_error err = {{0}};
+    ds41_generation *g = NULL;
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_NAMED;
+    p.tool_choice_name = "nope";
+    TAP_CHECK(ds41_generation_new(TOK, &p, NV, &g, &err) != 0 && !g && strstr(err.msg, "nope"),
+              "tool_choice naming a function not among the tools is refused (%s)", err.msg);
+    p.tools = NULL;
+    p.tool_choice = DS41_GENERATION_TOOL_CHOICE_REQUIRED;
+    TAP_CHECK(ds41_generation_new(TOK, &p, NV, &g, &err) != 0 && !g && strstr(err.msg, "no tools"),
+              "tool_choice required without tools is refused (%s)", err.msg);
+    json_decref(tools);
     json_decref(msgs);
 }
 
@@ -681,6 +898,7 @@ int main(void) {
     test_stop_and_limits();
     test_utf8();
     test_split_property();
+    test_tool_choice();
 
     ds41_sampler_scratch_free(SCRATCH);
     ds41_kv_pool_free(POOL);

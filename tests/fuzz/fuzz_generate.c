@@ -6,8 +6,12 @@
  * the byte tokens (so multi-byte characters arrive split and invalid UTF-8 occurs).  Those ids are
  * forced as the generation's output over constant logits (no model).  Invariants, any violation
  * aborts: every delta is valid UTF-8; the concatenated streamed reasoning and content equal the
- * final message's reasoning_content and content; tool calls come only in the final step; the
- * generation ends within the forced ids; usage counts add up. */
+ * final message's reasoning_content and content; parsed tool calls come only in the final step;
+ * tool-call fragments come in index order, a call's first one with its name and empty arguments,
+ * and whenever the final parse has calls, the fragments add up to exactly those calls; the
+ * generation ends within the forced ids; usage counts add up.  Flag bit 6 sets
+ * parallel_tool_calls false, bit 7 tool_choice "required" over two tools (the constraint runs,
+ * the forced ids override it). */
 #include "config/utf8.h"
 #include "engine/generate.h"
 #include "engine/synth_tokenizer.h"
@@ -31,6 +35,7 @@ static uint32_t BYTE_ID[256];
 static ds41_sampler_scratch *SCRATCH;
 static float *LOGITS;
 static json_t *MESSAGES;
+static json_t *TOOLS;
 
 static void setup(void) {
     if (TOK) return;
@@ -54,6 +59,24 @@ static void setup(void) {
     check(LOGITS != NULL);
     MESSAGES = json_pack("[{s:s s:s}]", "role", "user", "content", "x");
     check(MESSAGES != NULL);
+    TOOLS = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\","
+                       "\"properties\":{\"k\":{\"type\":\"string\"},\"n\":{\"type\":\"integer\"}}}}},"
+                       "{\"type\":\"function\",\"function\":{\"name\":\"g\"}}]",
+                       0, NULL);
+    check(TOOLS != NULL);
+}
+
+/* Tool-call fragments as a client accumulates them. */
+typedef struct acc_call {
+    char *name, *args;
+    size_t name_len, args_len;
+} acc_call;
+
+static void acc_append(char **dst, size_t *len, const char *s, size_t n) {
+    *dst = realloc(*dst, *len + n + 1);
+    check(*dst != NULL);
+    if (n) memcpy(*dst + *len, s, n);
+    *len += n;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -99,6 +122,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     p.stop = stops;
     p.stop_lens = stop_lens;
     p.n_stop = n_stop;
+    p.parallel_tool_calls = !(flags & 64);
+    if (flags & 128) {
+        p.tools = TOOLS;
+        p.tool_choice = DS41_GENERATION_TOOL_CHOICE_REQUIRED;
+    }
     p.forced_ids = ids.ids;
     p.n_forced = ids.n;
     p.max_tokens = (uint32_t)ids.n;
@@ -110,7 +138,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     char *reasoning = malloc(1), *content = malloc(1);
-    size_t rl = 0, cl = 0, steps = 0, calls_seen = 0;
+    size_t rl = 0, cl = 0, steps = 0, calls_seen = 0, n_acc = 0;
+    acc_call acc[16];
+    memset(acc, 0, sizeof acc);
     check(reasoning && content);
     bool finished = false;
     while (!finished) {
@@ -132,6 +162,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             check(d.finished);
             calls_seen = d.n_tool_calls;
         }
+        for (size_t i = 0; i < d.n_tool_deltas; i++) {
+            const ds41_generation_tool_delta *td = &d.tool_deltas[i];
+            check(td->index <= n_acc);
+            bool first = td->index == n_acc;
+            check(first == (td->name != NULL));
+            if (first) {
+                check(td->arguments_len == 0 && td->name[td->name_len] == 0);
+                if (n_acc == 16) continue; /* more calls than kept: only the order is checked */
+                acc_append(&acc[n_acc].name, &acc[n_acc].name_len, td->name, td->name_len);
+                n_acc++;
+            }
+            if (td->index < 16) acc_append(&acc[td->index].args, &acc[td->index].args_len, td->arguments, td->arguments_len);
+        }
         finished = d.finished;
         check(steps <= ids.n);
     }
@@ -144,6 +187,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     check(ds41_generation_reasoning_tokens(g) <= steps);
     check(p.thinking || ds41_generation_reasoning_tokens(g) == 0);
     for (size_t i = 0; i < r->n_tool_calls; i++) check(p.parse_tool_calls && r->tool_calls[i].name != NULL);
+    check(p.parallel_tool_calls || r->n_tool_calls <= 1);
+    if (r->n_tool_calls > 0 && r->n_tool_calls <= 16) {
+        check(n_acc == r->n_tool_calls);
+        for (size_t i = 0; i < n_acc; i++) {
+            const ds41_chat_tool_call *c = &r->tool_calls[i];
+            check(acc[i].name_len == c->name_len && memcmp(acc[i].name, c->name, c->name_len) == 0);
+            check(acc[i].args_len == c->arguments_len && (!c->arguments_len || memcmp(acc[i].args, c->arguments, c->arguments_len) == 0));
+        }
+    }
+    for (size_t i = 0; i < n_acc; i++) {
+        free(acc[i].name);
+        free(acc[i].args);
+    }
     free(reasoning);
     free(content);
     ds41_generation_free(g);

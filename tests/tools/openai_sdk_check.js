@@ -74,13 +74,15 @@ async function main() {
   report(JSON.parse(m.tool_calls[0].function.arguments).city === 'Paris', 'tool call arguments are JSON', m.tool_calls);
 
   const st = await client.chat.completions.create({ ...toolReq, stream: true });
-  let reasoning = '', content = '', sfinish = null;
-  const scalls = [];
+  let reasoning = '', content = '', sfinish = null, rawFirst = null, toolChunks = 0;
+  const scalls = [], rawLater = [];
   for await (const chunk of st) {
     for (const ch of chunk.choices) {
       reasoning += ch.delta.reasoning_content || '';
       content += ch.delta.content || '';
+      if ((ch.delta.tool_calls || []).length) toolChunks++;
       for (const tc of ch.delta.tool_calls || []) {
+        if (!rawFirst) rawFirst = tc; else rawLater.push(tc);
         if (!scalls[tc.index]) scalls[tc.index] = { id: tc.id, type: tc.type, name: '', arguments: '' };
         if (tc.function && tc.function.name) scalls[tc.index].name += tc.function.name;
         if (tc.function && tc.function.arguments) scalls[tc.index].arguments += tc.function.arguments;
@@ -88,10 +90,67 @@ async function main() {
       if (ch.finish_reason) sfinish = ch.finish_reason;
     }
   }
+  report(rawFirst && rawFirst.index === 0 && /^call_/.test(rawFirst.id) && rawFirst.type === 'function' &&
+         rawFirst.function.name === 'get_weather' && rawFirst.function.arguments === '' && toolChunks >= 3 &&
+         !rawLater.some((tc) => tc.id !== undefined || tc.type !== undefined || (tc.function && tc.function.name !== undefined)),
+         'tool call streamed as deltas: first chunk index, id, type, name with arguments "", then argument fragments',
+         { rawFirst, toolChunks, rawLater: rawLater.slice(0, 3) });
   report(reasoning === 'The user wants the weather.' && content === '' && sfinish === 'tool_calls' &&
          scalls.length === 1 && scalls[0].name === 'get_weather' && scalls[0].arguments === '{"city": "Paris"}' &&
          scalls[0].type === 'function' && /^call_/.test(scalls[0].id),
          'forced output streamed: the same tool call and reasoning_content', { reasoning, content, sfinish, scalls });
+
+  // two calls through the SDK's stream helper, which accumulates the tool_call deltas
+  const FORCED2 =
+    'Two cities.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n' +
+    '<｜DSML｜ parameter name="city" string="true">Paris "Lutèce"</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n' +
+    '<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="city" string="true">Rome</｜DSML｜ parameter>\n' +
+    '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n' +
+    '</｜DSML｜ calls><｜end▁of▁sentence｜>';
+  const expected2 = [{ name: 'get_weather', arguments: '{"city": "Paris \\"Lutèce\\""}' },
+                     { name: 'get_weather', arguments: '{"city": "Rome", "days": 3}' }];
+  const two = { ...toolReq, ds41_forced_output: FORCED2 };
+  const helper = client.chat.completions.stream(two);
+  let argDeltas = 0;
+  const done = [];
+  helper.on('tool_calls.function.arguments.delta', (e) => { if (e.arguments_delta) argDeltas++; });
+  helper.on('tool_calls.function.arguments.done', (e) => done.push({ name: e.name, arguments: e.arguments }));
+  const fin = await helper.finalChatCompletion();
+  const hm = fin.choices[0].message;
+  const hcalls = (hm.tool_calls || []).map((c) => ({ name: c.function.name, arguments: c.function.arguments }));
+  report(JSON.stringify(hcalls) === JSON.stringify(expected2) && JSON.stringify(done) === JSON.stringify(expected2) &&
+         argDeltas >= 6 && fin.choices[0].finish_reason === 'tool_calls' &&
+         hm.tool_calls.every((c) => /^call_/.test(c.id)) && hm.tool_calls[0].id !== hm.tool_calls[1].id,
+         'stream helper: the accumulated tool_calls are exactly the forced ones (two calls, argument deltas)',
+         { hcalls, done, argDeltas });
+  const ns2 = await client.chat.completions.create(two);
+  const ncalls = (ns2.choices[0].message.tool_calls || []).map((c) => ({ name: c.function.name, arguments: c.function.arguments }));
+  report(JSON.stringify(ncalls) === JSON.stringify(expected2), 'non-streamed: the same two calls', ncalls);
+
+  // tool_choice forces a call from the random model, streamed and not, with parallel_tool_calls false
+  const named = { model: 'ds41-tiny', messages: [{ role: 'user', content: 'Weather in Paris?' }], tools: TOOLS,
+                  tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false,
+                  thinking: { type: 'disabled' }, max_tokens: 80, seed: 4, temperature: 1 };
+  const n1 = await client.chat.completions.create(named);
+  const n1m = n1.choices[0].message;
+  let n1args = null;
+  try { n1args = JSON.parse(n1m.tool_calls[0].function.arguments); } catch (e) { n1args = null; }
+  report(n1.choices[0].finish_reason === 'tool_calls' && n1m.tool_calls && n1m.tool_calls.length === 1 &&
+         n1m.tool_calls[0].function.name === 'get_weather' && n1args !== null && !n1m.content,
+         'tool_choice named (random model, no forced output): one call to that function, JSON arguments', n1m);
+  const n2 = await client.chat.completions.stream(named).finalChatCompletion();
+  const n2m = n2.choices[0].message;
+  report(n2.choices[0].finish_reason === 'tool_calls' && n2m.tool_calls && n2m.tool_calls.length === 1 &&
+         n2m.tool_calls[0].function.name === 'get_weather' &&
+         n2m.tool_calls[0].function.arguments === n1m.tool_calls[0].function.arguments,
+         'tool_choice named, streamed: the same call, accumulated from deltas', { n2m, n1m });
+  const rq = await client.chat.completions.create({ ...named, tool_choice: 'required', seed: 5 });
+  report(rq.choices[0].finish_reason === 'tool_calls' && rq.choices[0].message.tool_calls.length === 1,
+         'tool_choice required: a call', rq.choices[0].message);
+  const none = await client.chat.completions.create({ ...toolReq, tool_choice: 'none' });
+  report(!none.choices[0].message.tool_calls && none.choices[0].finish_reason === 'stop' &&
+         none.choices[0].message.content.includes('<｜DSML｜ invoke'),
+         'tool_choice none: no tools parsed, the block stays content', none.choices[0].message);
 
   // the conversation goes on with the tool result, as the SDK user would send it
   const follow = await client.chat.completions.create({
