@@ -490,7 +490,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
         goto fail;
     }
     pthread_mutex_lock(&c->mu);
-    c->st.requests += n;
+    c->st.requests += pinned;
     c->st.hits += hits;
     c->st.prefetch_hits += pf_hits;
     c->st.misses += misses;

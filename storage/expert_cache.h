@@ -143,7 +143,7 @@ void ds41_expert_cache_end_step(ds41_expert_cache *c);
 
 typedef struct ds41_expert_cache_stats {
     uint64_t budget_bytes, slot_bytes, slots, slots_used, total_bytes;
-    uint64_t requests;       /* experts asked for by acquire (per wave) */
+    uint64_t requests;       /* expert uses: experts pinned by acquire (= hits + prefetch_hits + misses) */
     uint64_t hits;           /* already loaded */
     uint64_t prefetch_hits;  /* loaded or in flight thanks to a prediction, first use */
     uint64_t misses;         /* read on demand */
