@@ -118,6 +118,12 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
                         (double)c->beta_fast, (double)c->beta_slow, e->rope_freqs[l]);
     }
     if (c->engram_enabled && load_engram(e, dir, err) != 0) goto fail;
+    /* The expert tier's geometry (cheap: index lookups), for its figures
+     * even while everything is resident. */
+    if (ds41_expert_cache_geometry(e->ckpt, c, &e->expert_slot_bytes, &e->expert_total_bytes, err) != 0) {
+        ds41_error_prefix(err, "%s", dir);
+        goto fail;
+    }
     e->expert_predict = !(opts && opts->expert_no_predict);
     e->expert_buffered = opts && opts->expert_buffered;
     if (opts && opts->expert_cache_bytes && ds41_engine_set_expert_budget(e, opts->expert_cache_bytes, err) != 0) {
@@ -180,9 +186,13 @@ bool ds41_engine_experts_streamed(const ds41_engine *e) {
 
 int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
-    if (!e->expert_total_bytes && bytes) {
-        uint64_t slot = 0;
-        if (ds41_expert_cache_geometry(e->ckpt, c, &slot, &e->expert_total_bytes, err) != 0) return -1;
+    if (bytes) {
+        pthread_mutex_lock(&e->xc_mu);
+        const int grc = e->expert_total_bytes ? 0
+                                              : ds41_expert_cache_geometry(e->ckpt, c, &e->expert_slot_bytes,
+                                                                           &e->expert_total_bytes, err);
+        pthread_mutex_unlock(&e->xc_mu);
+        if (grc != 0) return -1;
     }
     if (bytes == 0 || bytes >= e->expert_total_bytes) {
         /* Everything fits: the experts are used in place from the mapping. */
@@ -209,6 +219,25 @@ int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *er
     e->expert_budget = bytes;
     pthread_mutex_unlock(&e->xc_mu);
     return 0;
+}
+
+int ds41_engine_request_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err) {
+    pthread_mutex_lock(&e->xc_mu);
+    int rc = 0;
+    /* The geometry reads only the checkpoint's immutable index. */
+    if (!e->expert_total_bytes)
+        rc = ds41_expert_cache_geometry(e->ckpt, &e->cfg, &e->expert_slot_bytes, &e->expert_total_bytes, err);
+    if (rc == 0 && e->expert_total_bytes == 0 && bytes)
+        rc = ds41_fail(err, "the model has no routed experts");
+    if (rc == 0 && bytes && bytes < e->expert_total_bytes && bytes < e->expert_slot_bytes)
+        rc = ds41_fail(err, "expert budget of %llu bytes is below one expert slot (the minimum is %llu bytes)",
+                       (unsigned long long)bytes, (unsigned long long)e->expert_slot_bytes);
+    if (rc == 0) {
+        e->budget_pending = true;
+        e->budget_requested = bytes;
+    }
+    pthread_mutex_unlock(&e->xc_mu);
+    return rc;
 }
 
 bool ds41_engine_expert_stats(ds41_engine *e, ds41_expert_cache_stats *out, bool reset) {
@@ -393,6 +422,16 @@ static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *e
 int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
                  ds41_error *err) {
     if (validate(e, items, n_items, err) != 0) return -1;
+    {
+        /* A run-time budget change (ds41_engine_request_expert_budget). */
+        pthread_mutex_lock(&e->xc_mu);
+        const bool pending = e->budget_pending;
+        const uint64_t want = e->budget_requested;
+        e->budget_pending = false;
+        pthread_mutex_unlock(&e->xc_mu);
+        ds41_error ignored;
+        if (pending) (void)ds41_engine_set_expert_budget(e, want, &ignored);
+    }
     const ds41_model_config *c = &e->cfg;
     const ds41_ops *ops = e->ops;
     const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim, V = (size_t)c->vocab_size;

@@ -102,6 +102,12 @@ bool ds41_engine_experts_streamed(const ds41_engine *e);
  * changes): below one expert slot, out of memory, the reader failing. */
 int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err);
 
+/* The same from any thread, for a running server: checked now (below one
+ * expert slot -> error naming the minimum), applied by the next ds41_forward
+ * call before it starts (if applying fails, e.g. out of memory, the old
+ * budget stays and ds41_engine_expert_stats shows it). */
+int ds41_engine_request_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err);
+
 /* The tier's figures (storage/expert_cache.h); any thread, any time.
  * Returns true when streamed (out filled, counters reset after reading when
  * reset), false when all experts are resident (out zeroed except

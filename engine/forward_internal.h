@@ -44,6 +44,9 @@ struct ds41_engine {
     uint64_t expert_total_bytes; /* all routed experts of the text layers (0 until known) */
     bool expert_predict;         /* next-layer prediction on */
     bool expert_buffered;
+    uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
+    bool budget_pending;         /* under xc_mu: a requested budget for the next forward */
+    uint64_t budget_requested;
 };
 
 /* One forward call's rows (tokens) and per-call state. */
