@@ -108,7 +108,7 @@ check "/metrics has ds41_tier_* series for tier=experts" \
 rc=$?
 check "ds41ctl cache --set-expert-bytes below one expert is refused naming the minimum" \
     bash -c "test $rc = 1 && grep -q 'minimum is' '$work/small.txt'"
-check "ds41ctl cache --set-expert-bytes 300KiB" "$ctl" --socket "$sock" cache --set-expert-bytes 300KiB
+check "ds41ctl cache --set-expert-bytes 300KiB" bash -c "'$ctl' --socket '$sock' cache --set-expert-bytes 300KiB | grep -q 'expert budget set to 307200 bytes'"
 code=$(api POST /v1/completions "$req")
 "$ctl" --socket "$sock" --json cache >"$work/cache2.json"
 check "after the run-time change: same text, budget 300KiB" \
