@@ -89,6 +89,47 @@ out:
     return rc;
 }
 
+/* Sequence A prefilled with prompt; if fail_b, a sequence B forked from A
+ * (sharing its pages) runs a forward call that fails on an injected read
+ * error; then A decodes STEPS greedy tokens.  A's decode logits go to out
+ * [STEPS][V].  Returns 0, or -1 (err) when anything but B's call fails or
+ * B's call does not fail. */
+static int run_isolated(ds41_engine *e, const int32_t *prompt, size_t n, int fail_b, float *out, ds41_error *err) {
+    const size_t V = (size_t)ds41_engine_config(e)->vocab_size;
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, err);
+    ds41_kv_seq *a = pool ? ds41_kv_seq_new(pool, err) : NULL, *bq = NULL;
+    float *lg = malloc(V * sizeof *lg);
+    int rc = -1;
+    if (!a || !lg) goto out;
+    ds41_fwd_item it = {.seq = a, .ids = prompt, .n_ids = n, .logits = lg, .logits_last_only = true};
+    if (ds41_forward(e, &it, 1, NULL, err) != 0) goto out;
+    if (fail_b) {
+        if (!(bq = ds41_kv_seq_fork(a, err))) goto out;
+        ds41_reader_set_fault(ds41_engine_expert_reader(e), DS41_READER_ANY_FILE, DS41_FAULT_EIO, 0, 0);
+        ds41_error berr;
+        ds41_fwd_item ib = {.seq = bq, .ids = prompt, .n_ids = n, .logits = NULL};
+        const int brc = ds41_forward(e, &ib, 1, NULL, &berr);
+        ds41_reader_set_fault(ds41_engine_expert_reader(e), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+        ds41_kv_seq_free(bq);
+        if (brc == 0) {
+            ds41_fail(err, "B's forward call did not fail");
+            goto out;
+        }
+    }
+    for (int st = 0; st < STEPS; st++) {
+        int32_t tok = ds41_argmax(lg, V);
+        it = (ds41_fwd_item){.seq = a, .ids = &tok, .n_ids = 1, .logits = out + (size_t)st * V, .logits_last_only = true};
+        if (ds41_forward(e, &it, 1, NULL, err) != 0) goto out;
+        memcpy(lg, out + (size_t)st * V, V * sizeof *lg);
+    }
+    rc = 0;
+out:
+    ds41_kv_seq_free(a);
+    ds41_kv_pool_free(pool);
+    free(lg);
+    return rc;
+}
+
 /* ---- the mapping's expert-only pages ----------------------------------------------- */
 
 typedef struct range {
@@ -352,6 +393,23 @@ static void test_preset(const char *dir, const char *name, int with_reference) {
             TAP_CHECK(rc3 == 0 && memcmp(got, want, NF * sizeof *got) == 0,
                       "%s: every read short (continued): logits still bit-identical%s%s", name, rc3 ? ": " : "",
                       rc3 ? err.msg : "");
+        }
+        /* A failed call leaves other sequences intact: A, then B forked from
+         * A failing (every expert read fails), then A decodes as if alone. */
+        if (e) {
+            const size_t V2 = V;
+            float *ra = malloc(STEPS * V2 * sizeof *ra), *rb = malloc(STEPS * V2 * sizeof *rb);
+            /* Drop cached experts so B's call must read (and fail). */
+            int okf = ds41_engine_set_expert_budget(e, 3 * slot, &err) == 0 &&
+                      run_isolated(e, prompts[0], plen[0], 0, ra, &err) == 0 &&
+                      ds41_engine_set_expert_budget(e, 3 * slot + 1, &err) == 0 &&
+                      run_isolated(e, prompts[0], plen[0], 1, rb, &err) == 0;
+            TAP_CHECK(okf && memcmp(ra, rb, STEPS * V2 * sizeof *ra) == 0,
+                      "%s: a forward call failing on expert reads for a sequence forked from A leaves A intact: A's "
+                      "decode logits bit-identical%s%s",
+                      name, okf ? "" : ": ", okf ? "" : err.msg);
+            free(ra);
+            free(rb);
         }
         /* Run-time budget changes: resident, streamed, resized. */
         if (e) {
