@@ -123,7 +123,7 @@ static void tier_text(const char *phase, size_t batch, const tier_result *t, dou
     else
         snprintf(name, sizeof name, "%s", phase);
     const double bw = ratio((double)s->bytes_read, t->seconds);
-    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted in time = %.1f%% hit rate, %" PRIu64
+    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted (loaded or in flight) = %.1f%% hit rate, %" PRIu64
            " misses, %" PRIu64 " waves; %.2f MB read/token; %.3f GB/s achieved = %.1f%% of the device; stalled "
            "%.0f%% of the time; load p50 %.2f ms p99 %.2f ms; prediction accuracy %.1f%% (%" PRIu64 "/%" PRIu64
            ", %" PRIu64 " skipped); /proc/self/io read_bytes %.1f MB (tier read %.1f MB)\n",

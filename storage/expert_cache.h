@@ -13,6 +13,10 @@
  *   range; ranges are 64-byte aligned in the slot).  The slot size is the
  *   largest expert's; the pool has floor(budget / slot size) slots, at least
  *   one (a smaller budget is refused with an error naming the minimum).
+ *   Outside the budget: the reader's bounce buffers (queue depth x ~1 MiB,
+ *   64 MiB by default; reads land straight in the slots, the bounce buffers
+ *   serve only ranges that end at an unaligned end of file) and the index
+ *   (4 bytes per routed expert).
  *
  * Pinning and waves
  *   ds41_expert_cache_acquire pins the experts a layer needs: hits first (so
