@@ -7,9 +7,9 @@
  * abandon callback cancels the generation; non-streaming requests wait for
  * the terminal event with ds41_http_wait(), which also notices a client
  * that goes away. */
-#include "config/daemon_config.h"
 #include "ipc/api.h"
 #include "config/buf.h"
+#include "config/daemon_config.h"
 
 #include <inttypes.h>
 #include <limits.h>
