@@ -16,6 +16,7 @@
  *    the budget changes at run time. */
 #include "engine/forward.h"
 #include "engine/model_gen.h"
+#include "storage/expert_cache.h"
 #include "tests/tap.h"
 
 #include <dirent.h>
@@ -437,6 +438,74 @@ static void test_preset(const char *dir, const char *name, int with_reference) {
     free(want_ref);
 }
 
+/* The cache's own contract, on the tiny checkpoint: arguments checked, the
+ * policy (LFU with aging keeps a popular expert that LRU would evict),
+ * waves (more experts than slots: hits pinned first), prediction pins. */
+static void test_api(const char *dir) {
+    ds41_error err;
+    ds41_model_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    ds41_checkpoint *ck = NULL;
+    ds41_expert_cache *xc = NULL;
+    if (!TAP_CHECK(ds41_model_config_load(dir, &cfg, &err) == 0 && (ck = ds41_checkpoint_open(dir, &err)),
+                   "api: config and checkpoint open"))
+        goto out;
+    uint64_t slot = 0, total = 0;
+    const int grc = ds41_expert_cache_geometry(ck, &cfg, &slot, &total, &err);
+    TAP_CHECK(grc == 0 && slot > 0 && total >= 80 * slot / 2,
+              "api: geometry: slot %" PRIu64 " bytes, %" PRIu64 " bytes of experts", slot, total);
+    ds41_expert_cache_opts o = {.budget_bytes = 3 * slot};
+    xc = ds41_expert_cache_new(ck, &cfg, &o, &err);
+    if (!TAP_CHECK(xc && ds41_expert_cache_slots(xc) == 3, "api: 3-slot cache")) goto out;
+    uint8_t got[8];
+    ds41_expert_view v[8];
+    const int32_t bad[1] = {8};
+    TAP_CHECK(ds41_expert_cache_acquire(xc, 0, bad, 1, got, &err) < 0 && strstr(err.msg, "out of range"),
+              "api: expert out of range refused: %s", err.msg);
+    TAP_CHECK(ds41_expert_cache_acquire(xc, 99, bad, 0, got, &err) < 0 && strstr(err.msg, "layer 99"),
+              "api: layer out of range refused: %s", err.msg);
+    /* Expert 0 used five times, then 1, 2, 3 once each: LRU would evict 0 at 3. */
+    int ok = 1;
+    const int32_t seq[8] = {0, 0, 0, 0, 0, 1, 2, 3};
+    for (int i = 0; i < 8 && ok; i++) {
+        ok = ds41_expert_cache_acquire(xc, 0, &seq[i], 1, got, &err) == 1 &&
+             ds41_expert_cache_wait(xc, 0, &seq[i], 1, got, v, &err) == 0;
+        ds41_expert_cache_release(xc, 0, &seq[i], 1, got);
+    }
+    ds41_expert_cache_stats st;
+    ds41_expert_cache_get_stats(xc, &st, true);
+    const int32_t zero[1] = {0};
+    ok = ok && ds41_expert_cache_acquire(xc, 0, zero, 1, got, &err) == 1;
+    ds41_expert_cache_release(xc, 0, zero, 1, got);
+    ds41_expert_cache_get_stats(xc, &st, true);
+    TAP_CHECK(ok && st.hits == 1 && st.misses == 0, "api: LFU keeps the popular expert 0 through 1, 2, 3 (hits %" PRIu64
+              ", misses %" PRIu64 ")", st.hits, st.misses);
+    /* Five experts, three slots: hits (0 and 3 are cached) pinned first. */
+    const int32_t five[5] = {1, 2, 3, 4, 0};
+    const long p = ds41_expert_cache_acquire(xc, 0, five, 5, got, &err);
+    TAP_CHECK(p == 3 && got[2] && got[4] && got[0] + got[1] + got[3] == 1,
+              "api: 5 experts on 3 slots: 3 pinned, the cached 3 and 0 among them (%d%d%d%d%d)", got[0], got[1],
+              got[2], got[3], got[4]);
+    TAP_CHECK(ds41_expert_cache_wait(xc, 0, five, 5, got, v, &err) == 0 && v[2].w[0] && v[4].s[2],
+              "api: views of the pinned experts");
+    TAP_CHECK(ds41_expert_cache_set_budget(xc, 4 * slot, &err) != 0 && strstr(err.msg, "pinned"),
+              "api: no resize while pinned: %s", err.msg);
+    ds41_expert_cache_release(xc, 0, five, 5, got);
+    /* Prediction: layer 1's experts 5 and 6 loaded early, then used. */
+    const int32_t pr[2] = {5, 6};
+    TAP_CHECK(ds41_expert_cache_predict(xc, 1, pr, 2) == 2, "api: prediction loads 2 experts of layer 1");
+    ok = ds41_expert_cache_acquire(xc, 1, pr, 2, got, &err) == 2 && ds41_expert_cache_wait(xc, 1, pr, 2, got, v, &err) == 0;
+    ds41_expert_cache_release(xc, 1, pr, 2, got);
+    ds41_expert_cache_end_step(xc);
+    ds41_expert_cache_get_stats(xc, &st, false);
+    TAP_CHECK(ok && st.predicted == 2 && st.predicted_used == 2 && st.prefetch_hits == 2,
+              "api: predicted 2, used 2, prefetch hits %" PRIu64, st.prefetch_hits);
+out:
+    ds41_expert_cache_free(xc);
+    ds41_checkpoint_close(ck);
+    ds41_model_config_free(&cfg);
+}
+
 static int make(const char *preset, uint64_t seed, char *dir_out) {
     snprintf(dir_out, 4096, "%s/%s", root, preset);
     ds41_model_gen_opts o = {.preset = preset, .seed = seed};
@@ -459,7 +528,10 @@ int main(void) {
         return tap_done();
     }
     char dir_tiny[4096], dir_long[4096];
-    if (TAP_CHECK(make("tiny", 71, dir_tiny) == 0, "tiny checkpoint generated")) test_preset(dir_tiny, "tiny", 1);
+    if (TAP_CHECK(make("tiny", 71, dir_tiny) == 0, "tiny checkpoint generated")) {
+        test_api(dir_tiny);
+        test_preset(dir_tiny, "tiny", 1);
+    }
     if (TAP_CHECK(make("long", 72, dir_long) == 0, "long checkpoint generated"))
         test_preset(dir_long, "long", getenv("DS41_SANITIZED") == NULL);
     nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
