@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 static void usage(FILE *f) {
@@ -240,6 +241,72 @@ out:
     ds41_checkpoint_close(ck);
     ds41_model_config_free(&cfg);
     return rc;
+}
+
+/* Pages of the checkpoint mapping that hold only routed-expert bytes of the
+ * text layers, and how many of them are in the page cache (mincore): with
+ * the experts streamed through O_DIRECT after a dropped page cache this
+ * stays near 0, showing the experts came from the device, not the mapping. */
+typedef struct xrange {
+    uintptr_t a, b;
+} xrange;
+
+static int cmp_xrange(const void *x, const void *y) {
+    const xrange *p = x, *q = y;
+    return p->a < q->a ? -1 : p->a > q->a;
+}
+
+static void expert_pages_resident(const ds41_engine *e, uint64_t *resident, uint64_t *pages) {
+    const ds41_model_config *c = ds41_engine_config(e);
+    const ds41_weights *w = ds41_engine_weights(e);
+    size_t n = 0, cap = 0;
+    xrange *r = NULL;
+    *resident = *pages = 0;
+    for (int L = 0; L < (int)c->n_layers; L++) {
+        const ds41_layer_weights *lw = &w->layers[L];
+        for (int64_t ex = 0; ex < lw->n_experts; ex++) {
+            const ds41_linear *ls[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
+            for (int k = 0; k < 3; k++) {
+                if (n + 2 > cap) {
+                    cap = cap ? 2 * cap : 1024;
+                    xrange *nr = realloc(r, cap * sizeof *nr);
+                    if (!nr) {
+                        free(r);
+                        return;
+                    }
+                    r = nr;
+                }
+                const size_t qb = (size_t)(ls[k]->n * (ls[k]->kind == DS41_LINEAR_FP4 ? ls[k]->k / 2 : ls[k]->k));
+                r[n++] = (xrange){(uintptr_t)ls[k]->q, (uintptr_t)ls[k]->q + qb};
+                r[n++] = (xrange){(uintptr_t)ls[k]->scale, (uintptr_t)ls[k]->scale + (size_t)(ls[k]->n * ls[k]->scale_cols)};
+            }
+        }
+    }
+    if (!n) {
+        free(r);
+        return;
+    }
+    qsort(r, n, sizeof *r, cmp_xrange);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (m && r[i].a <= r[m - 1].b) {
+            if (r[i].b > r[m - 1].b) r[m - 1].b = r[i].b;
+        } else {
+            r[m++] = r[i];
+        }
+    }
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    for (size_t i = 0; i < m; i++) {
+        const uintptr_t a = (r[i].a + pg - 1) / pg * pg, b = r[i].b / pg * pg;
+        if (b <= a) continue;
+        const size_t np = (b - a) / pg;
+        unsigned char *v = malloc(np);
+        if (v && mincore((void *)a, b - a, v) == 0)
+            for (size_t p = 0; p < np; p++) *resident += v[p] & 1;
+        *pages += np;
+        free(v);
+    }
+    free(r);
 }
 
 typedef struct decode_result {
@@ -652,6 +719,11 @@ int main(int argc, char **argv) {
                    "submitted early: %.3f GB/s = %.1f%%\n",
                    ceil_bps[0] / 1e9, 100 * ratio(ceil_bps[0], dev_bps), 100 * ceil_hits[0], ceil_bps[1] / 1e9,
                    100 * ratio(ceil_bps[1], dev_bps));
+            uint64_t res = 0, pgs = 0;
+            expert_pages_resident(e, &res, &pgs);
+            printf("mapping    pages of the shards holding only routed-expert bytes: %" PRIu64 " of %" PRIu64
+                   " in the page cache after the run (mincore)\n",
+                   res, pgs);
             tier_text("prefill", 0, &pre.tier, dev_bps);
             for (size_t i = 0; i < n_batches; i++) tier_text("decode", dec[i].batch, &dec[i].tier, dev_bps);
         } else {
