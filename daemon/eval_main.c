@@ -364,6 +364,7 @@ int main(int argc, char **argv) {
         ds41_daemon_config dc;
         if (ds41_daemon_config_load(config_path, &dc, &err) != 0) {
             fprintf(stderr, "ds41-eval: --config: %s\n", err.msg);
+            free(ids);
             return 2;
         }
         if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
