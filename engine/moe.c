@@ -1,7 +1,13 @@
 /* MoE sub-layer (REFERENCE.md §2.6 Gate/Expert/MoE, §9.2, §10.4): the
  * sqrt-softplus router with selection-only bias, FP4 routed experts with the
  * routing weight applied before w2, the FP8 shared expert, and the fp32
- * combine in increasing expert id then the shared expert. */
+ * combine in increasing expert id then the shared expert.
+ *
+ * Routed experts come from the mapping (resident), or, under an expert
+ * budget, from the expert tier (storage/expert_cache.h): right after the
+ * router, every expert the batch selected is requested in one submission,
+ * layer L+1's experts are predicted and their reads started, and the
+ * ds41_linear views point into the pinned slots until the layer is done. */
 #include "engine/forward_internal.h"
 
 #include "engine/quant.h"
