@@ -87,6 +87,8 @@ static const key_desc keys[] = {
      NULL},
     {"engine.test_forced_output", "engine", "test_forced_output", V_BOOL, CFG(engine.test_forced_output), 0, 0, false,
      false, NULL},
+    {"engine.test_fault_expert_read", "engine", "test_fault_expert_read", V_UINT, CFG(engine.test_fault_expert_read), 0,
+     UINT64_MAX, false, false, NULL},
     {"memory.kv_cache_bytes", "memory", "kv_cache_bytes", V_SIZE, CFG(memory.kv_cache_bytes), 0, UINT64_MAX, false,
      true, NULL},
     {"memory.expert_cache_bytes", "memory", "expert_cache_bytes", V_SIZE, CFG(memory.expert_cache_bytes), 0,
@@ -703,6 +705,7 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->engine.max_batch_tokens = 8192;
     cfg->engine.prefill_chunk = 512;
     cfg->engine.test_forced_output = false;
+    cfg->engine.test_fault_expert_read = 0;
     cfg->limits.max_body_bytes = 8u << 20;
     cfg->limits.max_queue = 256;
     cfg->limits.max_tokens_default = 4096;

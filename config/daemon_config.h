@@ -51,6 +51,9 @@
  *                            (text whose tokens replace the samples, so tests can make a
  *                            random-weight model emit </think> and tool calls).  Never on
  *                            in production: it lets a client dictate the output.
+ *   engine.test_fault_expert_read 0   test hook: when N > 0, the Nth read of streamed routed
+ *                            experts after each model load fails with EIO (once), so tests
+ *                            see a request fail cleanly; 0..2^64-1.  Never on in production.
  *   memory.kv_cache_bytes    auto     KV cache budget; sizes are integers (bytes) or strings
  *   memory.expert_cache_bytes auto    with a unit: B, KB/MB/GB/TB/PB (powers of 1000),
  *   memory.engram_cache_bytes auto    KiB/MiB/GiB/TiB/PiB (powers of 1024), units case-
@@ -175,6 +178,7 @@ typedef struct ds41_daemon_config {
         uint32_t max_batch_tokens;
         uint32_t prefill_chunk;
         bool test_forced_output;
+        uint64_t test_fault_expert_read;
     } engine;
     struct {
         uint64_t kv_cache_bytes;

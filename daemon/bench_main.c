@@ -8,20 +8,27 @@
  * weights, embedding and Engram rows, the head) and those bytes per second as
  * a fraction of the measured read bandwidth.  Timing starts after a warm-up
  * that has touched the weights (page faults of the mapping do not count). */
+#include "config/daemon_config.h"
 #include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
+#include "storage/expert_cache.h"
+#include "storage/safetensors.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
+               "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
                "\n"
                "Measures, with the fast CPU path:\n"
                "  machine   read bandwidth (every thread streaming its slice of a G GiB buffer,\n"
@@ -33,6 +40,15 @@ static void usage(FILE *f) {
                "            prompts, then N greedy steps (default 8) of one token each, all B in\n"
                "            one forward call per step: tokens/s, weight bytes the kernels touched\n"
                "            per step, and those bytes per second as a fraction of the bandwidth\n"
+               "  experts   with --expert-cache-bytes SIZE (or memory.expert_cache_bytes of --config\n"
+               "            FILE) below the routed experts' total, they are streamed from the shards\n"
+               "            through a slot pool of that size; the page cache is dropped first when\n"
+               "            permitted, the device's own O_DIRECT read bandwidth is probed on the\n"
+               "            largest shard before and after the workload (best kept), and each phase\n"
+               "            prints the tier's uses, hits (+ predicted in time), hit rate, misses,\n"
+               "            bytes read per token, achieved read bandwidth and its ratio to the\n"
+               "            device's, load latency p50/p99, prediction accuracy (--no-predict turns\n"
+               "            next-layer prediction off) and /proc/self/io read_bytes\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
                "threads to CPUs.  --json prints one JSON object instead of text.\n"
                "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
@@ -59,10 +75,245 @@ static int32_t random_id(int64_t vocab) {
     return (int32_t)((rng_state >> 33) % (uint64_t)vocab);
 }
 
+/* ---- the routed-expert tier's figures over a timed phase ---- */
+
+typedef struct tier_result {
+    bool streamed;
+    ds41_expert_cache_stats st;
+    uint64_t io_read_bytes; /* /proc/self/io read_bytes over the phase */
+    double seconds, tokens;
+} tier_result;
+
+/* read_bytes of /proc/self/io (bytes this process caused to be fetched
+ * from storage), or UINT64_MAX when unavailable. */
+static uint64_t proc_read_bytes(void) {
+    FILE *f = fopen("/proc/self/io", "r");
+    if (!f) return UINT64_MAX;
+    char line[128];
+    uint64_t v = UINT64_MAX;
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "read_bytes:", 11) == 0) v = strtoull(line + 11, NULL, 10);
+    fclose(f);
+    return v;
+}
+
+static uint64_t tier_io0;
+static void tier_begin(ds41_engine *e) {
+    ds41_expert_cache_stats st;
+    ds41_engine_expert_stats(e, &st, true);
+    tier_io0 = proc_read_bytes();
+}
+
+static void tier_end(ds41_engine *e, double seconds, double tokens, tier_result *t) {
+    const uint64_t io = proc_read_bytes();
+    t->streamed = ds41_engine_expert_stats(e, &t->st, true);
+    t->io_read_bytes = io != UINT64_MAX && tier_io0 != UINT64_MAX ? io - tier_io0 : 0;
+    t->seconds = seconds;
+    t->tokens = tokens;
+}
+
+static double ratio(double a, double b) {
+    return b > 0 ? a / b : 0.0;
+}
+
+static void tier_text(const char *phase, size_t batch, const tier_result *t, double dev_bps) {
+    const ds41_expert_cache_stats *s = &t->st;
+    char name[32];
+    if (batch)
+        snprintf(name, sizeof name, "%s B=%zu", phase, batch);
+    else
+        snprintf(name, sizeof name, "%s", phase);
+    const double bw = ratio((double)s->bytes_read, t->seconds);
+    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted (loaded or in flight) = %.1f%% hit rate, %" PRIu64
+           " misses, %" PRIu64 " waves; %.2f MB read/token; %.3f GB/s achieved = %.1f%% of the device; stalled "
+           "%.0f%% of the time; load p50 %.2f ms p99 %.2f ms; prediction accuracy %.1f%% (%" PRIu64 "/%" PRIu64
+           ", %" PRIu64 " skipped); /proc/self/io read_bytes %.1f MB (tier read %.1f MB)\n",
+           name, s->requests, s->hits, s->prefetch_hits,
+           100 * ratio((double)(s->hits + s->prefetch_hits), (double)s->requests), s->misses, s->waves,
+           ratio((double)s->bytes_read, t->tokens) / 1e6, bw / 1e9, 100 * ratio(bw, dev_bps),
+           100 * ratio((double)s->stall_ns * 1e-9, t->seconds), (double)s->latency_p50_ns / 1e6,
+           (double)s->latency_p99_ns / 1e6, 100 * ratio((double)s->predicted_used, (double)s->predicted),
+           s->predicted_used, s->predicted, s->predict_skipped, (double)t->io_read_bytes / 1e6,
+           (double)s->bytes_read / 1e6);
+}
+
+static void tier_json(const char *phase, size_t batch, const tier_result *t, double dev_bps, bool first) {
+    const ds41_expert_cache_stats *s = &t->st;
+    const double bw = ratio((double)s->bytes_read, t->seconds);
+    printf("%s{\"phase\":\"%s\",\"batch\":%zu,\"seconds\":%.6f,\"tokens\":%.0f,\"uses\":%" PRIu64
+           ",\"hits\":%" PRIu64 ",\"prefetch_hits\":%" PRIu64 ",\"misses\":%" PRIu64 ",\"waves\":%" PRIu64
+           ",\"hit_rate\":%.4f,\"bytes_read\":%" PRIu64 ",\"bytes_read_per_token\":%.0f,"
+           "\"achieved_read_bps\":%.0f,\"fraction_of_device\":%.4f,\"stall_seconds\":%.6f,"
+           "\"latency_p50_ns\":%" PRIu64 ",\"latency_p99_ns\":%" PRIu64 ",\"predicted\":%" PRIu64
+           ",\"predicted_used\":%" PRIu64 ",\"prediction_accuracy\":%.4f,\"proc_io_read_bytes\":%" PRIu64 "}",
+           first ? "" : ",", phase, batch, t->seconds, t->tokens, s->requests, s->hits, s->prefetch_hits, s->misses,
+           s->waves, ratio((double)(s->hits + s->prefetch_hits), (double)s->requests), s->bytes_read,
+           ratio((double)s->bytes_read, t->tokens), bw, ratio(bw, dev_bps), (double)s->stall_ns * 1e-9,
+           s->latency_p50_ns, s->latency_p99_ns, s->predicted_used, s->predicted,
+           ratio((double)s->predicted_used, (double)s->predicted), t->io_read_bytes);
+}
+
+/* The tier's own read rate in the engine's access pattern, without the
+ * compute: a second expert cache of the same budget over the same shards
+ * (opened again), `steps` decode-like steps of B=1 (each text layer asks for
+ * n_active random distinct experts, uniform as random weights route), each
+ * layer's request acquired in one submission, waited for and released.  With
+ * `predict` the next layer's set is submitted right after the layer's own
+ * request, as the engine does while a layer computes (here a perfect
+ * prediction: this measures the pipeline, not the predictor).  Gives bytes
+ * read per second of wall time and the hit rate. */
+static int tier_ceiling(const char *model, uint64_t budget, bool predict, int steps, double *bps, double *hit_rate,
+                        ds41_error *err) {
+    int rc = -1;
+    ds41_model_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    ds41_checkpoint *ck = NULL;
+    ds41_expert_cache *xc = NULL;
+    int32_t *sets = NULL;
+    if (ds41_model_config_load(model, &cfg, err) != 0) return -1;
+    if (!(ck = ds41_checkpoint_open(model, err))) goto out;
+    ds41_expert_cache_opts o = {.budget_bytes = budget};
+    if (!(xc = ds41_expert_cache_new(ck, &cfg, &o, err))) goto out;
+    const int L = (int)cfg.n_layers;
+    int k = 0;
+    for (int l = 0; l < L; l++)
+        if (cfg.roles[l].present && (int)cfg.roles[l].n_active_experts > k) k = (int)cfg.roles[l].n_active_experts;
+    if (k == 0) {
+        ds41_fail(err, "tier ceiling: no routed experts");
+        goto out;
+    }
+    /* Every (step, layer)'s set, drawn up front (sorted, distinct). */
+    sets = malloc((size_t)steps * (size_t)L * (size_t)k * sizeof *sets);
+    if (!sets) {
+        ds41_fail(err, "out of memory");
+        goto out;
+    }
+    for (int st = 0; st < steps; st++)
+        for (int l = 0; l < L; l++) {
+            int32_t *v = sets + ((size_t)st * (size_t)L + (size_t)l) * (size_t)k;
+            const int64_t E = cfg.roles[l].n_experts;
+            for (int j = 0; j < k; j++) {
+                int32_t x;
+                bool dup;
+                do {
+                    x = random_id(E);
+                    dup = false;
+                    for (int q = 0; q < j; q++) dup = dup || v[q] == x;
+                } while (dup);
+                int q = j;
+                while (q > 0 && v[q - 1] > x) v[q] = v[q - 1], q--;
+                v[q] = x;
+            }
+        }
+    uint8_t got[64];
+    ds41_expert_view views[64];
+    if (k > 64) {
+        ds41_fail(err, "tier ceiling: more than 64 active experts");
+        goto out;
+    }
+    ds41_expert_cache_stats st;
+    ds41_expert_cache_get_stats(xc, &st, true);
+    const double t0 = now();
+    for (int s2 = 0; s2 < steps; s2++)
+        for (int l = 0; l < L; l++) {
+            if (!cfg.roles[l].present || cfg.roles[l].n_experts <= 0) continue;
+            const int32_t *v = sets + ((size_t)s2 * (size_t)L + (size_t)l) * (size_t)k;
+            if (ds41_expert_cache_acquire(xc, l, v, (size_t)k, got, err) < 0) goto out;
+            if (predict) {
+                const int nl = l + 1 < L ? l + 1 : 0, ns = l + 1 < L ? s2 : s2 + 1;
+                if (ns < steps && cfg.roles[nl].present && cfg.roles[nl].n_experts > 0)
+                    ds41_expert_cache_predict(xc, nl, sets + ((size_t)ns * (size_t)L + (size_t)nl) * (size_t)k,
+                                              (size_t)k);
+            }
+            const int wrc = ds41_expert_cache_wait(xc, l, v, (size_t)k, got, views, err);
+            ds41_expert_cache_release(xc, l, v, (size_t)k, got);
+            if (wrc != 0) goto out;
+            if (l + 1 == L && !predict) ds41_expert_cache_end_step(xc);
+        }
+    const double t = now() - t0;
+    ds41_expert_cache_get_stats(xc, &st, false);
+    *bps = (double)st.bytes_read / t;
+    *hit_rate = st.requests ? (double)(st.hits + st.prefetch_hits) / (double)st.requests : 0.0;
+    rc = 0;
+out:
+    free(sets);
+    ds41_expert_cache_free(xc);
+    ds41_checkpoint_close(ck);
+    ds41_model_config_free(&cfg);
+    return rc;
+}
+
+/* Pages of the checkpoint mapping that hold only routed-expert bytes of the
+ * text layers, and how many of them are in the page cache (mincore): with
+ * the experts streamed through O_DIRECT after a dropped page cache this
+ * stays near 0, showing the experts came from the device, not the mapping. */
+typedef struct xrange {
+    uintptr_t a, b;
+} xrange;
+
+static int cmp_xrange(const void *x, const void *y) {
+    const xrange *p = x, *q = y;
+    return p->a < q->a ? -1 : p->a > q->a;
+}
+
+static void expert_pages_resident(const ds41_engine *e, uint64_t *resident, uint64_t *pages) {
+    const ds41_model_config *c = ds41_engine_config(e);
+    const ds41_weights *w = ds41_engine_weights(e);
+    size_t n = 0, cap = 0;
+    xrange *r = NULL;
+    *resident = *pages = 0;
+    for (int L = 0; L < (int)c->n_layers; L++) {
+        const ds41_layer_weights *lw = &w->layers[L];
+        for (int64_t ex = 0; ex < lw->n_experts; ex++) {
+            const ds41_linear *ls[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
+            for (int k = 0; k < 3; k++) {
+                if (n + 2 > cap) {
+                    cap = cap ? 2 * cap : 1024;
+                    xrange *nr = realloc(r, cap * sizeof *nr);
+                    if (!nr) {
+                        free(r);
+                        return;
+                    }
+                    r = nr;
+                }
+                const size_t qb = (size_t)(ls[k]->n * (ls[k]->kind == DS41_LINEAR_FP4 ? ls[k]->k / 2 : ls[k]->k));
+                r[n++] = (xrange){(uintptr_t)ls[k]->q, (uintptr_t)ls[k]->q + qb};
+                r[n++] = (xrange){(uintptr_t)ls[k]->scale, (uintptr_t)ls[k]->scale + (size_t)(ls[k]->n * ls[k]->scale_cols)};
+            }
+        }
+    }
+    if (!n) {
+        free(r);
+        return;
+    }
+    qsort(r, n, sizeof *r, cmp_xrange);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (m && r[i].a <= r[m - 1].b) {
+            if (r[i].b > r[m - 1].b) r[m - 1].b = r[i].b;
+        } else {
+            r[m++] = r[i];
+        }
+    }
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    for (size_t i = 0; i < m; i++) {
+        const uintptr_t a = (r[i].a + pg - 1) / pg * pg, b = r[i].b / pg * pg;
+        if (b <= a) continue;
+        const size_t np = (b - a) / pg;
+        unsigned char *v = malloc(np);
+        if (v && mincore((void *)a, b - a, v) == 0)
+            for (size_t p = 0; p < np; p++) *resident += v[p] & 1;
+        *pages += np;
+        free(v);
+    }
+    free(r);
+}
+
 typedef struct decode_result {
     size_t batch, steps;
     double seconds_per_step, tokens_per_s;
     double bytes_per_step, bytes_per_s, fraction;
+    tier_result tier;
 } decode_result;
 
 /* B sequences, 32-token prompts, one warm-up step, then `steps` timed steps. */
@@ -95,6 +346,7 @@ static int bench_decode(ds41_engine *e, ds41_backend *be, size_t B, size_t steps
     for (size_t s = 0; s <= steps; s++) {
         if (s == 1) {
             be->stats(be, &st, true);
+            tier_begin(e);
             t0 = now();
         }
         for (size_t b = 0; b < B; b++) {
@@ -106,6 +358,7 @@ static int bench_decode(ds41_engine *e, ds41_backend *be, size_t B, size_t steps
     }
     const double t = now() - t0;
     be->stats(be, &st, true);
+    tier_end(e, t, (double)(B * steps), &r->tier);
     r->batch = B;
     r->steps = steps;
     r->seconds_per_step = t / (double)steps;
@@ -129,6 +382,7 @@ out:
 typedef struct prefill_result {
     size_t tokens;
     double seconds, tokens_per_s, flops, gflops, fraction;
+    tier_result tier;
 } prefill_result;
 
 /* One untimed prefill (warm-up: touches the weights, faults the mapping),
@@ -152,10 +406,12 @@ static int bench_prefill(ds41_engine *e, ds41_backend *be, size_t P, double peak
         ds41_fwd_item it = {.seq = s, .ids = ids, .n_ids = P, .logits = logits, .logits_last_only = true};
         ds41_backend_stats st;
         be->stats(be, &st, true);
+        tier_begin(e);
         const double t0 = now();
         const int frc = ds41_forward(e, &it, 1, NULL, err);
         const double t = now() - t0;
         be->stats(be, &st, true);
+        tier_end(e, t, (double)P, &r->tier);
         ds41_kv_seq_free(s);
         if (frc != 0) goto out;
         r->tokens = P;
@@ -184,6 +440,9 @@ int main(int argc, char **argv) {
         {"batches", required_argument, NULL, 'b'},
         {"bandwidth-gib", required_argument, NULL, 'g'},
         {"pin", no_argument, NULL, 'P'},
+        {"expert-cache-bytes", required_argument, NULL, 'X'},
+        {"config", required_argument, NULL, 'C'},
+        {"no-predict", no_argument, NULL, 'N'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -192,6 +451,9 @@ int main(int argc, char **argv) {
     size_t batches[16] = {1, 4, 16}, n_batches = 3;
     int json = 0;
     ds41_engine_opts eo = {.reference = false};
+    uint64_t expert_bytes = 0;
+    bool expert_bytes_set = false;
+    const char *config_path = NULL;
     int ch;
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         switch (ch) {
@@ -212,6 +474,21 @@ int main(int argc, char **argv) {
         case 'P':
             eo.cpu.pin = true;
             break;
+        case 'N':
+            eo.expert_no_predict = true;
+            break;
+        case 'C':
+            config_path = optarg;
+            break;
+        case 'X': {
+            ds41_error serr = {{0}};
+            if (ds41_size_parse(optarg, &expert_bytes, &serr) != 0) {
+                fprintf(stderr, "ds41-bench: --expert-cache-bytes: %s\n", serr.msg);
+                return 2;
+            }
+            expert_bytes_set = true;
+            break;
+        }
         case 'L':
             if (strcmp(optarg, "scalar") == 0)
                 eo.cpu.level = DS41_CPU_SCALAR;
@@ -282,6 +559,16 @@ int main(int argc, char **argv) {
         return 2;
     }
     ds41_error err = {{0}};
+    if (config_path) {
+        ds41_daemon_config dc;
+        if (ds41_daemon_config_load(config_path, &dc, &err) != 0) {
+            fprintf(stderr, "ds41-bench: --config: %s\n", err.msg);
+            return 2;
+        }
+        if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
+        ds41_daemon_config_free(&dc);
+    }
+    eo.expert_cache_bytes = expert_bytes;
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-bench: %s\n", err.msg);
@@ -304,10 +591,45 @@ int main(int argc, char **argv) {
     if (!json)
         fprintf(stderr, "ds41-bench: %s, %d threads: read %.1f GB/s, FMA %.0f GFLOP/s\n", be->name,
                 ds41_backend_threads(be), mach.read_gbs, mach.fma_gflops);
+    /* Expert tier: drop the page cache (when permitted) so that nothing of
+     * the checkpoint is cached, and measure the device's own O_DIRECT read
+     * bandwidth on the largest shard the tier reads. */
+    const bool streamed = ds41_engine_experts_streamed(e);
+    ds41_bandwidth_probe probe = {0};
+    const char *dropped = "not needed (experts resident)";
+    const char *probe_path = NULL;
+    if (streamed) {
+        ds41_reader *rd = ds41_engine_expert_reader(e);
+        uint64_t best = 0;
+        for (uint32_t i = 0; i < ds41_reader_file_count(rd); i++)
+            if (ds41_reader_file_size(rd, i) > best) {
+                best = ds41_reader_file_size(rd, i);
+                probe_path = ds41_reader_file_path(rd, i);
+            }
+        sync();
+        FILE *dc = fopen("/proc/sys/vm/drop_caches", "w");
+        dropped = dc && fputs("1\n", dc) >= 0 && fclose(dc) == 0 ? "yes (/proc/sys/vm/drop_caches)"
+                                                                : "no (not permitted: O_DIRECT keeps experts out of it)";
+        if (probe_path && ds41_reader_probe_bandwidth(probe_path, 1ull << 30, &probe, &err) != 0) goto fail;
+    }
     if (bench_prefill(e, be, P, mach.fma_gflops, &pre, &err) != 0) goto fail;
     for (size_t i = 0; i < n_batches; i++)
         if (bench_decode(e, be, batches[i], steps, mach.read_gbs, &dec[i], &err) != 0) goto fail;
     if (ds41_backend_cpu_measure(be, (uint64_t)gib << 30, 3, &mach2, &err) != 0) goto fail;
+    if (streamed && probe_path) {
+        ds41_bandwidth_probe p2;
+        if (ds41_reader_probe_bandwidth(probe_path, 1ull << 30, &p2, &err) != 0) goto fail;
+        if (p2.bytes_per_second > probe.bytes_per_second) probe = p2;
+    }
+    const double dev_bps = probe.bytes_per_second;
+    /* The tier without compute, with and without the next layer submitted early. */
+    double ceil_bps[2] = {0, 0}, ceil_hits[2] = {0, 0};
+    if (streamed) {
+        ds41_expert_cache_stats g;
+        ds41_engine_expert_stats(e, &g, false);
+        for (int pr = 0; pr < 2; pr++)
+            if (tier_ceiling(model, g.budget_bytes, pr == 1, 32, &ceil_bps[pr], &ceil_hits[pr], &err) != 0) goto fail;
+    }
     const double bw_first = mach.read_gbs, bw_second = mach2.read_gbs;
     if (mach2.read_gbs > mach.read_gbs) mach.read_gbs = mach2.read_gbs;
     if (mach2.fma_gflops > mach.fma_gflops) mach.fma_gflops = mach2.fma_gflops;
@@ -345,7 +667,25 @@ int main(int argc, char **argv) {
                 i ? "," : "", dec[i].batch, dec[i].steps, dec[i].seconds_per_step, dec[i].tokens_per_s,
                 dec[i].bytes_per_step, dec[i].bytes_per_s,
                 mach.read_gbs > 0 ? dec[i].bytes_per_step / (mach.read_gbs * 1e9) : 0.0, dec[i].fraction);
-        printf("]}\n");
+        printf("],\"experts\":{\"streamed\":%s", streamed ? "true" : "false");
+        if (streamed) {
+            ds41_expert_cache_stats g;
+            ds41_engine_expert_stats(e, &g, false);
+            printf(",\"budget_bytes\":%" PRIu64 ",\"slot_bytes\":%" PRIu64 ",\"slots\":%" PRIu64
+                   ",\"total_bytes\":%" PRIu64 ",\"reader\":\"%s\",\"direct\":%s,\"prediction\":%s,"
+                   "\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
+                   "\"io_without_compute\":{\"read_bps\":%.0f,\"fraction_of_device\":%.4f,\"hit_rate\":%.4f,"
+                   "\"read_bps_next_layer_early\":%.0f,\"fraction_of_device_next_layer_early\":%.4f},"
+                   "\"phases\":[",
+                   g.budget_bytes, g.slot_bytes, g.slots, g.total_bytes, g.backend, g.direct ? "true" : "false",
+                   eo.expert_no_predict ? "false" : "true", strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
+                   dev_bps, probe.direct ? "true" : "false", ceil_bps[0], ratio(ceil_bps[0], dev_bps), ceil_hits[0],
+                   ceil_bps[1], ratio(ceil_bps[1], dev_bps));
+            tier_json("prefill", 0, &pre.tier, dev_bps, true);
+            for (size_t i = 0; i < n_batches; i++) tier_json("decode", dec[i].batch, &dec[i].tier, dev_bps, false);
+            printf("]");
+        }
+        printf("}}\n");
     } else {
         printf("model      %s\nbackend    %s, %d threads (load average %.2f at the start)\n", model, be->name,
                ds41_backend_threads(be), load[0]);
@@ -363,6 +703,32 @@ int main(int argc, char **argv) {
                    dec[i].batch, dec[i].tokens_per_s, 1e3 * dec[i].seconds_per_step,
                    dec[i].bytes_per_step / 1e6, dec[i].bytes_per_s / 1e9, 100 * dec[i].fraction,
                    mach.read_gbs > 0 ? 1e3 * dec[i].bytes_per_step / (mach.read_gbs * 1e9) : 0.0);
+        if (streamed) {
+            ds41_expert_cache_stats g;
+            ds41_engine_expert_stats(e, &g, false);
+            printf("experts    streamed: budget %.1f MiB = %" PRIu64 " slots of %.2f MiB, %.1f MiB of routed experts "
+                   "(%.1fx the budget); reader %s, O_DIRECT %s; prediction %s; page cache dropped: %s\n",
+                   (double)g.budget_bytes / 1048576.0, g.slots, (double)g.slot_bytes / 1048576.0,
+                   (double)g.total_bytes / 1048576.0, (double)g.total_bytes / (double)g.budget_bytes, g.backend,
+                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : "on", dropped);
+            printf("device     O_DIRECT read bandwidth %.2f GB/s (%s, %.0f MiB, %s; best of a probe before and "
+                   "after the workload)\n",
+                   dev_bps / 1e9, probe_path, (double)probe.bytes / 1048576.0, probe.backend);
+            printf("tier I/O   without compute (a second cache of the same budget; B=1 decode pattern, random "
+                   "experts, 32 steps): %.3f GB/s = %.1f%% of the device at %.1f%% hits; with the next layer "
+                   "submitted early: %.3f GB/s = %.1f%%\n",
+                   ceil_bps[0] / 1e9, 100 * ratio(ceil_bps[0], dev_bps), 100 * ceil_hits[0], ceil_bps[1] / 1e9,
+                   100 * ratio(ceil_bps[1], dev_bps));
+            uint64_t res = 0, pgs = 0;
+            expert_pages_resident(e, &res, &pgs);
+            printf("mapping    pages of the shards holding only routed-expert bytes: %" PRIu64 " of %" PRIu64
+                   " in the page cache after the run (mincore)\n",
+                   res, pgs);
+            tier_text("prefill", 0, &pre.tier, dev_bps);
+            for (size_t i = 0; i < n_batches; i++) tier_text("decode", dec[i].batch, &dec[i].tier, dev_bps);
+        } else {
+            printf("experts    all resident (no --expert-cache-bytes below their total)\n");
+        }
     }
     status = 0;
     goto done;

@@ -43,6 +43,8 @@ static void usage(FILE *f) {
             "  cache save SESSION           write a session (see ps) to a snapshot (admin)\n"
             "  cache restore SNAPSHOT       load a snapshot into the prefix cache (admin)\n"
             "  cache rm SNAPSHOT            delete a snapshot (admin)\n"
+            "  cache --set-expert-bytes SIZE  change the routed-expert budget at run time\n"
+            "       [--model M]             (e.g. 2GiB; auto or 0 = all resident; admin)\n"
             "  chat [PROMPT]                chat, streaming; interactive without PROMPT\n"
             "       [--model M] [--system TEXT] [--thinking] [--effort N] [--max-tokens N]\n"
             "       [--temperature T] [--seed S]\n"
@@ -393,6 +395,22 @@ static int cmd_cache(void) {
                       json_is_number(hr) ? fmt("%.1f%%", 100 * json_number_value(hr)) : "-");
         }
         table_print(&t);
+        json_array_foreach(json_object_get(c, "tiers"), i, tier) {
+            if (strcmp(jstr(tier, "name"), "experts") != 0) continue;
+            char tot[32], rd[32];
+            human_bytes((double)jint(tier, "total_bytes"), tot, sizeof tot);
+            if (json_is_true(json_object_get(tier, "streamed"))) {
+                human_bytes((double)jint(tier, "bytes_read"), rd, sizeof rd);
+                json_t *acc = json_object_get(tier, "prediction_accuracy");
+                printf("experts: streamed from disk (%s of routed experts); %s read, load latency p50 %.2f ms p99 "
+                       "%.2f ms; prediction accuracy %s (%lld of %lld predicted used)\n",
+                       tot, rd, (double)jint(tier, "latency_p50_ns") / 1e6, (double)jint(tier, "latency_p99_ns") / 1e6,
+                       json_is_number(acc) ? fmt("%.1f%%", 100 * json_number_value(acc)) : "-",
+                       jint(tier, "predicted_used"), jint(tier, "predicted"));
+            } else {
+                printf("experts: all resident (%s of routed experts, used in place from the checkpoint)\n", tot);
+            }
+        }
         putchar('\n');
         sessions_table(s);
     }
@@ -467,6 +485,40 @@ static int cmd_cache_snapshots(int argc, char **argv) {
     }
     fprintf(stderr, "ds41ctl: cache: expected ls, save SESSION, restore SNAPSHOT or rm SNAPSHOT\n");
     return 2;
+}
+
+/* cache --set-expert-bytes SIZE [--model M]: POST /admin/cache/experts. */
+static int cmd_cache_set(int argc, char **argv) {
+    const char *size = NULL, *model = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--set-expert-bytes") == 0 && i + 1 < argc)
+            size = argv[++i];
+        else if (strcmp(argv[i], "--model") == 0 && i + 1 < argc)
+            model = argv[++i];
+        else {
+            fprintf(stderr, "ds41ctl: cache: unknown argument '%s'\n", argv[i]);
+            return 2;
+        }
+    }
+    if (!size) {
+        fprintf(stderr, "ds41ctl: cache: --set-expert-bytes SIZE is required with --model\n");
+        return 2;
+    }
+    json_t *body = json_object();
+    json_object_set_new(body, "bytes", json_string(size));
+    if (model) json_object_set_new(body, "model", json_string(model));
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    if (!text) return fail("out of memory");
+    json_t *j = call_json("POST", "/admin/cache/experts", text, NULL, false);
+    free(text);
+    if (!j) return 1;
+    if (g_json)
+        print_json(j);
+    else
+        printf("expert budget set to %lld bytes (applies from the next forward step)\n", jint(j, "expert_cache_bytes"));
+    json_decref(j);
+    return 0;
 }
 
 static int cmd_metrics(void) {
@@ -1230,6 +1282,8 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "models") == 0) return cmd_models(sub_argc, sub_argv);
     if (strcmp(cmd, "ps") == 0 && sub_argc == 1) return cmd_ps();
     if (strcmp(cmd, "cache") == 0 && sub_argc == 1) return cmd_cache();
+    if (strcmp(cmd, "cache") == 0 && sub_argc > 1 && strncmp(sub_argv[1], "--", 2) == 0)
+        return cmd_cache_set(sub_argc, sub_argv);
     if (strcmp(cmd, "cache") == 0) return cmd_cache_snapshots(sub_argc, sub_argv);
     if (strcmp(cmd, "chat") == 0) return cmd_chat(sub_argc, sub_argv);
     if (strcmp(cmd, "generate") == 0) return cmd_generate(sub_argc, sub_argv);

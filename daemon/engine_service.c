@@ -39,7 +39,9 @@ typedef struct settings {
     uint32_t threads; /* fast backend workers, 0 = one per CPU */
     uint32_t max_sequences, max_batch_tokens, prefill_chunk;
     bool test_forced_output;
+    uint64_t test_fault_expert_read;
     uint64_t kv_cache_bytes;
+    uint64_t expert_cache_bytes;
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes;
@@ -107,6 +109,8 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->prefill_chunk = cfg->engine.prefill_chunk;
     st->test_forced_output = cfg->engine.test_forced_output;
     st->kv_cache_bytes = cfg->memory.kv_cache_bytes;
+    st->expert_cache_bytes = cfg->memory.expert_cache_bytes;
+    st->test_fault_expert_read = cfg->engine.test_fault_expert_read;
     st->max_queue = cfg->limits.max_queue;
     st->max_tokens_default = cfg->limits.max_tokens_default;
     st->max_context = cfg->limits.max_context;
@@ -480,9 +484,24 @@ static void *loader_main(void *p) {
     snprintf(m->detail, sizeof m->detail, "loading %s", m->path);
     pthread_rwlock_unlock(&m->lock);
     ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE,
-                           .cpu = {.threads = (int)a->st.threads}};
+                           .cpu = {.threads = (int)a->st.threads},
+                           .expert_cache_bytes = a->st.expert_cache_bytes};
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
+    if (ds41_engine_experts_streamed(engine)) {
+        ds41_expert_cache_stats xs;
+        ds41_engine_expert_stats(engine, &xs, false);
+        ds41_reader *rd = ds41_engine_expert_reader(engine);
+        ds41_log(DS41_LOG_INFO,
+                 "model %s: routed experts streamed: %llu slots of %llu bytes for %llu bytes of experts (reader %s, "
+                 "O_DIRECT %s)",
+                 m->name, (unsigned long long)xs.slots, (unsigned long long)xs.slot_bytes,
+                 (unsigned long long)xs.total_bytes, xs.backend, xs.direct ? "yes" : "no");
+        if (rd && ds41_reader_warning(rd)) ds41_log(DS41_LOG_WARNING, "model %s: %s", m->name, ds41_reader_warning(rd));
+        /* Test hook (engine.test_fault_expert_read): the Nth expert read fails once. */
+        if (rd && a->st.test_fault_expert_read)
+            ds41_reader_set_fault(rd, DS41_READER_ANY_FILE, DS41_FAULT_EIO, a->st.test_fault_expert_read, 0);
+    }
     vocab = ds41_vocab_load_dir(m->path, &err);
     tok = vocab ? ds41_tokenizer_new(vocab, &err) : NULL;
     if (!tok) goto fail;
@@ -1107,6 +1126,73 @@ static void metric_head(ds41_buf *b, const char *name, const char *type, const c
     ds41_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
+/* ds41_tier_* series of the routed-expert tier (tier="experts") of every
+ * ready model.  Called with cfg_lock held. */
+static void expert_tier_metrics(ds41_engine_service *s, ds41_buf *b, const bool *ready, size_t n) {
+    ds41_expert_cache_stats *xs = calloc(n ? n : 1, sizeof *xs);
+    bool *streamed = calloc(n ? n : 1, sizeof *streamed);
+    bool *have = calloc(n ? n : 1, sizeof *have);
+    if (!xs || !streamed || !have) goto out;
+    for (size_t i = 0; i < n; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        if (ready[i] && m->state == DS41_MODEL_READY && m->engine) {
+            streamed[i] = ds41_engine_expert_stats(m->engine, &xs[i], false);
+            have[i] = true;
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    static const struct {
+        const char *name, *type, *help;
+        int field;
+    } series[] = {
+        {"ds41_tier_streamed", "gauge", "1 when the tier reads from disk under its budget, 0 when all resident.", 0},
+        {"ds41_tier_budget_bytes", "gauge", "The tier's memory budget (0: auto, all resident).", 1},
+        {"ds41_tier_used_bytes", "gauge", "Bytes of the tier's slots holding data.", 2},
+        {"ds41_tier_total_bytes", "gauge", "Bytes of everything the tier serves (e.g. all routed experts).", 3},
+        {"ds41_tier_hits_total", "counter", "Uses served from memory (incl. predicted loads in time).", 4},
+        {"ds41_tier_misses_total", "counter", "Uses that had to be read on demand.", 5},
+        {"ds41_tier_read_bytes_total", "counter", "Bytes read from the device into the tier.", 6},
+        {"ds41_tier_read_errors_total", "counter", "Failed reads.", 7},
+        {"ds41_tier_predictions_total", "counter", "Items predicted for the next layer.", 8},
+        {"ds41_tier_predictions_used_total", "counter", "Predicted items the layer then used.", 9},
+    };
+    for (size_t k = 0; k < sizeof series / sizeof series[0]; k++) {
+        metric_head(b, series[k].name, series[k].type, series[k].help);
+        for (size_t i = 0; i < n; i++) {
+            if (!have[i]) continue;
+            const ds41_expert_cache_stats *x = &xs[i];
+            uint64_t v = 0;
+            switch (series[k].field) {
+            case 0: v = streamed[i]; break;
+            case 1: v = x->budget_bytes; break;
+            case 2: v = x->slots_used * x->slot_bytes; break;
+            case 3: v = x->total_bytes; break;
+            case 4: v = x->hits + x->prefetch_hits; break;
+            case 5: v = x->misses; break;
+            case 6: v = x->bytes_read; break;
+            case 7: v = x->read_errors; break;
+            case 8: v = x->predicted; break;
+            case 9: v = x->predicted_used; break;
+            }
+            ds41_buf_printf(b, "%s{model=\"%s\",tier=\"experts\"} %llu\n", series[k].name, s->models[i]->name,
+                            (unsigned long long)v);
+        }
+    }
+    metric_head(b, "ds41_tier_read_latency_seconds", "summary", "Load latency of one item, submit to last byte (recent loads).");
+    for (size_t i = 0; i < n; i++) {
+        if (!have[i] || !streamed[i]) continue;
+        ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"experts\",quantile=\"0.5\"} %.9f\n",
+                        s->models[i]->name, (double)xs[i].latency_p50_ns * 1e-9);
+        ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"experts\",quantile=\"0.99\"} %.9f\n",
+                        s->models[i]->name, (double)xs[i].latency_p99_ns * 1e-9);
+    }
+out:
+    free(xs);
+    free(streamed);
+    free(have);
+}
+
 static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error *err) {
     ds41_engine_service *s = ctx;
     ds41_buf b = {0};
@@ -1259,6 +1345,7 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     PER_MODEL("ds41_prefix_cache_entries", "gauge", "Prefix-cache snapshots kept.", st[i].cache_entries);
     PER_MODEL("ds41_prefix_cache_bytes", "gauge", "KV page bytes the prefix-cache snapshots reference.",
               st[i].cache_bytes);
+    expert_tier_metrics(s, &b, ready, n);
 #undef PER_MODEL
     pthread_rwlock_unlock(&s->cfg_lock);
     free(st);
@@ -1411,6 +1498,8 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     uint64_t kv_used = 0, kv_cap = 0, pc_bytes = 0, hits = 0, misses = 0;
     uint64_t sn_bytes = 0, sn_cap = 0, sn_hits = 0, sn_misses = 0;
     bool first = true;
+    ds41_svc_cache_tier xt = {.name = "experts"};
+    bool have_experts = false;
     pthread_rwlock_rdlock(&s->cfg_lock);
     for (size_t i = 0; i < s->n_models; i++) {
         model *m = s->models[i];
@@ -1439,19 +1528,42 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
                 sn_hits += ss.hits;
                 sn_misses += ss.misses;
             }
+            ds41_expert_cache_stats xs;
+            const bool streamed = ds41_engine_expert_stats(m->engine, &xs, false);
+            /* Summed over models; latency of the default (or first) model. */
+            if (!have_experts || m->is_default) {
+                xt.latency_p50_ns = xs.latency_p50_ns;
+                xt.latency_p99_ns = xs.latency_p99_ns;
+            }
+            have_experts = true;
+            xt.streamed = xt.streamed || streamed;
+            xt.used_bytes += xs.slots_used * xs.slot_bytes;
+            xt.capacity_bytes += xs.budget_bytes;
+            xt.total_bytes += xs.total_bytes;
+            xt.hits += xs.hits + xs.prefetch_hits;
+            xt.misses += xs.misses;
+            xt.bytes_read += xs.bytes_read;
+            xt.predicted += xs.predicted;
+            xt.predicted_used += xs.predicted_used;
         }
         pthread_rwlock_unlock(&m->lock);
     }
     pthread_rwlock_unlock(&s->cfg_lock);
     c.pages_free = c.pages_total > c.pages_used ? c.pages_total - c.pages_used : 0;
-    ds41_svc_cache_tier tiers[3] = {
+    ds41_svc_cache_tier tiers[4] = {
         {.name = "kv", .used_bytes = kv_used, .capacity_bytes = kv_cap},
         {.name = "prefix", .used_bytes = pc_bytes, .capacity_bytes = s->st.prefix_cache_max_bytes, .hits = hits,
          .misses = misses},
         {.name = "snapshots", .used_bytes = sn_bytes, .capacity_bytes = sn_cap, .hits = sn_hits, .misses = sn_misses},
+        xt,
     };
     c.tiers = tiers;
-    c.n_tiers = s->st.snapshots ? 3 : 2;
+    c.n_tiers = 2;
+    if (s->st.snapshots) c.n_tiers++;
+    if (have_experts) {
+        if (!s->st.snapshots) tiers[2] = xt;
+        c.n_tiers++;
+    }
     emit(acc, &c);
     return 0;
 }
@@ -1610,6 +1722,40 @@ static int svc_delete_snapshot(void *ctx, const char *snapshot_id, ds41_svc_erro
     return 0;
 }
 
+static int svc_set_expert_budget(void *ctx, const char *name, uint64_t bytes, ds41_svc_error *err) {
+    ds41_engine_service *s = ctx;
+    int rc = 0;
+    size_t matched = 0;
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_models && rc == 0; i++) {
+        model *m = s->models[i];
+        if (name && strcmp(name, m->name) != 0) continue;
+        pthread_rwlock_rdlock(&m->lock);
+        if (m->state == DS41_MODEL_READY && m->engine) {
+            matched++;
+            ds41_error e2 = {{0}};
+            if (ds41_engine_request_expert_budget(m->engine, bytes, &e2) != 0)
+                rc = ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "bytes", "model %s: %s", m->name, e2.msg);
+        } else if (name) {
+            matched++;
+            rc = ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "model %s is not loaded", m->name);
+        }
+        pthread_rwlock_unlock(&m->lock);
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    if (rc == 0 && !name) { /* the budget of models loaded later too */
+        pthread_rwlock_wrlock(&s->cfg_lock);
+        s->st.expert_cache_bytes = bytes;
+        pthread_rwlock_unlock(&s->cfg_lock);
+    }
+    if (rc == 0 && name && !matched) return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "model", "no model '%s'", name);
+    if (rc == 0 && !matched) return ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "no model is loaded");
+    if (rc == 0)
+        ds41_log(DS41_LOG_INFO, "expert budget set to %llu bytes (%s) from the next step", (unsigned long long)bytes,
+                 name ? name : "every model");
+    return rc;
+}
+
 /* ---- lifecycle ------------------------------------------------------------------------------------ */
 
 static int build_models(ds41_engine_service *s, ds41_error *err) {
@@ -1656,7 +1802,8 @@ int ds41_engine_service_new(const ds41_daemon_config *cfg, ds41_engine_service_p
                               .list_snapshots = svc_list_snapshots,
                               .save_snapshot = svc_save_snapshot,
                               .restore_snapshot = svc_restore_snapshot,
-                              .delete_snapshot = svc_delete_snapshot};
+                              .delete_snapshot = svc_delete_snapshot,
+                              .set_expert_budget = svc_set_expert_budget};
     *out = s;
     return 0;
 }

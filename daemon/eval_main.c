@@ -3,6 +3,7 @@
  * of REFERENCE.md §10.1.  This is the hook for reference comparisons
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
+#include "config/daemon_config.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
 #include "storage/safetensors.h"
@@ -19,6 +20,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
+            "                 [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
             "K greedy steps (each feeds the argmax of the previous logits, lowest id on\n"
@@ -31,6 +33,11 @@ static void usage(FILE *f) {
             "canonical arithmetic of REFERENCE.md section 10 (bit-exact against\n"
             "tests/reference/ds41_ref.py).\n"
             "--dump writes the section 10.1 stream dump.\n"
+            "--expert-cache-bytes SIZE (e.g. 1GiB, as in ds41d.yaml) streams the routed experts\n"
+            "through a slot pool of that size (io_uring, O_DIRECT) when they do not all fit;\n"
+            "--config FILE takes memory.expert_cache_bytes from a ds41d YAML file (the flag\n"
+            "wins); --no-predict turns off next-layer expert prediction.  The logits do not\n"
+            "depend on the budget.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
 
@@ -256,11 +263,16 @@ int main(int argc, char **argv) {
         {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
         {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
         {"pin", no_argument, NULL, 'P'},
+        {"expert-cache-bytes", required_argument, NULL, 'X'}, {"config", required_argument, NULL, 'C'},
+        {"no-predict", no_argument, NULL, 'N'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
     size_t chunk = 0, K = 0;
     ds41_engine_opts eo = {.reference = false};
+    uint64_t expert_bytes = 0;
+    bool expert_bytes_set = false;
+    const char *config_path = NULL;
     size_t threads = 0;
     int c;
     while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
@@ -281,6 +293,17 @@ int main(int argc, char **argv) {
             break;
         case 'r': eo.reference = true; break;
         case 'P': eo.cpu.pin = true; break;
+        case 'N': eo.expert_no_predict = true; break;
+        case 'X': {
+            ds41_error serr = {{0}};
+            if (ds41_size_parse(optarg, &expert_bytes, &serr) != 0) {
+                fprintf(stderr, "ds41-eval: --expert-cache-bytes: %s\n", serr.msg);
+                return 2;
+            }
+            expert_bytes_set = true;
+            break;
+        }
+        case 'C': config_path = optarg; break;
         case 't':
             if (parse_size(optarg, &threads) != 0 || threads == 0 || threads > DS41_THREADPOOL_MAX) {
                 fprintf(stderr, "ds41-eval: --threads: expected an integer in [1, %d], got '%s'\n",
@@ -336,6 +359,18 @@ int main(int argc, char **argv) {
     float *pre_logits = NULL, *dec_logits = NULL;
     int32_t *dec = NULL;
     part *parts = NULL;
+    /* Budgets: --config's memory.expert_cache_bytes, overridden by the flag. */
+    if (config_path) {
+        ds41_daemon_config dc;
+        if (ds41_daemon_config_load(config_path, &dc, &err) != 0) {
+            fprintf(stderr, "ds41-eval: --config: %s\n", err.msg);
+            free(ids);
+            return 2;
+        }
+        if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
+        ds41_daemon_config_free(&dc);
+    }
+    eo.expert_cache_bytes = expert_bytes;
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-eval: %s\n", err.msg);

@@ -69,6 +69,7 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         ds41_fail(err, "out of memory");
         return NULL;
     }
+    pthread_mutex_init(&e->xc_mu, NULL);
     if (opts && opts->reference) {
         ds41_backend_free(opts->backend);
         e->be = ds41_backend_reference_new(err);
@@ -117,6 +118,18 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
                         (double)c->beta_fast, (double)c->beta_slow, e->rope_freqs[l]);
     }
     if (c->engram_enabled && load_engram(e, dir, err) != 0) goto fail;
+    /* The expert tier's geometry (cheap: index lookups), for its figures
+     * even while everything is resident. */
+    if (ds41_expert_cache_geometry(e->ckpt, c, &e->expert_slot_bytes, &e->expert_total_bytes, err) != 0) {
+        ds41_error_prefix(err, "%s", dir);
+        goto fail;
+    }
+    e->expert_predict = !(opts && opts->expert_no_predict);
+    e->expert_buffered = opts && opts->expert_buffered;
+    if (opts && opts->expert_cache_bytes && ds41_engine_set_expert_budget(e, opts->expert_cache_bytes, err) != 0) {
+        ds41_error_prefix(err, "%s", dir);
+        goto fail;
+    }
 
     e->norm_eps = (float)c->norm_eps;
     e->hc_eps = (float)c->hc_eps;
@@ -134,6 +147,8 @@ fail:
 
 void ds41_engine_free(ds41_engine *e) {
     if (!e) return;
+    ds41_expert_cache_free(e->xc);
+    pthread_mutex_destroy(&e->xc_mu);
     if (e->wqk)
         for (size_t s = 0; s < e->cfg.engram_layer_ids.n; s++) free(e->wqk[s]);
     free(e->wqk);
@@ -163,6 +178,84 @@ const ds41_ops *ds41_engine_ops(const ds41_engine *e) {
 
 ds41_backend *ds41_engine_backend(const ds41_engine *e) {
     return e->be;
+}
+
+bool ds41_engine_experts_streamed(const ds41_engine *e) {
+    return e->xc != NULL;
+}
+
+int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    if (bytes) {
+        pthread_mutex_lock(&e->xc_mu);
+        const int grc = e->expert_total_bytes ? 0
+                                              : ds41_expert_cache_geometry(e->ckpt, c, &e->expert_slot_bytes,
+                                                                           &e->expert_total_bytes, err);
+        pthread_mutex_unlock(&e->xc_mu);
+        if (grc != 0) return -1;
+    }
+    if (bytes == 0 || bytes >= e->expert_total_bytes) {
+        /* Everything fits: the experts are used in place from the mapping. */
+        pthread_mutex_lock(&e->xc_mu);
+        ds41_expert_cache *old = e->xc;
+        e->xc = NULL;
+        e->expert_budget = bytes;
+        pthread_mutex_unlock(&e->xc_mu);
+        ds41_expert_cache_free(old);
+        return 0;
+    }
+    if (e->xc) {
+        pthread_mutex_lock(&e->xc_mu);
+        const int rc = ds41_expert_cache_set_budget(e->xc, bytes, err);
+        if (rc == 0) e->expert_budget = bytes;
+        pthread_mutex_unlock(&e->xc_mu);
+        return rc;
+    }
+    ds41_expert_cache_opts o = {.budget_bytes = bytes, .buffered = e->expert_buffered};
+    ds41_expert_cache *xc = ds41_expert_cache_new(e->ckpt, c, &o, err);
+    if (!xc) return -1;
+    pthread_mutex_lock(&e->xc_mu);
+    e->xc = xc;
+    e->expert_budget = bytes;
+    pthread_mutex_unlock(&e->xc_mu);
+    return 0;
+}
+
+int ds41_engine_request_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err) {
+    pthread_mutex_lock(&e->xc_mu);
+    int rc = 0;
+    /* The geometry reads only the checkpoint's immutable index. */
+    if (!e->expert_total_bytes)
+        rc = ds41_expert_cache_geometry(e->ckpt, &e->cfg, &e->expert_slot_bytes, &e->expert_total_bytes, err);
+    if (rc == 0 && e->expert_total_bytes == 0 && bytes)
+        rc = ds41_fail(err, "the model has no routed experts");
+    if (rc == 0 && bytes && bytes < e->expert_total_bytes && bytes < e->expert_slot_bytes)
+        rc = ds41_fail(err, "expert budget of %llu bytes is below one expert slot (the minimum is %llu bytes)",
+                       (unsigned long long)bytes, (unsigned long long)e->expert_slot_bytes);
+    if (rc == 0) {
+        e->budget_pending = true;
+        e->budget_requested = bytes;
+    }
+    pthread_mutex_unlock(&e->xc_mu);
+    return rc;
+}
+
+bool ds41_engine_expert_stats(ds41_engine *e, ds41_expert_cache_stats *out, bool reset) {
+    pthread_mutex_lock(&e->xc_mu);
+    const bool streamed = e->xc != NULL;
+    if (streamed) {
+        ds41_expert_cache_get_stats(e->xc, out, reset);
+    } else {
+        memset(out, 0, sizeof *out);
+        out->budget_bytes = e->expert_budget;
+        out->total_bytes = e->expert_total_bytes;
+    }
+    pthread_mutex_unlock(&e->xc_mu);
+    return streamed;
+}
+
+ds41_reader *ds41_engine_expert_reader(ds41_engine *e) {
+    return e->xc ? ds41_expert_cache_reader(e->xc) : NULL;
 }
 
 ds41_kv_pool *ds41_engine_new_pool(const ds41_engine *e, uint64_t budget_bytes, uint32_t entries_per_page,
@@ -329,6 +422,16 @@ static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *e
 int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
                  ds41_error *err) {
     if (validate(e, items, n_items, err) != 0) return -1;
+    {
+        /* A run-time budget change (ds41_engine_request_expert_budget). */
+        pthread_mutex_lock(&e->xc_mu);
+        const bool pending = e->budget_pending;
+        const uint64_t want = e->budget_requested;
+        e->budget_pending = false;
+        pthread_mutex_unlock(&e->xc_mu);
+        ds41_error ignored;
+        if (pending) (void)ds41_engine_set_expert_budget(e, want, &ignored);
+    }
     const ds41_model_config *c = &e->cfg;
     const ds41_ops *ops = e->ops;
     const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim, V = (size_t)c->vocab_size;
@@ -458,6 +561,7 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
     for (size_t i = 0; i < n_items; i++) ds41_kv_seq_set_tokens(items[i].seq, b.item_pos0[i] + items[i].n_ids);
     rc = 0;
 out:
+    if (e->xc) ds41_expert_cache_end_step(e->xc);
     if (b.idx_list)
         for (size_t l = 0; l < c->n_roles; l++) free(b.idx_list[l]);
     if (b.idx_count)

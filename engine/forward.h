@@ -40,6 +40,7 @@
 #include "engine/kv_cache.h"
 #include "engine/ops.h"
 #include "engine/weights.h"
+#include "storage/expert_cache.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -59,6 +60,15 @@ typedef struct ds41_engine_opts {
     /* Options of the fast CPU backend (threads, pinning, SIMD level cap);
      * zero-initialised = defaults. */
     ds41_cpu_opts cpu;
+    /* Routed-expert tier (storage/expert_cache.h, issue 7): the bytes of a
+     * slot pool into which the experts a step routes to are read from the
+     * shards (io_uring, O_DIRECT), never through the mapping.  0, or a
+     * budget covering every routed expert of the text layers: all resident,
+     * used in place from the mapping (the default).  A budget below one
+     * expert fails the load with the minimum in the message. */
+    uint64_t expert_cache_bytes;
+    bool expert_no_predict; /* no next-layer prediction (for comparisons) */
+    bool expert_buffered;   /* expert reads through the page cache instead of O_DIRECT */
 } ds41_engine_opts;
 
 /* Load DIR (a checkpoint in the Hugging Face release layout: shards + index
@@ -81,6 +91,33 @@ const ds41_weights *ds41_engine_weights(const ds41_engine *e);
 const ds41_ops *ds41_engine_ops(const ds41_engine *e);
 /* The engine's backend (owned by the engine): its counters, level, threads. */
 ds41_backend *ds41_engine_backend(const ds41_engine *e);
+
+/* ---- routed-expert tier ----
+ * Whether the routed experts are streamed (a budget below their total). */
+bool ds41_engine_experts_streamed(const ds41_engine *e);
+
+/* Change the expert budget (same meaning as opts.expert_cache_bytes),
+ * switching between resident and streamed as needed.  Only between
+ * ds41_forward calls, from the thread that calls them.  Errors (nothing
+ * changes): below one expert slot, out of memory, the reader failing. */
+int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err);
+
+/* The same from any thread, for a running server: checked now (below one
+ * expert slot -> error naming the minimum), applied by the next ds41_forward
+ * call before it starts (if applying fails, e.g. out of memory, the old
+ * budget stays and ds41_engine_expert_stats shows it). */
+int ds41_engine_request_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err);
+
+/* The tier's figures (storage/expert_cache.h); any thread, any time.
+ * Returns true when streamed (out filled, counters reset after reading when
+ * reset), false when all experts are resident (out zeroed except
+ * total_bytes / budget_bytes when known). */
+bool ds41_engine_expert_stats(ds41_engine *e, ds41_expert_cache_stats *out, bool reset);
+
+/* The tier's reader while streamed (its fault hook for tests: the daemon's
+ * test-only engine.test_fault_* keys), else NULL.  Same thread rule as
+ * ds41_engine_set_expert_budget. */
+ds41_reader *ds41_engine_expert_reader(ds41_engine *e);
 
 /* A KV pool for this engine's config (see ds41_kv_pool_new). */
 ds41_kv_pool *ds41_engine_new_pool(const ds41_engine *e, uint64_t budget_bytes, uint32_t entries_per_page,

@@ -5,7 +5,10 @@
 
 #include "engine/engram_layout.h"
 #include "engine/forward.h"
+#include "storage/expert_cache.h"
 #include "storage/safetensors.h"
+
+#include <pthread.h>
 
 struct ds41_engine {
     ds41_model_config cfg;
@@ -30,6 +33,20 @@ struct ds41_engine {
     float softmax_scale; /* fp32(head_dim^-0.5) */
     float index_scale;   /* fp32(index_head_dim^-0.5 * index_n_heads^-0.5) */
     float engram_scale;  /* fp32(dim^-0.5) */
+
+    /* Routed-expert tier (storage/expert_cache.h): NULL while every expert
+     * is used in place from the mapping.  xc_mu guards the pointer against
+     * statistics readers on other threads; the forward thread uses it
+     * without the lock (only that thread replaces it). */
+    ds41_expert_cache *xc;
+    pthread_mutex_t xc_mu;
+    uint64_t expert_budget;      /* as asked (0 = all resident) */
+    uint64_t expert_total_bytes; /* all routed experts of the text layers (0 until known) */
+    bool expert_predict;         /* next-layer prediction on */
+    bool expert_buffered;
+    uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
+    bool budget_pending;         /* under xc_mu: a requested budget for the next forward */
+    uint64_t budget_requested;
 };
 
 /* One forward call's rows (tokens) and per-call state. */

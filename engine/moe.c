@@ -1,13 +1,56 @@
 /* MoE sub-layer (REFERENCE.md §2.6 Gate/Expert/MoE, §9.2, §10.4): the
  * sqrt-softplus router with selection-only bias, FP4 routed experts with the
  * routing weight applied before w2, the FP8 shared expert, and the fp32
- * combine in increasing expert id then the shared expert. */
+ * combine in increasing expert id then the shared expert.
+ *
+ * Routed experts come from the mapping (resident), or, under an expert
+ * budget, from the expert tier (storage/expert_cache.h): right after the
+ * router, every expert the batch selected is requested in one submission,
+ * layer L+1's experts are predicted and their reads started, and the
+ * ds41_linear views point into the pinned slots until the layer is done. */
 #include "engine/forward_internal.h"
 
 #include "engine/quant.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Next-layer prediction (issue 7 item 3): apply layer L+1's router (its gate
+ * and selection bias) to layer L's normed FFN input xn, the closest stream to
+ * L+1's own FFN input available before L's experts run, and start reads for
+ * the union of the experts it selects.  Best effort: out of memory or a
+ * layer without experts just skips it. */
+static void predict_next(ds41_engine *e, const fwd_batch *b, int L, const float *xn) {
+    const ds41_model_config *c = &e->cfg;
+    const int L2 = L + 1;
+    if (L2 >= (int)c->n_layers || !c->roles[L2].present || c->roles[L2].n_experts <= 0) return;
+    const ds41_layer_weights *lw2 = &e->w.layers[L2];
+    const size_t M = b->M;
+    const int E2 = (int)c->roles[L2].n_experts, k2 = (int)c->roles[L2].n_active_experts;
+    float *logits = malloc(M * (size_t)E2 * sizeof *logits);
+    int32_t *sel = malloc(M * (size_t)k2 * sizeof *sel);
+    float *wts = malloc(M * (size_t)k2 * sizeof *wts);
+    uint8_t *want = calloc((size_t)E2, 1);
+    int32_t *list = malloc((size_t)E2 * sizeof *list);
+    if (logits && sel && wts && want && list) {
+        e->ops->linear(e->ops, &lw2->gate, xn, M, logits, DS41_OUT_F32);
+        if (e->gate_temp != 1.0f)
+            for (size_t i = 0; i < M * (size_t)E2; i++) logits[i] = logits[i] / e->gate_temp;
+        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->route_scale, sel, wts);
+        for (size_t i = 0; i < M * (size_t)k2; i++)
+            if (sel[i] >= 0 && sel[i] < E2) want[sel[i]] = 1;
+        size_t n = 0;
+        for (int ex = 0; ex < E2; ex++)
+            if (want[ex]) list[n++] = ex;
+        ds41_expert_cache_predict(e->xc, L2, list, n);
+    }
+    free(logits);
+    free(sel);
+    free(wts);
+    free(want);
+    free(list);
+}
 
 int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
@@ -40,7 +83,11 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     const float **lx = malloc(nl * sizeof *lx);
     float **ly = malloc(nl * sizeof *ly);
     size_t *lm = malloc(nl * sizeof *lm);
-    if (!logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
+    int32_t *todo = malloc(((size_t)E + 1) * sizeof *todo);
+    uint8_t *got = malloc((size_t)E + 1);
+    ds41_expert_view *views = malloc(((size_t)E + 1) * sizeof *views);
+    ds41_linear *xl = malloc(((size_t)E + 1) * 3 * sizeof *xl);
+    if (!todo || !got || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
         !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -72,37 +119,97 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     }
     const size_t sh = total; /* row offset of the shared expert in g/u/h/oe */
 
-    /* w1 and w3 of every used expert and of the shared expert: one batch. */
-    size_t n_lin = 0;
-    for (int ex = 0; ex < E; ex++) {
-        if (!count[ex]) continue;
-        for (int which = 0; which < 2; which++) {
-            lin[n_lin] = which ? &lw->w3[ex] : &lw->w1[ex];
-            lx[n_lin] = xe + first[ex] * D;
-            ly[n_lin] = (which ? u : g) + first[ex] * hid;
+    /* The experts the batch routed to, in increasing id.  Resident (no
+     * expert tier): one wave of all of them.  Streamed: the tier pins as
+     * many as it has slots (all of them unless the budget is below this
+     * layer's union) and the rest follow in further waves; each expert's
+     * arithmetic is the same whatever shares its wave, so the results are
+     * bit-identical to the resident path. */
+    size_t n_todo = 0;
+    for (int ex = 0; ex < E; ex++)
+        if (count[ex]) todo[n_todo++] = ex;
+    ds41_expert_cache *xc = e->xc;
+    bool first_wave = true;
+    do {
+        if (xc && n_todo) {
+            const long pinned = ds41_expert_cache_acquire(xc, L, todo, n_todo, got, err);
+            if (pinned < 0) {
+                rc = ds41_error_prefix(err, "layer %d", L);
+                goto out;
+            }
+            /* While this layer's reads are in flight: guess the next
+             * layer's experts and start their reads (only when this layer
+             * fits the pool: with waves there is no room to spare). */
+            if (first_wave && e->expert_predict && (size_t)pinned == n_todo) predict_next(e, b, L, xn);
+            if (ds41_expert_cache_wait(xc, L, todo, n_todo, got, views, err) != 0) {
+                ds41_expert_cache_release(xc, L, todo, n_todo, got);
+                rc = ds41_error_prefix(err, "layer %d", L);
+                goto out;
+            }
+            for (size_t i = 0; i < n_todo; i++) {
+                if (!got[i]) continue;
+                const int ex = todo[i];
+                const ds41_linear *src[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
+                for (int w = 0; w < 3; w++) {
+                    xl[(size_t)ex * 3 + (size_t)w] = *src[w];
+                    xl[(size_t)ex * 3 + (size_t)w].q = views[i].w[w];
+                    xl[(size_t)ex * 3 + (size_t)w].scale = views[i].s[w];
+                }
+            }
+        } else {
+            for (size_t i = 0; i < n_todo; i++) got[i] = 1;
+        }
+        size_t n_wave = 0;
+        for (size_t i = 0; i < n_todo; i++) n_wave += got[i];
+        const bool last_wave = n_wave == n_todo; /* the shared expert rides with the last wave */
+
+        /* w1 and w3 of the wave's experts (and of the shared expert): one batch. */
+        size_t n_lin = 0;
+        for (size_t i = 0; i < n_todo; i++) {
+            if (!got[i]) continue;
+            const int ex = todo[i];
+            for (int which = 0; which < 2; which++) {
+                lin[n_lin] = xc ? &xl[(size_t)ex * 3 + (which ? 2u : 0u)] : which ? &lw->w3[ex] : &lw->w1[ex];
+                lx[n_lin] = xe + first[ex] * D;
+                ly[n_lin] = (which ? u : g) + first[ex] * hid;
+                lm[n_lin++] = count[ex];
+            }
+        }
+        if (last_wave) {
+            lin[n_lin] = &lw->sh_w1, lx[n_lin] = xn, ly[n_lin] = g + sh * hid, lm[n_lin++] = M;
+            lin[n_lin] = &lw->sh_w3, lx[n_lin] = xn, ly[n_lin] = u + sh * hid, lm[n_lin++] = M;
+        }
+        /* Each output is a compact [rows][width] block at its expert's offset
+         * (first * hid >= the previous block's rows * I: no overlap). */
+        ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
+        for (size_t i = 0; i < n_todo; i++) {
+            if (!got[i]) continue;
+            const int ex = todo[i];
+            ops->swiglu(ops, g + first[ex] * hid, u + first[ex] * hid, count[ex], I, e->swiglu_limit,
+                        route + first[ex], h + first[ex] * hid);
+        }
+        if (last_wave) ops->swiglu(ops, g + sh * hid, u + sh * hid, M, SI, e->swiglu_limit, NULL, h + sh * hid);
+
+        /* w2 of the wave's experts (and of the shared expert): one batch. */
+        n_lin = 0;
+        for (size_t i = 0; i < n_todo; i++) {
+            if (!got[i]) continue;
+            const int ex = todo[i];
+            lin[n_lin] = xc ? &xl[(size_t)ex * 3 + 1] : &lw->w2[ex], lx[n_lin] = h + first[ex] * hid,
+            ly[n_lin] = oe + first[ex] * D;
             lm[n_lin++] = count[ex];
         }
-    }
-    lin[n_lin] = &lw->sh_w1, lx[n_lin] = xn, ly[n_lin] = g + sh * hid, lm[n_lin++] = M;
-    lin[n_lin] = &lw->sh_w3, lx[n_lin] = xn, ly[n_lin] = u + sh * hid, lm[n_lin++] = M;
-    /* Each output is a compact [rows][width] block at its expert's offset
-     * (first * hid >= the previous block's rows * I: no overlap). */
-    ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
-    for (int ex = 0; ex < E; ex++)
-        if (count[ex])
-            ops->swiglu(ops, g + first[ex] * hid, u + first[ex] * hid, count[ex], I, e->swiglu_limit, route + first[ex],
-                        h + first[ex] * hid);
-    ops->swiglu(ops, g + sh * hid, u + sh * hid, M, SI, e->swiglu_limit, NULL, h + sh * hid);
+        if (last_wave)
+            lin[n_lin] = &lw->sh_w2, lx[n_lin] = h + sh * hid, ly[n_lin] = oe + sh * D, lm[n_lin++] = M;
+        ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
 
-    /* w2 of every used expert and of the shared expert: one batch. */
-    n_lin = 0;
-    for (int ex = 0; ex < E; ex++) {
-        if (!count[ex]) continue;
-        lin[n_lin] = &lw->w2[ex], lx[n_lin] = h + first[ex] * hid, ly[n_lin] = oe + first[ex] * D;
-        lm[n_lin++] = count[ex];
-    }
-    lin[n_lin] = &lw->sh_w2, lx[n_lin] = h + sh * hid, ly[n_lin] = oe + sh * D, lm[n_lin++] = M;
-    ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
+        if (xc && n_todo) ds41_expert_cache_release(xc, L, todo, n_todo, got);
+        size_t keep = 0;
+        for (size_t i = 0; i < n_todo; i++)
+            if (!got[i]) todo[keep++] = todo[i];
+        n_todo = keep;
+        first_wave = false;
+    } while (n_todo > 0);
 
     /* Combine in fp32: routed experts in increasing id, then the shared one. */
     for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
@@ -129,5 +236,9 @@ out:
     free(lx);
     free(ly);
     free(lm);
+    free(todo);
+    free(got);
+    free(views);
+    free(xl);
     return rc;
 }

@@ -9,6 +9,7 @@
  * that goes away. */
 #include "ipc/api.h"
 #include "config/buf.h"
+#include "config/daemon_config.h"
 
 #include <inttypes.h>
 #include <limits.h>
@@ -25,7 +26,7 @@
 #include "ipc/json_util.h"
 
 #define MAX_TOOL_CALLS 128
-#define N_ROUTES 18
+#define N_ROUTES 19
 
 struct ds41_api {
     ds41_service svc;
@@ -1313,6 +1314,20 @@ static void cache_emit(void *accp, const ds41_svc_cache *c) {
              !ds41_json_set_new(to, "misses", ju64(t->misses)) &&
              !ds41_json_set_new(to, "hit_rate",
                                 lookups ? jreal((double)t->hits / (double)lookups) : json_null());
+        if (ok && t->streamed)
+            ok = !ds41_json_set_new(to, "streamed", json_true()) &&
+                 !ds41_json_set_new(to, "total_bytes", ju64(t->total_bytes)) &&
+                 !ds41_json_set_new(to, "bytes_read", ju64(t->bytes_read)) &&
+                 !ds41_json_set_new(to, "latency_p50_ns", ju64(t->latency_p50_ns)) &&
+                 !ds41_json_set_new(to, "latency_p99_ns", ju64(t->latency_p99_ns)) &&
+                 !ds41_json_set_new(to, "predicted", ju64(t->predicted)) &&
+                 !ds41_json_set_new(to, "predicted_used", ju64(t->predicted_used)) &&
+                 !ds41_json_set_new(to, "prediction_accuracy",
+                                    t->predicted ? jreal((double)t->predicted_used / (double)t->predicted)
+                                                 : json_null());
+        else if (ok && t->total_bytes)
+            ok = !ds41_json_set_new(to, "streamed", json_false()) &&
+                 !ds41_json_set_new(to, "total_bytes", ju64(t->total_bytes));
     }
     ok = ok && !ds41_json_set_new(o, "page_tokens", ju64(c->page_tokens)) &&
          !ds41_json_set_new(o, "page_bytes", ju64(c->page_bytes)) &&
@@ -1457,6 +1472,45 @@ static void route_admin_snapshot_delete(ds41_http_exchange *ex, void *ctx) {
     respond_json(ex, 200, json_pack("{s:s,s:b}", "id", id, "deleted", 1));
 }
 
+/* POST /admin/cache/experts {"bytes": N | "16GiB" | "auto", "model": name?} */
+static void route_admin_cache_experts(ds41_http_exchange *ex, void *ctx) {
+    ds41_api *api = ctx;
+    if (!need(ex, api->svc.set_expert_budget != NULL, "expert budget changes")) return;
+    json_t *root;
+    if (parse_body(ex, &root)) return;
+    static const char *const keys[] = {"bytes", "model", NULL};
+    ds41_svc_error err = {0};
+    const char *model = NULL;
+    uint64_t bytes = 0;
+    if (ds41_api_check_keys(root, NULL, keys, &err) || ds41_api_get_string(root, NULL, "model", false, &model, &err))
+        goto bad;
+    const json_t *b = json_object_get(root, "bytes");
+    if (json_is_integer(b) && json_integer_value(b) >= 0) {
+        bytes = (uint64_t)json_integer_value(b);
+    } else if (json_is_string(b)) {
+        ds41_error perr = {{0}};
+        if (strcmp(json_string_value(b), "auto") != 0 && ds41_size_parse(json_string_value(b), &bytes, &perr) != 0) {
+            ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "bytes", "'bytes': %s", perr.msg);
+            goto bad;
+        }
+    } else {
+        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "bytes",
+                      "'bytes' must be a size: a non-negative integer, a string like \"16GiB\", or \"auto\"");
+        goto bad;
+    }
+    int rc = api->svc.set_expert_budget(api->svc.ctx, model, bytes, &err);
+    json_decref(root);
+    if (rc != 0) {
+        respond_svc_error(ex, &err);
+        return;
+    }
+    respond_json(ex, 200, json_pack("{s:I,s:s}", "expert_cache_bytes", (json_int_t)bytes, "applies", "next step"));
+    return;
+bad:
+    json_decref(root);
+    bad_request(ex, &err);
+}
+
 /* ================================================================ the api */
 
 int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41_api_options *opts,
@@ -1493,6 +1547,7 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"POST", "/admin/snapshots/restore", DS41_AUTH_ADMIN, true, "admin_snapshots_restore",
          route_admin_snapshot_restore},
         {"DELETE", "/admin/snapshots/*", DS41_AUTH_ADMIN, false, "admin_snapshot_delete", route_admin_snapshot_delete},
+        {"POST", "/admin/cache/experts", DS41_AUTH_ADMIN, true, "admin_cache_experts", route_admin_cache_experts},
     };
     memcpy(api->routes, routes, sizeof routes);
     api->router = (ds41_http_router){.routes = api->routes,

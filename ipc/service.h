@@ -140,6 +140,14 @@ typedef struct ds41_svc_cache_tier {
     uint64_t capacity_bytes;
     uint64_t hits;
     uint64_t misses;
+    /* Streamed tiers (experts, engram), all 0 when not applicable: */
+    bool streamed;           /* reads from disk under a budget (false: all resident) */
+    uint64_t bytes_read;     /* from the device into the tier */
+    uint64_t latency_p50_ns; /* one load, submit to last byte */
+    uint64_t latency_p99_ns;
+    uint64_t predicted;      /* loads started early by a prediction */
+    uint64_t predicted_used; /* of which were then used */
+    uint64_t total_bytes;    /* everything the tier could hold (e.g. all routed experts) */
 } ds41_svc_cache_tier;
 
 typedef struct ds41_svc_cache {
@@ -422,6 +430,11 @@ typedef struct ds41_service {
     int (*restore_snapshot)(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
                             uint64_t *tokens, ds41_svc_error *err);
     int (*delete_snapshot)(void *ctx, const char *snapshot_id, ds41_svc_error *err);
+    /* POST /admin/cache/experts: change the routed-expert budget (0 = all
+     * resident) of model `model` (NULL: every loaded model) at run time; it
+     * applies from the next forward step.  Below one expert ->
+     * DS41_SVC_BAD_REQUEST naming the minimum; unknown model -> NOT_FOUND. */
+    int (*set_expert_budget)(void *ctx, const char *model, uint64_t bytes, ds41_svc_error *err);
 } ds41_service;
 
 #endif

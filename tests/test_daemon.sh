@@ -166,9 +166,9 @@ code=$(api DELETE "/admin/sessions/$first")
 code2=$(api DELETE "/admin/sessions/$first")
 check "deleting a session: 200, then 404" test "$code $code2" = "200 404"
 code=$(api GET /admin/cache)
-check "admin cache: pages, bytes per token, kv, prefix and snapshot tiers" \
+check "admin cache: pages, bytes per token, kv, prefix, snapshot and experts tiers" \
     test "$code $(pyj '(o["page_bytes"], [t["name"] for t in o["tiers"]], o["pages_used"] + o["pages_free"] == o["pages_total"])')" = \
-    "200 (4480, ['kv', 'prefix', 'snapshots'], True)"
+    "200 (4480, ['kv', 'prefix', 'snapshots', 'experts'], True)"
 code=$(api POST /admin/models/load '{"path":"/etc"}')
 check "admin load of a path outside the model directories: 403" test "$code" = 403
 code=$(api POST /admin/models/load '{"name":"ds41-tiny"}')

@@ -173,6 +173,7 @@ static const bad_case bad_cases[] = {
     {"engine.max_batch_tokens", V("0", "1048577", "8k"), NULL},
     {"engine.prefill_chunk", V("0", "1048577", "512.0"), NULL},
     {"engine.test_forced_output", V("yes", "1", "null", "on"), NULL},
+    {"engine.test_fault_expert_read", V("-1", "18446744073709551616", "eio"), NULL},
     {"memory.kv_cache_bytes", V("8Q", "-1", "1.3B", "99999999999999999999", "20000PiB", "1.", "GiB", "8 G", "autox"),
      NULL},
     {"memory.expert_cache_bytes", V("8XB", "0.1B", "08GiB", "[]"), NULL},

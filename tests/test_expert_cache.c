@@ -1,0 +1,539 @@
+/* The routed-expert tier (storage/expert_cache.h, engine integration in
+ * engine/moe.c) on generated tiny and long checkpoints:
+ *  - logits are bit-identical, fast and reference modes, whether every expert
+ *    is resident (mapping) or streamed with budgets of one slot (a layer's
+ *    union never fits: waves), three slots, a third of the experts and one
+ *    slot short of all of them, with and without next-layer prediction;
+ *  - streamed experts are never touched through the mapping: the pages that
+ *    hold only expert bytes are made PROT_NONE during the streamed runs (a
+ *    touch would crash the test), and with O_DIRECT mincore() shows those
+ *    pages did not enter the page cache;
+ *  - statistics move (hits, misses, bytes, latency, predictions);
+ *  - an injected read error (EIO, or a short read that must be continued)
+ *    fails that forward call with a message naming the shard and tensor, and
+ *    the next call on fresh sequences gives the right logits again;
+ *  - budgets below one slot are refused with the minimum in the message;
+ *    the budget changes at run time. */
+#include "engine/forward.h"
+#include "engine/model_gen.h"
+#include "storage/expert_cache.h"
+#include "tests/tap.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static char root[3000];
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static int32_t rnd(int64_t n) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (int32_t)((rng >> 33) % (uint64_t)n);
+}
+
+#define NSEQ 3
+#define STEPS 5
+static const size_t plen[NSEQ] = {21, 13, 7};
+
+/* A fixed workload: three prompts prefilled in one call (all positions of the
+ * first, last positions of the others), then STEPS greedy decode steps of all
+ * three in one call each.  Every logit is appended to out (size
+ * logits_floats()).  Returns 0, or -1 with err filled by the failing call. */
+static size_t logits_floats(size_t V) {
+    return (plen[0] + 2 + NSEQ * STEPS) * V;
+}
+
+static int run(ds41_engine *e, int32_t *const *prompts, float *out, ds41_error *err) {
+    const size_t V = (size_t)ds41_engine_config(e)->vocab_size;
+    int rc = -1;
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, err);
+    ds41_kv_seq *seq[NSEQ] = {0};
+    if (!pool) return -1;
+    for (int s = 0; s < NSEQ; s++)
+        if (!(seq[s] = ds41_kv_seq_new(pool, err))) goto out;
+    ds41_fwd_item it[NSEQ];
+    float *o = out;
+    for (int s = 0; s < NSEQ; s++) {
+        it[s] = (ds41_fwd_item){.seq = seq[s], .ids = prompts[s], .n_ids = plen[s], .logits = o,
+                                .logits_last_only = s != 0};
+        o += (s == 0 ? plen[0] : 1) * V;
+    }
+    if (ds41_forward(e, it, NSEQ, NULL, err) != 0) goto out;
+    int32_t tok[NSEQ];
+    float *prev[NSEQ] = {out + (plen[0] - 1) * V, out + plen[0] * V, out + (plen[0] + 1) * V};
+    for (int st = 0; st < STEPS; st++) {
+        for (int s = 0; s < NSEQ; s++) {
+            tok[s] = ds41_argmax(prev[s], V);
+            it[s] = (ds41_fwd_item){.seq = seq[s], .ids = &tok[s], .n_ids = 1, .logits = o, .logits_last_only = true};
+            prev[s] = o;
+            o += V;
+        }
+        if (ds41_forward(e, it, NSEQ, NULL, err) != 0) goto out;
+    }
+    rc = 0;
+out:
+    for (int s = 0; s < NSEQ; s++) ds41_kv_seq_free(seq[s]);
+    ds41_kv_pool_free(pool);
+    return rc;
+}
+
+/* Sequence A prefilled with prompt; if fail_b, a sequence B forked from A
+ * (sharing its pages) runs a forward call that fails on an injected read
+ * error; then A decodes STEPS greedy tokens.  A's decode logits go to out
+ * [STEPS][V].  Returns 0, or -1 (err) when anything but B's call fails or
+ * B's call does not fail. */
+static int run_isolated(ds41_engine *e, const int32_t *prompt, size_t n, int fail_b, float *out, ds41_error *err) {
+    const size_t V = (size_t)ds41_engine_config(e)->vocab_size;
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, err);
+    ds41_kv_seq *a = pool ? ds41_kv_seq_new(pool, err) : NULL, *bq = NULL;
+    float *lg = malloc(V * sizeof *lg);
+    int rc = -1;
+    if (!a || !lg) goto out;
+    ds41_fwd_item it = {.seq = a, .ids = prompt, .n_ids = n, .logits = lg, .logits_last_only = true};
+    if (ds41_forward(e, &it, 1, NULL, err) != 0) goto out;
+    if (fail_b) {
+        if (!(bq = ds41_kv_seq_fork(a, err))) goto out;
+        ds41_reader_set_fault(ds41_engine_expert_reader(e), DS41_READER_ANY_FILE, DS41_FAULT_EIO, 0, 0);
+        ds41_error berr;
+        ds41_fwd_item ib = {.seq = bq, .ids = prompt, .n_ids = n, .logits = NULL};
+        const int brc = ds41_forward(e, &ib, 1, NULL, &berr);
+        ds41_reader_set_fault(ds41_engine_expert_reader(e), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+        ds41_kv_seq_free(bq);
+        if (brc == 0) {
+            ds41_fail(err, "B's forward call did not fail");
+            goto out;
+        }
+    }
+    for (int st = 0; st < STEPS; st++) {
+        int32_t tok = ds41_argmax(lg, V);
+        it = (ds41_fwd_item){.seq = a, .ids = &tok, .n_ids = 1, .logits = out + (size_t)st * V, .logits_last_only = true};
+        if (ds41_forward(e, &it, 1, NULL, err) != 0) goto out;
+        memcpy(lg, out + (size_t)st * V, V * sizeof *lg);
+    }
+    rc = 0;
+out:
+    ds41_kv_seq_free(a);
+    ds41_kv_pool_free(pool);
+    free(lg);
+    return rc;
+}
+
+/* ---- the mapping's expert-only pages ----------------------------------------------- */
+
+typedef struct range {
+    uintptr_t a, b;
+} range;
+
+static int cmp_range(const void *x, const void *y) {
+    const range *p = x, *q = y;
+    return p->a < q->a ? -1 : p->a > q->a;
+}
+
+/* Whole pages holding nothing but routed-expert bytes of the text layers
+ * (from the bound weights, which point into the mapping). */
+static range *expert_pages(const ds41_engine *e, size_t *n_out) {
+    const ds41_model_config *c = ds41_engine_config(e);
+    const ds41_weights *w = ds41_engine_weights(e);
+    size_t n = 0, cap = 0;
+    range *r = NULL;
+    for (int L = 0; L < (int)c->n_layers; L++) {
+        const ds41_layer_weights *lw = &w->layers[L];
+        for (int64_t ex = 0; ex < lw->n_experts; ex++) {
+            const ds41_linear *ls[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
+            for (int k = 0; k < 3; k++) {
+                if (n + 2 > cap) {
+                    cap = cap ? 2 * cap : 256;
+                    r = realloc(r, cap * sizeof *r);
+                }
+                const size_t qb = (size_t)(ls[k]->n * (ls[k]->kind == DS41_LINEAR_FP4 ? ls[k]->k / 2 : ls[k]->k));
+                const size_t sb = (size_t)(ls[k]->n * ls[k]->scale_cols);
+                r[n++] = (range){(uintptr_t)ls[k]->q, (uintptr_t)ls[k]->q + qb};
+                r[n++] = (range){(uintptr_t)ls[k]->scale, (uintptr_t)ls[k]->scale + sb};
+            }
+        }
+    }
+    qsort(r, n, sizeof *r, cmp_range);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (m && r[i].a <= r[m - 1].b) {
+            if (r[i].b > r[m - 1].b) r[m - 1].b = r[i].b;
+        } else {
+            r[m++] = r[i];
+        }
+    }
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    size_t k = 0;
+    for (size_t i = 0; i < m; i++) {
+        const uintptr_t a = (r[i].a + pg - 1) / pg * pg, b = r[i].b / pg * pg;
+        if (b > a) r[k++] = (range){a, b};
+    }
+    *n_out = k;
+    return r;
+}
+
+static size_t pages_in(const range *r, size_t n) {
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    size_t t = 0;
+    for (size_t i = 0; i < n; i++) t += (r[i].b - r[i].a) / pg;
+    return t;
+}
+
+static int protect(const range *r, size_t n, int prot) {
+    for (size_t i = 0; i < n; i++)
+        if (mprotect((void *)r[i].a, r[i].b - r[i].a, prot) != 0) return -1;
+    return 0;
+}
+
+static size_t resident_pages(const range *r, size_t n) {
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    size_t t = 0;
+    for (size_t i = 0; i < n; i++) {
+        const size_t np = (r[i].b - r[i].a) / pg;
+        unsigned char *v = malloc(np);
+        if (v && mincore((void *)r[i].a, r[i].b - r[i].a, v) == 0)
+            for (size_t p = 0; p < np; p++) t += v[p] & 1;
+        free(v);
+    }
+    return t;
+}
+
+/* Write back and drop the checkpoint files' pages from the page cache. */
+static int drop_dir_cache(const char *dir) {
+    char cmd[8192];
+    int ok = 1;
+    /* Every shard of the directory. */
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (!strstr(de->d_name, ".safetensors")) continue;
+        snprintf(cmd, sizeof cmd, "%s/%s", dir, de->d_name);
+        int fd = open(cmd, O_RDONLY);
+        if (fd < 0) {
+            ok = 0;
+            continue;
+        }
+        fdatasync(fd);
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        close(fd);
+    }
+    closedir(d);
+    return ok ? 0 : -1;
+}
+
+/* ---- the checks -------------------------------------------------------------------- */
+
+static void test_preset(const char *dir, const char *name, int with_reference) {
+    ds41_error err;
+    ds41_engine_opts fo = {.cpu = {.threads = 2}};
+    ds41_engine *base = ds41_engine_load(dir, &fo, &err);
+    if (!TAP_CHECK(base, "%s: resident engine loads", name)) {
+        TAP_NOTE("%s", err.msg);
+        return;
+    }
+    const ds41_model_config *c = ds41_engine_config(base);
+    const size_t V = (size_t)c->vocab_size, NF = logits_floats(V);
+    int32_t *prompts[NSEQ];
+    for (int s = 0; s < NSEQ; s++) {
+        prompts[s] = malloc(plen[s] * sizeof(int32_t));
+        for (size_t i = 0; i < plen[s]; i++) prompts[s][i] = rnd(c->vocab_size);
+    }
+    float *want = malloc(NF * sizeof *want), *got = malloc(NF * sizeof *got);
+    float *want_ref = malloc(NF * sizeof *want_ref);
+    TAP_CHECK(!ds41_engine_experts_streamed(base), "%s: no budget = all experts resident", name);
+    int ok = run(base, prompts, want, &err) == 0;
+    TAP_CHECK(ok, "%s: resident run", name);
+    ds41_engine_free(base);
+    if (with_reference) {
+        ds41_engine_opts ro = {.reference = true};
+        ds41_engine *ref = ds41_engine_load(dir, &ro, &err);
+        TAP_CHECK(ref && run(ref, prompts, want_ref, &err) == 0, "%s: resident reference run", name);
+        ds41_engine_free(ref);
+    }
+
+    uint64_t slot = 0, total = 0;
+    {
+        ds41_engine_opts o = fo;
+        o.expert_cache_bytes = 1; /* below one slot */
+        ds41_engine *e = ds41_engine_load(dir, &o, &err);
+        TAP_CHECK(!e && strstr(err.msg, "below one expert slot") && strstr(err.msg, "minimum"),
+                  "%s: a budget below one slot is refused: %s", name, e ? "(loaded)" : err.msg);
+        const char *m = strstr(err.msg, "the minimum is ");
+        if (m) slot = strtoull(m + 15, NULL, 10);
+        ds41_engine_free(e);
+    }
+    {
+        ds41_engine_opts o = fo;
+        o.expert_cache_bytes = slot;
+        ds41_engine *e = ds41_engine_load(dir, &o, &err);
+        ds41_expert_cache_stats st;
+        if (e) ds41_engine_expert_stats(e, &st, false);
+        total = e ? st.total_bytes : 0;
+        TAP_CHECK(e && ds41_engine_experts_streamed(e) && st.slots == 1 && st.slot_bytes == slot,
+                  "%s: one-slot budget (%" PRIu64 " bytes): streamed, 1 slot, %" PRIu64 " bytes of experts", name,
+                  slot, total);
+        ds41_engine_free(e);
+    }
+
+    /* Budgets: 1 slot (waves everywhere), 3 slots (under one layer's union),
+     * a third of the experts, one slot short of all; prediction on and off. */
+    const uint64_t budgets[4] = {slot, 3 * slot, total / 3, total - 1};
+    const char *bname[4] = {"1 slot", "3 slots", "a third", "all but one"};
+    for (int bi = 0; bi < 4; bi++)
+        for (int pred = 1; pred >= 0; pred--) {
+            ds41_engine_opts o = fo;
+            o.expert_cache_bytes = budgets[bi];
+            o.expert_no_predict = !pred;
+            ds41_engine *e = ds41_engine_load(dir, &o, &err);
+            if (!e) {
+                TAP_CHECK(0, "%s: load with budget %s: %s", name, bname[bi], err.msg);
+                continue;
+            }
+            size_t nr = 0;
+            range *pages = expert_pages(e, &nr);
+            const int prot_ok = protect(pages, nr, PROT_NONE) == 0;
+            memset(got, 0, NF * sizeof *got);
+            const int rrc = run(e, prompts, got, &err);
+            protect(pages, nr, PROT_READ);
+            ds41_expert_cache_stats st;
+            ds41_engine_expert_stats(e, &st, false);
+            TAP_CHECK(rrc == 0 && prot_ok && memcmp(got, want, NF * sizeof *got) == 0,
+                      "%s: streamed, budget %s (%" PRIu64 " slots), prediction %s: logits bit-identical to resident "
+                      "(%zu expert-only pages PROT_NONE during the run)%s%s",
+                      name, bname[bi], st.slots, pred ? "on" : "off", pages_in(pages, nr), rrc ? ": " : "",
+                      rrc ? err.msg : "");
+            TAP_CHECK(st.requests > 0 && st.misses > 0 && st.bytes_read >= st.misses * 1 && st.latency_p50_ns > 0 &&
+                          st.latency_p99_ns >= st.latency_p50_ns && st.requests == st.hits + st.prefetch_hits + st.misses &&
+                          (bi > 0 || st.waves > 0) && (!pred ? st.predicted == 0 : bi < 2 || st.predicted > 0) &&
+                          st.predicted_used <= st.predicted,
+                      "%s: budget %s, prediction %s: stats requests %" PRIu64 " hits %" PRIu64 " prefetch hits %" PRIu64
+                      " misses %" PRIu64 " waves %" PRIu64 " bytes %" PRIu64 " p50 %" PRIu64 " ns p99 %" PRIu64
+                      " ns predicted %" PRIu64 " used %" PRIu64,
+                      name, bname[bi], pred ? "on" : "off", st.requests, st.hits, st.prefetch_hits, st.misses, st.waves,
+                      st.bytes_read, st.latency_p50_ns, st.latency_p99_ns, st.predicted, st.predicted_used);
+            free(pages);
+            ds41_engine_free(e);
+        }
+
+    /* Reference mode, streamed with waves and with a third. */
+    if (with_reference)
+        for (int bi = 0; bi < 3; bi += 2) {
+            ds41_engine_opts o = {.reference = true, .expert_cache_bytes = budgets[bi]};
+            ds41_engine *e = ds41_engine_load(dir, &o, &err);
+            const int rrc = e ? run(e, prompts, got, &err) : -1;
+            TAP_CHECK(rrc == 0 && memcmp(got, want_ref, NF * sizeof *got) == 0,
+                      "%s: reference mode, streamed with budget %s: logits bit-identical to resident reference%s%s",
+                      name, bname[bi], rrc ? ": " : "", rrc ? err.msg : "");
+            ds41_engine_free(e);
+        }
+
+    /* mincore: with O_DIRECT the streamed experts never enter the page cache. */
+    {
+        ds41_engine_opts o = fo;
+        o.expert_cache_bytes = budgets[2];
+        ds41_engine *e = ds41_engine_load(dir, &o, &err);
+        ds41_expert_cache_stats st;
+        if (e) ds41_engine_expert_stats(e, &st, false);
+        if (!e) {
+            TAP_CHECK(0, "%s: load for mincore: %s", name, err.msg);
+        } else if (!st.direct) {
+            TAP_SKIP("%s: mincore check: the file system refuses O_DIRECT here", name);
+        } else {
+            size_t nr = 0;
+            range *pages = expert_pages(e, &nr);
+            const int dropped = drop_dir_cache(dir) == 0;
+            const size_t before = resident_pages(pages, nr);
+            const int rrc = run(e, prompts, got, &err);
+            const size_t after = resident_pages(pages, nr);
+            ds41_engine_expert_stats(e, &st, false);
+            TAP_CHECK(dropped && rrc == 0 && st.bytes_read > 0 && after <= before,
+                      "%s: O_DIRECT reads of %" PRIu64 " expert bytes left the page cache alone: %zu of %zu "
+                      "expert-only pages resident before, %zu after",
+                      name, st.bytes_read, before, pages_in(pages, nr), after);
+            free(pages);
+        }
+        ds41_engine_free(e);
+    }
+
+    /* Faults: EIO, then a short read (continued by the reader: no error). */
+    {
+        ds41_engine_opts o = fo;
+        o.expert_cache_bytes = 3 * slot;
+        ds41_engine *e = ds41_engine_load(dir, &o, &err);
+        ds41_reader *r = e ? ds41_engine_expert_reader(e) : NULL;
+        if (TAP_CHECK(e && r, "%s: streamed engine for fault injection", name)) {
+            ds41_reader_set_fault(r, DS41_READER_ANY_FILE, DS41_FAULT_EIO, 3, 0);
+            const int rrc = run(e, prompts, got, &err);
+            TAP_CHECK(rrc != 0 && strstr(err.msg, "layers.") && strstr(err.msg, ".ffn.experts.") &&
+                          strstr(err.msg, ".safetensors") && strstr(err.msg, "Input/output error"),
+                      "%s: an injected EIO fails the forward call naming shard and tensor: %s", name,
+                      rrc ? err.msg : "(no error)");
+            ds41_expert_cache_stats st;
+            ds41_engine_expert_stats(e, &st, false);
+            TAP_CHECK(st.read_errors >= 1, "%s: read error counted (%" PRIu64 ")", name, st.read_errors);
+            const int rc2 = run(e, prompts, got, &err);
+            TAP_CHECK(rc2 == 0 && memcmp(got, want, NF * sizeof *got) == 0,
+                      "%s: after the fault, fresh sequences give the resident logits again%s%s", name,
+                      rc2 ? ": " : "", rc2 ? err.msg : "");
+            ds41_reader_set_fault(r, DS41_READER_ANY_FILE, DS41_FAULT_SHORT, 0, 0);
+            const int rc3 = run(e, prompts, got, &err);
+            ds41_reader_set_fault(r, DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+            TAP_CHECK(rc3 == 0 && memcmp(got, want, NF * sizeof *got) == 0,
+                      "%s: every read short (continued): logits still bit-identical%s%s", name, rc3 ? ": " : "",
+                      rc3 ? err.msg : "");
+        }
+        /* A failed call leaves other sequences intact: A, then B forked from
+         * A failing (every expert read fails), then A decodes as if alone. */
+        if (e) {
+            const size_t V2 = V;
+            float *ra = malloc(STEPS * V2 * sizeof *ra), *rb = malloc(STEPS * V2 * sizeof *rb);
+            /* Drop cached experts so B's call must read (and fail). */
+            int okf = ds41_engine_set_expert_budget(e, 3 * slot, &err) == 0 &&
+                      run_isolated(e, prompts[0], plen[0], 0, ra, &err) == 0 &&
+                      ds41_engine_set_expert_budget(e, 3 * slot + 1, &err) == 0 &&
+                      run_isolated(e, prompts[0], plen[0], 1, rb, &err) == 0;
+            TAP_CHECK(okf && memcmp(ra, rb, STEPS * V2 * sizeof *ra) == 0,
+                      "%s: a forward call failing on expert reads for a sequence forked from A leaves A intact: A's "
+                      "decode logits bit-identical%s%s",
+                      name, okf ? "" : ": ", okf ? "" : err.msg);
+            free(ra);
+            free(rb);
+        }
+        /* Run-time budget changes: resident, streamed, resized. */
+        if (e) {
+            int okb = ds41_engine_set_expert_budget(e, 0, &err) == 0 && !ds41_engine_experts_streamed(e);
+            okb = okb && run(e, prompts, got, &err) == 0 && memcmp(got, want, NF * sizeof *got) == 0;
+            okb = okb && ds41_engine_set_expert_budget(e, 2 * slot, &err) == 0 && ds41_engine_experts_streamed(e);
+            okb = okb && run(e, prompts, got, &err) == 0 && memcmp(got, want, NF * sizeof *got) == 0;
+            okb = okb && ds41_engine_set_expert_budget(e, total / 2, &err) == 0;
+            ds41_expert_cache_stats st;
+            ds41_engine_expert_stats(e, &st, false);
+            okb = okb && st.budget_bytes == total / 2 && st.slots == total / 2 / slot;
+            okb = okb && run(e, prompts, got, &err) == 0 && memcmp(got, want, NF * sizeof *got) == 0;
+            const int refused = ds41_engine_set_expert_budget(e, slot - 1, &err) != 0 && ds41_engine_experts_streamed(e);
+            TAP_CHECK(okb && refused,
+                      "%s: budget changed at run time (resident -> 2 slots -> half): same logits; below a slot "
+                      "refused, old pool kept",
+                      name);
+        }
+        ds41_engine_free(e);
+    }
+    (void)ok;
+    for (int s = 0; s < NSEQ; s++) free(prompts[s]);
+    free(want);
+    free(got);
+    free(want_ref);
+}
+
+/* The cache's own contract, on the tiny checkpoint: arguments checked, the
+ * policy (LFU with aging keeps a popular expert that LRU would evict),
+ * waves (more experts than slots: hits pinned first), prediction pins. */
+static void test_api(const char *dir) {
+    ds41_error err;
+    ds41_model_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    ds41_checkpoint *ck = NULL;
+    ds41_expert_cache *xc = NULL;
+    if (!TAP_CHECK(ds41_model_config_load(dir, &cfg, &err) == 0 && (ck = ds41_checkpoint_open(dir, &err)),
+                   "api: config and checkpoint open"))
+        goto out;
+    uint64_t slot = 0, total = 0;
+    const int grc = ds41_expert_cache_geometry(ck, &cfg, &slot, &total, &err);
+    TAP_CHECK(grc == 0 && slot > 0 && total >= 80 * slot / 2,
+              "api: geometry: slot %" PRIu64 " bytes, %" PRIu64 " bytes of experts", slot, total);
+    ds41_expert_cache_opts o = {.budget_bytes = 3 * slot};
+    xc = ds41_expert_cache_new(ck, &cfg, &o, &err);
+    if (!TAP_CHECK(xc && ds41_expert_cache_slots(xc) == 3, "api: 3-slot cache")) goto out;
+    uint8_t got[8];
+    ds41_expert_view v[8];
+    const int32_t bad[1] = {8};
+    TAP_CHECK(ds41_expert_cache_acquire(xc, 0, bad, 1, got, &err) < 0 && strstr(err.msg, "out of range"),
+              "api: expert out of range refused: %s", err.msg);
+    TAP_CHECK(ds41_expert_cache_acquire(xc, 99, bad, 0, got, &err) < 0 && strstr(err.msg, "layer 99"),
+              "api: layer out of range refused: %s", err.msg);
+    /* Expert 0 used five times, then 1, 2, 3 once each: LRU would evict 0 at 3. */
+    int ok = 1;
+    const int32_t seq[8] = {0, 0, 0, 0, 0, 1, 2, 3};
+    for (int i = 0; i < 8 && ok; i++) {
+        ok = ds41_expert_cache_acquire(xc, 0, &seq[i], 1, got, &err) == 1 &&
+             ds41_expert_cache_wait(xc, 0, &seq[i], 1, got, v, &err) == 0;
+        ds41_expert_cache_release(xc, 0, &seq[i], 1, got);
+    }
+    ds41_expert_cache_stats st;
+    ds41_expert_cache_get_stats(xc, &st, true);
+    const int32_t zero[1] = {0};
+    ok = ok && ds41_expert_cache_acquire(xc, 0, zero, 1, got, &err) == 1;
+    ds41_expert_cache_release(xc, 0, zero, 1, got);
+    ds41_expert_cache_get_stats(xc, &st, true);
+    TAP_CHECK(ok && st.hits == 1 && st.misses == 0, "api: LFU keeps the popular expert 0 through 1, 2, 3 (hits %" PRIu64
+              ", misses %" PRIu64 ")", st.hits, st.misses);
+    /* Five experts, three slots: hits (0 and 3 are cached) pinned first. */
+    const int32_t five[5] = {1, 2, 3, 4, 0};
+    const long p = ds41_expert_cache_acquire(xc, 0, five, 5, got, &err);
+    TAP_CHECK(p == 3 && got[2] && got[4] && got[0] + got[1] + got[3] == 1,
+              "api: 5 experts on 3 slots: 3 pinned, the cached 3 and 0 among them (%d%d%d%d%d)", got[0], got[1],
+              got[2], got[3], got[4]);
+    TAP_CHECK(ds41_expert_cache_wait(xc, 0, five, 5, got, v, &err) == 0 && v[2].w[0] && v[4].s[2],
+              "api: views of the pinned experts");
+    TAP_CHECK(ds41_expert_cache_set_budget(xc, 4 * slot, &err) != 0 && strstr(err.msg, "pinned"),
+              "api: no resize while pinned: %s", err.msg);
+    ds41_expert_cache_release(xc, 0, five, 5, got);
+    /* Prediction: layer 1's experts 5 and 6 loaded early, then used. */
+    const int32_t pr[2] = {5, 6};
+    TAP_CHECK(ds41_expert_cache_predict(xc, 1, pr, 2) == 2, "api: prediction loads 2 experts of layer 1");
+    ok = ds41_expert_cache_acquire(xc, 1, pr, 2, got, &err) == 2 && ds41_expert_cache_wait(xc, 1, pr, 2, got, v, &err) == 0;
+    ds41_expert_cache_release(xc, 1, pr, 2, got);
+    ds41_expert_cache_end_step(xc);
+    ds41_expert_cache_get_stats(xc, &st, false);
+    TAP_CHECK(ok && st.predicted == 2 && st.predicted_used == 2 && st.prefetch_hits == 2,
+              "api: predicted 2, used 2, prefetch hits %" PRIu64, st.prefetch_hits);
+out:
+    ds41_expert_cache_free(xc);
+    ds41_checkpoint_close(ck);
+    ds41_model_config_free(&cfg);
+}
+
+static int make(const char *preset, uint64_t seed, char *dir_out) {
+    snprintf(dir_out, 4096, "%s/%s", root, preset);
+    ds41_model_gen_opts o = {.preset = preset, .seed = seed};
+    ds41_error err;
+    if (ds41_model_generate(dir_out, &o, NULL, &err) != 0) {
+        TAP_NOTE("generate %s: %s", preset, err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+int main(void) {
+    /* Beside the build (a disk file system: O_DIRECT and mincore are
+     * meaningful there; /tmp may be tmpfs). */
+    const char *bd = getenv("DS41_BUILD_DIR");
+    const char *tmp = getenv("TMPDIR");
+    snprintf(root, sizeof root, "%s/ds41-test-expert-cache-XXXXXX", bd && *bd ? bd : tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(root)) {
+        TAP_CHECK(0, "mkdtemp");
+        return tap_done();
+    }
+    char dir_tiny[4096], dir_long[4096];
+    if (TAP_CHECK(make("tiny", 71, dir_tiny) == 0, "tiny checkpoint generated")) {
+        test_api(dir_tiny);
+        test_preset(dir_tiny, "tiny", 1);
+    }
+    if (TAP_CHECK(make("long", 72, dir_long) == 0, "long checkpoint generated"))
+        test_preset(dir_long, "long", getenv("DS41_SANITIZED") == NULL);
+    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    return tap_done();
+}
