@@ -123,7 +123,7 @@ int ds41_engram_cache_request(ds41_engram_cache *c, uint32_t table, const int64_
 int ds41_engram_cache_gather(ds41_engram_cache *c, uint32_t table, const int64_t *rows, size_t n,
                              uint8_t *payload_out, uint8_t *scale_out, ds41_error *err);
 
-/* Drop every pin (end of a step). */
+/* Drop every pin (end of a step).  NULL is fine. */
 void ds41_engram_cache_unpin_all(ds41_engram_cache *c);
 
 /* Drain completions that have already arrived (no waiting): keeps the
