@@ -3,6 +3,7 @@
  * of REFERENCE.md §10.1.  This is the hook for reference comparisons
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
+#include "config/daemon_config.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
 #include "storage/safetensors.h"
@@ -18,7 +19,8 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
-            "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
+            "                 [--threads N] [--pin] [--cpu LEVEL] [--engram-cache-bytes SIZE]\n"
+            "                 [--dump STREAMS.safetensors] --out FILE.json\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
             "K greedy steps (each feeds the argmax of the previous logits, lowest id on\n"
@@ -30,6 +32,10 @@ static void usage(FILE *f) {
             "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
             "canonical arithmetic of REFERENCE.md section 10 (bit-exact against\n"
             "tests/reference/ds41_ref.py).\n"
+            "--engram-cache-bytes SIZE (bytes, or with a unit: 64MiB, 1.5GiB, 2GB) streams the\n"
+            "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"
+            "covering the tables: resident); each greedy token's rows are prefetched before its\n"
+            "step.  The logits are the same either way.\n"
             "--dump writes the section 10.1 stream dump.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
@@ -256,6 +262,7 @@ int main(int argc, char **argv) {
         {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
         {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
         {"pin", no_argument, NULL, 'P'},
+        {"engram-cache-bytes", required_argument, NULL, 'E'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
@@ -281,6 +288,14 @@ int main(int argc, char **argv) {
             break;
         case 'r': eo.reference = true; break;
         case 'P': eo.cpu.pin = true; break;
+        case 'E': {
+            ds41_error serr = {{0}};
+            if (ds41_size_parse(optarg, &eo.engram_cache_bytes, &serr) != 0) {
+                fprintf(stderr, "ds41-eval: --engram-cache-bytes: %s\n", serr.msg);
+                return 2;
+            }
+            break;
+        }
         case 't':
             if (parse_size(optarg, &threads) != 0 || threads == 0 || threads > DS41_THREADPOOL_MAX) {
                 fprintf(stderr, "ds41-eval: --threads: expected an integer in [1, %d], got '%s'\n",
@@ -388,6 +403,7 @@ int main(int argc, char **argv) {
     const float *last = pre_logits + (S - 1) * V;
     for (size_t k = 0; k < K; k++) {
         dec[k] = ds41_argmax(last, V);
+        if (ds41_engine_prefetch(e, seq, dec[k], &err) != 0) goto fail;
         ds41_fwd_item item = {.seq = seq, .ids = &dec[k], .n_ids = 1, .logits = dec_logits + k * V};
         col.cur = dump ? &parts[k + 1] : NULL;
         col.row_off = 0;
