@@ -15,6 +15,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -39,6 +40,7 @@ typedef struct settings {
     uint32_t max_sequences, max_batch_tokens, prefill_chunk;
     bool test_forced_output;
     uint64_t kv_cache_bytes;
+    uint64_t engram_cache_bytes; /* Engram row tier budget, 0 = tables resident */
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes;
@@ -101,6 +103,7 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->prefill_chunk = cfg->engine.prefill_chunk;
     st->test_forced_output = cfg->engine.test_forced_output;
     st->kv_cache_bytes = cfg->memory.kv_cache_bytes;
+    st->engram_cache_bytes = cfg->memory.engram_cache_bytes;
     st->max_queue = cfg->limits.max_queue;
     st->max_tokens_default = cfg->limits.max_tokens_default;
     st->max_context = cfg->limits.max_context;
@@ -344,7 +347,8 @@ static void *loader_main(void *p) {
     snprintf(m->detail, sizeof m->detail, "loading %s", m->path);
     pthread_rwlock_unlock(&m->lock);
     ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE,
-                           .cpu = {.threads = (int)a->st.threads}};
+                           .cpu = {.threads = (int)a->st.threads},
+                           .engram_cache_bytes = a->st.engram_cache_bytes};
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     vocab = ds41_vocab_load_dir(m->path, &err);
@@ -942,6 +946,66 @@ static void metric_head(ds41_buf *b, const char *name, const char *type, const c
     ds41_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
+/* The Engram row tier of every ready model whose rows are streamed
+ * (ds41_tier_*{tier="engram"}); models with resident tables have no lines. */
+static void engram_tier_metrics(ds41_engine_service *s, ds41_buf *b, size_t n) {
+    ds41_engram_cache_stats *es = calloc(n ? n : 1, sizeof *es);
+    bool *on = calloc(n ? n : 1, sizeof *on);
+    if (!es || !on) {
+        free(es);
+        free(on);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        model *m = s->models[i];
+        pthread_rwlock_rdlock(&m->lock);
+        if (m->state == DS41_MODEL_READY && m->engine) on[i] = ds41_engine_engram_stats(m->engine, &es[i]);
+        pthread_rwlock_unlock(&m->lock);
+    }
+    static const struct {
+        const char *name, *type, *help;
+        size_t off;
+    } counters[] = {
+        {"ds41_tier_hits_total", "counter", "Storage tier hits (Engram: distinct rows a step found cached).",
+         offsetof(ds41_engram_cache_stats, hits)},
+        {"ds41_tier_misses_total", "counter", "Storage tier misses (rows read for the step).",
+         offsetof(ds41_engram_cache_stats, misses)},
+        {"ds41_tier_prefetched_early_total", "counter", "Misses whose read had completed when the step needed them.",
+         offsetof(ds41_engram_cache_stats, prefetched_early)},
+        {"ds41_tier_waited_total", "counter", "Misses the step waited for.", offsetof(ds41_engram_cache_stats, waited)},
+        {"ds41_tier_read_bytes_total", "counter", "Bytes of the tensors read from the shards.",
+         offsetof(ds41_engram_cache_stats, bytes_read)},
+        {"ds41_tier_device_bytes_total", "counter", "Bytes the device returned (alignment overhead included).",
+         offsetof(ds41_engram_cache_stats, bytes_device)},
+        {"ds41_tier_read_errors_total", "counter", "Failed reads.", offsetof(ds41_engram_cache_stats, read_errors)},
+        {"ds41_tier_evictions_total", "counter", "Entries evicted.", offsetof(ds41_engram_cache_stats, evictions)},
+        {"ds41_tier_budget_bytes", "gauge", "The tier's memory budget.", offsetof(ds41_engram_cache_stats, budget_bytes)},
+        {"ds41_tier_entries", "gauge", "Entries in use (rows cached or being read).",
+         offsetof(ds41_engram_cache_stats, entries_used)},
+    };
+    for (size_t k = 0; k < sizeof counters / sizeof counters[0]; k++) {
+        metric_head(b, counters[k].name, counters[k].type, counters[k].help);
+        for (size_t i = 0; i < n; i++) {
+            if (!on[i]) continue;
+            uint64_t v;
+            memcpy(&v, (const char *)&es[i] + counters[k].off, sizeof v);
+            ds41_buf_printf(b, "%s{model=\"%s\",tier=\"engram\"} %llu\n", counters[k].name, s->models[i]->name,
+                            (unsigned long long)v);
+        }
+    }
+    metric_head(b, "ds41_tier_read_latency_seconds", "gauge",
+                "Read latency quantiles since start (submission to completion; bucket upper bounds).");
+    for (size_t i = 0; i < n; i++) {
+        if (!on[i]) continue;
+        ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"engram\",quantile=\"0.5\"} %.9f\n",
+                        s->models[i]->name, (double)es[i].latency_p50_ns / 1e9);
+        ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"engram\",quantile=\"0.99\"} %.9f\n",
+                        s->models[i]->name, (double)es[i].latency_p99_ns / 1e9);
+    }
+    free(es);
+    free(on);
+}
+
 static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error *err) {
     ds41_engine_service *s = ctx;
     ds41_buf b = {0};
@@ -1065,6 +1129,7 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     PER_MODEL("ds41_prefix_cache_bytes", "gauge", "KV page bytes the prefix-cache snapshots reference.",
               st[i].cache_bytes);
 #undef PER_MODEL
+    engram_tier_metrics(s, &b, n);
     pthread_rwlock_unlock(&s->cfg_lock);
     free(st);
     free(ready);
