@@ -27,6 +27,9 @@ typedef struct entry {
     uint8_t failed;
 } entry;
 
+/* The budget's per-entry overhead covers the entry and up to two hash buckets. */
+_Static_assert(sizeof(entry) + 2 * sizeof(uint32_t) <= DS41_ENGRAM_ENTRY_OVERHEAD, "entry overhead");
+
 typedef struct list {
     uint32_t head, tail; /* head = most recently used */
 } list;

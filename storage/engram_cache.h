@@ -154,8 +154,12 @@ typedef struct ds41_engram_cache_stats {
     uint64_t read_errors;     /* failed row reads (needed or not) */
     uint64_t bytes_read;      /* payload + scale bytes of the rows read */
     uint64_t bytes_device;    /* bytes the device returned (alignment overhead included) */
-    uint64_t read_ns;         /* sum of row read latencies (submit to arrival) */
-    uint64_t latency_p50_ns;  /* row read latency; bucket upper bounds, 1/8 of a power of two */
+    /* Row read latency: submission to the moment the cache reaps the
+     * completion (completions are reaped by every request, gather and poll,
+     * so a prefetched row that lands during compute counts until the next of
+     * those).  Percentiles are bucket upper bounds, 1/8 of a power of two. */
+    uint64_t read_ns;         /* sum over rows read */
+    uint64_t latency_p50_ns;
     uint64_t latency_p99_ns;
     uint64_t latency_max_ns;
     uint64_t gathers;
