@@ -490,6 +490,11 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
         const ds41_layer_weights *lw = &e->w.layers[L];
         report(hooks, &b, DS41_STREAM_H, L, h, hc * D);
         report(hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
+        if (e->ecache) {
+            /* Keep the requested rows flowing: reap what arrived, issue what waits. */
+            ds41_error perr;
+            (void)ds41_engram_cache_poll(e->ecache, &perr); /* a failing reader shows in the gather */
+        }
         if (role->engram_slot >= 0 && engram_apply(e, &b, L, hash_ids, h, err) != 0) goto out;
 
         /* Attention sub-layer (§2.7 steps 1-2). */

@@ -704,7 +704,11 @@ ds41_engram_cache *ds41_engram_cache_new(const ds41_checkpoint *ckpt, const ds41
         goto fail;
     }
     for (size_t i = 0; i < n_shards; i++) map[i] = NONE;
-    ds41_reader_opts ro = {.queue_depth = o.queue_depth ? o.queue_depth : 256,
+    /* Rows are small: 4 KiB chunks keep each in-flight read's bounce buffer at
+     * 12 KiB (a row's unaligned range spans at most two direct-I/O units), so a
+     * deep queue costs little memory (1024 reads: 12 MiB). */
+    ds41_reader_opts ro = {.queue_depth = o.queue_depth ? o.queue_depth : 1024,
+                           .chunk_bytes = 4096,
                            .direct = !o.buffered,
                            .register_buffers = true,
                            .backend = o.backend};

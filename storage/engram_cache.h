@@ -81,7 +81,9 @@ typedef struct ds41_engram_cache_opts {
     uint64_t budget_bytes;  /* see "Entries" */
     bool buffered;          /* do not try O_DIRECT (default: O_DIRECT where the filesystem allows) */
     ds41_reader_backend backend; /* DS41_READER_AUTO by default */
-    unsigned queue_depth;   /* reads in flight; 0 = 256 */
+    unsigned queue_depth;   /* reads in flight (more wait in the reader's queue); 0 = 1024.  The
+                             * reader's bounce buffers (queue_depth x 12 KiB with O_DIRECT) come
+                             * on top of the budget. */
 } ds41_engram_cache_opts;
 
 /* Make a cache over n_tables tables of ckpt (borrowed: it must outlive the
@@ -126,9 +128,10 @@ int ds41_engram_cache_gather(ds41_engram_cache *c, uint32_t table, const int64_t
 /* Drop every pin (end of a step).  NULL is fine. */
 void ds41_engram_cache_unpin_all(ds41_engram_cache *c);
 
-/* Drain completions that have already arrived (no waiting): keeps the
- * reader's completion queue short between steps.  Returns 0 or -1 when the
- * reader fails. */
+/* Reap completions that have already arrived (no waiting), which also hands
+ * the reader's queued reads to the device as slots free up: the engine calls
+ * it between layers so a step's requested rows keep flowing while it
+ * computes.  Returns 0 or -1 when the reader fails. */
 int ds41_engram_cache_poll(ds41_engram_cache *c, ds41_error *err);
 
 /* Statistics since creation or the last reset.  Per gather, each distinct
