@@ -29,6 +29,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
+               "                  [--engram-cache-bytes SIZE]\n"
                "\n"
                "Measures, with the fast CPU path:\n"
                "  machine   read bandwidth (every thread streaming its slice of a G GiB buffer,\n"
@@ -49,6 +50,11 @@ static void usage(FILE *f) {
                "            bytes read per token, achieved read bandwidth and its ratio to the\n"
                "            device's, load latency p50/p99, prediction accuracy (--no-predict turns\n"
                "            next-layer prediction off) and /proc/self/io read_bytes\n"
+               "  engram    with --engram-cache-bytes SIZE (or memory.engram_cache_bytes of --config) below\n"
+               "            the Engram tables, their rows are streamed from the checkpoint into a row\n"
+               "            cache of that size (each greedy token's rows prefetched before its step);\n"
+               "            per phase: hits, hit rate, bytes read per token, read bandwidth (bytes\n"
+               "            from the device / phase time), row read latency p50/p99\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
                "threads to CPUs.  --json prints one JSON object instead of text.\n"
                "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
@@ -309,11 +315,51 @@ static void expert_pages_resident(const ds41_engine *e, uint64_t *resident, uint
     free(r);
 }
 
+/* The Engram row tier over one timed phase. */
+typedef struct engram_phase {
+    bool streamed;
+    ds41_engram_cache_stats st;
+    double hit_rate, bytes_read_per_token, read_gbs;
+} engram_phase;
+
+static void engram_phase_end(ds41_engine *e, size_t tokens, double seconds, engram_phase *out) {
+    out->streamed = ds41_engine_engram_stats(e, &out->st);
+    const ds41_engram_cache_stats *s = &out->st;
+    out->hit_rate = s->uses ? (double)s->hits / (double)s->uses : 0;
+    out->bytes_read_per_token = tokens ? (double)s->bytes_read / (double)tokens : 0;
+    out->read_gbs = seconds > 0 ? (double)s->bytes_device / seconds / 1e9 : 0;
+}
+
+static void engram_phase_json(const engram_phase *p) {
+    if (!p->streamed) return;
+    const ds41_engram_cache_stats *s = &p->st;
+    printf(",\"engram\":{\"uses\":%llu,\"hits\":%llu,\"misses\":%llu,\"hit_rate\":%.4f,\"prefetched_early\":%llu,"
+           "\"waited\":%llu,\"bypass_reads\":%llu,\"rows_read\":%llu,\"bytes_read\":%llu,\"bytes_device\":%llu,"
+           "\"bytes_read_per_token\":%.1f,\"read_bandwidth_gbs\":%.4f,\"latency_p50_us\":%.1f,"
+           "\"latency_p99_us\":%.1f,\"gather_wait_seconds\":%.6f}",
+           (unsigned long long)s->uses, (unsigned long long)s->hits, (unsigned long long)s->misses, p->hit_rate,
+           (unsigned long long)s->prefetched_early, (unsigned long long)s->waited,
+           (unsigned long long)s->bypass_reads, (unsigned long long)s->rows_read, (unsigned long long)s->bytes_read,
+           (unsigned long long)s->bytes_device, p->bytes_read_per_token, p->read_gbs,
+           (double)s->latency_p50_ns / 1e3, (double)s->latency_p99_ns / 1e3, (double)s->gather_wait_ns / 1e9);
+}
+
+static void engram_phase_text(const char *what, const engram_phase *p) {
+    if (!p->streamed) return;
+    const ds41_engram_cache_stats *s = &p->st;
+    printf("  engram %-9s hit rate %.1f%% (%llu hits, %llu misses: %llu prefetched early, %llu waited), "
+           "%.1f KB read/token, %.3f GB/s from the device, row read p50 %.0f us p99 %.0f us\n",
+           what, 100 * p->hit_rate, (unsigned long long)s->hits, (unsigned long long)s->misses,
+           (unsigned long long)s->prefetched_early, (unsigned long long)s->waited, p->bytes_read_per_token / 1e3,
+           p->read_gbs, (double)s->latency_p50_ns / 1e3, (double)s->latency_p99_ns / 1e3);
+}
+
 typedef struct decode_result {
     size_t batch, steps;
     double seconds_per_step, tokens_per_s;
     double bytes_per_step, bytes_per_s, fraction;
     tier_result tier;
+    engram_phase eng;
 } decode_result;
 
 /* B sequences, 32-token prompts, one warm-up step, then `steps` timed steps. */
@@ -347,18 +393,21 @@ static int bench_decode(ds41_engine *e, ds41_backend *be, size_t B, size_t steps
         if (s == 1) {
             be->stats(be, &st, true);
             tier_begin(e);
+            ds41_engine_engram_reset_stats(e);
             t0 = now();
         }
         for (size_t b = 0; b < B; b++) {
             tok[b] = ds41_argmax(logits + b * V, V);
             items[b].ids = &tok[b];
             items[b].n_ids = 1;
+            if (ds41_engine_prefetch(e, seqs[b], tok[b], err) != 0) goto out;
         }
         if (ds41_forward(e, items, B, NULL, err) != 0) goto out;
     }
     const double t = now() - t0;
     be->stats(be, &st, true);
     tier_end(e, t, (double)(B * steps), &r->tier);
+    engram_phase_end(e, B * steps, t, &r->eng);
     r->batch = B;
     r->steps = steps;
     r->seconds_per_step = t / (double)steps;
@@ -383,6 +432,7 @@ typedef struct prefill_result {
     size_t tokens;
     double seconds, tokens_per_s, flops, gflops, fraction;
     tier_result tier;
+    engram_phase eng;
 } prefill_result;
 
 /* One untimed prefill (warm-up: touches the weights, faults the mapping),
@@ -407,11 +457,13 @@ static int bench_prefill(ds41_engine *e, ds41_backend *be, size_t P, double peak
         ds41_backend_stats st;
         be->stats(be, &st, true);
         tier_begin(e);
+        ds41_engine_engram_reset_stats(e);
         const double t0 = now();
         const int frc = ds41_forward(e, &it, 1, NULL, err);
         const double t = now() - t0;
         be->stats(be, &st, true);
         tier_end(e, t, (double)P, &r->tier);
+        engram_phase_end(e, P, t, &r->eng);
         ds41_kv_seq_free(s);
         if (frc != 0) goto out;
         r->tokens = P;
@@ -443,6 +495,7 @@ int main(int argc, char **argv) {
         {"expert-cache-bytes", required_argument, NULL, 'X'},
         {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
+        {"engram-cache-bytes", required_argument, NULL, 'E'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -452,7 +505,7 @@ int main(int argc, char **argv) {
     int json = 0;
     ds41_engine_opts eo = {.reference = false};
     uint64_t expert_bytes = 0;
-    bool expert_bytes_set = false;
+    bool expert_bytes_set = false, engram_bytes_set = false;
     const char *config_path = NULL;
     int ch;
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
@@ -487,6 +540,15 @@ int main(int argc, char **argv) {
                 return 2;
             }
             expert_bytes_set = true;
+            break;
+        }
+        case 'E': {
+            ds41_error serr = {{0}};
+            if (ds41_size_parse(optarg, &eo.engram_cache_bytes, &serr) != 0) {
+                fprintf(stderr, "ds41-bench: --engram-cache-bytes: %s\n", serr.msg);
+                return 2;
+            }
+            engram_bytes_set = true;
             break;
         }
         case 'L':
@@ -566,6 +628,7 @@ int main(int argc, char **argv) {
             return 2;
         }
         if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
+        if (!engram_bytes_set) eo.engram_cache_bytes = dc.memory.engram_cache_bytes;
         ds41_daemon_config_free(&dc);
     }
     eo.expert_cache_bytes = expert_bytes;
@@ -656,17 +719,35 @@ int main(int argc, char **argv) {
                mach.fma_gflops);
         printf("\"prefill\":{\"tokens\":%zu,\"seconds\":%.6f,\"tokens_per_s\":%.3f,\"flops\":%.0f,\"gflops\":"
                "%.3f,"
-               "\"fraction_of_fma_peak\":%.4f},",
+               "\"fraction_of_fma_peak\":%.4f",
                pre.tokens, pre.seconds, pre.tokens_per_s, pre.flops, pre.gflops, pre.fraction);
+        engram_phase_json(&pre.eng);
+        printf("},");
+        {
+            ds41_engram_cache_stats es;
+            const bool e_streamed = ds41_engine_engram_stats(e, &es);
+            printf("\"engram_tier\":{\"streamed\":%s,\"budget_bytes\":%llu,\"capacity_rows\":%llu,\"row_bytes\":%llu,"
+                   "\"reader\":\"%s\",\"direct\":%s",
+                   e_streamed ? "true" : "false", (unsigned long long)eo.engram_cache_bytes,
+                   (unsigned long long)es.capacity, (unsigned long long)es.row_bytes,
+                   e_streamed ? ds41_reader_backend_name(ds41_engram_cache_reader(ds41_engine_engram_cache(e))) : "",
+                   e_streamed && ds41_reader_file_direct(ds41_engram_cache_reader(ds41_engine_engram_cache(e)), 0)
+                       ? "true"
+                       : "false");
+            printf("},");
+        }
         printf("\"decode\":[");
-        for (size_t i = 0; i < n_batches; i++)
+        for (size_t i = 0; i < n_batches; i++) {
             printf(
                 "%s{\"batch\":%zu,\"steps\":%zu,\"seconds_per_step\":%.6f,\"tokens_per_s\":%.3f,"
                 "\"weight_bytes_per_step\":%.0f,\"weight_bytes_per_s\":%.0f,\"bound_seconds_per_step\":%.6f,"
-                "\"fraction_of_bandwidth\":%.4f}",
+                "\"fraction_of_bandwidth\":%.4f",
                 i ? "," : "", dec[i].batch, dec[i].steps, dec[i].seconds_per_step, dec[i].tokens_per_s,
                 dec[i].bytes_per_step, dec[i].bytes_per_s,
                 mach.read_gbs > 0 ? dec[i].bytes_per_step / (mach.read_gbs * 1e9) : 0.0, dec[i].fraction);
+            engram_phase_json(&dec[i].eng);
+            printf("}");
+        }
         printf("],\"experts\":{\"streamed\":%s", streamed ? "true" : "false");
         if (streamed) {
             ds41_expert_cache_stats g;
@@ -696,6 +777,24 @@ int main(int argc, char **argv) {
                mach.fma_gflops);
         printf("prefill    %zu tokens in %.3f s: %.1f tokens/s, %.1f GFLOP/s = %.1f%% of the FMA peak\n",
                pre.tokens, pre.seconds, pre.tokens_per_s, pre.gflops, 100 * pre.fraction);
+        {
+            ds41_engram_cache_stats es;
+            if (ds41_engine_engram_stats(e, &es)) {
+                ds41_reader *rd = ds41_engram_cache_reader(ds41_engine_engram_cache(e));
+                printf("engram     rows streamed: budget %llu bytes = %llu rows of %llu bytes, reader %s%s\n",
+                       (unsigned long long)eo.engram_cache_bytes, (unsigned long long)es.capacity,
+                       (unsigned long long)es.row_bytes, ds41_reader_backend_name(rd),
+                       ds41_reader_file_direct(rd, 0) ? ", O_DIRECT" : ", buffered");
+            } else {
+                printf("engram     tables resident (mapped)\n");
+            }
+        }
+        engram_phase_text("prefill", &pre.eng);
+        for (size_t i = 0; i < n_batches; i++) {
+            char what[32];
+            snprintf(what, sizeof what, "B=%zu", dec[i].batch);
+            engram_phase_text(what, &dec[i].eng);
+        }
         for (size_t i = 0; i < n_batches; i++)
             printf("decode B=%-3zu %.2f tokens/s (%.1f ms/step), %.1f MB weights/step, %.2f GB/s = %.1f%% of "
                    "the "

@@ -16,6 +16,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -42,6 +43,7 @@ typedef struct settings {
     uint64_t test_fault_expert_read;
     uint64_t kv_cache_bytes;
     uint64_t expert_cache_bytes;
+    uint64_t engram_cache_bytes; /* Engram row tier budget, 0 = tables resident */
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes;
@@ -111,6 +113,7 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->kv_cache_bytes = cfg->memory.kv_cache_bytes;
     st->expert_cache_bytes = cfg->memory.expert_cache_bytes;
     st->test_fault_expert_read = cfg->engine.test_fault_expert_read;
+    st->engram_cache_bytes = cfg->memory.engram_cache_bytes;
     st->max_queue = cfg->limits.max_queue;
     st->max_tokens_default = cfg->limits.max_tokens_default;
     st->max_context = cfg->limits.max_context;
@@ -485,7 +488,8 @@ static void *loader_main(void *p) {
     pthread_rwlock_unlock(&m->lock);
     ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE,
                            .cpu = {.threads = (int)a->st.threads},
-                           .expert_cache_bytes = a->st.expert_cache_bytes};
+                           .expert_cache_bytes = a->st.expert_cache_bytes,
+                           .engram_cache_bytes = a->st.engram_cache_bytes};
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     if (ds41_engine_experts_streamed(engine)) {
@@ -1126,19 +1130,78 @@ static void metric_head(ds41_buf *b, const char *name, const char *type, const c
     ds41_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-/* ds41_tier_* series of the routed-expert tier (tier="experts") of every
- * ready model.  Called with cfg_lock held. */
-static void expert_tier_metrics(ds41_engine_service *s, ds41_buf *b, const bool *ready, size_t n) {
-    ds41_expert_cache_stats *xs = calloc(n ? n : 1, sizeof *xs);
-    bool *streamed = calloc(n ? n : 1, sizeof *streamed);
-    bool *have = calloc(n ? n : 1, sizeof *have);
-    if (!xs || !streamed || !have) goto out;
+/* The storage tiers' ds41_tier_* series of every ready model: the routed
+ * experts (tier="experts", always present; streamed 0 while everything is
+ * resident) and the Engram rows (tier="engram", only when streamed).  Each
+ * family's HELP/TYPE comes once, its samples labelled by tier.  Called with
+ * cfg_lock held. */
+enum tier_field {
+    TF_STREAMED,
+    TF_BUDGET,
+    TF_USED,
+    TF_TOTAL,
+    TF_ENTRIES,
+    TF_HITS,
+    TF_MISSES,
+    TF_EARLY,
+    TF_WAITED,
+    TF_READ_BYTES,
+    TF_DEVICE_BYTES,
+    TF_ERRORS,
+    TF_EVICTIONS,
+    TF_PREDICTED,
+    TF_PREDICTED_USED,
+};
+
+/* A field of the expert tier's statistics; false when it has no such field. */
+static bool expert_field(const ds41_expert_cache_stats *x, bool streamed, int f, uint64_t *v) {
+    switch (f) {
+    case TF_STREAMED: *v = streamed; return true;
+    case TF_BUDGET: *v = x->budget_bytes; return true;
+    case TF_USED: *v = x->slots_used * x->slot_bytes; return true;
+    case TF_TOTAL: *v = x->total_bytes; return true;
+    case TF_HITS: *v = x->hits + x->prefetch_hits; return true;
+    case TF_MISSES: *v = x->misses; return true;
+    case TF_READ_BYTES: *v = x->bytes_read; return true;
+    case TF_ERRORS: *v = x->read_errors; return true;
+    case TF_PREDICTED: *v = x->predicted; return true;
+    case TF_PREDICTED_USED: *v = x->predicted_used; return true;
+    default: return false;
+    }
+}
+
+/* The same for the Engram row tier. */
+static bool engram_field(const ds41_engram_cache_stats *g, int f, uint64_t *v) {
+    switch (f) {
+    case TF_STREAMED: *v = 1; return true;
+    case TF_BUDGET: *v = g->budget_bytes; return true;
+    case TF_ENTRIES: *v = g->entries_used; return true;
+    case TF_HITS: *v = g->hits; return true;
+    case TF_MISSES: *v = g->misses; return true;
+    case TF_EARLY: *v = g->prefetched_early; return true;
+    case TF_WAITED: *v = g->waited; return true;
+    case TF_READ_BYTES: *v = g->bytes_read; return true;
+    case TF_DEVICE_BYTES: *v = g->bytes_device; return true;
+    case TF_ERRORS: *v = g->read_errors; return true;
+    case TF_EVICTIONS: *v = g->evictions; return true;
+    default: return false;
+    }
+}
+
+static void tier_metrics(ds41_engine_service *s, ds41_buf *b, const bool *ready, size_t n) {
+    const size_t cap = n ? n : 1;
+    ds41_expert_cache_stats *xs = calloc(cap, sizeof *xs);
+    ds41_engram_cache_stats *es = calloc(cap, sizeof *es);
+    bool *have = calloc(cap, sizeof *have), *x_streamed = calloc(cap, sizeof *x_streamed),
+         *e_on = calloc(cap, sizeof *e_on);
+    if (!xs || !es || !have || !x_streamed || !e_on) goto out;
     for (size_t i = 0; i < n; i++) {
         model *m = s->models[i];
         pthread_rwlock_rdlock(&m->lock);
         if (ready[i] && m->state == DS41_MODEL_READY && m->engine) {
-            streamed[i] = ds41_engine_expert_stats(m->engine, &xs[i], false);
             have[i] = true;
+            x_streamed[i] = ds41_engine_expert_stats(m->engine, &xs[i], false);
+            e_on[i] = ds41_engine_engram_stats(m->engine, &es[i]);
         }
         pthread_rwlock_unlock(&m->lock);
     }
@@ -1146,51 +1209,66 @@ static void expert_tier_metrics(ds41_engine_service *s, ds41_buf *b, const bool 
         const char *name, *type, *help;
         int field;
     } series[] = {
-        {"ds41_tier_streamed", "gauge", "1 when the tier reads from disk under its budget, 0 when all resident.", 0},
-        {"ds41_tier_budget_bytes", "gauge", "The tier's memory budget (0: auto, all resident).", 1},
-        {"ds41_tier_used_bytes", "gauge", "Bytes of the tier's slots holding data.", 2},
-        {"ds41_tier_total_bytes", "gauge", "Bytes of everything the tier serves (e.g. all routed experts).", 3},
-        {"ds41_tier_hits_total", "counter", "Uses served from memory (incl. predicted loads in time).", 4},
-        {"ds41_tier_misses_total", "counter", "Uses that had to be read on demand.", 5},
-        {"ds41_tier_read_bytes_total", "counter", "Bytes read from the device into the tier.", 6},
-        {"ds41_tier_read_errors_total", "counter", "Failed reads.", 7},
-        {"ds41_tier_predictions_total", "counter", "Items predicted for the next layer.", 8},
-        {"ds41_tier_predictions_used_total", "counter", "Predicted items the layer then used.", 9},
+        {"ds41_tier_streamed", "gauge", "1 when the tier reads from disk under its budget, 0 when all resident.",
+         TF_STREAMED},
+        {"ds41_tier_budget_bytes", "gauge", "The tier's memory budget (0: auto, all resident).", TF_BUDGET},
+        {"ds41_tier_used_bytes", "gauge", "Bytes of the expert tier's slots holding data.", TF_USED},
+        {"ds41_tier_total_bytes", "gauge", "Bytes of everything the expert tier serves (all routed experts).",
+         TF_TOTAL},
+        {"ds41_tier_entries", "gauge", "Engram rows cached or being read.", TF_ENTRIES},
+        {"ds41_tier_hits_total", "counter",
+         "Uses served from memory (experts: incl. predicted loads in time; Engram: distinct rows a step found "
+         "cached).",
+         TF_HITS},
+        {"ds41_tier_misses_total", "counter", "Uses that had to be read from the device.", TF_MISSES},
+        {"ds41_tier_prefetched_early_total", "counter",
+         "Engram misses whose read had completed when the step needed them.", TF_EARLY},
+        {"ds41_tier_waited_total", "counter", "Engram misses the step waited for.", TF_WAITED},
+        {"ds41_tier_read_bytes_total", "counter", "Bytes of the tensors read from the shards into the tier.",
+         TF_READ_BYTES},
+        {"ds41_tier_device_bytes_total", "counter", "Bytes the device returned for Engram rows (alignment included).",
+         TF_DEVICE_BYTES},
+        {"ds41_tier_read_errors_total", "counter", "Failed reads.", TF_ERRORS},
+        {"ds41_tier_evictions_total", "counter", "Engram rows evicted.", TF_EVICTIONS},
+        {"ds41_tier_predictions_total", "counter", "Experts predicted for the next layer.", TF_PREDICTED},
+        {"ds41_tier_predictions_used_total", "counter", "Predicted experts the layer then used.", TF_PREDICTED_USED},
     };
     for (size_t k = 0; k < sizeof series / sizeof series[0]; k++) {
         metric_head(b, series[k].name, series[k].type, series[k].help);
         for (size_t i = 0; i < n; i++) {
             if (!have[i]) continue;
-            const ds41_expert_cache_stats *x = &xs[i];
-            uint64_t v = 0;
-            switch (series[k].field) {
-            case 0: v = streamed[i]; break;
-            case 1: v = x->budget_bytes; break;
-            case 2: v = x->slots_used * x->slot_bytes; break;
-            case 3: v = x->total_bytes; break;
-            case 4: v = x->hits + x->prefetch_hits; break;
-            case 5: v = x->misses; break;
-            case 6: v = x->bytes_read; break;
-            case 7: v = x->read_errors; break;
-            case 8: v = x->predicted; break;
-            case 9: v = x->predicted_used; break;
-            }
-            ds41_buf_printf(b, "%s{model=\"%s\",tier=\"experts\"} %llu\n", series[k].name, s->models[i]->name,
-                            (unsigned long long)v);
+            uint64_t v;
+            if (expert_field(&xs[i], x_streamed[i], series[k].field, &v))
+                ds41_buf_printf(b, "%s{model=\"%s\",tier=\"experts\"} %llu\n", series[k].name, s->models[i]->name,
+                                (unsigned long long)v);
+            if (e_on[i] && engram_field(&es[i], series[k].field, &v))
+                ds41_buf_printf(b, "%s{model=\"%s\",tier=\"engram\"} %llu\n", series[k].name, s->models[i]->name,
+                                (unsigned long long)v);
         }
     }
-    metric_head(b, "ds41_tier_read_latency_seconds", "summary", "Load latency of one item, submit to last byte (recent loads).");
+    metric_head(b, "ds41_tier_read_latency_seconds", "gauge",
+                "Read latency quantiles of the tier's reads, submission to last byte (bucket upper bounds).");
     for (size_t i = 0; i < n; i++) {
-        if (!have[i] || !streamed[i]) continue;
-        ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"experts\",quantile=\"0.5\"} %.9f\n",
-                        s->models[i]->name, (double)xs[i].latency_p50_ns * 1e-9);
-        ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"experts\",quantile=\"0.99\"} %.9f\n",
-                        s->models[i]->name, (double)xs[i].latency_p99_ns * 1e-9);
+        if (!have[i]) continue;
+        if (x_streamed[i]) {
+            ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"experts\",quantile=\"0.5\"} %.9f\n",
+                            s->models[i]->name, (double)xs[i].latency_p50_ns * 1e-9);
+            ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"experts\",quantile=\"0.99\"} %.9f\n",
+                            s->models[i]->name, (double)xs[i].latency_p99_ns * 1e-9);
+        }
+        if (e_on[i]) {
+            ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"engram\",quantile=\"0.5\"} %.9f\n",
+                            s->models[i]->name, (double)es[i].latency_p50_ns * 1e-9);
+            ds41_buf_printf(b, "ds41_tier_read_latency_seconds{model=\"%s\",tier=\"engram\",quantile=\"0.99\"} %.9f\n",
+                            s->models[i]->name, (double)es[i].latency_p99_ns * 1e-9);
+        }
     }
 out:
     free(xs);
-    free(streamed);
+    free(es);
     free(have);
+    free(x_streamed);
+    free(e_on);
 }
 
 static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error *err) {
@@ -1345,7 +1423,7 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     PER_MODEL("ds41_prefix_cache_entries", "gauge", "Prefix-cache snapshots kept.", st[i].cache_entries);
     PER_MODEL("ds41_prefix_cache_bytes", "gauge", "KV page bytes the prefix-cache snapshots reference.",
               st[i].cache_bytes);
-    expert_tier_metrics(s, &b, ready, n);
+    tier_metrics(s, &b, ready, n);
 #undef PER_MODEL
     pthread_rwlock_unlock(&s->cfg_lock);
     free(st);
@@ -1498,8 +1576,8 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     uint64_t kv_used = 0, kv_cap = 0, pc_bytes = 0, hits = 0, misses = 0;
     uint64_t sn_bytes = 0, sn_cap = 0, sn_hits = 0, sn_misses = 0;
     bool first = true;
-    ds41_svc_cache_tier xt = {.name = "experts"};
-    bool have_experts = false;
+    ds41_svc_cache_tier xt = {.name = "experts"}, gt = {.name = "engram"};
+    bool have_experts = false, have_engram = false;
     pthread_rwlock_rdlock(&s->cfg_lock);
     for (size_t i = 0; i < s->n_models; i++) {
         model *m = s->models[i];
@@ -1545,12 +1623,26 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
             xt.bytes_read += xs.bytes_read;
             xt.predicted += xs.predicted;
             xt.predicted_used += xs.predicted_used;
+            ds41_engram_cache_stats gs;
+            if (ds41_engine_engram_stats(m->engine, &gs)) {
+                if (!have_engram || m->is_default) {
+                    gt.latency_p50_ns = gs.latency_p50_ns;
+                    gt.latency_p99_ns = gs.latency_p99_ns;
+                }
+                have_engram = true;
+                gt.streamed = true;
+                gt.used_bytes += gs.entries_used * gs.row_bytes;
+                gt.capacity_bytes += gs.budget_bytes;
+                gt.hits += gs.hits;
+                gt.misses += gs.misses;
+                gt.bytes_read += gs.bytes_read;
+            }
         }
         pthread_rwlock_unlock(&m->lock);
     }
     pthread_rwlock_unlock(&s->cfg_lock);
     c.pages_free = c.pages_total > c.pages_used ? c.pages_total - c.pages_used : 0;
-    ds41_svc_cache_tier tiers[4] = {
+    ds41_svc_cache_tier tiers[5] = {
         {.name = "kv", .used_bytes = kv_used, .capacity_bytes = kv_cap},
         {.name = "prefix", .used_bytes = pc_bytes, .capacity_bytes = s->st.prefix_cache_max_bytes, .hits = hits,
          .misses = misses},
@@ -1560,10 +1652,8 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     c.tiers = tiers;
     c.n_tiers = 2;
     if (s->st.snapshots) c.n_tiers++;
-    if (have_experts) {
-        if (!s->st.snapshots) tiers[2] = xt;
-        c.n_tiers++;
-    }
+    if (have_experts) tiers[c.n_tiers++] = xt;
+    if (have_engram) tiers[c.n_tiers++] = gt; /* only while its rows are streamed */
     emit(acc, &c);
     return 0;
 }

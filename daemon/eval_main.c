@@ -20,7 +20,8 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
-            "                 [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
+            "                 [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE] [--config ds41d.yaml]\n"
+            "                 [--no-predict]\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
             "K greedy steps (each feeds the argmax of the previous logits, lowest id on\n"
@@ -32,12 +33,16 @@ static void usage(FILE *f) {
             "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
             "canonical arithmetic of REFERENCE.md section 10 (bit-exact against\n"
             "tests/reference/ds41_ref.py).\n"
+            "--engram-cache-bytes SIZE (bytes, or with a unit: 64MiB, 1.5GiB, 2GB) streams the\n"
+            "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"
+            "covering the tables: resident); each greedy token's rows are prefetched before its\n"
+            "step.  The logits are the same either way.\n"
             "--dump writes the section 10.1 stream dump.\n"
             "--expert-cache-bytes SIZE (e.g. 1GiB, as in ds41d.yaml) streams the routed experts\n"
             "through a slot pool of that size (io_uring, O_DIRECT) when they do not all fit;\n"
-            "--config FILE takes memory.expert_cache_bytes from a ds41d YAML file (the flag\n"
-            "wins); --no-predict turns off next-layer expert prediction.  The logits do not\n"
-            "depend on the budget.\n"
+            "--config FILE takes memory.expert_cache_bytes and engram_cache_bytes from a ds41d\n"
+            "YAML file (the flags win); --no-predict turns off next-layer expert prediction.\n"
+            "The logits do not depend on the budgets.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
 
@@ -265,13 +270,14 @@ int main(int argc, char **argv) {
         {"pin", no_argument, NULL, 'P'},
         {"expert-cache-bytes", required_argument, NULL, 'X'}, {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
+        {"engram-cache-bytes", required_argument, NULL, 'E'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
     size_t chunk = 0, K = 0;
     ds41_engine_opts eo = {.reference = false};
     uint64_t expert_bytes = 0;
-    bool expert_bytes_set = false;
+    bool expert_bytes_set = false, engram_bytes_set = false;
     const char *config_path = NULL;
     size_t threads = 0;
     int c;
@@ -304,6 +310,15 @@ int main(int argc, char **argv) {
             break;
         }
         case 'C': config_path = optarg; break;
+        case 'E': {
+            ds41_error serr = {{0}};
+            if (ds41_size_parse(optarg, &eo.engram_cache_bytes, &serr) != 0) {
+                fprintf(stderr, "ds41-eval: --engram-cache-bytes: %s\n", serr.msg);
+                return 2;
+            }
+            engram_bytes_set = true;
+            break;
+        }
         case 't':
             if (parse_size(optarg, &threads) != 0 || threads == 0 || threads > DS41_THREADPOOL_MAX) {
                 fprintf(stderr, "ds41-eval: --threads: expected an integer in [1, %d], got '%s'\n",
@@ -359,7 +374,8 @@ int main(int argc, char **argv) {
     float *pre_logits = NULL, *dec_logits = NULL;
     int32_t *dec = NULL;
     part *parts = NULL;
-    /* Budgets: --config's memory.expert_cache_bytes, overridden by the flag. */
+    /* Budgets: --config's memory.expert_cache_bytes / engram_cache_bytes,
+     * overridden by the flags. */
     if (config_path) {
         ds41_daemon_config dc;
         if (ds41_daemon_config_load(config_path, &dc, &err) != 0) {
@@ -368,6 +384,7 @@ int main(int argc, char **argv) {
             return 2;
         }
         if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
+        if (!engram_bytes_set) eo.engram_cache_bytes = dc.memory.engram_cache_bytes;
         ds41_daemon_config_free(&dc);
     }
     eo.expert_cache_bytes = expert_bytes;
@@ -423,6 +440,7 @@ int main(int argc, char **argv) {
     const float *last = pre_logits + (S - 1) * V;
     for (size_t k = 0; k < K; k++) {
         dec[k] = ds41_argmax(last, V);
+        if (ds41_engine_prefetch(e, seq, dec[k], &err) != 0) goto fail;
         ds41_fwd_item item = {.seq = seq, .ids = &dec[k], .n_ids = 1, .logits = dec_logits + k * V};
         col.cur = dump ? &parts[k + 1] : NULL;
         col.row_off = 0;

@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,6 +61,36 @@ static int load_engram(ds41_engine *e, const char *dir, ds41_error *err) {
         for (size_t i = 0; i < hc * D; i++)
             e->wqk[s][i] = ds41_bf16_to_f32(lw->eng_q[i]) * ds41_bf16_to_f32(lw->eng_k[i]);
     }
+    return 0;
+}
+
+/* The Engram row tier: a row cache when the budget does not cover the tables
+ * (payload + scales of every Engram layer); otherwise the tables stay on the
+ * mapping. */
+static int setup_engram_stream(ds41_engine *e, uint64_t budget, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    const size_t nsl = c->engram_layer_ids.n;
+    ds41_engram_table_spec specs[DS41_ENGRAM_MAX_LAYERS];
+    uint64_t total = 0;
+    for (size_t s = 0; s < nsl; s++) {
+        char name[96];
+        const long long L = (long long)c->engram_layer_ids.v[s];
+        snprintf(name, sizeof name, "layers.%lld.engram.embed.weight", L);
+        specs[s].payload = ds41_checkpoint_find(e->ckpt, name);
+        snprintf(name, sizeof name, "layers.%lld.engram.embed.scale", L);
+        specs[s].scale = ds41_checkpoint_find(e->ckpt, name);
+        if (!specs[s].payload || !specs[s].scale)
+            return ds41_fail(err, "%s: layer %lld: Engram table tensors missing", c->label, L);
+        total += specs[s].payload->nbytes + specs[s].scale->nbytes;
+    }
+    if (nsl == 0 || budget >= total) return 0;
+    ds41_engram_cache_opts o = {.budget_bytes = budget};
+    e->ecache = ds41_engram_cache_new(e->ckpt, specs, nsl, &o, err);
+    if (!e->ecache) return -1;
+    const size_t ehd = (size_t)c->engram_head_dim;
+    if (ds41_engram_cache_row_bytes(e->ecache) != ehd || ds41_engram_cache_scale_bytes(e->ecache) != (ehd + 31) / 32)
+        return ds41_fail(err, "%s: Engram table rows are not engram_head_dim e4m3 codes + ue8m0 scales per 32",
+                         specs[0].payload->name);
     return 0;
 }
 
@@ -130,6 +161,11 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         ds41_error_prefix(err, "%s", dir);
         goto fail;
     }
+    if (c->engram_enabled && opts && opts->engram_cache_bytes &&
+        setup_engram_stream(e, opts->engram_cache_bytes, err) != 0) {
+        ds41_error_prefix(err, "%s: Engram row cache", dir);
+        goto fail;
+    }
 
     e->norm_eps = (float)c->norm_eps;
     e->hc_eps = (float)c->hc_eps;
@@ -156,6 +192,7 @@ void ds41_engine_free(ds41_engine *e) {
         for (size_t l = 0; l < e->cfg.n_roles; l++) free(e->rope_freqs[l]);
     free(e->rope_freqs);
     free(e->token_map);
+    ds41_engram_cache_free(e->ecache);
     if (e->placed && e->be->release_weights) e->be->release_weights(e->be, &e->w);
     ds41_weights_free(&e->w);
     ds41_checkpoint_close(e->ckpt);
@@ -358,6 +395,48 @@ static void report(const ds41_fwd_hooks *hooks, const fwd_batch *b, ds41_stream_
     }
 }
 
+/* Streamed Engram rows: the row cache copies rows ids[0..n) of the slot's
+ * table (payload + scales) into a compact table, which the op then reads as
+ * rows 0..n-1, the same codes and scales as the mapping would give.  ids is
+ * overwritten. */
+static int engram_stream_rows(ds41_engine *e, int slot, int L, int64_t *ids, size_t n, size_t ehd, float *rows,
+                              ds41_error *err) {
+    const size_t sb = (ehd + 31) / 32;
+    uint8_t *q = malloc(n * ehd), *sc = malloc(n * sb);
+    if (!q || !sc) {
+        free(q);
+        free(sc);
+        return ds41_fail(err, "forward: out of memory");
+    }
+    if (ds41_engram_cache_gather(e->ecache, (uint32_t)slot, ids, n, q, sc, err) != 0) {
+        free(q);
+        free(sc);
+        return ds41_error_prefix(err, "forward: layer %d", L);
+    }
+    for (size_t i = 0; i < n; i++) ids[i] = (int64_t)i;
+    e->ops->fp8_rows(e->ops, q, sc, ids, n, ehd, rows);
+    free(q);
+    free(sc);
+    return 0;
+}
+
+/* Ask the row cache for every row of the call (all positions, all Engram
+ * layers) at once, before layer 0: the reads overlap the blocks before each
+ * Engram layer, and rows already prefetched are pinned for the step. */
+static int engram_request(ds41_engine *e, const fwd_batch *b, const int64_t *hash_ids, ds41_error *err) {
+    const size_t nsl = (size_t)e->eng.n_layers, ncols = (size_t)e->eng.n_cols, M = b->M;
+    int64_t *ids = malloc(M * ncols * sizeof *ids);
+    if (!ids) return ds41_fail(err, "forward: out of memory");
+    int rc = 0;
+    for (size_t s = 0; s < nsl && rc == 0; s++) {
+        for (size_t r = 0; r < M; r++)
+            memcpy(ids + r * ncols, hash_ids + (r * nsl + s) * ncols, ncols * sizeof *ids);
+        rc = ds41_engram_cache_request(e->ecache, (uint32_t)s, ids, M * ncols, err);
+    }
+    free(ids);
+    return rc == 0 ? 0 : ds41_error_prefix(err, "forward: Engram rows");
+}
+
 /* Engram before block L (§6.4): rows of the hashed ids, wkv, gating. */
 static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash_ids, float *h, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
@@ -391,7 +470,16 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
             }
             ids[r * ncols + col] = id;
         }
-    e->ops->fp8_rows(e->ops, lw->eng_table, lw->eng_table_scale, ids, M * ncols, ehd, rows);
+    if (e->ecache) {
+        if (engram_stream_rows(e, slot, L, ids, M * ncols, ehd, rows, err) != 0) {
+            free(rows);
+            free(kv);
+            free(ids);
+            return -1;
+        }
+    } else {
+        e->ops->fp8_rows(e->ops, lw->eng_table, lw->eng_table_scale, ids, M * ncols, ehd, rows);
+    }
     free(ids);
     e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, DS41_OUT_BF16);
     e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
@@ -421,7 +509,10 @@ static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *e
 
 int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
                  ds41_error *err) {
-    if (validate(e, items, n_items, err) != 0) return -1;
+    if (validate(e, items, n_items, err) != 0) {
+        ds41_engram_cache_unpin_all(e->ecache); /* a step ends: prefetch pins go */
+        return -1;
+    }
     {
         /* A run-time budget change (ds41_engine_request_expert_budget). */
         pthread_mutex_lock(&e->xc_mu);
@@ -488,6 +579,7 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
         }
     }
     if (nsl && engram_hash(e, &b, hash_ids, err) != 0) goto out;
+    if (nsl && e->ecache && engram_request(e, &b, hash_ids, err) != 0) goto out;
 
     /* Embedding into every copy; block 0's pre-mix is one-hot copy 0. */
     for (size_t i = 0, r = 0; i < n_items; i++)
@@ -501,6 +593,11 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
         const ds41_layer_weights *lw = &e->w.layers[L];
         report(hooks, &b, DS41_STREAM_H, L, h, hc * D);
         report(hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
+        if (e->ecache) {
+            /* Keep the requested rows flowing: reap what arrived, issue what waits. */
+            ds41_error perr;
+            (void)ds41_engram_cache_poll(e->ecache, &perr); /* a failing reader shows in the gather */
+        }
         if (role->engram_slot >= 0 && engram_apply(e, &b, L, hash_ids, h, err) != 0) goto out;
 
         /* Attention sub-layer (§2.7 steps 1-2). */
@@ -562,6 +659,7 @@ int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds4
     rc = 0;
 out:
     if (e->xc) ds41_expert_cache_end_step(e->xc);
+    ds41_engram_cache_unpin_all(e->ecache);
     if (b.idx_list)
         for (size_t l = 0; l < c->n_roles; l++) free(b.idx_list[l]);
     if (b.idx_count)
@@ -590,4 +688,41 @@ out:
     free(lx);
     free(lg);
     return rc;
+}
+
+/* ---- Engram row tier ---------------------------------------------------------------- */
+
+int ds41_engine_prefetch(ds41_engine *e, ds41_kv_seq *seq, int32_t token, ds41_error *err) {
+    if (!e->ecache) return 0;
+    if (!seq) return ds41_fail(err, "prefetch: no sequence");
+    if (token < 0 || (int64_t)token >= e->cfg.vocab_size || (uint32_t)token >= e->n_map)
+        return ds41_fail(err, "prefetch: token id %d outside [0, %lld)", token, (long long)e->cfg.vocab_size);
+    /* The hashes of the position `token` will take, on a copy of the history. */
+    ds41_engram_history h = *ds41_kv_seq_engram(seq);
+    if (ds41_engram_history_push(&h, e->token_map[token], err) != 0) return -1;
+    const int nsl = e->eng.n_layers;
+    int64_t ids[DS41_ENGRAM_MAX_COLS];
+    for (int s = 0; s < nsl; s++) {
+        if (ds41_engram_hash_position(&e->eng, s, &h, e->engram_pad, ids, err) != 0) return -1;
+        if (ds41_engram_cache_request(e->ecache, (uint32_t)s, ids, (size_t)e->eng.n_cols, err) != 0)
+            return ds41_error_prefix(err, "prefetch");
+    }
+    return 0;
+}
+
+bool ds41_engine_engram_stats(const ds41_engine *e, ds41_engram_cache_stats *out) {
+    if (!e->ecache) {
+        if (out) memset(out, 0, sizeof *out);
+        return false;
+    }
+    if (out) ds41_engram_cache_get_stats(e->ecache, out);
+    return true;
+}
+
+void ds41_engine_engram_reset_stats(ds41_engine *e) {
+    if (e->ecache) ds41_engram_cache_reset_stats(e->ecache);
+}
+
+ds41_engram_cache *ds41_engine_engram_cache(ds41_engine *e) {
+    return e->ecache;
 }

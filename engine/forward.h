@@ -41,6 +41,7 @@
 #include "engine/ops.h"
 #include "engine/weights.h"
 #include "storage/expert_cache.h"
+#include "storage/engram_cache.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -69,6 +70,15 @@ typedef struct ds41_engine_opts {
     uint64_t expert_cache_bytes;
     bool expert_no_predict; /* no next-layer prediction (for comparisons) */
     bool expert_buffered;   /* expert reads through the page cache instead of O_DIRECT */
+    /* Engram row tier (storage/engram_cache.h): bytes of memory for Engram
+     * table rows.  0, or a budget covering every Engram table (payload +
+     * scales), keeps the tables on the checkpoint's mapping (resident, read
+     * in place).  A smaller budget streams the rows: they are read from the
+     * shards through an io_uring reader, never through the mapping, as soon
+     * as their token ids are known (all positions of a forward call's chunks
+     * at its start; the next decode token with ds41_engine_prefetch), into a
+     * row cache of this many bytes.  Logits are the same bit for bit. */
+    uint64_t engram_cache_bytes;
 } ds41_engine_opts;
 
 /* Load DIR (a checkpoint in the Hugging Face release layout: shards + index
@@ -167,6 +177,33 @@ typedef struct ds41_fwd_hooks {
  * pass leaves the batch's sequences in an unspecified state (free them). */
 int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
                  ds41_error *err);
+
+/* ---- Engram row tier ---------------------------------------------------------------- */
+
+/* Start reading the Engram rows the next forward call will need for `token`
+ * appended to seq (the decode step after the one that sampled it): call it
+ * as soon as the token is sampled, before other work (text, other
+ * sequences), so the reads overlap it; the step then waits only for rows not
+ * arrived yet.  Changes no sequence state (the hashes are computed on a copy
+ * of seq's Engram history).  A no-op returning 0 when the tables are
+ * resident or the model has no Engram layers.  Same thread rule as
+ * ds41_forward (the engine thread).  Errors: token outside [0, vocab_size),
+ * NULL seq, the reader refusing the reads; the forward call works without the
+ * prefetch either way (it reads what is missing). */
+int ds41_engine_prefetch(ds41_engine *e, ds41_kv_seq *seq, int32_t token, ds41_error *err);
+
+/* Whether the Engram rows are streamed (a row cache exists); when they are,
+ * *out gets the tier's statistics (storage/engram_cache.h; safe from any
+ * thread), else *out is zeroed.  out may be NULL. */
+bool ds41_engine_engram_stats(const ds41_engine *e, ds41_engram_cache_stats *out);
+
+/* Zero the tier's statistics (no-op when resident). */
+void ds41_engine_engram_reset_stats(ds41_engine *e);
+
+/* The row cache, NULL when the tables are resident: for tests (fault
+ * injection through ds41_engram_cache_reader) and diagnostics.  Engine
+ * thread only. */
+ds41_engram_cache *ds41_engine_engram_cache(ds41_engine *e);
 
 /* Index of the largest logit, the lowest index on ties (REFERENCE §9.2).
  * NaN never wins over a number.  n >= 1. */

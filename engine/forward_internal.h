@@ -24,6 +24,7 @@ struct ds41_engine {
     int32_t engram_pad; /* compressed id of engram_pad_id */
     ds41_engram_layout eng;
     float **wqk; /* per engram slot: fp32(q_weight * k_weight) [hc][dim] */
+    ds41_engram_cache *ecache; /* streamed rows (table index = slot); NULL: tables resident */
 
     /* Rope frequencies per layer (rope_head_dim/2), NULL for absent layers */
     float **rope_freqs;

@@ -718,6 +718,13 @@ static void *engine_main(void *arg) {
                 continue;
             }
             sampled++;
+            /* The next step's Engram rows start loading now, under the text work (a no-op
+             * when the tables are resident; a failed prefetch only means the step reads them). */
+            const int32_t *next = NULL;
+            if (!ds41_generation_finished(r->g) && ds41_generation_pending(r->g, &next) == 1) {
+                ds41_error perr;
+                (void)ds41_engine_prefetch(s->engine, r->seq, next[0], &perr);
+            }
             r->sink.delta(r->sink.ctx, r->g, &d);
         }
 

@@ -81,8 +81,43 @@ if [ "$preset" != bench ]; then
     else
         notok "text report, --cpu scalar honoured"; sed 's/^/# /' "$work/out.txt"
     fi
+    # The Engram row tier streamed under 16 KiB: its figures per phase, consistent.
+    if "$bin/ds41-bench" --model "$work/m" --json --prompt 20 --steps 3 --batches 1,2 --bandwidth-gib 1 --threads 2 \
+        --engram-cache-bytes 16KiB >"$work/eng.json" 2>"$work/err.log" &&
+        "$py" - "$work/eng.json" >"$work/engcheck.log" 2>&1 <<'EOF2'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+t = doc['engram_tier']
+assert t['streamed'] is True and t['budget_bytes'] == 16384 and t['capacity_rows'] > 0, t
+assert t['capacity_rows'] * (t['row_bytes'] + 48) <= 16384
+phases = [(doc['prefill']['engram'], doc['prefill']['tokens'])] + [(x['engram'], x['batch'] * x['steps']) for x in doc['decode']]
+for e, tokens in phases:
+    assert e['uses'] == e['hits'] + e['misses'] and e['misses'] == e['prefetched_early'] + e['waited'], e
+    assert e['uses'] > 0 and e['rows_read'] >= e['misses'] - e['bypass_reads'], e
+    assert abs(e['hit_rate'] - e['hits'] / e['uses']) <= 1e-4, e
+    assert e['bytes_read'] == e['rows_read'] * t['row_bytes'] and e['bytes_device'] >= e['bytes_read'], e
+    assert abs(e['bytes_read_per_token'] - e['bytes_read'] / tokens) <= 0.1, (e, tokens)
+    assert e['read_bandwidth_gbs'] >= 0 and e['latency_p99_us'] >= e['latency_p50_us'] > 0, e
+print('engram: reader %s, direct %s; decode B=1 hit rate %.2f, %.0f bytes read/token' % (
+    t['reader'], t['direct'], doc['decode'][0]['engram']['hit_rate'], doc['decode'][0]['engram']['bytes_read_per_token']))
+EOF2
+    then
+        ok "--engram-cache-bytes 16KiB: the Engram tier's figures per phase, consistent"; sed 's/^/# /' "$work/engcheck.log"
+    else
+        notok "--engram-cache-bytes 16KiB: the Engram tier's figures per phase, consistent"
+        sed 's/^/# /' "$work/err.log" "$work/engcheck.log"
+    fi
+    if "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 --engram-cache-bytes 16KiB \
+        >"$work/eng.txt" 2>/dev/null && grep -q '^engram     rows streamed: budget 16384 bytes' "$work/eng.txt" &&
+        grep -q '^  engram B=1 .*hit rate' "$work/eng.txt" &&
+        "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 >"$work/res.txt" 2>/dev/null &&
+        grep -q '^engram     tables resident' "$work/res.txt"; then
+        ok "text report: the Engram tier streamed or resident"
+    else
+        notok "text report: the Engram tier streamed or resident"; sed 's/^/# /' "$work/eng.txt"
+    fi
     bad=0
-    for a in "--threads 0" "--prompt x" "--batches 1,,2" "--cpu sse" "--bandwidth-gib 0" "--steps -1"; do
+    for a in "--threads 0" "--prompt x" "--batches 1,,2" "--cpu sse" "--bandwidth-gib 0" "--steps -1" "--engram-cache-bytes 5XB"; do
         # shellcheck disable=SC2086
         "$bin/ds41-bench" --model "$work/m" $a >/dev/null 2>"$work/e.log"
         rc=$?

@@ -157,7 +157,7 @@ check "metrics: requests by outcome, tokens, queue, KV bytes, decode histogram, 
              grep -q '^ds41_kv_cache_bytes{model=\"ds41-tiny\",state=\"free\"}' '$work/metrics.txt' &&
              grep -q '^ds41_decode_batch_sequences_bucket{model=\"ds41-tiny\",le=\"+Inf\"}' '$work/metrics.txt' &&
              grep -q '^ds41_cache_hit_ratio{model=\"ds41-tiny\",tier=\"prefix\"}' '$work/metrics.txt' &&
-             grep -q '^ds41_http_requests_total' '$work/metrics.txt'"
+             grep -q '^ds41_http_requests_total' '$work/metrics.txt' && ! grep -q 'tier=\"engram\"' '$work/metrics.txt'"
 code=$(api GET /admin/sessions)
 check "admin sessions (root): prefix-cache sessions with kv_bytes = kv_pages x page bytes" \
     test "$code $(pyj 'len(o["data"]) > 0 and all(s["kv_bytes"] == s["kv_pages"] * 4480 for s in o["data"])')" = "200 True"
@@ -181,7 +181,7 @@ check "the socket file is removed" test ! -e "$sock"
 check "the log has levels and the drain" grep -q 'ds41d: info: SIGTERM: stopping' "$work/daemon.log"
 
 # ---- test hook off, one slot, a queue of one, a small KV cache ---------------------------------------
-write_config "$work/nohook.yaml" "limits:" "  max_queue: 1" "memory:" "  kv_cache_bytes: 384KiB"
+write_config "$work/nohook.yaml" "limits:" "  max_queue: 1" "memory:" "  kv_cache_bytes: 384KiB" "  engram_cache_bytes: 4KiB"
 sed -i 's/test_forced_output: true/test_forced_output: false/; s/max_sequences: 32/max_sequences: 1/' "$work/nohook.yaml"
 if start_daemon "$work/nohook.yaml"; then
     code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"ds41_forced_output":"hi"}')
@@ -218,6 +218,19 @@ if start_daemon "$work/nohook.yaml"; then
         -d "{\"prompt\":[$big],\"max_tokens\":1}" http://ds41/v1/completions)
     check "a prompt the KV cache (384 KiB) can never hold: 503 with Retry-After" \
         bash -c "test '$code $(pyj 'o["error"]["code"]')' = '503 kv_full' && grep -qi '^Retry-After: [0-9]' '$work/h503'"
+    curl -s --unix-socket "$sock" http://ds41/metrics >"$work/metrics2.txt"
+    check "memory.engram_cache_bytes 4KiB: the Engram rows are streamed, /metrics shows the tier's reads" \
+        "$py" -c '
+import re, sys
+t = open(sys.argv[1]).read()
+def v(name):
+    m = re.search("^" + name + r"\{model=\"ds41-tiny\",tier=\"engram\"\} (\d+)$", t, re.M)
+    return int(m.group(1))
+assert v("ds41_tier_budget_bytes") == 4096
+assert v("ds41_tier_misses_total") > 0 and v("ds41_tier_read_bytes_total") > 0 and v("ds41_tier_read_errors_total") == 0
+assert v("ds41_tier_misses_total") == v("ds41_tier_prefetched_early_total") + v("ds41_tier_waited_total")
+assert re.search(r"^ds41_tier_read_latency_seconds\{model=\"ds41-tiny\",tier=\"engram\",quantile=\"0.99\"\} ", t, re.M)
+' "$work/metrics2.txt"
     sed -i 's/^  max_queue: 1/  max_queue: 1\n  request_timeout_s: 1/' "$work/nohook.yaml"
     kill -HUP "$daemon_pid"
     for i in $(seq 1 100); do grep -q 'configuration reloaded' "$work/daemon.log" && break; sleep 0.05; done

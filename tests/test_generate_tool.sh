@@ -31,6 +31,17 @@ EOF
 )
 check "greedy ids = ds41-eval --decode 16 argmax chain ($same)" test "$same" = yes
 
+# ds41-eval with the Engram rows streamed under 2 KiB (fewer rows than one step reads, each greedy
+# token's rows prefetched) and with the tables resident: the same bytes, fast and reference
+"$bin/ds41-eval" --model "$m" --ids $ids --decode 16 --chunk 4 --engram-cache-bytes 2KiB --out "$work/es.json" 2>"$work/es.err"
+"$bin/ds41-eval" --model "$m" --ids $ids --decode 4 --reference --out "$work/er.json" 2>/dev/null
+"$bin/ds41-eval" --model "$m" --ids $ids --decode 4 --reference --engram-cache-bytes 1000 --out "$work/ers.json" 2>/dev/null
+check "ds41-eval --engram-cache-bytes 2KiB: logits byte-identical to resident (fast, and reference)" \
+    eval 'cmp -s "$work/e.json" "$work/es.json" && cmp -s "$work/er.json" "$work/ers.json"'
+"$bin/ds41-eval" --model "$m" --ids $ids --engram-cache-bytes 12XB --out "$work/x.json" >/dev/null 2>"$work/x.err"
+rc=$?
+check "ds41-eval --engram-cache-bytes 12XB: exit 2 naming the unit" eval '[ $rc -eq 2 ] && grep -q "unknown unit" "$work/x.err"'
+
 # chunked prefill gives the same answer
 "$gen" --model "$m" --ids $ids --max-tokens 16 --ignore-eos --json --chunk 3 >"$work/g3.json" 2>/dev/null
 check "--chunk 3 gives the same tokens" cmp -s <($py -c 'import json,sys;print(json.load(open(sys.argv[1]))["ids"])' "$work/g.json") \

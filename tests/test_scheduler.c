@@ -203,6 +203,55 @@ static void test_concurrent(void) {
     for (int i = 0; i < N; i++) rec_destroy(&recs[i]);
 }
 
+/* The Engram rows streamed under 8 KiB (fewer rows than a step of 6 sequences
+ * reads), each sampled token's rows prefetched by the scheduler: every
+ * request gets the tokens it gets alone on the resident engine. */
+static void test_engram_streamed(const char *dir) {
+    ds41_error err = {{0}};
+    ds41_engine_opts o = {.engram_cache_bytes = 8192};
+    ds41_engine *se = ds41_engine_load(dir, &o, &err);
+    if (!TAP_CHECK(se && ds41_engine_engram_stats(se, NULL), "engine with the Engram rows streamed (%s)", se ? "ok" : err.msg)) {
+        ds41_engine_free(se);
+        return;
+    }
+    ds41_sched_config cfg = base_config();
+    ds41_scheduler *s = NULL;
+    if (ds41_scheduler_new(se, &cfg, &s, &err) != 0) {
+        TAP_CHECK(0, "scheduler on the streamed engine: %s", err.msg);
+        ds41_engine_free(se);
+        return;
+    }
+    enum { N = 6, T = 12 };
+    static rec recs[N];
+    uint64_t ids[N];
+    bool ok = true;
+    for (int i = 0; i < N; i++) {
+        rec_init(&recs[i]);
+        ds41_sched_sink sk = sink_of(&recs[i]);
+        ok &= ds41_scheduler_submit(s, make_gen(prompt_ids[40 + i], 7 + (size_t)i * 5, 500 + (uint64_t)i, T), &sk, &ids[i],
+                                    &err) == DS41_SCHED_DONE;
+    }
+    for (int i = 0; i < N; i++) ok &= rec_wait_done(&recs[i], 120);
+    int first_bad = -1;
+    for (int i = 0; i < N && ok; i++) {
+        int32_t alone[T + 1];
+        size_t n = run_alone(prompt_ids[40 + i], 7 + (size_t)i * 5, 500 + (uint64_t)i, T, alone);
+        ok = recs[i].status == DS41_SCHED_DONE && n == T && recs[i].n_tokens == T &&
+             memcmp(alone, recs[i].tokens, T * sizeof *alone) == 0;
+        if (!ok) first_bad = i;
+    }
+    ds41_scheduler_free(s, 0);
+    ds41_engram_cache_stats st;
+    ds41_engine_engram_stats(se, &st);
+    TAP_CHECK(ok && st.rows_read > 0 && st.read_errors == 0 && st.misses == st.prefetched_early + st.waited,
+              "6 concurrent requests with the Engram rows streamed under 8 KiB get the resident engine's tokens "
+              "(first bad %d; %llu uses, %llu hits, %llu prefetched early, %llu waited)",
+              first_bad, (unsigned long long)st.uses, (unsigned long long)st.hits,
+              (unsigned long long)st.prefetched_early, (unsigned long long)st.waited);
+    for (int i = 0; i < N; i++) rec_destroy(&recs[i]);
+    ds41_engine_free(se);
+}
+
 /* A long prompt is prefilled in chunks while another request keeps decoding. */
 static void test_interleave(void) {
     ds41_sched_config cfg = base_config();
@@ -440,6 +489,7 @@ int main(void) {
     test_prefix_cache();
     test_cancel_and_limits();
     test_stop();
+    test_engram_streamed(dir);
     ds41_tokenizer_free(TOK);
     ds41_vocab_free(VOCAB);
     ds41_engine_free(E);
