@@ -39,110 +39,6 @@ uint64_t ds41_crc64(uint64_t crc, const void *data, size_t len) {
     return ~crc;
 }
 
-/* ---- SHA-256 (FIPS 180-4) -------------------------------------------------------------------- */
-
-typedef struct sha_ctx {
-    uint32_t h[8];
-    uint8_t block[64];
-    size_t fill;
-    uint64_t total;
-} sha_ctx;
-
-static const uint32_t sha_k[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-static uint32_t ror(uint32_t x, int n) {
-    return (x >> n) | (x << (32 - n));
-}
-
-static void sha_block(sha_ctx *c, const uint8_t *b) {
-    uint32_t w[64];
-    for (int i = 0; i < 16; i++)
-        w[i] = (uint32_t)b[4 * i] << 24 | (uint32_t)b[4 * i + 1] << 16 | (uint32_t)b[4 * i + 2] << 8 |
-               b[4 * i + 3];
-    for (int i = 16; i < 64; i++) {
-        uint32_t s0 = ror(w[i - 15], 7) ^ ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
-        uint32_t s1 = ror(w[i - 2], 17) ^ ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
-        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    uint32_t a = c->h[0], bb = c->h[1], cc = c->h[2], d = c->h[3], e = c->h[4], f = c->h[5], g = c->h[6],
-             h = c->h[7];
-    for (int i = 0; i < 64; i++) {
-        uint32_t t1 = h + (ror(e, 6) ^ ror(e, 11) ^ ror(e, 25)) + ((e & f) ^ (~e & g)) + sha_k[i] + w[i];
-        uint32_t t2 = (ror(a, 2) ^ ror(a, 13) ^ ror(a, 22)) + ((a & bb) ^ (a & cc) ^ (bb & cc));
-        h = g;
-        g = f;
-        f = e;
-        e = d + t1;
-        d = cc;
-        cc = bb;
-        bb = a;
-        a = t1 + t2;
-    }
-    c->h[0] += a;
-    c->h[1] += bb;
-    c->h[2] += cc;
-    c->h[3] += d;
-    c->h[4] += e;
-    c->h[5] += f;
-    c->h[6] += g;
-    c->h[7] += h;
-}
-
-static void sha_init(sha_ctx *c) {
-    static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-    memcpy(c->h, iv, sizeof iv);
-    c->fill = 0;
-    c->total = 0;
-}
-
-static void sha_update(sha_ctx *c, const void *data, size_t len) {
-    const uint8_t *p = data;
-    c->total += len;
-    while (len) {
-        size_t k = 64 - c->fill < len ? 64 - c->fill : len;
-        memcpy(c->block + c->fill, p, k);
-        c->fill += k;
-        p += k;
-        len -= k;
-        if (c->fill == 64) {
-            sha_block(c, c->block);
-            c->fill = 0;
-        }
-    }
-}
-
-static void sha_final(sha_ctx *c, uint8_t out[32]) {
-    uint64_t bits = c->total * 8;
-    uint8_t pad = 0x80;
-    sha_update(c, &pad, 1);
-    pad = 0;
-    while (c->fill != 56) sha_update(c, &pad, 1);
-    uint8_t len[8];
-    for (int i = 0; i < 8; i++) len[i] = (uint8_t)(bits >> (56 - 8 * i));
-    sha_update(c, len, 8);
-    for (int i = 0; i < 8; i++) {
-        out[4 * i] = (uint8_t)(c->h[i] >> 24);
-        out[4 * i + 1] = (uint8_t)(c->h[i] >> 16);
-        out[4 * i + 2] = (uint8_t)(c->h[i] >> 8);
-        out[4 * i + 3] = (uint8_t)c->h[i];
-    }
-}
-
-void ds41_sha256(const void *data, size_t len, uint8_t out[32]) {
-    sha_ctx c;
-    sha_init(&c);
-    sha_update(&c, data, len);
-    sha_final(&c, out);
-}
 
 /* ---- little-endian helpers ------------------------------------------------------------------- */
 
@@ -169,7 +65,7 @@ static uint64_t get64(const uint8_t *p) {
 /* ---- model identity -------------------------------------------------------------------------- */
 
 /* Hash a whole file into c; 0 / -1 (errno kept), ENOENT allowed when optional. */
-static int hash_file(sha_ctx *c, const char *path, bool optional, ds41_error *err) {
+static int hash_file(ds41_sha256_ctx *c, const char *path, bool optional, ds41_error *err) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         if (optional && errno == ENOENT) return 0;
@@ -185,7 +81,7 @@ static int hash_file(sha_ctx *c, const char *path, bool optional, ds41_error *er
             return ds41_fail(err, "%s: %s", path, strerror(e));
         }
         if (n == 0) break;
-        sha_update(c, buf, (size_t)n);
+        ds41_sha256_update(c, buf, (size_t)n);
     }
     close(fd);
     return 0;
@@ -196,7 +92,7 @@ static int cmp_names(const void *a, const void *b) {
 }
 
 /* name, size, 8-byte length + header JSON, the first 4096 payload bytes. */
-static int hash_shard(sha_ctx *c, const char *dir, const char *name, ds41_error *err) {
+static int hash_shard(ds41_sha256_ctx *c, const char *dir, const char *name, ds41_error *err) {
     char path[PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
         return ds41_fail(err, "%s: path too long", name);
@@ -208,10 +104,10 @@ static int hash_shard(sha_ctx *c, const char *dir, const char *name, ds41_error 
         close(fd);
         return ds41_fail(err, "%s: %s", path, strerror(e));
     }
-    sha_update(c, name, strlen(name) + 1);
+    ds41_sha256_update(c, name, strlen(name) + 1);
     uint8_t size[8];
     put64(size, (uint64_t)st.st_size);
-    sha_update(c, size, 8);
+    ds41_sha256_update(c, size, 8);
     uint8_t hl[8];
     uint64_t header_len = 0;
     if (pread(fd, hl, 8, 0) == 8) header_len = get64(hl);
@@ -227,7 +123,7 @@ static int hash_shard(sha_ctx *c, const char *dir, const char *name, ds41_error 
             close(fd);
             return ds41_fail(err, "%s: %s", path, strerror(e));
         }
-        sha_update(c, buf, (size_t)n);
+        ds41_sha256_update(c, buf, (size_t)n);
         off += (uint64_t)n;
     }
     close(fd);
@@ -235,8 +131,8 @@ static int hash_shard(sha_ctx *c, const char *dir, const char *name, ds41_error 
 }
 
 int ds41_snapshot_model_id(const char *dir, uint8_t id[DS41_SNAPSHOT_ID_BYTES], ds41_error *err) {
-    sha_ctx c;
-    sha_init(&c);
+    ds41_sha256_ctx c;
+    ds41_sha256_init(&c);
     char path[PATH_MAX];
     snprintf(path, sizeof path, "%s/inference/config.json", dir);
     if (hash_file(&c, path, false, err) != 0) return -1;
@@ -274,7 +170,7 @@ int ds41_snapshot_model_id(const char *dir, uint8_t id[DS41_SNAPSHOT_ID_BYTES], 
     for (size_t i = 0; i < n; i++) free(names[i]);
     free(names);
     if (rc != 0) return -1;
-    sha_final(&c, id);
+    ds41_sha256_final(&c, id);
     return 0;
 }
 

@@ -50,6 +50,7 @@
 #include <stdint.h>
 
 #include "config/error.h"
+#include "config/sha256.h" /* ds41_sha256 (snapshot ids) */
 
 #define DS41_SNAPSHOT_VERSION 1u
 #define DS41_SNAPSHOT_ID_BYTES 32
@@ -59,9 +60,6 @@
 
 /* CRC-64/XZ of data[len], continuing from crc (start with 0). */
 uint64_t ds41_crc64(uint64_t crc, const void *data, size_t len);
-
-/* SHA-256 of data[len] (FIPS 180-4). */
-void ds41_sha256(const void *data, size_t len, uint8_t out[32]);
 
 /* The identity of the checkpoint in dir: SHA-256 over, in this order, inference/config.json,
  * model.safetensors.index.json (when present), and for every *.safetensors file in name order its
