@@ -381,49 +381,6 @@ static void fast_rmsnorm(const ds41_ops *self, const uint16_t *w, const float *x
 
 /* ---- hyper-connections ------------------------------------------------------------------------ */
 
-/* §2.5 on one token's mixes (fp32, the reference's expression order). */
-static void sinkhorn(const float *mix, const float *scale, const float *base, int hc, int iters, float eps,
-                     float *pre, float *post, float *cm) {
-    for (int i = 0; i < hc; i++) {
-        const float t = mix[i] * scale[0];
-        pre[i] = ds41_rm_sigmoid(t + base[i]) + eps;
-    }
-    for (int i = 0; i < hc; i++) {
-        const float t = mix[hc + i] * scale[1];
-        post[i] = 2.0f * ds41_rm_sigmoid(t + base[hc + i]);
-    }
-    for (int i = 0; i < hc * hc; i++) {
-        const float t = mix[2 * hc + i] * scale[2];
-        cm[i] = t + base[2 * hc + i];
-    }
-    for (int i = 0; i < hc; i++) {
-        float *row = cm + i * hc;
-        float mx = row[0];
-        for (int j = 1; j < hc; j++) mx = row[j] > mx ? row[j] : mx;
-        float sum = 0.0f;
-        for (int j = 0; j < hc; j++) {
-            row[j] = ds41_rm_exp(row[j] - mx);
-            sum = j ? sum + row[j] : row[j];
-        }
-        for (int j = 0; j < hc; j++) row[j] = row[j] / sum + eps;
-    }
-    for (int it = 0; it < iters; it++) {
-        if (it > 0)
-            for (int i = 0; i < hc; i++) {
-                float s = cm[i * hc];
-                for (int j = 1; j < hc; j++) s = s + cm[i * hc + j];
-                const float d = s + eps;
-                for (int j = 0; j < hc; j++) cm[i * hc + j] = cm[i * hc + j] / d;
-            }
-        for (int j = 0; j < hc; j++) {
-            float s = cm[j];
-            for (int i = 1; i < hc; i++) s = s + cm[i * hc + j];
-            const float d = s + eps;
-            for (int i = 0; i < hc; i++) cm[i * hc + j] = cm[i * hc + j] / d;
-        }
-    }
-}
-
 typedef struct mix_job {
     fast_ctx *c;
     const float *fn, *h;
@@ -470,7 +427,7 @@ static void fast_hc_mix(const ds41_ops *self, const float *fn, const float *scal
      * reads one stream row and consecutive mix functions. */
     ds41_threadpool_run(c->pool, M * (size_t)n_mix, 1, mix_task, &j);
     for (size_t m = 0; m < M; m++)
-        sinkhorn(mix + m * (size_t)n_mix, scale, base, hc, iters, hc_eps, pre + m * (size_t)hc,
+        ds41_rm_hc_sinkhorn(mix + m * (size_t)n_mix, scale, base, hc, iters, hc_eps, pre + m * (size_t)hc,
                  post + m * (size_t)hc, comb + m * (size_t)hc * (size_t)hc);
     PROF_END(c, P_HC_MIX, (uint64_t)n_mix * n * sizeof(float));
 }

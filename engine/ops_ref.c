@@ -118,50 +118,6 @@ static void ref_rmsnorm(const ds41_ops *self, const uint16_t *w, const float *x,
     }
 }
 
-/* §2.5 on one token's mixes; c is [hc][hc] scratch. */
-static void sinkhorn(const float *mix, const float *scale, const float *base, int hc, int iters, float eps,
-                     float *pre, float *post, float *c) {
-    for (int i = 0; i < hc; i++) {
-        const float t = mix[i] * scale[0];
-        pre[i] = ds41_rm_sigmoid(t + base[i]) + eps;
-    }
-    for (int i = 0; i < hc; i++) {
-        const float t = mix[hc + i] * scale[1];
-        post[i] = 2.0f * ds41_rm_sigmoid(t + base[hc + i]);
-    }
-    for (int i = 0; i < hc * hc; i++) {
-        const float t = mix[2 * hc + i] * scale[2];
-        c[i] = t + base[2 * hc + i];
-    }
-    for (int i = 0; i < hc; i++) {
-        float *row = c + i * hc;
-        float mx = row[0];
-        for (int j = 1; j < hc; j++) mx = row[j] > mx ? row[j] : mx;
-        float sum = 0.0f;
-        for (int j = 0; j < hc; j++) {
-            row[j] = ds41_rm_exp(row[j] - mx);
-            sum = j ? sum + row[j] : row[j];
-        }
-        for (int j = 0; j < hc; j++) row[j] = row[j] / sum + eps;
-    }
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {
-            for (int i = 0; i < hc; i++) {
-                float s = c[i * hc];
-                for (int j = 1; j < hc; j++) s = s + c[i * hc + j];
-                const float d = s + eps;
-                for (int j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / d;
-            }
-        }
-        for (int j = 0; j < hc; j++) {
-            float s = c[j];
-            for (int i = 1; i < hc; i++) s = s + c[i * hc + j];
-            const float d = s + eps;
-            for (int i = 0; i < hc; i++) c[i * hc + j] = c[i * hc + j] / d;
-        }
-    }
-}
-
 static void ref_hc_mix(const ds41_ops *self, const float *fn, const float *scale, const float *base, const float *h, size_t M, int hc,
                        size_t dim, float norm_eps, int iters, float hc_eps, float *pre, float *post, float *comb) {
     (void)self;
@@ -173,7 +129,7 @@ static void ref_hc_mix(const ds41_ops *self, const float *fn, const float *scale
         const float ms = ds41_mean_sq_f32(hr, n);
         const float r = ds41_rm_rsqrt(ms + norm_eps);
         for (int j = 0; j < n_mix; j++) mix[j] = ds41_xdot_f32(fn + (size_t)j * n, hr, n) * r;
-        sinkhorn(mix, scale, base, hc, iters, hc_eps, pre + m * (size_t)hc, post + m * (size_t)hc,
+        ds41_rm_hc_sinkhorn(mix, scale, base, hc, iters, hc_eps, pre + m * (size_t)hc, post + m * (size_t)hc,
                  comb + m * (size_t)hc * (size_t)hc);
     }
     free(mix);

@@ -482,3 +482,47 @@ void ds41_rope_apply(float *x, int n_pairs, const float *cs, int inverse) {
         x[2 * i + 1] = ds41_bf16_round(nb);
     }
 }
+
+/* see refmath.h */
+void ds41_rm_hc_sinkhorn(const float *mix, const float *scale, const float *base, int hc, int iters, float eps,
+                         float *pre, float *post, float *c) {
+    for (int i = 0; i < hc; i++) {
+        const float t = mix[i] * scale[0];
+        pre[i] = ds41_rm_sigmoid(t + base[i]) + eps;
+    }
+    for (int i = 0; i < hc; i++) {
+        const float t = mix[hc + i] * scale[1];
+        post[i] = 2.0f * ds41_rm_sigmoid(t + base[hc + i]);
+    }
+    for (int i = 0; i < hc * hc; i++) {
+        const float t = mix[2 * hc + i] * scale[2];
+        c[i] = t + base[2 * hc + i];
+    }
+    for (int i = 0; i < hc; i++) {
+        float *row = c + i * hc;
+        float mx = row[0];
+        for (int j = 1; j < hc; j++) mx = row[j] > mx ? row[j] : mx;
+        float sum = 0.0f;
+        for (int j = 0; j < hc; j++) {
+            row[j] = ds41_rm_exp(row[j] - mx);
+            sum = j ? sum + row[j] : row[j];
+        }
+        for (int j = 0; j < hc; j++) row[j] = row[j] / sum + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            for (int i = 0; i < hc; i++) {
+                float s = c[i * hc];
+                for (int j = 1; j < hc; j++) s = s + c[i * hc + j];
+                const float d = s + eps;
+                for (int j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / d;
+            }
+        }
+        for (int j = 0; j < hc; j++) {
+            float s = c[j];
+            for (int i = 1; i < hc; i++) s = s + c[i * hc + j];
+            const float d = s + eps;
+            for (int i = 0; i < hc; i++) c[i * hc + j] = c[i * hc + j] / d;
+        }
+    }
+}

@@ -117,4 +117,13 @@ void ds41_rope_cos_sin(const float *f, int n_pairs, uint64_t pos, float *cs);
  * each result rounded to bf16 (the write-back). */
 void ds41_rope_apply(float *x, int n_pairs, const float *cs, int inverse);
 
+/* Hyper-connection mixes of one token (REFERENCE §2.5), in the reference's
+ * fp32 expression order: pre = sigmoid(mix*scale0 + base) + eps, post =
+ * 2 sigmoid(...), comb = Sinkhorn-normalised exp of the hc x hc block (row
+ * softmax + eps, then `iters` alternating row/column normalisations).  mix
+ * holds (2 + hc) * hc values; c receives comb [hc][hc].  Shared by every CPU
+ * backend so the mixes are the same bits everywhere. */
+void ds41_rm_hc_sinkhorn(const float *mix, const float *scale, const float *base, int hc, int iters, float eps,
+                         float *pre, float *post, float *c);
+
 #endif
