@@ -83,11 +83,11 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     const float **lx = malloc(nl * sizeof *lx);
     float **ly = malloc(nl * sizeof *ly);
     size_t *lm = malloc(nl * sizeof *lm);
-    int32_t *todo = malloc(((size_t)E + 1) * sizeof *todo);
+    int32_t *pending = malloc(((size_t)E + 1) * sizeof *pending);
     uint8_t *got = malloc((size_t)E + 1);
     ds41_expert_view *views = malloc(((size_t)E + 1) * sizeof *views);
     ds41_linear *xl = malloc(((size_t)E + 1) * 3 * sizeof *xl);
-    if (!todo || !got || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
+    if (!pending || !got || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
         !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -125,14 +125,14 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
      * layer's union) and the rest follow in further waves; each expert's
      * arithmetic is the same whatever shares its wave, so the results are
      * bit-identical to the resident path. */
-    size_t n_todo = 0;
+    size_t n_pending = 0;
     for (int ex = 0; ex < E; ex++)
-        if (count[ex]) todo[n_todo++] = ex;
+        if (count[ex]) pending[n_pending++] = ex;
     ds41_expert_cache *xc = e->xc;
     bool first_wave = true;
     do {
-        if (xc && n_todo) {
-            const long pinned = ds41_expert_cache_acquire(xc, L, todo, n_todo, got, err);
+        if (xc && n_pending) {
+            const long pinned = ds41_expert_cache_acquire(xc, L, pending, n_pending, got, err);
             if (pinned < 0) {
                 rc = ds41_error_prefix(err, "layer %d", L);
                 goto out;
@@ -140,15 +140,15 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
             /* While this layer's reads are in flight: guess the next
              * layer's experts and start their reads (only when this layer
              * fits the pool: with waves there is no room to spare). */
-            if (first_wave && e->expert_predict && (size_t)pinned == n_todo) predict_next(e, b, L, xn);
-            if (ds41_expert_cache_wait(xc, L, todo, n_todo, got, views, err) != 0) {
-                ds41_expert_cache_release(xc, L, todo, n_todo, got);
+            if (first_wave && e->expert_predict && (size_t)pinned == n_pending) predict_next(e, b, L, xn);
+            if (ds41_expert_cache_wait(xc, L, pending, n_pending, got, views, err) != 0) {
+                ds41_expert_cache_release(xc, L, pending, n_pending, got);
                 rc = ds41_error_prefix(err, "layer %d", L);
                 goto out;
             }
-            for (size_t i = 0; i < n_todo; i++) {
+            for (size_t i = 0; i < n_pending; i++) {
                 if (!got[i]) continue;
-                const int ex = todo[i];
+                const int ex = pending[i];
                 const ds41_linear *src[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
                 for (int w = 0; w < 3; w++) {
                     xl[(size_t)ex * 3 + (size_t)w] = *src[w];
@@ -157,17 +157,17 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
                 }
             }
         } else {
-            for (size_t i = 0; i < n_todo; i++) got[i] = 1;
+            for (size_t i = 0; i < n_pending; i++) got[i] = 1;
         }
         size_t n_wave = 0;
-        for (size_t i = 0; i < n_todo; i++) n_wave += got[i];
-        const bool last_wave = n_wave == n_todo; /* the shared expert rides with the last wave */
+        for (size_t i = 0; i < n_pending; i++) n_wave += got[i];
+        const bool last_wave = n_wave == n_pending; /* the shared expert rides with the last wave */
 
         /* w1 and w3 of the wave's experts (and of the shared expert): one batch. */
         size_t n_lin = 0;
-        for (size_t i = 0; i < n_todo; i++) {
+        for (size_t i = 0; i < n_pending; i++) {
             if (!got[i]) continue;
-            const int ex = todo[i];
+            const int ex = pending[i];
             for (int which = 0; which < 2; which++) {
                 lin[n_lin] = xc ? &xl[(size_t)ex * 3 + (which ? 2u : 0u)] : which ? &lw->w3[ex] : &lw->w1[ex];
                 lx[n_lin] = xe + first[ex] * D;
@@ -182,9 +182,9 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
         /* Each output is a compact [rows][width] block at its expert's offset
          * (first * hid >= the previous block's rows * I: no overlap). */
         ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
-        for (size_t i = 0; i < n_todo; i++) {
+        for (size_t i = 0; i < n_pending; i++) {
             if (!got[i]) continue;
-            const int ex = todo[i];
+            const int ex = pending[i];
             ops->swiglu(ops, g + first[ex] * hid, u + first[ex] * hid, count[ex], I, e->swiglu_limit,
                         route + first[ex], h + first[ex] * hid);
         }
@@ -192,9 +192,9 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
 
         /* w2 of the wave's experts (and of the shared expert): one batch. */
         n_lin = 0;
-        for (size_t i = 0; i < n_todo; i++) {
+        for (size_t i = 0; i < n_pending; i++) {
             if (!got[i]) continue;
-            const int ex = todo[i];
+            const int ex = pending[i];
             lin[n_lin] = xc ? &xl[(size_t)ex * 3 + 1] : &lw->w2[ex], lx[n_lin] = h + first[ex] * hid,
             ly[n_lin] = oe + first[ex] * D;
             lm[n_lin++] = count[ex];
@@ -203,13 +203,13 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
             lin[n_lin] = &lw->sh_w2, lx[n_lin] = h + sh * hid, ly[n_lin] = oe + sh * D, lm[n_lin++] = M;
         ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
 
-        if (xc && n_todo) ds41_expert_cache_release(xc, L, todo, n_todo, got);
+        if (xc && n_pending) ds41_expert_cache_release(xc, L, pending, n_pending, got);
         size_t keep = 0;
-        for (size_t i = 0; i < n_todo; i++)
-            if (!got[i]) todo[keep++] = todo[i];
-        n_todo = keep;
+        for (size_t i = 0; i < n_pending; i++)
+            if (!got[i]) pending[keep++] = pending[i];
+        n_pending = keep;
         first_wave = false;
-    } while (n_todo > 0);
+    } while (n_pending > 0);
 
     /* Combine in fp32: routed experts in increasing id, then the shared one. */
     for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
@@ -236,7 +236,7 @@ out:
     free(lx);
     free(ly);
     free(lm);
-    free(todo);
+    free(pending);
     free(got);
     free(views);
     free(xl);
