@@ -234,16 +234,70 @@ static void pack_task(void *p, size_t b, size_t e, int th) {
     }
 }
 
+/* Task t of a linear job: its linear, weight rows [n0, n1) and activation
+ * rows [m0, m1). */
+typedef struct lin_task_at {
+    size_t i, n0, n1, m0, m1;
+} lin_task_at;
+
+static lin_task_at task_at(const lin_job *j, size_t t) {
+    const size_t i = find_linear(j->task_start, j->n, t), lt = t - j->task_start[i];
+    const ds41_linear *w = j->ws[i];
+    const size_t N = (size_t)w->n, M = j->Ms[i], ncb = (N + FAST_COLS - 1) / FAST_COLS;
+    const size_t cb = lt % ncb, rb = lt / ncb;
+    lin_task_at a = {.i = i, .n0 = cb * FAST_COLS, .m0 = rb * FAST_ROWS};
+    a.n1 = a.n0 + FAST_COLS < N ? a.n0 + FAST_COLS : N;
+    a.m1 = a.m0 + FAST_ROWS < M ? a.m0 + FAST_ROWS : M;
+    return a;
+}
+
+/* The weight bytes rows [n0, n1) of w are stored in (codes or bf16 values,
+ * then scales), as the lines to prefetch for a task that reads them. */
+static fast_prefetch weight_range(const ds41_linear *w, size_t n0, size_t n1) {
+    fast_prefetch r = {{NULL, NULL}, {NULL, NULL}};
+    const size_t K = (size_t)w->k;
+    const char *q = NULL, *s = NULL;
+    size_t qrow = 0, srow = 0, s0 = n0, s1 = n1;
+    switch (w->kind) {
+    case DS41_LINEAR_BF16:
+        q = (const char *)w->bf16, qrow = K * 2;
+        break;
+    case DS41_LINEAR_FP8:
+        q = (const char *)w->q, qrow = K, s = (const char *)w->scale, srow = (size_t)w->scale_cols;
+        s0 = n0 / 32, s1 = (n1 + 31) / 32;
+        break;
+    case DS41_LINEAR_FP4:
+        q = (const char *)w->q, qrow = (K + 1) / 2, s = (const char *)w->scale, srow = (size_t)w->scale_cols;
+        break;
+    default:
+        return r;
+    }
+    /* Whole lines: start at the line holding the first byte. */
+    r.p[0] = (const char *)((uintptr_t)(q + n0 * qrow) & ~(uintptr_t)63);
+    r.end[0] = q + n1 * qrow;
+    if (s) {
+        r.p[1] = (const char *)((uintptr_t)(s + s0 * srow) & ~(uintptr_t)63);
+        r.end[1] = s + s1 * srow;
+    }
+    return r;
+}
+
+/* A thread runs its range of tasks in order; tasks of one linear with few
+ * rows are consecutive row blocks, contiguous in memory, so each task
+ * prefetches the next one's weights (fast_prefetch). */
 static void lin_task(void *p, size_t b, size_t e, int th) {
     lin_job *j = p;
     for (size_t t = b; t < e; t++) {
-        const size_t i = find_linear(j->task_start, j->n, t), lt = t - j->task_start[i];
-        const ds41_linear *w = j->ws[i];
-        const size_t N = (size_t)w->n, M = j->Ms[i], ncb = (N + FAST_COLS - 1) / FAST_COLS;
-        const size_t cb = lt % ncb, rb = lt / ncb;
-        const size_t n0 = cb * FAST_COLS, n1 = n0 + FAST_COLS < N ? n0 + FAST_COLS : N;
-        const size_t m0 = rb * FAST_ROWS, m1 = m0 + FAST_ROWS < M ? m0 + FAST_ROWS : M;
-        j->c->k->linear_cols(w, j->act[i], M, m0, m1, n0, n1, j->ys[i], j->out_bf16, j->c->scratch[th].p);
+        const lin_task_at a = task_at(j, t);
+        fast_prefetch next = {{NULL, NULL}, {NULL, NULL}};
+        if (t + 1 < e) {
+            /* (Only a first row block reads its weights from memory; later
+             * ones of the same columns follow it.) */
+            const lin_task_at nx = task_at(j, t + 1);
+            if (nx.m0 == 0) next = weight_range(j->ws[nx.i], nx.n0, nx.n1);
+        }
+        j->c->k->linear_cols(j->ws[a.i], j->act[a.i], j->Ms[a.i], a.m0, a.m1, a.n0, a.n1, j->ys[a.i],
+                             j->out_bf16, j->c->scratch[th].p, &next);
     }
 }
 
@@ -313,7 +367,12 @@ static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, con
         const size_t K0 = n ? (size_t)ws[0]->k : 1;
         ds41_threadpool_run(c->pool, groups, 1 + 32768 / ((K0 ? K0 : 1) * unit), pack_task, &j);
         ensure_scratch(c, scratch);
-        ds41_threadpool_run(c->pool, tasks, 1, lin_task, &j);
+        /* Runs of consecutive tasks (about four per thread), so that a
+         * thread walks through contiguous weight rows and prefetches each
+         * next task's while it works (lin_task); still dynamic enough that
+         * a thread the OS delays does not hold the others up for long. */
+        const size_t runs = (size_t)c->n_threads * 4;
+        ds41_threadpool_run(c->pool, tasks, (tasks + runs - 1) / runs, lin_task, &j);
     }
     free(starts);
     free(act);

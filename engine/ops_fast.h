@@ -79,6 +79,16 @@
 #define FAST_COLS 32
 #define FAST_ROWS 128
 
+/* The weight bytes the calling thread's next task will read, in memory
+ * order (up to two ranges: codes and scales).  A kernel may advance through
+ * them with software prefetches while it works on its own task, so that a
+ * thread walking contiguous tasks keeps one memory stream going across task
+ * boundaries (each task on its own would start with a burst of demand
+ * misses).  Prefetching is a hint: results never depend on it. */
+typedef struct fast_prefetch {
+    const char *p[2], *end[2];
+} fast_prefetch;
+
 typedef struct fast_kernels {
     ds41_cpu_level level;
     /* Build the level's tables (idempotent; called before any kernel). */
@@ -100,7 +110,7 @@ typedef struct fast_kernels {
      * of FAST_ROWS, n0 of FAST_COLS): the dot product of row m's packed
      * activation with weight row n, rounded to bf16 when out_bf16. */
     void (*linear_cols)(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1, size_t n0,
-                        size_t n1, float *y, int out_bf16, void *scratch);
+                        size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next);
 
     /* Reductions outside the linear layers, in double: products of fp32
      * values are exact in double, and their double sum, rounded once to

@@ -414,7 +414,8 @@ static void tiles(const uint16_t *A, size_t lda, size_t m0, size_t m1, const uin
 }
 
 static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1,
-                           size_t n0, size_t n1, float *y, int out_bf16, void *scratch) {
+                           size_t n0, size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
+    (void)next; /* the panel is decoded whole, with its own prefetch stream */
     (void)M;
     const size_t K = (size_t)w->k, N = (size_t)w->n, stride = dp_row_bytes(w->kind, K);
     if (w->kind == DS41_LINEAR_BF16) {
@@ -626,8 +627,23 @@ static void amx_store(float *cbuf, size_t m_base, size_t n_base, size_t m_end, s
  * ld elements) in the packed order, scales folded in.  One call covers all
  * rows so the tables stay in registers; rows whose scales need the exact
  * scalar path take it. */
+/* One line of the next task's weights (fast_prefetch), if any is left: to
+ * L2, so that the panel the current task works in stays in L1. */
+static inline void next_line(fast_prefetch *nx) {
+    if (!nx) return;
+    for (int r = 0; r < 2; r++)
+        if (nx->p[r] < nx->end[r]) {
+            _mm_prefetch(nx->p[r], _MM_HINT_T1);
+            nx->p[r] += 64;
+            return;
+        }
+}
+
+/* (nx: the next task's weights, advanced by one line per chunk decoded here,
+ * 64 bytes of FP8 codes or 32 of FP4, so that the next task's codes and
+ * scales are on their way before it starts; NULL for none.) */
 static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows, size_t k0, size_t klen,
-                        uint16_t *dst, size_t ld, size_t pf) {
+                        uint16_t *dst, size_t ld, size_t pf, fast_prefetch *nx) {
     const size_t K = (size_t)w->k, kk = K - k0 < klen ? K - k0 : klen, nkb = (kk + 31) / 32;
     const size_t done = w->kind == DS41_LINEAR_BF16 ? kk : pad64(kk);
     const size_t nend = n0 + nrows < n1 ? n0 + nrows : n1;
@@ -668,6 +684,7 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
             __mmask64 nan_codes = 0;
             for (size_t c = 0; c < nch; c++) {
                 _mm_prefetch((const char *)q + c * 64 + pf, PF_HINT);
+                next_line(nx);
                 const __m512i raw = _mm512_maskz_loadu_epi8(c + 1 < nch ? ~(__mmask64)0 : tail, q + c * 64);
                 __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
                 hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
@@ -703,6 +720,7 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
             for (size_t c = 0; c <= full; c++) {
                 if (c == full && rb % 32 == 0) break;
                 _mm_prefetch((const char *)q + c * 32 + pf, PF_HINT);
+                next_line(nx);
                 const __m256i bytes = c < full ? _mm256_loadu_si256((const __m256i *)(q + c * 32))
                                                : _mm256_maskz_loadu_epi8(tail, q + c * 32);
                 const __m512i wv = _mm512_cvtepu8_epi16(bytes);
@@ -795,7 +813,7 @@ static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size
  * from zero, whichever of the paths below computes it (same decoded values,
  * same chunk order): the invariance rule. */
 static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1,
-                            size_t n0, size_t n1, float *y, int out_bf16, void *scratch) {
+                            size_t n0, size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
     const size_t K = (size_t)w->k, N = (size_t)w->n, Kp = amx_kp(w->kind, K), nq = Kp / 32;
     const uint32_t *v = (const uint32_t *)act;
     (void)M;
@@ -839,7 +857,7 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
                 lda = K;
             } else {
                 /* Prefetch each row's next slab: a whole slab pass ahead. */
-                decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2);
+                decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2, next);
             }
             if (two)
                 amx_chunks_two(A, lda, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
@@ -850,7 +868,7 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
         return;
     }
     const size_t ld = amx_ld(w->kind, K);
-    decode_rows(w, n0, n1, nrows, 0, Kp, panel, ld, PREFETCH_AHEAD);
+    decode_rows(w, n0, n1, nrows, 0, Kp, panel, ld, PREFETCH_AHEAD, NULL);
     for (size_t mb = m0 / 16; mb * 16 < m1; mb += 2) {
         const int two = (mb + 1) * 16 < m1;
         const uint32_t *b0 = v + mb * nq * 256, *b1 = v + (mb + 1) * nq * 256;

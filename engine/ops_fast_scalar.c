@@ -84,7 +84,8 @@ static void decode_row(const ds41_linear *w, size_t n, float *out) {
 }
 
 static void linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1, size_t n0,
-                        size_t n1, float *y, int out_bf16, void *scratch) {
+                        size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
+    (void)next; /* no software prefetch at this level */
     (void)M;
     const size_t K = (size_t)w->k, N = (size_t)w->n, act_stride = row_bytes(w->kind, K);
     float *wrow = scratch;
