@@ -9,6 +9,7 @@
  * a fraction of the measured read bandwidth.  Timing starts after a warm-up
  * that has touched the weights (page faults of the mapping do not count). */
 #include "config/daemon_config.h"
+#include "daemon/bench_kernels.h"
 #include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
@@ -27,6 +28,7 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
+               "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
                "                  [--engram-cache-bytes SIZE]\n"
@@ -55,6 +57,10 @@ static void usage(FILE *f) {
                "            cache of that size (each greedy token's rows prefetched before its step);\n"
                "            per phase: hits, hit rate, bytes read per token, read bandwidth (bytes\n"
                "            from the device / phase time), row read latency p50/p99\n"
+               "  kernels   (--kernels, no checkpoint) the linear kernel's ceilings: weight bytes per\n"
+               "            second it consumes per format (FP4 experts 6 x 512x2048, FP8 2048x2048,\n"
+               "            bf16 8192x2048) for 1, 4 and 16 rows, weights in cache and from memory\n"
+               "            (a set of --bandwidth-gib G GiB, default 2), next to the read bandwidth\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
                "threads to CPUs.  --json prints one JSON object instead of text.\n"
                "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
@@ -481,6 +487,47 @@ out:
     return rc;
 }
 
+/* --kernels: machine figures, then the kernel ceilings (bench_kernels.h). */
+static int bench_kernels(const ds41_cpu_opts *cpu, int json, uint64_t set_bytes) {
+    ds41_error err = {{0}};
+    ds41_backend *be = ds41_backend_cpu_new(cpu, &err);
+    if (!be) {
+        fprintf(stderr, "ds41-bench: %s\n", err.msg);
+        return 1;
+    }
+    ds41_cpu_measure mach;
+    ds41_kernel_ceiling kc[9];
+    size_t n = 0;
+    if (ds41_backend_cpu_measure(be, set_bytes, 3, &mach, &err) != 0 ||
+        ds41_bench_kernel_ceilings(be, set_bytes, kc, 9, &n, &err) != 0) {
+        fprintf(stderr, "ds41-bench: %s\n", err.msg);
+        ds41_backend_free(be);
+        return 1;
+    }
+    if (json) {
+        printf("{\"backend\":\"%s\",\"threads\":%d,\"read_gbs\":%.3f,\"kernels\":[", be->name,
+               ds41_backend_threads(be), mach.read_gbs);
+        for (size_t i = 0; i < n; i++)
+            printf("%s{\"format\":\"%s\",\"n\":%zu,\"k\":%zu,\"linears\":%zu,\"rows\":%zu,"
+                   "\"cache_gbs\":%.3f,\"memory_gbs\":%.3f,\"memory_fraction\":%.4f}",
+                   i ? "," : "", kc[i].format, kc[i].n, kc[i].k, kc[i].linears, kc[i].rows, kc[i].cache_gbs,
+                   kc[i].memory_gbs, mach.read_gbs > 0 ? kc[i].memory_gbs / mach.read_gbs : 0.0);
+        printf("]}\n");
+    } else {
+        printf("backend    %s, %d threads\n", be->name, ds41_backend_threads(be));
+        printf("machine    read bandwidth %.2f GB/s (%.1f GiB buffer, best of 3 passes)\n", mach.read_gbs,
+               (double)set_bytes / (1 << 30));
+        printf("kernels    weight GB/s the linear kernel consumes (codes + scales); in cache / from memory "
+               "(fraction of the read bandwidth)\n");
+        for (size_t i = 0; i < n; i++)
+            printf("  %-4s %zu x %4zux%zu, %2zu row%s  %7.2f / %6.2f GB/s (%4.1f%%)\n", kc[i].format,
+                   kc[i].linears, kc[i].n, kc[i].k, kc[i].rows, kc[i].rows == 1 ? " " : "s", kc[i].cache_gbs,
+                   kc[i].memory_gbs, mach.read_gbs > 0 ? 100.0 * kc[i].memory_gbs / mach.read_gbs : 0.0);
+    }
+    ds41_backend_free(be);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
         {"model", required_argument, NULL, 'm'},
@@ -496,13 +543,14 @@ int main(int argc, char **argv) {
         {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
         {"engram-cache-bytes", required_argument, NULL, 'E'},
+        {"kernels", no_argument, NULL, 'K'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL;
     size_t threads = 0, P = 256, steps = 8, gib = 4;
     size_t batches[16] = {1, 4, 16}, n_batches = 3;
-    int json = 0;
+    int json = 0, kernels = 0, gib_set = 0;
     ds41_engine_opts eo = {.reference = false};
     uint64_t expert_bytes = 0;
     bool expert_bytes_set = false, engram_bytes_set = false;
@@ -523,6 +571,9 @@ int main(int argc, char **argv) {
             break;
         case 'j':
             json = 1;
+            break;
+        case 'K':
+            kernels = 1;
             break;
         case 'P':
             eo.cpu.pin = true;
@@ -586,6 +637,7 @@ int main(int argc, char **argv) {
                         optarg);
                 return 2;
             }
+            gib_set = 1;
             break;
         case 'b': {
             n_batches = 0;
@@ -616,9 +668,16 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (optind != argc || !model) {
+    if (optind != argc || (!model && !kernels)) {
         usage(stderr);
         return 2;
+    }
+    if (kernels) {
+        if (model) {
+            fprintf(stderr, "ds41-bench: --kernels needs no --model (it measures synthetic weights)\n");
+            return 2;
+        }
+        return bench_kernels(&eo.cpu, json, (uint64_t)(gib_set ? gib : 2) << 30);
     }
     ds41_error err = {{0}};
     if (config_path) {

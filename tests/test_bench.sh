@@ -128,5 +128,36 @@ EOF2
     if [ $rc -ne 2 ] || ! grep -q config.json "$work/e.log"; then bad=1; echo "# missing model: exit $rc"; fi
     if [ $bad -eq 0 ]; then ok "bad arguments and a missing checkpoint: exit 2 with a message"; else notok "bad arguments and a missing checkpoint: exit 2 with a message"; fi
 fi
+if [ "$preset" != bench ]; then
+    # --kernels: no checkpoint; every format x row count, consistent fractions.
+    if "$bin/ds41-bench" --kernels --json --threads 2 --bandwidth-gib 1 >"$work/k.json" 2>"$work/k.err" &&
+        "$py" - "$work/k.json" >"$work/k.log" 2>&1 <<'EOF3'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ks = r["kernels"]
+assert r["read_gbs"] > 0 and r["threads"] == 2, r
+got = sorted((k["format"], k["rows"]) for k in ks)
+want = sorted((f, m) for f in ("fp4", "fp8", "bf16") for m in (1, 4, 16))
+assert got == want, got
+for k in ks:
+    assert k["cache_gbs"] > 0 and k["memory_gbs"] > 0, k
+    assert abs(k["memory_fraction"] - k["memory_gbs"] / r["read_gbs"]) < 1e-3, k
+    assert k["n"] > 0 and k["k"] > 0 and k["linears"] >= 1, k
+print("kernel ceilings:", ", ".join("%s/%d %.2f/%.2f" % (k["format"], k["rows"], k["cache_gbs"], k["memory_gbs"]) for k in ks))
+EOF3
+    then
+        ok "--kernels: the linear kernel's ceilings for fp4/fp8/bf16 x 1/4/16 rows, consistent"; sed 's/^/# /' "$work/k.log"
+    else
+        notok "--kernels: the linear kernel's ceilings for fp4/fp8/bf16 x 1/4/16 rows, consistent"
+        sed 's/^/# /' "$work/k.err" "$work/k.log"
+    fi
+    "$bin/ds41-bench" --kernels --model "$work/m" >/dev/null 2>"$work/e.log"
+    rc=$?
+    if [ $rc -eq 2 ] && grep -q -- '--kernels' "$work/e.log"; then
+        ok "--kernels with --model: exit 2 with a message"
+    else
+        notok "--kernels with --model: exit 2 with a message (exit $rc)"
+    fi
+fi
 echo "1..$n"
 exit $fail
