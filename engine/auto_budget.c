@@ -154,6 +154,9 @@ static void fill_common(const ds41_model_config *cfg, ds41_model_footprint *out)
     out->n_activated_experts = (uint32_t)cfg->n_activated_experts;
     ds41_cache_rate rate = ds41_model_config_cache_rate(cfg);
     out->kv_bytes_per_token = rate.per_tokens ? (double)rate.total_bytes / (double)rate.per_tokens : 0.0;
+    ds41_session_bytes sb;
+    ds41_model_config_session_bytes(cfg, &sb);
+    out->session_bytes = sb.total_bytes;
 }
 
 int ds41_model_footprint_of(const ds41_model_config *cfg, ds41_model_footprint *out, ds41_error *err) {
@@ -345,6 +348,11 @@ int ds41_auto_budget(const ds41_auto_budget_opts *o, ds41_budget_plan *plan, ds4
                              .engram_auto = o->engram_auto,
                              .expert_bytes = o->expert_bytes,
                              .engram_bytes = o->engram_bytes};
+    if (!o->kv_bytes && o->kv_tokens) {
+        double per_seq = (double)fp.session_bytes + fp.kv_bytes_per_token * (double)o->kv_tokens + 1.0;
+        double kv = per_seq * (double)(o->batch ? o->batch : 1);
+        r.kv_bytes = kv >= 1.8e19 ? UINT64_MAX : (uint64_t)kv;
+    }
     if (req_out) *req_out = r;
     if (ds41_budget_decide(&r, plan, err) != 0) return -1;
     if (line && line_size) ds41_budget_describe(&r, plan, line, line_size);

@@ -97,6 +97,7 @@ typedef struct ds41_model_footprint {
     uint64_t expert_slot_bytes; /* one expert slot: its largest expert's w1/w2/w3 + scales, aligned */
     uint32_t n_routed_experts, n_activated_experts;
     double kv_bytes_per_token; /* compressed-cache bytes per token of context */
+    uint64_t session_bytes;    /* fixed per-sequence state (window rings, carries, Engram history) */
 } ds41_model_footprint;
 
 /* Footprint of a finalized config.  Errors: the plan cannot be built. */
@@ -154,8 +155,12 @@ typedef struct ds41_auto_budget_opts {
     const char *dir;          /* checkpoint directory */
     bool expert_auto, engram_auto;
     uint64_t expert_bytes, engram_bytes; /* explicit values when not auto */
-    /* KV budget; 0 = the daemon's automatic size: a quarter of the available memory. */
+    /* KV budget.  0 with kv_tokens 0: the daemon's automatic size, a quarter of
+     * the available memory.  0 with kv_tokens > 0 (the offline tools, which
+     * know their prompt): batch x (session state + the compressed cache of
+     * kv_tokens tokens). */
     uint64_t kv_bytes;
+    uint64_t kv_tokens;
     uint32_t batch;           /* sequences decoded together (0 = 1) */
     const ds41_mem_info *mem; /* NULL = ds41_mem_read(NULL, ...) */
 } ds41_auto_budget_opts;
