@@ -159,6 +159,9 @@ typedef struct ds41_svc_cache {
     double bytes_per_token; /* KV bytes per token of context */
     const ds41_svc_cache_tier *tiers;
     size_t n_tiers;
+    /* The memory budgets decided at load (engine/auto_budget.h: "budgets: auto -> experts ...
+     * streamed with ... budget, ... (available ..., dense ..., KV ...)"), or NULL. */
+    const char *budgets;
 } ds41_svc_cache;
 
 /* --------------------------------------------------------------- snapshots */
