@@ -88,6 +88,23 @@ static int read_cgroup_value(const char *path, uint64_t *out) {
     return 0;
 }
 
+/* The "file" line of a memory.stat text (page cache bytes charged to the cgroup). */
+static int stat_file_bytes(const char *text, uint64_t *out) {
+    for (const char *line = text; line && *line;) {
+        if (strncmp(line, "file ", 5) == 0) {
+            errno = 0;
+            char *end;
+            unsigned long long v = strtoull(line + 5, &end, 10);
+            if (errno || end == line + 5) return -1;
+            *out = (uint64_t)v;
+            return 0;
+        }
+        line = strchr(line, '\n');
+        if (line) line++;
+    }
+    return -1;
+}
+
 int ds41_mem_read(const char *root, ds41_mem_info *out, ds41_error *err) {
     memset(out, 0, sizeof *out);
     out->cgroup_free = UINT64_MAX;
@@ -128,6 +145,13 @@ int ds41_mem_read(const char *root, ds41_mem_info *out, ds41_error *err) {
                 snprintf(path, sizeof path, "%s/sys/fs/cgroup%s%smemory.current", r, cg,
                          strcmp(cg, "/") == 0 ? "" : "/");
                 if (read_cgroup_value(path, &cur) != 0 || cur == UINT64_MAX) cur = 0;
+                /* memory.current counts the page cache charged to the cgroup (the checkpoint
+                 * read by a previous run, say), which the kernel reclaims under the limit:
+                 * only what is not file-backed is taken. */
+                snprintf(path, sizeof path, "%s/sys/fs/cgroup%s%smemory.stat", r, cg, strcmp(cg, "/") == 0 ? "" : "/");
+                uint64_t file_bytes = 0;
+                if (slurp(path, buf, 1 << 16) == 0 && stat_file_bytes(buf, &file_bytes) == 0)
+                    cur = cur > file_bytes ? cur - file_bytes : 0;
                 uint64_t free_bytes = max > cur ? max - cur : 0;
                 if (free_bytes < out->cgroup_free) {
                     out->cgroup_free = free_bytes;

@@ -59,9 +59,10 @@
 
 typedef struct ds41_mem_info {
     uint64_t mem_available; /* MemAvailable of /proc/meminfo, bytes */
-    /* The smallest (memory.max - memory.current) over the process's cgroup v2
-     * and its ancestors that have a limit; UINT64_MAX when none has one (or
-     * there is no cgroup v2). */
+    /* The smallest (memory.max - (memory.current - the "file" bytes of
+     * memory.stat, page cache the kernel reclaims under the limit)) over the
+     * process's cgroup v2 and its ancestors that have a limit; UINT64_MAX when
+     * none has one (or there is no cgroup v2). */
     uint64_t cgroup_free;
     char cgroup_dir[256];   /* the cgroup directory whose limit binds ("" if none) */
     uint64_t available;     /* min(mem_available, cgroup_free), or the test hook's value */
@@ -81,7 +82,7 @@ int ds41_mem_parse_proc_cgroup(const char *text, char *path, size_t size, ds41_e
 /* Read the process's memory figures.  root NULL: the real system (/proc,
  * /sys/fs/cgroup), with the DS41_TEST_MEM_AVAILABLE hook honoured; else a
  * directory standing in for "/" (tests build fake proc/meminfo,
- * proc/self/cgroup and sys/fs/cgroup/<path>/memory.{max,current} under it;
+ * proc/self/cgroup and sys/fs/cgroup/<path>/memory.{max,current,stat} under it;
  * the hook is ignored).  A missing or unreadable cgroup file means no limit
  * from it.  Errors: /proc/meminfo unreadable or without MemAvailable, the
  * hook's value malformed (names the variable). */

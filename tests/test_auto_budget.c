@@ -94,6 +94,12 @@ static void test_mem_read(void) {
               "mem_read: the parent cgroup's memory.max - memory.current (7 GiB) caps MemAvailable (32 GiB), "
               "found in %s", mi.cgroup_dir);
 
+    /* Page cache charged to the cgroup (memory.stat "file") is not counted as used. */
+    put(base, "sys/fs/cgroup/system.slice/memory.stat", "anon 1000\nfile 536870912\nkernel 0\n"); /* 512 MiB */
+    rc = ds41_mem_read(base, &mi, &err);
+    TAP_CHECK(rc == 0 && mi.cgroup_free == 7 * GIB + 512 * MIB && mi.available == 7 * GIB + 512 * MIB,
+              "mem_read: the cgroup's page cache (memory.stat file, 512 MiB) is reclaimable: 7.5 GiB free");
+
     /* A cgroup limit larger than MemAvailable does not raise it. */
     snprintf(base, sizeof base, "%s/fs3", root);
     put(base, "proc/meminfo", "MemAvailable: 1048576 kB\n"); /* 1 GiB */
