@@ -9,28 +9,28 @@
 
 int ds41_budget_flags_option(ds41_budget_flags *f, int opt, const char *arg) {
     uint64_t *bytes;
-    bool *set;
+    bool *set, *is_auto;
     const char *name;
     switch (opt) {
     case DS41_BUDGET_OPT_CONFIG: f->config_path = arg; return 1;
     case DS41_BUDGET_OPT_EXPERT:
         bytes = &f->expert_bytes;
         set = &f->expert_set;
+        is_auto = &f->expert_auto_flag;
         name = "--expert-cache-bytes";
         break;
     case DS41_BUDGET_OPT_ENGRAM:
         bytes = &f->engram_bytes;
         set = &f->engram_set;
+        is_auto = &f->engram_auto_flag;
         name = "--engram-cache-bytes";
         break;
     default: return 0;
     }
-    if (arg && strcmp(arg, "auto") == 0) {
-        /* Auto wins over --config too: the flag says "decide". */
+    if (arg && strcmp(arg, "auto") == 0) { /* "decide": wins over --config too (the last flag counts) */
         *bytes = 0;
         *set = false;
-        if (bytes == &f->expert_bytes) f->expert_auto_flag = true;
-        else f->engram_auto_flag = true;
+        *is_auto = true;
         return 1;
     }
     ds41_error serr = {{0}};
@@ -39,8 +39,7 @@ int ds41_budget_flags_option(ds41_budget_flags *f, int opt, const char *arg) {
         return -1;
     }
     *set = true;
-    if (bytes == &f->expert_bytes) f->expert_auto_flag = false;
-    else f->engram_auto_flag = false;
+    *is_auto = false;
     return 1;
 }
 
