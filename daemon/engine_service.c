@@ -159,6 +159,11 @@ typedef struct model {
     uint64_t context;
     uint64_t bytes; /* checkpoint bytes (mapped) */
     char budgets[512]; /* the memory budgets decided at load ("budgets: auto -> ..."), "" before */
+    /* What "auto" means for the expert budget at run time (ds41ctl cache --set-expert-bytes auto):
+     * the auto decision at load, given the Engram budget then chosen; when that decision found
+     * no room, auto_expert_error says why (and "auto" is refused). */
+    uint64_t auto_expert_bytes;
+    char auto_expert_error[256];
 
     pthread_mutex_t loader_mu;
     bool loader_started; /* a loader thread exists and has not been joined */
@@ -365,8 +370,21 @@ static int decide_budgets(model *m, const settings *st, const ds41_mem_info *mem
     eo->engram_cache_bytes = plan.engram_bytes;
     ds41_log(DS41_LOG_INFO, "model %s: %s%s", m->name, line,
              mem->test_override ? " [test hook " DS41_TEST_MEM_AVAILABLE_ENV "]" : "");
+    /* An explicit expert budget: still size what "auto" would give, for a run-time change. */
+    uint64_t auto_expert = plan.expert_bytes;
+    ds41_error aerr = {{0}};
+    if (!ao.expert_auto) {
+        ds41_auto_budget_opts a2 = ao;
+        a2.expert_auto = true;
+        a2.engram_auto = false;
+        a2.engram_bytes = plan.engram_bytes;
+        ds41_budget_plan p2;
+        auto_expert = ds41_auto_budget(&a2, &p2, NULL, NULL, 0, &aerr) == 0 ? p2.expert_bytes : 0;
+    }
     pthread_rwlock_wrlock(&m->lock);
     snprintf(m->budgets, sizeof m->budgets, "%s", line);
+    m->auto_expert_bytes = auto_expert;
+    snprintf(m->auto_expert_error, sizeof m->auto_expert_error, "%.255s", aerr.msg);
     pthread_rwlock_unlock(&m->lock);
     return 0;
 }
@@ -1865,8 +1883,16 @@ static int svc_set_expert_budget(void *ctx, const char *name, uint64_t bytes, ds
         if (m->state == DS41_MODEL_READY && m->engine) {
             matched++;
             ds41_error e2 = {{0}};
-            if (ds41_engine_request_expert_budget(m->engine, bytes, &e2) != 0)
+            /* "auto" (0): the budget the auto sizing chose at load. */
+            const uint64_t want = bytes ? bytes : m->auto_expert_bytes;
+            if (!bytes && m->auto_expert_error[0])
+                rc = ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "bytes", "model %s: auto: %s", m->name,
+                                   m->auto_expert_error);
+            else if (ds41_engine_request_expert_budget(m->engine, want, &e2) != 0)
                 rc = ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "bytes", "model %s: %s", m->name, e2.msg);
+            else if (!bytes)
+                ds41_log(DS41_LOG_INFO, "model %s: expert budget auto = %llu bytes (%s)", m->name,
+                         (unsigned long long)want, want ? "streamed" : "resident");
         } else if (name) {
             matched++;
             rc = ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "model %s is not loaded", m->name);

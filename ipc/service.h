@@ -433,8 +433,8 @@ typedef struct ds41_service {
     int (*restore_snapshot)(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
                             uint64_t *tokens, ds41_svc_error *err);
     int (*delete_snapshot)(void *ctx, const char *snapshot_id, ds41_svc_error *err);
-    /* POST /admin/cache/experts: change the routed-expert budget (0 = all
-     * resident) of model `model` (NULL: every loaded model) at run time; it
+    /* POST /admin/cache/experts: change the routed-expert budget (0 = "auto":
+     * the service's automatic choice; ds41d: the one made at load) of model `model` (NULL: every loaded model) at run time; it
      * applies from the next forward step.  Below one expert ->
      * DS41_SVC_BAD_REQUEST naming the minimum; unknown model -> NOT_FOUND. */
     int (*set_expert_budget)(void *ctx, const char *model, uint64_t bytes, ds41_svc_error *err);

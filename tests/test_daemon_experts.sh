@@ -180,6 +180,15 @@ check "ds41ctl cache --json: experts and engram tiers streamed, the budgets line
 check "ds41ctl cache (text) prints the budgets line" grep -q "^budgets: auto -> experts .* streamed with" "$work/cache3.txt"
 "$ctl" --socket "$sock" doctor >"$work/doctor.txt" 2>&1
 check "ds41ctl doctor has a budgets row" grep -q "^budgets .*budgets: auto -> experts .* streamed" "$work/doctor.txt"
+# Run time: an explicit budget, then "auto" again = the budget decided at load.
+auto_cap=$(pyj '[t["capacity_bytes"] for t in o["cache"]["tiers"] if t["name"] == "experts"][0]' "$work/cache3.json")
+"$ctl" --socket "$sock" cache --set-expert-bytes 300KiB >/dev/null 2>&1
+code=$(api POST /v1/completions "$req")
+"$ctl" --socket "$sock" cache --set-expert-bytes auto >/dev/null 2>&1
+code2=$(api POST /v1/completions "$req")
+"$ctl" --socket "$sock" --json cache >"$work/cache4.json"
+check "ds41ctl cache --set-expert-bytes auto: back to the load-time auto budget ($auto_cap bytes), same text" \
+    test "$code $code2 $(pyj 'o["choices"][0]["text"]') $(pyj '[t["capacity_bytes"] for t in o["cache"]["tiers"] if t["name"] == "experts"][0]' "$work/cache4.json")" = "200 200 $want $auto_cap"
 stop_daemon
 # 4 MiB cannot hold one layer's expert slots at max_sequences: the model fails to load, naming the sizes.
 export DS41_TEST_MEM_AVAILABLE=4MiB
