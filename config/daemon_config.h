@@ -59,10 +59,12 @@
  *   memory.engram_cache_bytes auto    KiB/MiB/GiB/TiB/PiB (powers of 1024), units case-
  *                            insensitive, an optional space, an optional decimal fraction
  *                            that must give whole bytes ("1.5GiB").  "auto" (or 0): the
- *                            KV cache is sized from the memory found at start; the
- *                            routed experts and Engram tables stay resident (used in
- *                            place from the checkpoint's mapping; a smaller budget
- *                            streams them from the shards, see ds41d.yaml(5)).
+ *                            KV cache is a quarter of the memory the process may use;
+ *                            the expert and Engram budgets are decided at load from
+ *                            that memory (engine/auto_budget.h: everything resident
+ *                            when it fits, else the Engram rows streamed first, then
+ *                            the experts; see ds41d.yaml(5)).  A size covering a tier
+ *                            keeps it resident (used in place from the mapping).
  *   limits.max_body_bytes    8MiB     largest request body (413 beyond), 1KiB..1GiB.
  *   limits.max_queue         256      requests waiting for a decode slot (429 beyond),
  *                            1..1000000.

@@ -8,8 +8,8 @@
  * weights, embedding and Engram rows, the head) and those bytes per second as
  * a fraction of the measured read bandwidth.  Timing starts after a warm-up
  * that has touched the weights (page faults of the mapping do not count). */
-#include "config/daemon_config.h"
 #include "daemon/bench_kernels.h"
+#include "daemon/budget_flags.h"
 #include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
@@ -61,6 +61,8 @@ static void usage(FILE *f) {
                "            second it consumes per format (FP4 experts 6 x 512x2048, FP8 2048x2048,\n"
                "            bf16 8192x2048) for 1, 4 and 16 rows, weights in cache and from memory\n"
                "            (a set of --bandwidth-gib G GiB, default 2), next to the read bandwidth\n"
+               "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
+               "memory the process may use (MemAvailable, cgroup limits; see ds41d.yaml(5)).\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
                "threads to CPUs.  --json prints one JSON object instead of text.\n"
                "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
@@ -539,11 +541,9 @@ int main(int argc, char **argv) {
         {"batches", required_argument, NULL, 'b'},
         {"bandwidth-gib", required_argument, NULL, 'g'},
         {"pin", no_argument, NULL, 'P'},
-        {"expert-cache-bytes", required_argument, NULL, 'X'},
-        {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
-        {"engram-cache-bytes", required_argument, NULL, 'E'},
         {"kernels", no_argument, NULL, 'K'},
+        DS41_BUDGET_LONGOPTS,
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -552,11 +552,12 @@ int main(int argc, char **argv) {
     size_t batches[16] = {1, 4, 16}, n_batches = 3;
     int json = 0, kernels = 0, gib_set = 0;
     ds41_engine_opts eo = {.reference = false};
-    uint64_t expert_bytes = 0;
-    bool expert_bytes_set = false, engram_bytes_set = false;
-    const char *config_path = NULL;
+    ds41_budget_flags budgets = {.tool = "ds41-bench"};
     int ch;
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        int used = ds41_budget_flags_option(&budgets, ch, optarg);
+        if (used < 0) return 2;
+        if (used) continue;
         switch (ch) {
         case 'm':
             model = optarg;
@@ -581,27 +582,6 @@ int main(int argc, char **argv) {
         case 'N':
             eo.expert_no_predict = true;
             break;
-        case 'C':
-            config_path = optarg;
-            break;
-        case 'X': {
-            ds41_error serr = {{0}};
-            if (ds41_size_parse(optarg, &expert_bytes, &serr) != 0) {
-                fprintf(stderr, "ds41-bench: --expert-cache-bytes: %s\n", serr.msg);
-                return 2;
-            }
-            expert_bytes_set = true;
-            break;
-        }
-        case 'E': {
-            ds41_error serr = {{0}};
-            if (ds41_size_parse(optarg, &eo.engram_cache_bytes, &serr) != 0) {
-                fprintf(stderr, "ds41-bench: --engram-cache-bytes: %s\n", serr.msg);
-                return 2;
-            }
-            engram_bytes_set = true;
-            break;
-        }
         case 'L':
             if (strcmp(optarg, "scalar") == 0)
                 eo.cpu.level = DS41_CPU_SCALAR;
@@ -680,17 +660,13 @@ int main(int argc, char **argv) {
         return bench_kernels(&eo.cpu, json, (uint64_t)(gib_set ? gib : 2) << 30);
     }
     ds41_error err = {{0}};
-    if (config_path) {
-        ds41_daemon_config dc;
-        if (ds41_daemon_config_load(config_path, &dc, &err) != 0) {
-            fprintf(stderr, "ds41-bench: --config: %s\n", err.msg);
-            return 2;
-        }
-        if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
-        if (!engram_bytes_set) eo.engram_cache_bytes = dc.memory.engram_cache_bytes;
-        ds41_daemon_config_free(&dc);
-    }
-    eo.expert_cache_bytes = expert_bytes;
+    /* Budgets: the flags, else --config's memory.*_cache_bytes, else auto (sized for the
+     * largest batch of the run). */
+    size_t max_batch = 1;
+    for (size_t i = 0; i < n_batches; i++)
+        if (batches[i] > max_batch) max_batch = batches[i];
+    ds41_budget_run run = {.kv_tokens = (uint64_t)P + steps, .batch = (uint32_t)max_batch};
+    if (ds41_budget_flags_apply(&budgets, model, &run, &eo, NULL, 0) != 0) return 2;
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-bench: %s\n", err.msg);

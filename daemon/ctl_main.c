@@ -1,6 +1,7 @@
 /* ds41ctl: control and query ds41d over its Unix socket (see ds41ctl(1)).  Human tables by
  * default, JSON with --json. */
 #include "daemon/ctl_client.h"
+#include "engine/auto_budget.h"
 #include "engine/backend.h"
 #include "engine/pyjson.h"
 #include "engine/threadpool.h"
@@ -395,6 +396,7 @@ static int cmd_cache(void) {
                       json_is_number(hr) ? fmt("%.1f%%", 100 * json_number_value(hr)) : "-");
         }
         table_print(&t);
+        if (jstr(c, "budgets")[0]) printf("%s\n", jstr(c, "budgets"));
         json_array_foreach(json_object_get(c, "tiers"), i, tier) {
             if (strcmp(jstr(tier, "name"), "experts") != 0) continue;
             char tot[32], rd[32];
@@ -1123,6 +1125,10 @@ static int cmd_doctor(int argc, char **argv) {
             if (first && jstr(first, "path")[0]) daemon_model = strdup(jstr(first, "path"));
             json_decref(m);
         }
+        /* The memory budgets the daemon decided at load (admin only; quiet otherwise). */
+        json_t *cj = call_json("GET", "/admin/cache", NULL, NULL, true);
+        if (cj && jstr(cj, "budgets")[0]) dr(&d, "budgets", "ok", jstr(cj, "budgets"));
+        json_decref(cj);
     } else {
         dr(&d, "daemon", "warn", err.msg);
     }
@@ -1241,6 +1247,13 @@ static int cmd_doctor(int argc, char **argv) {
             dr(&d, "memory", avail * 1024 >= (4ll << 30) ? "ok" : "warn", fmt("%s available of %s", a, t));
         } else {
             dr(&d, "memory", "warn", "cannot read /proc/meminfo");
+        }
+        /* A cgroup v2 limit below MemAvailable is what "auto" budgets size against. */
+        ds41_mem_info mi;
+        if (ds41_mem_read(NULL, &mi, NULL) == 0 && mi.cgroup_free < mi.mem_available) {
+            char a[32];
+            human_bytes((double)mi.cgroup_free, a, sizeof a);
+            dr(&d, "cgroup", "ok", fmt("%s may be used under the memory.max of %s", a, mi.cgroup_dir));
         }
     }
     if (g_json) {

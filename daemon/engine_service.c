@@ -2,6 +2,7 @@
 #include "daemon/engine_service.h"
 
 #include "daemon/log.h"
+#include "engine/auto_budget.h"
 #include "engine/forward.h"
 #include "engine/generate.h"
 #include "engine/model_gen.h"
@@ -157,6 +158,12 @@ typedef struct model {
     uint32_t n_vocab;
     uint64_t context;
     uint64_t bytes; /* checkpoint bytes (mapped) */
+    char budgets[512]; /* the memory budgets decided at load ("budgets: auto -> ..."), "" before */
+    /* What "auto" means for the expert budget at run time (ds41ctl cache --set-expert-bytes auto):
+     * the auto decision at load, given the Engram budget then chosen; when that decision found
+     * no room, auto_expert_error says why (and "auto" is refused). */
+    uint64_t auto_expert_bytes;
+    char auto_expert_error[256];
 
     pthread_mutex_t loader_mu;
     bool loader_started; /* a loader thread exists and has not been joined */
@@ -332,11 +339,54 @@ static uint64_t checkpoint_bytes(const char *dir) {
     return total;
 }
 
-static uint64_t auto_kv_budget(void) {
+/* "auto" KV budget: a quarter of the memory the process may use (engine/auto_budget.h: MemAvailable
+ * capped by the cgroup's limits, or the DS41_TEST_MEM_AVAILABLE test hook). */
+static uint64_t auto_kv_budget(const ds41_mem_info *mem) {
+    if (mem && mem->available) return mem->available / 4;
     long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
     if (pages <= 0 || psz <= 0) return 1ull << 30;
     uint64_t avail = (uint64_t)pages * (uint64_t)psz;
     return avail / 4;
+}
+
+/* memory.expert_cache_bytes / engram_cache_bytes "auto" (0): decide from the memory the process may
+ * use (engine/auto_budget.h), log the decision and keep its line for `ds41ctl cache` / doctor.
+ * Explicit values are used as given.  Fails (naming the sizes) when the memory cannot hold one
+ * layer's expert slots at max_sequences. */
+static int decide_budgets(model *m, const settings *st, const ds41_mem_info *mem, uint64_t kv_bytes,
+                          ds41_engine_opts *eo, ds41_error *err) {
+    ds41_auto_budget_opts ao = {.dir = m->path,
+                                .expert_auto = st->expert_cache_bytes == 0,
+                                .engram_auto = st->engram_cache_bytes == 0,
+                                .expert_bytes = st->expert_cache_bytes,
+                                .engram_bytes = st->engram_cache_bytes,
+                                .kv_bytes = kv_bytes,
+                                .batch = st->max_sequences,
+                                .mem = mem};
+    ds41_budget_plan plan;
+    char line[sizeof m->budgets];
+    if (ds41_auto_budget(&ao, &plan, NULL, line, sizeof line, err) != 0) return -1;
+    eo->expert_cache_bytes = plan.expert_bytes;
+    eo->engram_cache_bytes = plan.engram_bytes;
+    ds41_log(DS41_LOG_INFO, "model %s: %s%s", m->name, line,
+             mem->test_override ? " [test hook " DS41_TEST_MEM_AVAILABLE_ENV "]" : "");
+    /* An explicit expert budget: still size what "auto" would give, for a run-time change. */
+    uint64_t auto_expert = plan.expert_bytes;
+    ds41_error aerr = {{0}};
+    if (!ao.expert_auto) {
+        ds41_auto_budget_opts a2 = ao;
+        a2.expert_auto = true;
+        a2.engram_auto = false;
+        a2.engram_bytes = plan.engram_bytes;
+        ds41_budget_plan p2;
+        auto_expert = ds41_auto_budget(&a2, &p2, NULL, NULL, 0, &aerr) == 0 ? p2.expert_bytes : 0;
+    }
+    pthread_rwlock_wrlock(&m->lock);
+    snprintf(m->budgets, sizeof m->budgets, "%s", line);
+    m->auto_expert_bytes = auto_expert;
+    snprintf(m->auto_expert_error, sizeof m->auto_expert_error, "%.255s", aerr.msg);
+    pthread_rwlock_unlock(&m->lock);
+    return 0;
 }
 
 static void sched_log(void *ctx, const char *line) {
@@ -490,6 +540,12 @@ static void *loader_main(void *p) {
                            .cpu = {.threads = (int)a->st.threads},
                            .expert_cache_bytes = a->st.expert_cache_bytes,
                            .engram_cache_bytes = a->st.engram_cache_bytes};
+    ds41_mem_info mem;
+    ds41_error merr = {{0}};
+    const bool have_mem = ds41_mem_read(NULL, &mem, &merr) == 0;
+    if (!have_mem) ds41_log(DS41_LOG_WARNING, "model %s: %s", m->name, merr.msg);
+    const uint64_t kv_bytes = a->st.kv_cache_bytes ? a->st.kv_cache_bytes : auto_kv_budget(have_mem ? &mem : NULL);
+    if (have_mem && decide_budgets(m, &a->st, &mem, kv_bytes, &eo, &err) != 0) goto fail;
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     if (ds41_engine_experts_streamed(engine)) {
@@ -517,7 +573,7 @@ static void *loader_main(void *p) {
                             .max_batch_tokens = a->st.max_batch_tokens,
                             .prefill_chunk = a->st.prefill_chunk,
                             .max_queue = a->st.max_queue,
-                            .kv_budget_bytes = a->st.kv_cache_bytes ? a->st.kv_cache_bytes : auto_kv_budget(),
+                            .kv_budget_bytes = kv_bytes,
                             .prefix_cache = a->st.prefix_cache,
                             .prefix_cache_max_bytes = a->st.prefix_cache_max_bytes,
                             .log = sched_log,
@@ -1578,6 +1634,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     bool first = true;
     ds41_svc_cache_tier xt = {.name = "experts"}, gt = {.name = "engram"};
     bool have_experts = false, have_engram = false;
+    char budgets[sizeof s->models[0]->budgets] = "";
     pthread_rwlock_rdlock(&s->cfg_lock);
     for (size_t i = 0; i < s->n_models; i++) {
         model *m = s->models[i];
@@ -1606,6 +1663,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
                 sn_hits += ss.hits;
                 sn_misses += ss.misses;
             }
+            if (m->budgets[0] && (!budgets[0] || m->is_default)) snprintf(budgets, sizeof budgets, "%s", m->budgets);
             ds41_expert_cache_stats xs;
             const bool streamed = ds41_engine_expert_stats(m->engine, &xs, false);
             /* Summed over models; latency of the default (or first) model. */
@@ -1649,6 +1707,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
         {.name = "snapshots", .used_bytes = sn_bytes, .capacity_bytes = sn_cap, .hits = sn_hits, .misses = sn_misses},
         xt,
     };
+    c.budgets = budgets[0] ? budgets : NULL;
     c.tiers = tiers;
     c.n_tiers = 2;
     if (s->st.snapshots) c.n_tiers++;
@@ -1824,8 +1883,16 @@ static int svc_set_expert_budget(void *ctx, const char *name, uint64_t bytes, ds
         if (m->state == DS41_MODEL_READY && m->engine) {
             matched++;
             ds41_error e2 = {{0}};
-            if (ds41_engine_request_expert_budget(m->engine, bytes, &e2) != 0)
+            /* "auto" (0): the budget the auto sizing chose at load. */
+            const uint64_t want = bytes ? bytes : m->auto_expert_bytes;
+            if (!bytes && m->auto_expert_error[0])
+                rc = ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "bytes", "model %s: auto: %s", m->name,
+                                   m->auto_expert_error);
+            else if (ds41_engine_request_expert_budget(m->engine, want, &e2) != 0)
                 rc = ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "bytes", "model %s: %s", m->name, e2.msg);
+            else if (!bytes)
+                ds41_log(DS41_LOG_INFO, "model %s: expert budget auto = %llu bytes (%s)", m->name,
+                         (unsigned long long)want, want ? "streamed" : "resident");
         } else if (name) {
             matched++;
             rc = ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "model %s is not loaded", m->name);

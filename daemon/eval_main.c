@@ -3,7 +3,7 @@
  * of REFERENCE.md §10.1.  This is the hook for reference comparisons
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
-#include "config/daemon_config.h"
+#include "daemon/budget_flags.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
 #include "storage/safetensors.h"
@@ -42,6 +42,9 @@ static void usage(FILE *f) {
             "through a slot pool of that size (io_uring, O_DIRECT) when they do not all fit;\n"
             "--config FILE takes memory.expert_cache_bytes and engram_cache_bytes from a ds41d\n"
             "YAML file (the flags win); --no-predict turns off next-layer expert prediction.\n"
+            "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
+            "memory the process may use (MemAvailable, cgroup limits): everything resident when\n"
+            "it fits, else the Engram rows streamed first, then the experts (see ds41d.yaml(5)).\n"
             "The logits do not depend on the budgets.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
@@ -268,20 +271,20 @@ int main(int argc, char **argv) {
         {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
         {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
         {"pin", no_argument, NULL, 'P'},
-        {"expert-cache-bytes", required_argument, NULL, 'X'}, {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
-        {"engram-cache-bytes", required_argument, NULL, 'E'},
+        DS41_BUDGET_LONGOPTS,
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
     size_t chunk = 0, K = 0;
     ds41_engine_opts eo = {.reference = false};
-    uint64_t expert_bytes = 0;
-    bool expert_bytes_set = false, engram_bytes_set = false;
-    const char *config_path = NULL;
+    ds41_budget_flags budgets = {.tool = "ds41-eval"};
     size_t threads = 0;
     int c;
     while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        int used = ds41_budget_flags_option(&budgets, c, optarg);
+        if (used < 0) return 2;
+        if (used) continue;
         switch (c) {
         case 'm': model = optarg; break;
         case 'i': ids_arg = optarg; break;
@@ -300,25 +303,6 @@ int main(int argc, char **argv) {
         case 'r': eo.reference = true; break;
         case 'P': eo.cpu.pin = true; break;
         case 'N': eo.expert_no_predict = true; break;
-        case 'X': {
-            ds41_error serr = {{0}};
-            if (ds41_size_parse(optarg, &expert_bytes, &serr) != 0) {
-                fprintf(stderr, "ds41-eval: --expert-cache-bytes: %s\n", serr.msg);
-                return 2;
-            }
-            expert_bytes_set = true;
-            break;
-        }
-        case 'C': config_path = optarg; break;
-        case 'E': {
-            ds41_error serr = {{0}};
-            if (ds41_size_parse(optarg, &eo.engram_cache_bytes, &serr) != 0) {
-                fprintf(stderr, "ds41-eval: --engram-cache-bytes: %s\n", serr.msg);
-                return 2;
-            }
-            engram_bytes_set = true;
-            break;
-        }
         case 't':
             if (parse_size(optarg, &threads) != 0 || threads == 0 || threads > DS41_THREADPOOL_MAX) {
                 fprintf(stderr, "ds41-eval: --threads: expected an integer in [1, %d], got '%s'\n",
@@ -374,20 +358,12 @@ int main(int argc, char **argv) {
     float *pre_logits = NULL, *dec_logits = NULL;
     int32_t *dec = NULL;
     part *parts = NULL;
-    /* Budgets: --config's memory.expert_cache_bytes / engram_cache_bytes,
-     * overridden by the flags. */
-    if (config_path) {
-        ds41_daemon_config dc;
-        if (ds41_daemon_config_load(config_path, &dc, &err) != 0) {
-            fprintf(stderr, "ds41-eval: --config: %s\n", err.msg);
-            free(ids);
-            return 2;
-        }
-        if (!expert_bytes_set) expert_bytes = dc.memory.expert_cache_bytes;
-        if (!engram_bytes_set) eo.engram_cache_bytes = dc.memory.engram_cache_bytes;
-        ds41_daemon_config_free(&dc);
+    /* Budgets: the flags, else --config's memory.*_cache_bytes, else auto. */
+    ds41_budget_run run = {.kv_tokens = (uint64_t)S + K, .batch = 1};
+    if (ds41_budget_flags_apply(&budgets, model, &run, &eo, NULL, 0) != 0) {
+        free(ids);
+        return 2;
     }
-    eo.expert_cache_bytes = expert_bytes;
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-eval: %s\n", err.msg);

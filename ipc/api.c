@@ -1335,7 +1335,7 @@ static void cache_emit(void *accp, const ds41_svc_cache *c) {
          !ds41_json_set_new(o, "pages_used", ju64(c->pages_used)) &&
          !ds41_json_set_new(o, "pages_free", ju64(c->pages_free)) &&
          !ds41_json_set_new(o, "bytes_per_token", jreal(c->bytes_per_token)) &&
-         !json_object_set(o, "tiers", tiers);
+         !json_object_set(o, "tiers", tiers) && (!c->budgets || !ds41_json_set_str(o, "budgets", c->budgets));
     json_decref(tiers);
     if (!ok) {
         json_decref(o);

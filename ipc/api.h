@@ -29,7 +29,8 @@
  *   GET     /admin/cache              A      {"page_tokens","page_bytes","pages_total","pages_used",
  *                                            "pages_free","bytes_per_token","tiers":[{"name",
  *                                            "used_bytes","capacity_bytes","hits","misses",
- *                                            "hit_rate"}]}
+ *                                            "hit_rate"}],"budgets"} (budgets: the load-time
+ *                                            budget decision line, when the service has one)
  *   GET     /admin/snapshots          A      {"object":"list","data":[{"id","model","tokens","bytes",
  *                                            "created","last_used","sampler_state"}]} (session
  *                                            snapshots on disk; id = "<model>:<40 hex digits>")

@@ -159,6 +159,9 @@ typedef struct ds41_svc_cache {
     double bytes_per_token; /* KV bytes per token of context */
     const ds41_svc_cache_tier *tiers;
     size_t n_tiers;
+    /* The memory budgets decided at load (engine/auto_budget.h: "budgets: auto -> experts ...
+     * streamed with ... budget, ... (available ..., dense ..., KV ...)"), or NULL. */
+    const char *budgets;
 } ds41_svc_cache;
 
 /* --------------------------------------------------------------- snapshots */
@@ -430,8 +433,8 @@ typedef struct ds41_service {
     int (*restore_snapshot)(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
                             uint64_t *tokens, ds41_svc_error *err);
     int (*delete_snapshot)(void *ctx, const char *snapshot_id, ds41_svc_error *err);
-    /* POST /admin/cache/experts: change the routed-expert budget (0 = all
-     * resident) of model `model` (NULL: every loaded model) at run time; it
+    /* POST /admin/cache/experts: change the routed-expert budget (0 = "auto":
+     * the service's automatic choice; ds41d: the one made at load) of model `model` (NULL: every loaded model) at run time; it
      * applies from the next forward step.  Below one expert ->
      * DS41_SVC_BAD_REQUEST naming the minimum; unknown model -> NOT_FOUND. */
     int (*set_expert_budget)(void *ctx, const char *model, uint64_t bytes, ds41_svc_error *err);

@@ -12,6 +12,15 @@
  * Entries
  *   One entry = one table row: its e4m3 payload and its ue8m0 scale bytes,
  *   read as two requests (the payload and the scales live in two tensors).
+ *   They cannot be one read: the release layout (and ds41-mkmodel's) puts
+ *   the `.scale` tensor [rows][head_dim/32] right after the `.weight`
+ *   tensor [rows][head_dim], so row r's scale lies rows x head_dim - r x
+ *   (head_dim - head_dim/32) bytes after its payload, never less than
+ *   rows x head_dim/32 + head_dim (11.5 MB on the bench preset, ~3 GB in
+ *   the release): never within one aligned range, nor one 8 KiB read.
+ *   Instead both reads of every row a request or gather needs go to the
+ *   reader in ONE submission.  With O_DIRECT each read is one 4 KiB block,
+ *   so a row costs 8 KiB from the device (bytes_device / rows_read).
  *   The budget pays for entries and their bookkeeping:
  *   capacity = budget / (payload + scale bytes + DS41_ENGRAM_ENTRY_OVERHEAD).
  *   A capacity of 0 is legal: every row is then read straight into the

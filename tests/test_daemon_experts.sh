@@ -151,4 +151,52 @@ check "the next request is served with the same text as resident" test "$code $(
 check "/metrics counts the read error" grep -q '^ds41_tier_read_errors_total{model="m",tier="experts"} 1' "$work/metrics2.txt"
 stop_daemon
 check "the daemon exits cleanly after the fault" test "$daemon_status" = 0
+
+# ---- auto budgets (memory.*_cache_bytes auto) under a small "available memory" ------------------
+# The test hook DS41_TEST_MEM_AVAILABLE (engine/auto_budget.h) stands in for MemAvailable: 7 MiB
+# holds tiny's ~3.3 MiB of dense weights, the auto KV cache (a quarter) and a row cache (5%), not
+# the experts + Engram tables, so the Engram rows and then the experts are streamed; the text
+# stays the resident one.
+write_config "$work/auto.yaml" "$models"
+export DS41_TEST_MEM_AVAILABLE=7MiB
+start_daemon "$work/auto.yaml"
+started=$?
+unset DS41_TEST_MEM_AVAILABLE
+if [ $started != 0 ]; then
+    notok "the daemon starts with auto budgets and 7 MiB available"
+    finish
+    exit 0
+fi
+line=$(grep -o 'budgets: auto -> .*' "$work/daemon.log" | head -1)
+note "$line"
+check "auto budgets, 7 MiB available: the load logs experts and Engram streamed with their budgets and the inputs" \
+    bash -c "[[ \"\$1\" == *'experts '*' streamed with '*' budget, Engram '*' streamed with '*' row cache (available 7.0 MiB'*'dense '*'KV 1.8 MiB)'* ]]" _ "$line"
+code=$(api POST /v1/completions "$req")
+check "auto budgets streamed: the same text as resident" test "$code $(pyj 'o["choices"][0]["text"]')" = "200 $want"
+"$ctl" --socket "$sock" --json cache >"$work/cache3.json"
+check "ds41ctl cache --json: experts and engram tiers streamed, the budgets line" \
+    test "$(pyj '[sorted(t["name"] for t in o["cache"]["tiers"] if t.get("streamed")), o["cache"]["budgets"].startswith("budgets: auto -> experts")]' "$work/cache3.json")" = '[["engram", "experts"], true]'
+"$ctl" --socket "$sock" cache >"$work/cache3.txt"
+check "ds41ctl cache (text) prints the budgets line" grep -q "^budgets: auto -> experts .* streamed with" "$work/cache3.txt"
+"$ctl" --socket "$sock" doctor >"$work/doctor.txt" 2>&1
+check "ds41ctl doctor has a budgets row" grep -q "^budgets .*budgets: auto -> experts .* streamed" "$work/doctor.txt"
+# Run time: an explicit budget, then "auto" again = the budget decided at load.
+auto_cap=$(pyj '[t["capacity_bytes"] for t in o["cache"]["tiers"] if t["name"] == "experts"][0]' "$work/cache3.json")
+"$ctl" --socket "$sock" cache --set-expert-bytes 300KiB >/dev/null 2>&1
+code=$(api POST /v1/completions "$req")
+"$ctl" --socket "$sock" cache --set-expert-bytes auto >/dev/null 2>&1
+code2=$(api POST /v1/completions "$req")
+"$ctl" --socket "$sock" --json cache >"$work/cache4.json"
+check "ds41ctl cache --set-expert-bytes auto: back to the load-time auto budget ($auto_cap bytes), same text" \
+    test "$code $code2 $(pyj 'o["choices"][0]["text"]') $(pyj '[t["capacity_bytes"] for t in o["cache"]["tiers"] if t["name"] == "experts"][0]' "$work/cache4.json")" = "200 200 $want $auto_cap"
+stop_daemon
+# 4 MiB cannot hold one layer's expert slots at max_sequences: the model fails to load, naming the sizes.
+export DS41_TEST_MEM_AVAILABLE=4MiB
+"$ds41d" --config "$work/auto.yaml" >"$work/daemon4.log" 2>&1 &
+daemon_pid=$!
+unset DS41_TEST_MEM_AVAILABLE
+for i in $(seq 1 100); do grep -q "not enough memory" "$work/daemon4.log" && break; sleep 0.1; done
+check "auto budgets, 4 MiB available: the load fails naming the sizes" \
+    grep -q "not enough memory for the routed experts: available 4.0 MiB .* one layer needs" "$work/daemon4.log"
+stop_daemon
 finish

@@ -79,6 +79,40 @@ rc=$?
 check "--config with a bad size: exit 2 naming the key" \
     bash -c "test $rc = 2 && grep -q 'memory.expert_cache_bytes' '$work/b.log'"
 
+# Auto budgets (engine/auto_budget.h) through the test hook DS41_TEST_MEM_AVAILABLE: on tiny,
+# 5 MiB of "available memory" does not hold dense + experts + Engram, so the Engram rows and then
+# the experts are streamed, and the logits stay byte for byte the resident ones; 4 MiB cannot
+# hold one layer's expert slots: exit 2 naming the sizes.  "--expert-cache-bytes auto" is a flag
+# value; an explicit size wins over auto.
+if [ "$preset" = tiny ]; then
+    if DS41_TEST_MEM_AVAILABLE=5MiB "$bin/ds41-eval" --model "$model" --ids "$ids" --decode $decode --threads 2 \
+        --out "$work/a.json" >"$work/a.log" 2>&1 && cmp -s "$work/r2.json" "$work/a.json" &&
+        grep -q 'budgets: auto -> experts .* streamed with .* budget, Engram .* streamed with .* row cache (available 5.0 MiB' "$work/a.log"; then
+        ok "auto budgets with 5 MiB available: Engram and experts streamed (logged), logits byte for byte the resident ones"
+    else
+        notok "auto budgets with 5 MiB available: Engram and experts streamed (logged), logits byte for byte the resident ones"
+        sed 's/^/# /' "$work/a.log" | tail -3
+    fi
+    DS41_TEST_MEM_AVAILABLE=5MiB "$bin/ds41-eval" --model "$model" --ids "$ids" --decode $decode --threads 2 \
+        --expert-cache-bytes auto --engram-cache-bytes 0 --out "$work/a2.json" >"$work/a2.log" 2>&1
+    rc=$?
+    check "--expert-cache-bytes auto --engram-cache-bytes 0 (explicit: resident) with 5 MiB: experts streamed, Engram resident, same logits" \
+        bash -c "test $rc = 0 && cmp -s '$work/r2.json' '$work/a2.json' && grep -q 'experts .* streamed with .*, Engram .* resident (explicit)' '$work/a2.log'"
+    DS41_TEST_MEM_AVAILABLE=4MiB "$bin/ds41-eval" --model "$model" --ids "$ids" --out "$work/a3.json" >"$work/a3.log" 2>&1
+    rc=$?
+    check "auto budgets with 4 MiB available: exit 2, the message names the sizes" \
+        bash -c "test $rc = 2 && grep -q 'not enough memory for the routed experts: available 4.0 MiB' '$work/a3.log' && grep -q 'one layer needs' '$work/a3.log'"
+    DS41_TEST_MEM_AVAILABLE=4MiB "$bin/ds41-eval" --model "$model" --ids "$ids" --expert-cache-bytes "$((5 * slot))" \
+        --engram-cache-bytes 0 --out "$work/a4.json" >"$work/a4.log" 2>&1
+    rc=$?
+    check "explicit budgets win over auto (4 MiB available, 5 slots + Engram resident: runs)" test $rc = 0
+    DS41_TEST_MEM_AVAILABLE=5MiB "$bin/ds41-bench" --model "$model" --json --prompt 16 --steps 2 --batches 1 \
+        --bandwidth-gib 1 --threads 2 >"$work/ab.json" 2>"$work/ab.log"
+    rc=$?
+    check "ds41-bench without budget flags, 5 MiB available: auto streams the experts (its report says so)" \
+        bash -c "test $rc = 0 && grep -q 'budgets: auto -> experts' '$work/ab.log' && \"$py\" -c 'import json,sys; x=json.load(open(sys.argv[1])); assert x[\"experts\"][\"streamed\"] is True' '$work/ab.json'"
+fi
+
 # ds41-bench streamed: the tier's report.
 if [ "$preset" = bench ]; then
     bargs=(--expert-cache-bytes 1GiB --json --prompt 32 --steps 4 --batches 1 --bandwidth-gib 1 --threads 2)
