@@ -116,6 +116,10 @@ check "/v1/models answers 200 and lists only the model still working" \
 code=$(api GET /admin/models)
 check "/admin/models: m is failed, its detail names the shard; other is ready" \
     bash -c "test '$code $(pyj '[(m["id"], m["state"]) for m in o["data"]]')' = '200 [[\"m\", \"failed\"], [\"other\", \"ready\"]]' && [[ \"\$1\" == *$shard_name*'must be reloaded'* ]]" _ "$(pyj '[m["detail"] for m in o["data"] if m["id"] == "m"][0]')"
+"$ctl" --socket "$sock" metrics >"$work/metrics.txt"
+check "/metrics: ds41_model_state failed for m, ready for other" \
+    bash -c "grep -q '^ds41_model_state{model=\"m\",state=\"failed\"} 1' '$work/metrics.txt' &&
+             grep -q '^ds41_model_state{model=\"other\",state=\"ready\"} 1' '$work/metrics.txt'"
 code=$(api POST /v1/completions "$req")
 msg=$(pyj 'o.get("error", {}).get("message", "")' 2>/dev/null)
 note "next request: HTTP $code: $msg"
