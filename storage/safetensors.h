@@ -202,12 +202,13 @@ typedef struct ds41_checkpoint ds41_checkpoint;
  * symlinks to blobs).  After opening, the checkpoint is read-only: every
  * query below is safe from any number of threads.  Shard files should not
  * be truncated or rewritten in place while the checkpoint is open (replacing
- * one with rename(2) is harmless: the old file stays mapped).  If one is,
- * touching a page past its new end raises SIGBUS: every shard mapping is
- * guarded (storage/map_guard.h), so the process survives, the lost pages
- * read as zeros, and ds41_checkpoint_check_mappings reports the loss --
- * callers must check it after using tensor data and discard what they
- * computed from it. */
+ * one with rename(2) is harmless: the old file stays mapped; bytes
+ * rewritten in place without shrinking the file go unnoticed).  If one is
+ * truncated, touching a page past its new end raises SIGBUS: every shard
+ * mapping is guarded (storage/map_guard.h), so the process survives, the
+ * lost pages read as zeros, and ds41_checkpoint_check_mappings reports the
+ * loss -- callers must check it after using tensor data and discard what
+ * they computed from it. */
 ds41_checkpoint *ds41_checkpoint_open(const char *dir, ds41_error *err);
 
 /* Unmap every shard, close every descriptor, free everything.  Every pointer
