@@ -190,6 +190,17 @@ static void progress(ds41_engine_service *s, const model *m, ds41_model_state st
     if (s->progress) s->progress(s->progress_ctx, m->name, state, detail);
 }
 
+/* The state clients see (callers hold m->lock): a READY model whose engine lost a mapped shard
+ * (truncated under it: storage/map_guard.h) is FAILED -- every step fails from then on -- with the
+ * engine's message in *lost.  The next load replaces the engine (model_start_load). */
+static ds41_model_state effective_state(const model *m, ds41_error *lost) {
+    ds41_error e;
+    if (m->state == DS41_MODEL_READY && m->engine &&
+        ds41_engine_check_mappings(m->engine, lost ? lost : &e) != 0)
+        return DS41_MODEL_FAILED;
+    return m->state;
+}
+
 static model *model_new(ds41_engine_service *s, const model_setting *ms, bool embedded) {
     model *m = calloc(1, sizeof *m);
     if (!m) return NULL;
@@ -637,6 +648,18 @@ static int settings_copy(const settings *src, settings *dst) {
 
 /* Start loading m (callers hold cfg_lock).  0 when started or nothing to do. */
 static int model_start_load(ds41_engine_service *s, model *m, ds41_error *err) {
+    /* A model that lost a shard mapping is dropped first (its scheduler fails what is left; the
+     * old mappings go), then loaded afresh.  loader_mu: two loads at once drop it only once. */
+    pthread_mutex_lock(&m->loader_mu);
+    pthread_rwlock_rdlock(&m->lock);
+    ds41_error lost;
+    bool is_lost = effective_state(m, &lost) != m->state;
+    pthread_rwlock_unlock(&m->lock);
+    if (is_lost) {
+        ds41_log(DS41_LOG_WARNING, "model %s: reloading (%s)", m->name, lost.msg);
+        model_unload(m, 0);
+    }
+    pthread_mutex_unlock(&m->loader_mu);
     pthread_rwlock_wrlock(&m->lock);
     if (m->state == DS41_MODEL_READY || m->state == DS41_MODEL_LOADING) {
         pthread_rwlock_unlock(&m->lock);
@@ -687,11 +710,16 @@ static model *acquire_model(ds41_engine_service *s, const char *name, ds41_svc_e
         return NULL;
     }
     pthread_rwlock_rdlock(&m->lock);
-    if (m->state != DS41_MODEL_READY) {
-        const char *what = m->state == DS41_MODEL_LOADING   ? "is loading"
-                           : m->state == DS41_MODEL_FAILED ? "failed to load"
+    ds41_error lost;
+    const ds41_model_state state = effective_state(m, &lost);
+    if (state != DS41_MODEL_READY) {
+        const bool is_lost = state != m->state;
+        const char *what = is_lost                         ? "failed"
+                           : m->state == DS41_MODEL_LOADING ? "is loading"
+                           : m->state == DS41_MODEL_FAILED  ? "failed to load"
                                                             : "is not loaded";
-        ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)", m->name, what, m->detail);
+        ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)", m->name, what,
+                      is_lost ? lost.msg : m->detail);
         err->retry_after_s = m->state == DS41_MODEL_LOADING ? 5 : 30;
         pthread_rwlock_unlock(&m->lock);
         return NULL;
@@ -1046,10 +1074,14 @@ static void svc_health(void *ctx, ds41_svc_health *out) {
         snprintf(out->detail, sizeof out->detail, "no default model");
     } else {
         pthread_rwlock_rdlock(&m->lock);
-        out->state = m->state == DS41_MODEL_READY    ? DS41_HEALTH_OK
-                     : m->state == DS41_MODEL_FAILED ? DS41_HEALTH_ERROR
-                                                     : DS41_HEALTH_LOADING;
-        if (m->state != DS41_MODEL_READY) snprintf(out->detail, sizeof out->detail, "%.64s: %.180s", m->name, m->detail);
+        ds41_error lost;
+        const ds41_model_state state = effective_state(m, &lost);
+        out->state = state == DS41_MODEL_READY    ? DS41_HEALTH_OK
+                     : state == DS41_MODEL_FAILED ? DS41_HEALTH_ERROR
+                                                  : DS41_HEALTH_LOADING;
+        if (state != DS41_MODEL_READY)
+            snprintf(out->detail, sizeof out->detail, "%.64s: %.180s", m->name,
+                     state != m->state ? lost.msg : m->detail);
         pthread_rwlock_unlock(&m->lock);
     }
     pthread_rwlock_unlock(&s->cfg_lock);
@@ -1063,14 +1095,16 @@ static int svc_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41_
         model *m = s->models[i];
         pthread_rwlock_rdlock(&m->lock);
         ds41_svc_tier_bytes tier = {.tier = "ram", .bytes = m->bytes};
+        ds41_error lost;
+        const ds41_model_state state = effective_state(m, &lost);
         ds41_svc_model sm = {.id = m->name,
                              .path = m->path,
-                             .state = m->state,
+                             .state = state,
                              .created = m->created,
-                             .context_length = m->state == DS41_MODEL_READY ? m->context : 0,
-                             .detail = m->detail,
-                             .tiers = m->state == DS41_MODEL_READY ? &tier : NULL,
-                             .n_tiers = m->state == DS41_MODEL_READY ? 1 : 0};
+                             .context_length = state == DS41_MODEL_READY ? m->context : 0,
+                             .detail = state != m->state ? lost.msg : m->detail,
+                             .tiers = state == DS41_MODEL_READY ? &tier : NULL,
+                             .n_tiers = state == DS41_MODEL_READY ? 1 : 0};
         emit(acc, &sm);
         pthread_rwlock_unlock(&m->lock);
     }
@@ -1349,7 +1383,7 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     for (size_t i = 0; i < n; i++) {
         model *m = s->models[i];
         pthread_rwlock_rdlock(&m->lock);
-        state[i] = m->state;
+        state[i] = effective_state(m, NULL);
         if (m->state == DS41_MODEL_READY) {
             ds41_scheduler_stats(m->sched, &st[i]);
             ready[i] = true;
@@ -1526,7 +1560,7 @@ static int svc_load_model(void *ctx, const char *name, const char *path, ds41_sv
         }
     }
     pthread_rwlock_rdlock(&m->lock);
-    bool ready = m->state == DS41_MODEL_READY;
+    bool ready = effective_state(m, NULL) == DS41_MODEL_READY; /* a lost model loads again */
     pthread_rwlock_unlock(&m->lock);
     int rc = 0;
     if (!ready) {
@@ -1981,8 +2015,9 @@ ds41_model_state ds41_engine_service_default_state(ds41_engine_service *s, char 
     model *m = find_model(s, NULL);
     if (m) {
         pthread_rwlock_rdlock(&m->lock);
-        st = m->state;
-        if (detail && detail_size) snprintf(detail, detail_size, "%s", m->detail);
+        ds41_error lost;
+        st = effective_state(m, &lost);
+        if (detail && detail_size) snprintf(detail, detail_size, "%s", st != m->state ? lost.msg : m->detail);
         pthread_rwlock_unlock(&m->lock);
     } else if (detail && detail_size) {
         snprintf(detail, detail_size, "no default model");

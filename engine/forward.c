@@ -175,6 +175,9 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
     e->softmax_scale = (float)pow((double)c->head_dim, -0.5);
     e->index_scale = (float)(pow((double)c->index_head_dim, -0.5) * pow((double)c->index_n_heads, -0.5));
     e->engram_scale = (float)pow((double)c->dim, -0.5);
+    /* Loading read tensor data (wo_a, Engram projections): a shard cut
+     * meanwhile leaves zeros behind, never a usable engine. */
+    if (ds41_checkpoint_check_mappings(e->ckpt, err) != 0) goto fail;
     return e;
 fail:
     ds41_engine_free(e);
@@ -507,8 +510,34 @@ static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *e
     return 0;
 }
 
+int ds41_engine_check_mappings(const ds41_engine *e, ds41_error *err) {
+    return ds41_checkpoint_check_mappings(e->ckpt, err);
+}
+
+/* The pass itself; ds41_forward wraps it with the mapping checks. */
+static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
+                        ds41_error *err);
+
 int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
                  ds41_error *err) {
+    /* A shard lost earlier (storage/map_guard.h): its pages read as zeros
+     * now, so nothing this engine computes can be trusted any more. */
+    if (ds41_checkpoint_check_mappings(e->ckpt, err) != 0) {
+        ds41_engram_cache_unpin_all(e->ecache); /* a step ends: prefetch pins go */
+        return -1;
+    }
+    int rc = forward_pass(e, items, n_items, hooks, err);
+    /* Lost during this pass: its results were computed (partly) on zeros. */
+    ds41_error lost;
+    if (ds41_checkpoint_check_mappings(e->ckpt, &lost) != 0) {
+        if (err) *err = lost;
+        rc = -1;
+    }
+    return rc;
+}
+
+static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
+                        ds41_error *err) {
     if (validate(e, items, n_items, err) != 0) {
         ds41_engram_cache_unpin_all(e->ecache); /* a step ends: prefetch pins go */
         return -1;

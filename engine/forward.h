@@ -88,7 +88,8 @@ typedef struct ds41_engine_opts {
  * file, key or tensor at fault: config invalid, a tensor missing or of the
  * wrong dtype/shape, engram_num_embeddings not matching the prime layout,
  * the tokenizer's compressed token map not matching
- * engram_compressed_vocab_size or its size not matching vocab_size. */
+ * engram_compressed_vocab_size or its size not matching vocab_size, a shard
+ * truncated while the load read it (ds41_engine_check_mappings' message). */
 ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds41_error *err);
 
 /* Free the engine (weights, checkpoint mapping).  Every pool made for it
@@ -174,7 +175,13 @@ typedef struct ds41_fwd_hooks {
  * different layout, a token id outside [0, vocab_size), not enough free KV
  * pages for the batch ("KV cache full ...").  These are checked before any
  * state changes, so the sequences are untouched.  Out of memory during the
- * pass leaves the batch's sequences in an unspecified state (free them). */
+ * pass leaves the batch's sequences in an unspecified state (free them).
+ *
+ * A shard truncated (or become unreadable) under the mapping while the pass
+ * ran: the pass fails with ds41_engine_check_mappings' message, its logits
+ * and the batch's sequences are garbage (free them); from then on every call
+ * fails at once with that message: the engine must be freed and the model
+ * loaded again. */
 int ds41_forward(ds41_engine *e, ds41_fwd_item *items, size_t n_items, const ds41_fwd_hooks *hooks,
                  ds41_error *err);
 
@@ -204,6 +211,12 @@ void ds41_engine_engram_reset_stats(ds41_engine *e);
  * injection through ds41_engram_cache_reader) and diagnostics.  Engine
  * thread only. */
 ds41_engram_cache *ds41_engine_engram_cache(ds41_engine *e);
+
+/* Whether the checkpoint's mappings are intact (ds41_checkpoint_check_mappings):
+ * 0, or -1 with "SHARD was truncated or became unreadable while mapped
+ * (SIGBUS at offset N): the model must be reloaded".  Once lost, always
+ * lost (ds41_forward fails from then on).  Any thread, any time, cheap. */
+int ds41_engine_check_mappings(const ds41_engine *e, ds41_error *err);
 
 /* Index of the largest logit, the lowest index on ties (REFERENCE §9.2).
  * NaN never wins over a number.  n >= 1. */

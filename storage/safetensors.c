@@ -2,6 +2,7 @@
  * The contract is storage/safetensors.h; this file explains the why. */
 #include "storage/safetensors.h"
 #include "config/json_util.h"
+#include "storage/map_guard.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -625,6 +626,7 @@ typedef struct shard {
     int fd;
     uint64_t size;
     void *map;
+    int guard;         /* storage/map_guard.h handle of map, -1 = none */
     ds41_st_header header; /* tensors moved to the checkpoint; strings kept */
 } shard;
 
@@ -752,6 +754,11 @@ static int open_shard(shard *s, const char *first_tensor, ds41_error *err) {
     void *m = mmap(NULL, (size_t)s->size, PROT_READ, MAP_SHARED, s->fd, 0);
     if (m == MAP_FAILED) return ds41_fail(err, "%s: mmap of %" PRIu64 " bytes failed: %s", s->path, s->size, strerror(errno));
     s->map = m;
+    /* A shard truncated under us must not kill the process: the guard turns
+     * the SIGBUS into zero pages plus a loss that ds41_checkpoint_check_mappings
+     * reports. */
+    s->guard = ds41_map_guard_register(m, (size_t)s->size, err);
+    if (s->guard < 0) return ds41_error_prefix(err, "%s", s->path);
     /* Weights are read in scattered pieces (experts, engram rows): fault
      * single pages instead of reading ahead. */
     (void)madvise(m, (size_t)s->size, MADV_RANDOM);
@@ -901,6 +908,7 @@ static int setup_shards(ds41_checkpoint *c, size_t n, const char *const *names, 
     c->shard_count = n;
     for (size_t i = 0; i < n; i++) {
         c->shards[i].fd = -1;
+        c->shards[i].guard = -1;
         c->shards[i].path = path_join(c->dir, names[i]);
         if (!c->shards[i].path) return ds41_fail(err, "%s: out of memory", c->dir);
         c->shards[i].name = c->shards[i].path + strlen(c->shards[i].path) - strlen(names[i]);
@@ -974,6 +982,7 @@ void ds41_checkpoint_close(ds41_checkpoint *c) {
     if (!c) return;
     for (size_t i = 0; i < c->shard_count; i++) {
         shard *s = &c->shards[i];
+        ds41_map_guard_unregister(s->guard); /* before the range goes */
         if (s->map) munmap(s->map, (size_t)s->size);
         if (s->fd >= 0) close(s->fd);
         ds41_st_header_free(&s->header);
@@ -1026,4 +1035,17 @@ uint64_t ds41_checkpoint_shard_size(const ds41_checkpoint *c, uint32_t i) {
 
 const void *ds41_checkpoint_shard_base(const ds41_checkpoint *c, uint32_t i) {
     return i < c->shard_count ? c->shards[i].map : NULL;
+}
+
+int ds41_checkpoint_check_mappings(const ds41_checkpoint *c, ds41_error *err) {
+    if (ds41_map_guard_losses() == 0) return 0; /* nothing was ever lost in this process */
+    for (size_t i = 0; i < c->shard_count; i++) {
+        const uint64_t off = ds41_map_guard_lost(c->shards[i].guard);
+        if (off != DS41_MAP_GUARD_INTACT)
+            return ds41_fail(err,
+                             "%s was truncated or became unreadable while mapped (SIGBUS at offset %" PRIu64
+                             "): the model must be reloaded",
+                             c->shards[i].path, off);
+    }
+    return 0;
 }

@@ -200,9 +200,15 @@ typedef struct ds41_checkpoint ds41_checkpoint;
  * Returns the checkpoint (release with ds41_checkpoint_close) or NULL with
  * err filled.  Symlinks are followed (Hugging Face cache snapshots are
  * symlinks to blobs).  After opening, the checkpoint is read-only: every
- * query below is safe from any number of threads.  The shard files must not
- * be truncated or rewritten while the checkpoint is open (a mapping of a
- * truncated file raises SIGBUS on access). */
+ * query below is safe from any number of threads.  Shard files should not
+ * be truncated or rewritten in place while the checkpoint is open (replacing
+ * one with rename(2) is harmless: the old file stays mapped; bytes
+ * rewritten in place without shrinking the file go unnoticed).  If one is
+ * truncated, touching a page past its new end raises SIGBUS: every shard
+ * mapping is guarded (storage/map_guard.h), so the process survives, the
+ * lost pages read as zeros, and ds41_checkpoint_check_mappings reports the
+ * loss -- callers must check it after using tensor data and discard what
+ * they computed from it. */
 ds41_checkpoint *ds41_checkpoint_open(const char *dir, ds41_error *err);
 
 /* Unmap every shard, close every descriptor, free everything.  Every pointer
@@ -243,6 +249,15 @@ uint64_t ds41_checkpoint_shard_size(const ds41_checkpoint *ckpt, uint32_t i);
 /* Start of shard i's read-only mapping (the whole file, page aligned;
  * tensor->data == base + tensor->file_offset); NULL when out of range. */
 const void *ds41_checkpoint_shard_base(const ds41_checkpoint *ckpt, uint32_t i);
+
+/* Whether every shard mapping is still intact: 0, or -1 with err
+ * "PATH was truncated or became unreadable while mapped (SIGBUS at offset
+ * N): the model must be reloaded" for the first shard (by index) that lost
+ * pages, N being the file offset of the first fault absorbed in it.  Once a
+ * shard lost pages it stays lost: the checkpoint must be closed and opened
+ * again.  Cheap (one atomic load when nothing was ever lost in the
+ * process); safe from any thread, e.g. after every forward step. */
+int ds41_checkpoint_check_mappings(const ds41_checkpoint *ckpt, ds41_error *err);
 
 /* ---------------------------------------------------------------- writer */
 

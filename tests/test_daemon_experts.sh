@@ -7,7 +7,8 @@
 #
 # The model is a generated tiny checkpoint re-sharded so that every routed expert tensor
 # lives in its own shard (model-00002-of-00002.safetensors): truncating that shard can then
-# only affect streamed expert reads, never the mapped dense tensors.
+# only affect streamed expert reads, never the mapped dense tensors (a mapped shard cut under
+# the daemon: tests/test_daemon_truncate.sh).
 . "$(dirname "$0")/daemon_lib.sh"
 ctl=$bin/ds41ctl
 mk=$bin/ds41-mkmodel
