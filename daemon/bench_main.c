@@ -29,6 +29,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
+               "                  [--predict early|next|both]\n"
                "                  [--engram-cache-bytes SIZE]\n"
                "\n"
                "Measures, with the fast CPU path:\n"
@@ -49,7 +50,9 @@ static void usage(FILE *f) {
                "            prints the tier's uses, hits (+ predicted in time), hit rate, misses,\n"
                "            bytes read per token, achieved read bandwidth and its ratio to the\n"
                "            device's, load latency p50/p99, prediction accuracy (--no-predict turns\n"
-               "            next-layer prediction off) and /proc/self/io read_bytes\n"
+               "            prediction off; --predict early: each layer's experts are predicted\n"
+               "            before its attention (the default), next: a layer ahead from the\n"
+               "            previous layer's FFN input, both) and /proc/self/io read_bytes\n"
                "  engram    with --engram-cache-bytes SIZE (or memory.engram_cache_bytes of --config) below\n"
                "            the Engram tables, their rows are streamed from the checkpoint into a row\n"
                "            cache of that size (each greedy token's rows prefetched before its step);\n"
@@ -495,6 +498,7 @@ int main(int argc, char **argv) {
         {"expert-cache-bytes", required_argument, NULL, 'X'},
         {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
+        {"predict", required_argument, NULL, 'R'},
         {"engram-cache-bytes", required_argument, NULL, 'E'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -530,6 +534,15 @@ int main(int argc, char **argv) {
         case 'N':
             eo.expert_no_predict = true;
             break;
+        case 'R': {
+            const int pm = ds41_expert_predict_parse(optarg);
+            if (pm < 0) {
+                fprintf(stderr, "ds41-bench: --predict: '%s' is not next, early or both\n", optarg);
+                return 2;
+            }
+            eo.expert_predict = (ds41_expert_predict)pm;
+            break;
+        }
         case 'C':
             config_path = optarg;
             break;
@@ -754,12 +767,13 @@ int main(int argc, char **argv) {
             ds41_engine_expert_stats(e, &g, false);
             printf(",\"budget_bytes\":%" PRIu64 ",\"slot_bytes\":%" PRIu64 ",\"slots\":%" PRIu64
                    ",\"total_bytes\":%" PRIu64 ",\"reader\":\"%s\",\"direct\":%s,\"prediction\":%s,"
-                   "\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
+                   "\"prediction_mode\":\"%s\",\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
                    "\"io_without_compute\":{\"read_bps\":%.0f,\"fraction_of_device\":%.4f,\"hit_rate\":%.4f,"
                    "\"read_bps_next_layer_early\":%.0f,\"fraction_of_device_next_layer_early\":%.4f},"
                    "\"phases\":[",
                    g.budget_bytes, g.slot_bytes, g.slots, g.total_bytes, g.backend, g.direct ? "true" : "false",
-                   eo.expert_no_predict ? "false" : "true", strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
+                   eo.expert_no_predict ? "false" : "true",
+                   eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict), strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
                    dev_bps, probe.direct ? "true" : "false", ceil_bps[0], ratio(ceil_bps[0], dev_bps), ceil_hits[0],
                    ceil_bps[1], ratio(ceil_bps[1], dev_bps));
             tier_json("prefill", 0, &pre.tier, dev_bps, true);
@@ -809,7 +823,7 @@ int main(int argc, char **argv) {
                    "(%.1fx the budget); reader %s, O_DIRECT %s; prediction %s; page cache dropped: %s\n",
                    (double)g.budget_bytes / 1048576.0, g.slots, (double)g.slot_bytes / 1048576.0,
                    (double)g.total_bytes / 1048576.0, (double)g.total_bytes / (double)g.budget_bytes, g.backend,
-                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : "on", dropped);
+                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict), dropped);
             printf("device     O_DIRECT read bandwidth %.2f GB/s (%s, %.0f MiB, %s; best of a probe before and "
                    "after the workload)\n",
                    dev_bps / 1e9, probe_path, (double)probe.bytes / 1048576.0, probe.backend);

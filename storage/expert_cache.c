@@ -510,6 +510,74 @@ fail:
     return -1;
 }
 
+/* The slot of pinned expert (L, ex), or NULL with err filled. */
+static slot *pinned_slot(ds41_expert_cache *c, int L, int32_t ex, ds41_error *err) {
+    const int32_t si = *index_of(c, L, ex);
+    if (si < 0 || c->slots[si].pins == 0) {
+        ds41_fail(err, "expert cache: layer %d expert %d is not pinned", L, (int)ex);
+        return NULL;
+    }
+    return &c->slots[si];
+}
+
+/* For a settled slot: its views (0), or the failed read's message (-1). */
+static int settled_view(ds41_expert_cache *c, int L, int32_t ex, const slot *s, ds41_expert_view *view,
+                        ds41_error *err) {
+    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+    if (s->state == SLOT_FAILED) {
+        ds41_reader_completion_error(c->r, &s->fail, err);
+        return ds41_error_prefix(err, "reading routed expert tensor 'layers.%d.ffn.experts.%d.%s' (and the rest of "
+                                      "its run)",
+                                 L, (int)ex, part_suffix[l->run_first[s->fail_run]]);
+    }
+    const unsigned char *base = c->pool + (size_t)(s - c->slots) * c->slot_bytes;
+    for (int w = 0; w < 3; w++) {
+        view->w[w] = base + l->part_slot[2 * w];
+        view->s[w] = base + l->part_slot[2 * w + 1];
+    }
+    return 0;
+}
+
+static void add_stall(ds41_expert_cache *c, uint64_t ns) {
+    pthread_mutex_lock(&c->mu);
+    c->st.stall_ns += ns;
+    pthread_mutex_unlock(&c->mu);
+}
+
+long ds41_expert_cache_wait_some(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, const uint8_t *got,
+                                 uint8_t *done, size_t min_new, ds41_expert_view *views, ds41_error *err) {
+    if (check_args(c, L, experts, n, err) != 0) return -1;
+    size_t newly = 0;
+    uint64_t stalled = 0;
+    /* Take in what has arrived without blocking first. */
+    if (reap(c, 0, err) != 0) return -1;
+    for (;;) {
+        size_t left = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (!got[i] || done[i]) continue;
+            slot *s = pinned_slot(c, L, experts[i], err);
+            if (!s) goto fail;
+            if (s->state == SLOT_LOADING) {
+                left++;
+                continue;
+            }
+            if (settled_view(c, L, experts[i], s, &views[i], err) != 0) goto fail;
+            done[i] = 1;
+            newly++;
+        }
+        if (newly >= min_new || left == 0) break;
+        const uint64_t t0 = now_ns();
+        const int rc = reap(c, 1, err);
+        stalled += now_ns() - t0;
+        if (rc != 0) goto fail;
+    }
+    add_stall(c, stalled);
+    return (long)newly;
+fail:
+    add_stall(c, stalled);
+    return -1;
+}
+
 int ds41_expert_cache_wait(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, const uint8_t *got,
                            ds41_expert_view *views, ds41_error *err) {
     if (check_args(c, L, experts, n, err) != 0) return -1;
@@ -517,28 +585,14 @@ int ds41_expert_cache_wait(ds41_expert_cache *c, int L, const int32_t *experts, 
     int rc = 0;
     for (size_t i = 0; i < n && rc == 0; i++) {
         if (!got[i]) continue;
-        const int32_t si = *index_of(c, L, experts[i]);
-        if (si < 0 || c->slots[si].pins == 0) {
-            rc = ds41_fail(err, "expert cache: layer %d expert %d is not pinned", L, (int)experts[i]);
+        slot *s = pinned_slot(c, L, experts[i], err);
+        if (!s) {
+            rc = -1;
             break;
         }
-        slot *s = &c->slots[si];
         while (s->state == SLOT_LOADING && rc == 0) rc = reap(c, 1, err);
         if (rc != 0) break;
-        if (s->state == SLOT_FAILED) {
-            const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)experts[i]];
-            ds41_reader_completion_error(c->r, &s->fail, err);
-            rc = ds41_error_prefix(err, "reading routed expert tensor 'layers.%d.ffn.experts.%d.%s' (and the rest of "
-                                        "its run)",
-                                   L, (int)experts[i], part_suffix[l->run_first[s->fail_run]]);
-            break;
-        }
-        const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)experts[i]];
-        const unsigned char *base = c->pool + (size_t)si * c->slot_bytes;
-        for (int w = 0; w < 3; w++) {
-            views[i].w[w] = base + l->part_slot[2 * w];
-            views[i].s[w] = base + l->part_slot[2 * w + 1];
-        }
+        rc = settled_view(c, L, experts[i], s, &views[i], err);
     }
     pthread_mutex_lock(&c->mu);
     c->st.stall_ns += now_ns() - t0;
@@ -564,10 +618,11 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
     ds41_error err;
     if (check_args(c, L, experts, n, &err) != 0) return 0;
     size_t nreq = 0, done = 0;
-    uint64_t skipped = 0, loads = 0;
+    uint64_t skipped = 0, loads = 0, again = 0;
     for (size_t i = 0; i < n; i++) {
         const int32_t si = *index_of(c, L, experts[i]);
         if (si >= 0) {
+            if (c->slots[si].predicted) again++; /* an earlier prediction for this layer named it: count it once */
             if (c->slots[si].state != SLOT_FAILED) {
                 c->slots[si].predicted = 1;
                 done++;
@@ -597,7 +652,7 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
         loads = 0;
     }
     pthread_mutex_lock(&c->mu);
-    c->st.predicted += n;
+    c->st.predicted += n - again;
     c->st.predict_skipped += skipped;
     c->st.reads += loads;
     pthread_mutex_unlock(&c->mu);

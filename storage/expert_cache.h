@@ -129,6 +129,17 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int layer, const int32_t *e
 int ds41_expert_cache_wait(ds41_expert_cache *c, int layer, const int32_t *experts, size_t n, const uint8_t *got,
                            ds41_expert_view *views, ds41_error *err);
 
+/* Like ds41_expert_cache_wait, expert by expert as the reads complete: for
+ * each pinned experts[i] (got[i]) not yet done[i] whose load has finished,
+ * fills views[i] and sets done[i] = 1 ("newly done").  Waits until at least
+ * min_new are newly done (fewer when fewer remain; 0: only polls).  Lets the
+ * caller compute the experts already there while the others still load.
+ * Returns the number newly done, or -1 with err as ds41_expert_cache_wait
+ * (a read failed: the experts stay pinned, release them). */
+long ds41_expert_cache_wait_some(ds41_expert_cache *c, int layer, const int32_t *experts, size_t n,
+                                 const uint8_t *got, uint8_t *done, size_t min_new, ds41_expert_view *views,
+                                 ds41_error *err);
+
 /* Unpin experts[i] with got[i] (got NULL: all n).  An expert whose read
  * failed is dropped from the cache. */
 void ds41_expert_cache_release(ds41_expert_cache *c, int layer, const int32_t *experts, size_t n,
