@@ -412,6 +412,14 @@ static void start_load(ds41_expert_cache *c, slot *s, int L, int ex, size_t *nre
     if (l->n_runs == 0) s->state = SLOT_READY;
 }
 
+/* Bytes one load of (L, ex) delivers into its slot. */
+static uint64_t load_bytes(const ds41_expert_cache *c, int L, int ex) {
+    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+    uint64_t b = 0;
+    for (int k = 0; k < l->n_runs; k++) b += l->run_len[k];
+    return b;
+}
+
 static int check_args(const ds41_expert_cache *c, int L, const int32_t *experts, size_t n, ds41_error *err) {
     if (L < 0 || L >= c->n_layers || c->layer_experts[L] == 0)
         return ds41_fail(err, "expert cache: layer %d has no routed experts", L);
@@ -433,7 +441,7 @@ static void slots_used_stat(ds41_expert_cache *c) {
 long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, uint8_t *got,
                                ds41_error *err) {
     if (check_args(c, L, experts, n, err) != 0) return -1;
-    uint64_t hits = 0, pf_hits = 0, pred_used = 0, misses = 0;
+    uint64_t hits = 0, pf_hits = 0, pred_used = 0, misses = 0, used_bytes = 0;
     size_t pinned = 0;
     for (size_t i = 0; i < n; i++) got[i] = 0;
     /* Settle what has arrived, so that failed prefetches are retried. */
@@ -448,9 +456,10 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
             slot_drop(c, s);
             continue;
         }
-        if (s->pred_fresh)
+        if (s->pred_fresh) {
             pf_hits++;
-        else
+            used_bytes += load_bytes(c, L, experts[i]);
+        } else
             hits++;
         s->pred_fresh = 0;
         s->pins++;
@@ -477,6 +486,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
         got[i] = 1;
         pinned++;
         misses++;
+        used_bytes += load_bytes(c, L, experts[i]);
     }
     if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) {
         /* Nothing of this submission is in flight: undo it. */
@@ -495,6 +505,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
     c->st.prefetch_hits += pf_hits;
     c->st.misses += misses;
     c->st.reads += misses;
+    c->st.bytes_used += used_bytes;
     c->st.predicted_used += pred_used;
     if (pinned < n) c->st.waves++;
     pthread_mutex_unlock(&c->mu);

@@ -167,6 +167,9 @@ typedef struct ds41_expert_cache_stats {
     uint64_t read_errors;
     uint64_t bytes_read;     /* bytes delivered into slots */
     uint64_t device_bytes;   /* bytes the reader read from the device (incl. alignment) */
+    uint64_t bytes_used;     /* of bytes_read, those of loads a layer then used (demand loads, and
+                              * predicted loads at their first use): bytes_read - bytes_used were
+                              * read for predictions nobody used */
     uint64_t reads;          /* expert loads started (demand + prediction) */
     uint64_t predicted;      /* experts predicted for a layer */
     uint64_t predicted_used; /* of which the layer used */
