@@ -29,7 +29,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
-               "                  [--predict early|next|both]\n"
+               "                  [--predict early|next|both] [--predict-extra N]\n"
                "                  [--engram-cache-bytes SIZE]\n"
                "\n"
                "Measures, with the fast CPU path:\n"
@@ -52,7 +52,8 @@ static void usage(FILE *f) {
                "            device's, load latency p50/p99, prediction accuracy (--no-predict turns\n"
                "            prediction off; --predict early: each layer's experts are predicted\n"
                "            before its attention (the default), next: a layer ahead from the\n"
-               "            previous layer's FFN input, both) and /proc/self/io read_bytes\n"
+"            previous layer's FFN input, both; --predict-extra N: N more candidates\n"
+               "            per token beyond the router's top k) and /proc/self/io read_bytes\n"
                "  engram    with --engram-cache-bytes SIZE (or memory.engram_cache_bytes of --config) below\n"
                "            the Engram tables, their rows are streamed from the checkpoint into a row\n"
                "            cache of that size (each greedy token's rows prefetched before its step);\n"
@@ -503,6 +504,7 @@ int main(int argc, char **argv) {
         {"config", required_argument, NULL, 'C'},
         {"no-predict", no_argument, NULL, 'N'},
         {"predict", required_argument, NULL, 'R'},
+        {"predict-extra", required_argument, NULL, 'x'},
         {"engram-cache-bytes", required_argument, NULL, 'E'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -545,6 +547,17 @@ int main(int argc, char **argv) {
                 return 2;
             }
             eo.expert_predict = (ds41_expert_predict)pm;
+            break;
+        }
+        case 'x': {
+            char *end = NULL;
+            errno = 0;
+            const unsigned long v = strtoul(optarg, &end, 10);
+            if (errno || !end || *end || optarg[0] == '-' || v > 64) {
+                fprintf(stderr, "ds41-bench: --predict-extra: '%s' is not a number of experts in 0..64\n", optarg);
+                return 2;
+            }
+            eo.expert_predict_extra = (unsigned)v;
             break;
         }
         case 'C':
@@ -771,13 +784,13 @@ int main(int argc, char **argv) {
             ds41_engine_expert_stats(e, &g, false);
             printf(",\"budget_bytes\":%" PRIu64 ",\"slot_bytes\":%" PRIu64 ",\"slots\":%" PRIu64
                    ",\"total_bytes\":%" PRIu64 ",\"reader\":\"%s\",\"direct\":%s,\"prediction\":%s,"
-                   "\"prediction_mode\":\"%s\",\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
+                   "\"prediction_mode\":\"%s\",\"prediction_extra\":%u,\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
                    "\"io_without_compute\":{\"read_bps\":%.0f,\"fraction_of_device\":%.4f,\"hit_rate\":%.4f,"
                    "\"read_bps_next_layer_early\":%.0f,\"fraction_of_device_next_layer_early\":%.4f},"
                    "\"phases\":[",
                    g.budget_bytes, g.slot_bytes, g.slots, g.total_bytes, g.backend, g.direct ? "true" : "false",
                    eo.expert_no_predict ? "false" : "true",
-                   eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict), strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
+                   eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict), eo.expert_predict_extra, strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
                    dev_bps, probe.direct ? "true" : "false", ceil_bps[0], ratio(ceil_bps[0], dev_bps), ceil_hits[0],
                    ceil_bps[1], ratio(ceil_bps[1], dev_bps));
             tier_json("prefill", 0, &pre.tier, dev_bps, true);
@@ -824,10 +837,11 @@ int main(int argc, char **argv) {
             ds41_expert_cache_stats g;
             ds41_engine_expert_stats(e, &g, false);
             printf("experts    streamed: budget %.1f MiB = %" PRIu64 " slots of %.2f MiB, %.1f MiB of routed experts "
-                   "(%.1fx the budget); reader %s, O_DIRECT %s; prediction %s; page cache dropped: %s\n",
+                   "(%.1fx the budget); reader %s, O_DIRECT %s; prediction %s (+%u candidates); page cache dropped: %s\n",
                    (double)g.budget_bytes / 1048576.0, g.slots, (double)g.slot_bytes / 1048576.0,
                    (double)g.total_bytes / 1048576.0, (double)g.total_bytes / (double)g.budget_bytes, g.backend,
-                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict), dropped);
+                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict),
+                   eo.expert_predict_extra, dropped);
             printf("device     O_DIRECT read bandwidth %.2f GB/s (%s, %.0f MiB, %s; best of a probe before and "
                    "after the workload)\n",
                    dev_bps / 1e9, probe_path, (double)probe.bytes / 1048576.0, probe.backend);

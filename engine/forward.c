@@ -160,6 +160,7 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         const bool on = !(opts && opts->expert_no_predict);
         e->expert_predict_next = on && (p == DS41_XPREDICT_NEXT || p == DS41_XPREDICT_BOTH);
         e->expert_predict_early = on && (p == DS41_XPREDICT_DEFAULT || p == DS41_XPREDICT_EARLY || p == DS41_XPREDICT_BOTH);
+        e->expert_predict_extra = opts ? opts->expert_predict_extra : 0;
     }
     e->expert_buffered = opts && opts->expert_buffered;
     if (opts && opts->expert_cache_bytes && ds41_engine_set_expert_budget(e, opts->expert_cache_bytes, err) != 0) {

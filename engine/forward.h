@@ -88,6 +88,10 @@ typedef struct ds41_engine_opts {
     /* Which predictions start expert reads before a layer's router runs
      * (ignored with expert_no_predict); logits do not depend on it. */
     ds41_expert_predict expert_predict;
+    /* Candidates predicted beyond each token's top-k (its next-best experts
+     * by the router's selection score; 0 = just the top-k): more of the
+     * layer's experts arrive early, at the price of reads nobody uses. */
+    unsigned expert_predict_extra;
     bool expert_buffered;   /* expert reads through the page cache instead of O_DIRECT */
     /* Engram row tier (storage/engram_cache.h): bytes of memory for Engram
      * table rows.  0, or a budget covering every Engram table (payload +

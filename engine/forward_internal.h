@@ -45,6 +45,7 @@ struct ds41_engine {
     uint64_t expert_total_bytes; /* all routed experts of the text layers (0 until known) */
     bool expert_predict_next;    /* predict layer L+1 at layer L's experts */
     bool expert_predict_early;   /* predict layer L before its attention */
+    unsigned expert_predict_extra; /* candidates beyond the top-k per token */
     bool expert_buffered;
     uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
     bool budget_pending;         /* under xc_mu: a requested budget for the next forward */

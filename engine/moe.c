@@ -16,17 +16,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Next-layer prediction (issue 7 item 3): apply layer L+1's router (its gate
- * and selection bias) to layer L's normed FFN input xn, the closest stream to
- * L+1's own FFN input available before L's experts run, and start reads for
- * the union of the experts it selects.  Best effort: out of memory or a
- * layer without experts just skips it. */
+/* Expert read prediction (issue 7 item 3): apply layer L2's router (its
+ * gate and selection bias) to a stream close to L2's own FFN input, known
+ * before L2's router runs, and start reads for the union of the experts it
+ * selects (top k + expert_predict_extra per token).  Best effort: out of
+ * memory or a layer without experts just skips it. */
 static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const float *xn) {
     const ds41_model_config *c = &e->cfg;
     if (L2 >= (int)c->n_layers || !c->roles[L2].present || c->roles[L2].n_experts <= 0) return;
     const ds41_layer_weights *lw2 = &e->w.layers[L2];
     const size_t M = b->M;
-    const int E2 = (int)c->roles[L2].n_experts, k2 = (int)c->roles[L2].n_active_experts;
+    const int E2 = (int)c->roles[L2].n_experts;
+    /* The router picks greedily by selection score, so its top k + extra
+     * begins with its top k. */
+    const int k2 = (int)((uint64_t)c->roles[L2].n_active_experts + e->expert_predict_extra < (uint64_t)E2
+                             ? c->roles[L2].n_active_experts + (int64_t)e->expert_predict_extra
+                             : E2);
     float *logits = malloc(M * (size_t)E2 * sizeof *logits);
     int32_t *sel = malloc(M * (size_t)k2 * sizeof *sel);
     float *wts = malloc(M * (size_t)k2 * sizeof *wts);
@@ -112,10 +117,15 @@ static void run_experts(const expert_work *w, const int32_t *list, size_t n, boo
     ops->linear_batch(ops, n_lin, w->lin, w->lx, w->lm, w->ly, DS41_OUT_BF16);
 }
 
+/* Layer L+1's experts from layer L's normed FFN input (while L's experts
+ * load: a layer of lead time, but L's FFN and L+1's attention still change
+ * the stream). */
 static void predict_next(ds41_engine *e, const fwd_batch *b, int L, const float *xn) {
     predict_layer(e, b, L + 1, xn);
 }
 
+/* Layer L's experts from its FFN input without the attention output: the
+ * stream entering L through the FFN's pre-mix and norm. */
 void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const float *h, const float *ffn_pre) {
     const ds41_model_config *c = &e->cfg;
     if (!e->xc || !e->expert_predict_early || !c->roles[L].present || c->roles[L].n_experts <= 0) return;
