@@ -134,11 +134,11 @@ static void tier_text(const char *phase, size_t batch, const tier_result *t, dou
     else
         snprintf(name, sizeof name, "%s", phase);
     const double bw = ratio((double)s->bytes_read, t->seconds);
-    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted (loaded or in flight) = %.1f%% hit rate, %" PRIu64
+    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted (%" PRIu64 " of them still in flight) = %.1f%% hit rate, %" PRIu64
            " misses, %" PRIu64 " waves; %.2f MB read/token; %.3f GB/s achieved = %.1f%% of the device (used: %.2f "
            "MB/token, %.3f GB/s = %.1f%%); stalled %.0f%% of the time; load p50 %.2f ms p99 %.2f ms; prediction accuracy %.1f%% (%" PRIu64 "/%" PRIu64
            ", %" PRIu64 " skipped); /proc/self/io read_bytes %.1f MB (tier read %.1f MB)\n",
-           name, s->requests, s->hits, s->prefetch_hits,
+           name, s->requests, s->hits, s->prefetch_hits, s->prefetch_inflight,
            100 * ratio((double)(s->hits + s->prefetch_hits), (double)s->requests), s->misses, s->waves,
            ratio((double)s->bytes_read, t->tokens) / 1e6, bw / 1e9, 100 * ratio(bw, dev_bps),
            ratio((double)s->bytes_used, t->tokens) / 1e6, ratio((double)s->bytes_used, t->seconds) / 1e9,
@@ -152,13 +152,14 @@ static void tier_json(const char *phase, size_t batch, const tier_result *t, dou
     const ds41_expert_cache_stats *s = &t->st;
     const double bw = ratio((double)s->bytes_read, t->seconds);
     printf("%s{\"phase\":\"%s\",\"batch\":%zu,\"seconds\":%.6f,\"tokens\":%.0f,\"uses\":%" PRIu64
-           ",\"hits\":%" PRIu64 ",\"prefetch_hits\":%" PRIu64 ",\"misses\":%" PRIu64 ",\"waves\":%" PRIu64
+           ",\"hits\":%" PRIu64 ",\"prefetch_hits\":%" PRIu64 ",\"prefetch_inflight\":%" PRIu64 ",\"misses\":%" PRIu64 ",\"waves\":%" PRIu64
            ",\"hit_rate\":%.4f,\"bytes_read\":%" PRIu64 ",\"bytes_read_per_token\":%.0f,"
            "\"achieved_read_bps\":%.0f,\"fraction_of_device\":%.4f,\"bytes_used\":%" PRIu64
            ",\"used_read_bps\":%.0f,\"used_fraction_of_device\":%.4f,\"stall_seconds\":%.6f,"
            "\"latency_p50_ns\":%" PRIu64 ",\"latency_p99_ns\":%" PRIu64 ",\"predicted\":%" PRIu64
            ",\"predicted_used\":%" PRIu64 ",\"prediction_accuracy\":%.4f,\"proc_io_read_bytes\":%" PRIu64 "}",
-           first ? "" : ",", phase, batch, t->seconds, t->tokens, s->requests, s->hits, s->prefetch_hits, s->misses,
+           first ? "" : ",", phase, batch, t->seconds, t->tokens, s->requests, s->hits, s->prefetch_hits,
+           s->prefetch_inflight, s->misses,
            s->waves, ratio((double)(s->hits + s->prefetch_hits), (double)s->requests), s->bytes_read,
            ratio((double)s->bytes_read, t->tokens), bw, ratio(bw, dev_bps), s->bytes_used,
            ratio((double)s->bytes_used, t->seconds), ratio(ratio((double)s->bytes_used, t->seconds), dev_bps),

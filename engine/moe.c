@@ -42,11 +42,17 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
         if (e->gate_temp != 1.0f)
             for (size_t i = 0; i < M * (size_t)E2; i++) logits[i] = logits[i] / e->gate_temp;
         e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->route_scale, sel, wts);
-        for (size_t i = 0; i < M * (size_t)k2; i++)
-            if (sel[i] >= 0 && sel[i] < E2) want[sel[i]] = 1;
+        /* In rank order (every token's first choice, then its second, ...)
+         * so the likeliest experts are read first and extra candidates last. */
         size_t n = 0;
-        for (int ex = 0; ex < E2; ex++)
-            if (want[ex]) list[n++] = ex;
+        for (int j = 0; j < k2; j++)
+            for (size_t r = 0; r < M; r++) {
+                const int32_t ex = sel[r * (size_t)k2 + (size_t)j];
+                if (ex >= 0 && ex < E2 && !want[ex]) {
+                    want[ex] = 1;
+                    list[n++] = ex;
+                }
+            }
         ds41_expert_cache_predict(e->xc, L2, list, n);
     }
     free(logits);

@@ -441,7 +441,7 @@ static void slots_used_stat(ds41_expert_cache *c) {
 long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, uint8_t *got,
                                ds41_error *err) {
     if (check_args(c, L, experts, n, err) != 0) return -1;
-    uint64_t hits = 0, pf_hits = 0, pred_used = 0, misses = 0, used_bytes = 0;
+    uint64_t hits = 0, pf_hits = 0, pf_inflight = 0, pred_used = 0, misses = 0, used_bytes = 0;
     size_t pinned = 0;
     for (size_t i = 0; i < n; i++) got[i] = 0;
     /* Settle what has arrived, so that failed prefetches are retried. */
@@ -458,6 +458,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
         }
         if (s->pred_fresh) {
             pf_hits++;
+            pf_inflight += s->state == SLOT_LOADING;
             used_bytes += load_bytes(c, L, experts[i]);
         } else
             hits++;
@@ -503,6 +504,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
     c->st.requests += pinned;
     c->st.hits += hits;
     c->st.prefetch_hits += pf_hits;
+    c->st.prefetch_inflight += pf_inflight;
     c->st.misses += misses;
     c->st.reads += misses;
     c->st.bytes_used += used_bytes;

@@ -161,6 +161,7 @@ typedef struct ds41_expert_cache_stats {
     uint64_t requests;       /* expert uses: experts pinned by acquire (= hits + prefetch_hits + misses) */
     uint64_t hits;           /* already loaded */
     uint64_t prefetch_hits;  /* loaded or in flight thanks to a prediction, first use */
+    uint64_t prefetch_inflight; /* of which still in flight when the layer asked (late predictions) */
     uint64_t misses;         /* read on demand */
     uint64_t evictions;
     uint64_t waves;          /* acquires that could not pin the whole request */

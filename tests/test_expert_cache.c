@@ -326,6 +326,7 @@ static void test_preset(const char *dir, const char *name, int with_reference) {
             /* With 3 extra candidates of tiny's 8 experts every use may be predicted: no miss left. */
             TAP_CHECK(st.requests > 0 && (st.misses > 0 || (pred == 4 && st.prefetch_hits > 0)) &&
                           st.bytes_read >= st.misses * 1 && st.bytes_used > 0 && st.bytes_used <= st.bytes_read &&
+                          st.prefetch_inflight <= st.prefetch_hits &&
                           st.latency_p50_ns > 0 &&
                           st.latency_p99_ns >= st.latency_p50_ns && st.requests == st.hits + st.prefetch_hits + st.misses &&
                           (bi > 0 || st.waves > 0) && (!pred ? st.predicted == 0 : bi < 2 || st.predicted > 0) &&

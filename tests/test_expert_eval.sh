@@ -101,6 +101,7 @@ io = x["io_without_compute"]
 assert io["read_bps"] > 0 and io["read_bps_next_layer_early"] > 0, io
 for p in x["phases"]:
     assert p["uses"] == p["hits"] + p["prefetch_hits"] + p["misses"], p
+    assert 0 <= p["prefetch_inflight"] <= p["prefetch_hits"], p
     assert p["bytes_read"] > 0 and p["achieved_read_bps"] > 0, p
     # bytes of loads a layer used: never more than what was read
     assert 0 < p["bytes_used"] <= p["bytes_read"] and 0 < p["used_fraction_of_device"] <= p["fraction_of_device"], p
