@@ -4,9 +4,11 @@
  * combine in increasing expert id then the shared expert.
  *
  * Routed experts come from the mapping (resident), or, under an expert
- * budget, from the expert tier (storage/expert_cache.h): right after the
- * router, every expert the batch selected is requested in one submission,
- * layer L+1's experts are predicted and their reads started, and the
+ * budget, from the expert tier (storage/expert_cache.h): the layer's experts
+ * are predicted before its attention (ds41__moe_predict_early) and/or a layer
+ * ahead (predict_next) and their reads started; right after the router,
+ * every expert the batch selected is requested in one submission; the
+ * experts are computed group by group as their reads complete, and the
  * ds41_linear views point into the pinned slots until the layer is done. */
 #include "engine/forward_internal.h"
 

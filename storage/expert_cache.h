@@ -39,11 +39,20 @@
  *
  * Prediction
  *   ds41_expert_cache_predict starts reads for the experts the caller
- *   expects the NEXT layer to use (the engine applies layer L+1's router to
- *   layer L's FFN input), into slots not pinned now; those slots carry a
- *   prediction pin until that layer's acquire (which keeps the used ones and
- *   drops the rest) or ds41_expert_cache_end_step.  Statistics count the
- *   experts predicted and how many of them the layer then used.
+ *   expects a layer to use before its router runs (engine/moe.c: layer L's
+ *   router on its FFN input without the attention output, before L's
+ *   attention; and/or layer L+1's router on layer L's FFN input), into slots
+ *   not pinned now, in the order given (likeliest first); those slots carry
+ *   a prediction pin until that layer's acquire (which keeps the used ones
+ *   and drops the rest) or ds41_expert_cache_end_step.  Several predictions
+ *   for one layer add up.  Statistics count the experts predicted (once per
+ *   layer and step), how many of them the layer then used, and how many were
+ *   still in flight when it asked.
+ *
+ * Computing as reads complete
+ *   ds41_expert_cache_wait_some hands out the pinned experts whose reads
+ *   have finished, so the caller computes those (and the hits) while the
+ *   rest still load; ds41_expert_cache_wait waits for all of them.
  *
  * Errors
  *   A failed read (EIO, a short file, an injected fault) fails
