@@ -490,6 +490,10 @@ static void *loader_main(void *p) {
                            .cpu = {.threads = (int)a->st.threads},
                            .expert_cache_bytes = a->st.expert_cache_bytes,
                            .engram_cache_bytes = a->st.engram_cache_bytes};
+    /* Under the read-fault test hook prediction is off: a failed predicted
+     * read is read again when a layer needs the expert, so only with
+     * prediction off is the Nth read surely one a request waits for. */
+    eo.expert_no_predict = a->st.test_fault_expert_read != 0;
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     if (ds41_engine_experts_streamed(engine)) {
