@@ -39,6 +39,7 @@ typedef struct slot {
     uint8_t state;
     uint8_t predicted;  /* holds a prediction pin */
     uint8_t pred_fresh; /* loaded for a prediction and not used yet */
+    uint8_t spec;       /* its load was a prediction's, not yet read again on demand */
     uint32_t pins;
     uint32_t pending; /* runs in flight */
     uint32_t freq;
@@ -398,6 +399,7 @@ static void start_load(ds41_expert_cache *c, slot *s, int L, int ex, size_t *nre
     const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
     s->layer = L;
     s->expert = ex;
+    s->spec = 0;
     s->state = SLOT_LOADING;
     s->pending = l->n_runs;
     s->t_submit = now_ns();
@@ -523,6 +525,35 @@ fail:
     return -1;
 }
 
+/* A predicted expert whose read failed and that a layer now waits for is
+ * read again, once, as a demand read: a speculative read never fails a
+ * request by itself (the demand read does, with its own error).  Returns 1
+ * when the read was issued again, 0 when s is not such a slot, -1 when the
+ * submission fails (s keeps its first failure). */
+static int reread_prediction(ds41_expert_cache *c, int L, int32_t ex, slot *s, ds41_error *err) {
+    if (s->state != SLOT_FAILED || !s->spec) return 0;
+    s->spec = 0;
+    const size_t si = (size_t)(s - c->slots);
+    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+    unsigned char *base = c->pool + si * c->slot_bytes;
+    size_t nreq = 0;
+    for (int k = 0; k < l->n_runs; k++)
+        c->reqs[nreq++] = (ds41_read_req){.file = l->shard[k],
+                                          .offset = l->run_off[k],
+                                          .len = (size_t)l->run_len[k],
+                                          .buf = base + l->run_slot[k],
+                                          .tag = si * PARTS + (uint64_t)k};
+    if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) return -1;
+    s->has_fail = 0;
+    s->pending = l->n_runs;
+    s->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
+    s->t_submit = now_ns();
+    pthread_mutex_lock(&c->mu);
+    c->st.reads++;
+    pthread_mutex_unlock(&c->mu);
+    return 1;
+}
+
 /* The slot of pinned expert (L, ex), or NULL with err filled. */
 static slot *pinned_slot(ds41_expert_cache *c, int L, int32_t ex, ds41_error *err) {
     const int32_t si = *index_of(c, L, ex);
@@ -570,6 +601,8 @@ long ds41_expert_cache_wait_some(ds41_expert_cache *c, int L, const int32_t *exp
             if (!got[i] || done[i]) continue;
             slot *s = pinned_slot(c, L, experts[i], err);
             if (!s) goto fail;
+            const int rr = reread_prediction(c, L, experts[i], s, err);
+            if (rr < 0) goto fail;
             if (s->state == SLOT_LOADING) {
                 left++;
                 continue;
@@ -603,7 +636,15 @@ int ds41_expert_cache_wait(ds41_expert_cache *c, int L, const int32_t *experts, 
             rc = -1;
             break;
         }
-        while (s->state == SLOT_LOADING && rc == 0) rc = reap(c, 1, err);
+        for (;;) {
+            while (s->state == SLOT_LOADING && rc == 0) rc = reap(c, 1, err);
+            if (rc != 0) break;
+            const int rr = reread_prediction(c, L, experts[i], s, err);
+            if (rr <= 0) {
+                rc = rr;
+                break;
+            }
+        }
         if (rc != 0) break;
         rc = settled_view(c, L, experts[i], s, &views[i], err);
     }
@@ -650,6 +691,7 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
         start_load(c, s, L, experts[i], &nreq);
         s->predicted = 1;
         s->pred_fresh = 1;
+        s->spec = 1;
         s->freq = 0;
         s->last_use = ++c->tick;
         loads++;

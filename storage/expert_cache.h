@@ -58,7 +58,11 @@
  *   A failed read (EIO, a short file, an injected fault) fails
  *   ds41_expert_cache_wait with a message naming the shard, the offset and
  *   the expert's tensors; the slot is emptied at release, so a later request
- *   reads again.  Nothing else changes: no crash, no leak.
+ *   reads again.  A failed read of a PREDICTED expert never fails a request
+ *   by itself: when a layer needs that expert it is read again, once, on
+ *   demand (before the acquire: as a miss; after it: by wait / wait_some),
+ *   and only that read's failure is reported.  Nothing else changes: no
+ *   crash, no leak.
  *
  * Threads: every call except ds41_expert_cache_get_stats comes from one
  * thread at a time (the engine's forward call).  get_stats may be called

@@ -567,6 +567,29 @@ static void test_api(const char *dir) {
                         ds41_expert_cache_wait_some(xc, 4, two, 2, got, done2, 2, vs, &err) == 2;
         ds41_expert_cache_release(xc, 4, two, 2, got);
         TAP_CHECK(ok2, "api: after the failure the experts are read again%s%s", ok2 ? "" : ": ", ok2 ? "" : err.msg);
+        /* A predicted read that fails is read again when the layer needs the
+         * expert (whether the failure arrived before the acquire or while
+         * waiting): wait and wait_some succeed; the error is counted. */
+        for (int variant = 0; variant < 2; variant++) {
+            const int layer = 5 + variant;
+            const int32_t one[1] = {3};
+            uint8_t done1[1] = {0};
+            ds41_expert_cache_stats s0, s1;
+            ds41_expert_cache_get_stats(xc, &s0, false);
+            ds41_reader_set_fault(ds41_expert_cache_reader(xc), DS41_READER_ANY_FILE, DS41_FAULT_EIO, 1, 0);
+            int okp = ds41_expert_cache_predict(xc, layer, one, 1) == 1 &&
+                      ds41_expert_cache_acquire(xc, layer, one, 1, got, &err) == 1;
+            okp = okp && (variant == 0 ? ds41_expert_cache_wait(xc, layer, one, 1, got, vs, &err) == 0
+                                       : ds41_expert_cache_wait_some(xc, layer, one, 1, got, done1, 1, vs, &err) == 1);
+            ds41_reader_set_fault(ds41_expert_cache_reader(xc), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+            ds41_expert_cache_release(xc, layer, one, 1, got);
+            ds41_expert_cache_end_step(xc);
+            ds41_expert_cache_get_stats(xc, &s1, false);
+            TAP_CHECK(okp && s1.read_errors == s0.read_errors + 1,
+                      "api: a failed predicted read is read again on demand: %s succeeds (read errors +%" PRIu64 ")%s%s",
+                      variant == 0 ? "wait" : "wait_some", s1.read_errors - s0.read_errors, okp ? "" : ": ",
+                      okp ? "" : err.msg);
+        }
     }
 out:
     ds41_expert_cache_free(xc);
