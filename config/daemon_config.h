@@ -53,7 +53,9 @@
  *                            in production: it lets a client dictate the output.
  *   engine.test_fault_expert_read 0   test hook: when N > 0, the Nth read of streamed routed
  *                            experts after each model load fails with EIO (once), so tests
- *                            see a request fail cleanly; 0..2^64-1.  Never on in production.
+ *                            see a request fail cleanly (expert prediction is off then, so
+ *                            that read is one a request waits for); 0..2^64-1.  Never on in
+ *                            production.
  *   memory.kv_cache_bytes    auto     KV cache budget; sizes are integers (bytes) or strings
  *   memory.expert_cache_bytes auto    with a unit: B, KB/MB/GB/TB/PB (powers of 1000),
  *   memory.engram_cache_bytes auto    KiB/MiB/GiB/TiB/PiB (powers of 1024), units case-

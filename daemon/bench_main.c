@@ -31,6 +31,7 @@ static void usage(FILE *f) {
                "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
+               "                  [--predict early|next|both] [--predict-extra N]\n"
                "                  [--engram-cache-bytes SIZE]\n"
                "\n"
                "Measures, with the fast CPU path:\n"
@@ -51,7 +52,10 @@ static void usage(FILE *f) {
                "            prints the tier's uses, hits (+ predicted in time), hit rate, misses,\n"
                "            bytes read per token, achieved read bandwidth and its ratio to the\n"
                "            device's, load latency p50/p99, prediction accuracy (--no-predict turns\n"
-               "            next-layer prediction off) and /proc/self/io read_bytes\n"
+               "            prediction off; --predict early: each layer's experts are predicted\n"
+               "            before its attention (the default), next: a layer ahead from the\n"
+"            previous layer's FFN input, both; --predict-extra N: N more candidates\n"
+               "            per token beyond the router's top k) and /proc/self/io read_bytes\n"
                "  engram    with --engram-cache-bytes SIZE (or memory.engram_cache_bytes of --config) below\n"
                "            the Engram tables, their rows are streamed from the checkpoint into a row\n"
                "            cache of that size (each greedy token's rows prefetched before its step);\n"
@@ -138,14 +142,15 @@ static void tier_text(const char *phase, size_t batch, const tier_result *t, dou
     else
         snprintf(name, sizeof name, "%s", phase);
     const double bw = ratio((double)s->bytes_read, t->seconds);
-    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted (loaded or in flight) = %.1f%% hit rate, %" PRIu64
-           " misses, %" PRIu64 " waves; %.2f MB read/token; %.3f GB/s achieved = %.1f%% of the device; stalled "
-           "%.0f%% of the time; load p50 %.2f ms p99 %.2f ms; prediction accuracy %.1f%% (%" PRIu64 "/%" PRIu64
+    printf("tier %-11s %" PRIu64 " expert uses: %" PRIu64 " hits + %" PRIu64 " predicted (%" PRIu64 " of them still in flight) = %.1f%% hit rate, %" PRIu64
+           " misses, %" PRIu64 " waves; %.2f MB read/token; %.3f GB/s achieved = %.1f%% of the device (used: %.2f "
+           "MB/token, %.3f GB/s = %.1f%%); stalled %.0f%% of the time; load p50 %.2f ms p99 %.2f ms; prediction accuracy %.1f%% (%" PRIu64 "/%" PRIu64
            ", %" PRIu64 " skipped); /proc/self/io read_bytes %.1f MB (tier read %.1f MB)\n",
-           name, s->requests, s->hits, s->prefetch_hits,
+           name, s->requests, s->hits, s->prefetch_hits, s->prefetch_inflight,
            100 * ratio((double)(s->hits + s->prefetch_hits), (double)s->requests), s->misses, s->waves,
            ratio((double)s->bytes_read, t->tokens) / 1e6, bw / 1e9, 100 * ratio(bw, dev_bps),
-           100 * ratio((double)s->stall_ns * 1e-9, t->seconds), (double)s->latency_p50_ns / 1e6,
+           ratio((double)s->bytes_used, t->tokens) / 1e6, ratio((double)s->bytes_used, t->seconds) / 1e9,
+           100 * ratio(ratio((double)s->bytes_used, t->seconds), dev_bps), 100 * ratio((double)s->stall_ns * 1e-9, t->seconds), (double)s->latency_p50_ns / 1e6,
            (double)s->latency_p99_ns / 1e6, 100 * ratio((double)s->predicted_used, (double)s->predicted),
            s->predicted_used, s->predicted, s->predict_skipped, (double)t->io_read_bytes / 1e6,
            (double)s->bytes_read / 1e6);
@@ -155,14 +160,18 @@ static void tier_json(const char *phase, size_t batch, const tier_result *t, dou
     const ds41_expert_cache_stats *s = &t->st;
     const double bw = ratio((double)s->bytes_read, t->seconds);
     printf("%s{\"phase\":\"%s\",\"batch\":%zu,\"seconds\":%.6f,\"tokens\":%.0f,\"uses\":%" PRIu64
-           ",\"hits\":%" PRIu64 ",\"prefetch_hits\":%" PRIu64 ",\"misses\":%" PRIu64 ",\"waves\":%" PRIu64
+           ",\"hits\":%" PRIu64 ",\"prefetch_hits\":%" PRIu64 ",\"prefetch_inflight\":%" PRIu64 ",\"misses\":%" PRIu64 ",\"waves\":%" PRIu64
            ",\"hit_rate\":%.4f,\"bytes_read\":%" PRIu64 ",\"bytes_read_per_token\":%.0f,"
-           "\"achieved_read_bps\":%.0f,\"fraction_of_device\":%.4f,\"stall_seconds\":%.6f,"
+           "\"achieved_read_bps\":%.0f,\"fraction_of_device\":%.4f,\"bytes_used\":%" PRIu64
+           ",\"used_read_bps\":%.0f,\"used_fraction_of_device\":%.4f,\"stall_seconds\":%.6f,"
            "\"latency_p50_ns\":%" PRIu64 ",\"latency_p99_ns\":%" PRIu64 ",\"predicted\":%" PRIu64
            ",\"predicted_used\":%" PRIu64 ",\"prediction_accuracy\":%.4f,\"proc_io_read_bytes\":%" PRIu64 "}",
-           first ? "" : ",", phase, batch, t->seconds, t->tokens, s->requests, s->hits, s->prefetch_hits, s->misses,
+           first ? "" : ",", phase, batch, t->seconds, t->tokens, s->requests, s->hits, s->prefetch_hits,
+           s->prefetch_inflight, s->misses,
            s->waves, ratio((double)(s->hits + s->prefetch_hits), (double)s->requests), s->bytes_read,
-           ratio((double)s->bytes_read, t->tokens), bw, ratio(bw, dev_bps), (double)s->stall_ns * 1e-9,
+           ratio((double)s->bytes_read, t->tokens), bw, ratio(bw, dev_bps), s->bytes_used,
+           ratio((double)s->bytes_used, t->seconds), ratio(ratio((double)s->bytes_used, t->seconds), dev_bps),
+           (double)s->stall_ns * 1e-9,
            s->latency_p50_ns, s->latency_p99_ns, s->predicted_used, s->predicted,
            ratio((double)s->predicted_used, (double)s->predicted), t->io_read_bytes);
 }
@@ -544,6 +553,8 @@ int main(int argc, char **argv) {
         {"no-predict", no_argument, NULL, 'N'},
         {"kernels", no_argument, NULL, 'K'},
         DS41_BUDGET_LONGOPTS,
+        {"predict", required_argument, NULL, 'R'},
+        {"predict-extra", required_argument, NULL, 'x'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -582,6 +593,26 @@ int main(int argc, char **argv) {
         case 'N':
             eo.expert_no_predict = true;
             break;
+        case 'R': {
+            const int pm = ds41_expert_predict_parse(optarg);
+            if (pm < 0) {
+                fprintf(stderr, "ds41-bench: --predict: '%s' is not next, early or both\n", optarg);
+                return 2;
+            }
+            eo.expert_predict = (ds41_expert_predict)pm;
+            break;
+        }
+        case 'x': {
+            char *end = NULL;
+            errno = 0;
+            const unsigned long v = strtoul(optarg, &end, 10);
+            if (errno || !end || *end || optarg[0] == '-' || v > 64) {
+                fprintf(stderr, "ds41-bench: --predict-extra: '%s' is not a number of experts in 0..64\n", optarg);
+                return 2;
+            }
+            eo.expert_predict_extra = (unsigned)v;
+            break;
+        }
         case 'L':
             if (strcmp(optarg, "scalar") == 0)
                 eo.cpu.level = DS41_CPU_SCALAR;
@@ -789,12 +820,13 @@ int main(int argc, char **argv) {
             ds41_engine_expert_stats(e, &g, false);
             printf(",\"budget_bytes\":%" PRIu64 ",\"slot_bytes\":%" PRIu64 ",\"slots\":%" PRIu64
                    ",\"total_bytes\":%" PRIu64 ",\"reader\":\"%s\",\"direct\":%s,\"prediction\":%s,"
-                   "\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
+                   "\"prediction_mode\":\"%s\",\"prediction_extra\":%u,\"page_cache_dropped\":%s,\"device_read_bandwidth_bps\":%.0f,\"device_probe_direct\":%s,"
                    "\"io_without_compute\":{\"read_bps\":%.0f,\"fraction_of_device\":%.4f,\"hit_rate\":%.4f,"
                    "\"read_bps_next_layer_early\":%.0f,\"fraction_of_device_next_layer_early\":%.4f},"
                    "\"phases\":[",
                    g.budget_bytes, g.slot_bytes, g.slots, g.total_bytes, g.backend, g.direct ? "true" : "false",
-                   eo.expert_no_predict ? "false" : "true", strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
+                   eo.expert_no_predict ? "false" : "true",
+                   eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict), eo.expert_predict_extra, strncmp(dropped, "yes", 3) == 0 ? "true" : "false",
                    dev_bps, probe.direct ? "true" : "false", ceil_bps[0], ratio(ceil_bps[0], dev_bps), ceil_hits[0],
                    ceil_bps[1], ratio(ceil_bps[1], dev_bps));
             tier_json("prefill", 0, &pre.tier, dev_bps, true);
@@ -841,10 +873,11 @@ int main(int argc, char **argv) {
             ds41_expert_cache_stats g;
             ds41_engine_expert_stats(e, &g, false);
             printf("experts    streamed: budget %.1f MiB = %" PRIu64 " slots of %.2f MiB, %.1f MiB of routed experts "
-                   "(%.1fx the budget); reader %s, O_DIRECT %s; prediction %s; page cache dropped: %s\n",
+                   "(%.1fx the budget); reader %s, O_DIRECT %s; prediction %s (+%u candidates); page cache dropped: %s\n",
                    (double)g.budget_bytes / 1048576.0, g.slots, (double)g.slot_bytes / 1048576.0,
                    (double)g.total_bytes / 1048576.0, (double)g.total_bytes / (double)g.budget_bytes, g.backend,
-                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : "on", dropped);
+                   g.direct ? "yes" : "no", eo.expert_no_predict ? "off" : ds41_expert_predict_name(eo.expert_predict),
+                   eo.expert_predict_extra, dropped);
             printf("device     O_DIRECT read bandwidth %.2f GB/s (%s, %.0f MiB, %s; best of a probe before and "
                    "after the workload)\n",
                    dev_bps / 1e9, probe_path, (double)probe.bytes / 1048576.0, probe.backend);

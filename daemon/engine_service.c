@@ -557,6 +557,10 @@ static void *loader_main(void *p) {
     if (!have_mem) ds41_log(DS41_LOG_WARNING, "model %s: %s", m->name, merr.msg);
     const uint64_t kv_bytes = a->st.kv_cache_bytes ? a->st.kv_cache_bytes : auto_kv_budget(have_mem ? &mem : NULL);
     if (have_mem && decide_budgets(m, &a->st, &mem, kv_bytes, &eo, &err) != 0) goto fail;
+    /* Under the read-fault test hook prediction is off: a failed predicted
+     * read is read again when a layer needs the expert, so only with
+     * prediction off is the Nth read surely one a request waits for. */
+    eo.expert_no_predict = a->st.test_fault_expert_read != 0;
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     if (ds41_engine_experts_streamed(engine)) {

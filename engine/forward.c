@@ -155,7 +155,13 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         ds41_error_prefix(err, "%s", dir);
         goto fail;
     }
-    e->expert_predict = !(opts && opts->expert_no_predict);
+    {
+        const ds41_expert_predict p = opts ? opts->expert_predict : DS41_XPREDICT_DEFAULT;
+        const bool on = !(opts && opts->expert_no_predict);
+        e->expert_predict_next = on && (p == DS41_XPREDICT_NEXT || p == DS41_XPREDICT_BOTH);
+        e->expert_predict_early = on && (p == DS41_XPREDICT_DEFAULT || p == DS41_XPREDICT_EARLY || p == DS41_XPREDICT_BOTH);
+        e->expert_predict_extra = opts ? opts->expert_predict_extra : 0;
+    }
     e->expert_buffered = opts && opts->expert_buffered;
     if (opts && opts->expert_cache_bytes && ds41_engine_set_expert_budget(e, opts->expert_cache_bytes, err) != 0) {
         ds41_error_prefix(err, "%s", dir);
@@ -632,6 +638,9 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         /* Attention sub-layer (§2.7 steps 1-2). */
         ops->hc_mix(ops, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base, h, M, (int)hc, D, e->norm_eps,
                     (int)c->hc_sinkhorn_iters, e->hc_eps, a_pre, a_post, a_comb);
+        /* The FFN's pre-mix is known now: start this layer's likely expert
+         * reads so they overlap the attention. */
+        ds41__moe_predict_early(e, &b, L, h, a_pre);
         ops->hc_pre(ops, h, pre_mix, M, (int)hc, D, x);
         ops->rmsnorm(ops, lw->attn_norm, x, M, D, e->norm_eps, xn);
         if (ds41__attention(e, &b, L, xn, br, err) != 0) goto out;

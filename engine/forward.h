@@ -49,6 +49,22 @@
 
 typedef struct ds41_engine ds41_engine;
 
+/* Expert read prediction (engine/moe.c).  NEXT: layer L+1's router on layer
+ * L's FFN input, while L's experts load (a layer ahead, the least accurate).
+ * EARLY: layer L's router on its FFN input without the attention output
+ * (h entering L through the FFN's pre-mix and norm), before L's attention
+ * runs (less lead time, far more accurate).  BOTH: the two. */
+typedef enum ds41_expert_predict {
+    DS41_XPREDICT_DEFAULT = 0, /* EARLY */
+    DS41_XPREDICT_NEXT,
+    DS41_XPREDICT_EARLY,
+    DS41_XPREDICT_BOTH,
+} ds41_expert_predict;
+
+/* "next", "early", "both" (and "default") -> the mode; -1 for anything else. */
+int ds41_expert_predict_parse(const char *s);
+const char *ds41_expert_predict_name(ds41_expert_predict p);
+
 typedef struct ds41_engine_opts {
     /* Use the canonical reference arithmetic (REFERENCE §10): the reference
      * backend, whatever `backend` says. */
@@ -68,7 +84,14 @@ typedef struct ds41_engine_opts {
      * used in place from the mapping (the default).  A budget below one
      * expert fails the load with the minimum in the message. */
     uint64_t expert_cache_bytes;
-    bool expert_no_predict; /* no next-layer prediction (for comparisons) */
+    bool expert_no_predict; /* no prediction at all (for comparisons) */
+    /* Which predictions start expert reads before a layer's router runs
+     * (ignored with expert_no_predict); logits do not depend on it. */
+    ds41_expert_predict expert_predict;
+    /* Candidates predicted beyond each token's top-k (its next-best experts
+     * by the router's selection score; 0 = just the top-k): more of the
+     * layer's experts arrive early, at the price of reads nobody uses. */
+    unsigned expert_predict_extra;
     bool expert_buffered;   /* expert reads through the page cache instead of O_DIRECT */
     /* Engram row tier (storage/engram_cache.h): bytes of memory for Engram
      * table rows.  0, or a budget covering every Engram table (payload +

@@ -43,7 +43,9 @@ struct ds41_engine {
     pthread_mutex_t xc_mu;
     uint64_t expert_budget;      /* as asked (0 = all resident) */
     uint64_t expert_total_bytes; /* all routed experts of the text layers (0 until known) */
-    bool expert_predict;         /* next-layer prediction on */
+    bool expert_predict_next;    /* predict layer L+1 at layer L's experts */
+    bool expert_predict_early;   /* predict layer L before its attention */
+    unsigned expert_predict_extra; /* candidates beyond the top-k per token */
     bool expert_buffered;
     uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
     bool budget_pending;         /* under xc_mu: a requested budget for the next forward */
@@ -78,6 +80,12 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
 
 /* MoE sub-layer of layer L on xn [M][dim]: out [M][dim].  Errors: out of memory. */
 int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err);
+/* Start reads for the experts layer L will probably use, before its
+ * attention runs: L's router applied to L's FFN input without the attention
+ * output (h: the stream entering layer L; ffn_pre: the FFN's pre-mix, which
+ * the attention's hc_mix computes).  No-op unless experts are streamed with
+ * prediction on; best effort (out of memory skips it). */
+void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const float *h, const float *ffn_pre);
 
 /* cos/sin for layer L at every row's position into b->rope_cs (cached per layer). */
 void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);

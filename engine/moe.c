@@ -4,9 +4,11 @@
  * combine in increasing expert id then the shared expert.
  *
  * Routed experts come from the mapping (resident), or, under an expert
- * budget, from the expert tier (storage/expert_cache.h): right after the
- * router, every expert the batch selected is requested in one submission,
- * layer L+1's experts are predicted and their reads started, and the
+ * budget, from the expert tier (storage/expert_cache.h): the layer's experts
+ * are predicted before its attention (ds41__moe_predict_early) and/or a layer
+ * ahead (predict_next) and their reads started; right after the router,
+ * every expert the batch selected is requested in one submission; the
+ * experts are computed group by group as their reads complete, and the
  * ds41_linear views point into the pinned slots until the layer is done. */
 #include "engine/forward_internal.h"
 
@@ -16,18 +18,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Next-layer prediction (issue 7 item 3): apply layer L+1's router (its gate
- * and selection bias) to layer L's normed FFN input xn, the closest stream to
- * L+1's own FFN input available before L's experts run, and start reads for
- * the union of the experts it selects.  Best effort: out of memory or a
- * layer without experts just skips it. */
-static void predict_next(ds41_engine *e, const fwd_batch *b, int L, const float *xn) {
+/* Expert read prediction (issue 7 item 3): apply layer L2's router (its
+ * gate and selection bias) to a stream close to L2's own FFN input, known
+ * before L2's router runs, and start reads for the union of the experts it
+ * selects (top k + expert_predict_extra per token).  Best effort: out of
+ * memory or a layer without experts just skips it. */
+static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const float *xn) {
     const ds41_model_config *c = &e->cfg;
-    const int L2 = L + 1;
     if (L2 >= (int)c->n_layers || !c->roles[L2].present || c->roles[L2].n_experts <= 0) return;
     const ds41_layer_weights *lw2 = &e->w.layers[L2];
     const size_t M = b->M;
-    const int E2 = (int)c->roles[L2].n_experts, k2 = (int)c->roles[L2].n_active_experts;
+    const int E2 = (int)c->roles[L2].n_experts;
+    /* The router picks greedily by selection score, so its top k + extra
+     * begins with its top k. */
+    const int k2 = (int)((uint64_t)c->roles[L2].n_active_experts + e->expert_predict_extra < (uint64_t)E2
+                             ? c->roles[L2].n_active_experts + (int64_t)e->expert_predict_extra
+                             : E2);
     float *logits = malloc(M * (size_t)E2 * sizeof *logits);
     int32_t *sel = malloc(M * (size_t)k2 * sizeof *sel);
     float *wts = malloc(M * (size_t)k2 * sizeof *wts);
@@ -38,11 +44,17 @@ static void predict_next(ds41_engine *e, const fwd_batch *b, int L, const float 
         if (e->gate_temp != 1.0f)
             for (size_t i = 0; i < M * (size_t)E2; i++) logits[i] = logits[i] / e->gate_temp;
         e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->route_scale, sel, wts);
-        for (size_t i = 0; i < M * (size_t)k2; i++)
-            if (sel[i] >= 0 && sel[i] < E2) want[sel[i]] = 1;
+        /* In rank order (every token's first choice, then its second, ...)
+         * so the likeliest experts are read first and extra candidates last. */
         size_t n = 0;
-        for (int ex = 0; ex < E2; ex++)
-            if (want[ex]) list[n++] = ex;
+        for (int j = 0; j < k2; j++)
+            for (size_t r = 0; r < M; r++) {
+                const int32_t ex = sel[r * (size_t)k2 + (size_t)j];
+                if (ex >= 0 && ex < E2 && !want[ex]) {
+                    want[ex] = 1;
+                    list[n++] = ex;
+                }
+            }
         ds41_expert_cache_predict(e->xc, L2, list, n);
     }
     free(logits);
@@ -50,6 +62,107 @@ static void predict_next(ds41_engine *e, const fwd_batch *b, int L, const float 
     free(wts);
     free(want);
     free(list);
+}
+
+/* What one layer's expert arithmetic works on (see ds41__moe). */
+typedef struct expert_work {
+    ds41_engine *e;
+    const ds41_layer_weights *lw;
+    size_t M, D, I, SI, hid, sh;
+    const float *xn;
+    const size_t *count, *first;
+    const float *xe, *route;
+    float *g, *u, *h, *oe;
+    const ds41_linear **lin;
+    const float **lx;
+    float **ly;
+    size_t *lm;
+    const ds41_linear *xl; /* streamed: [ex * 3 + w] views into the slots; NULL: the mapping */
+} expert_work;
+
+/* The routed experts list[0..n) (and the shared expert when `shared`):
+ * w1 and w3 in one batch, SwiGLU (routing weight before w2), w2 in one
+ * batch, each output a compact [rows][width] block at its expert's offset
+ * (first * hid >= the previous block's rows * I: no overlap).  An expert's
+ * arithmetic does not depend on what shares its batch, so any grouping gives
+ * the same bits. */
+static void run_experts(const expert_work *w, const int32_t *list, size_t n, bool shared) {
+    const ds41_ops *ops = w->e->ops;
+    const ds41_layer_weights *lw = w->lw;
+    const size_t D = w->D, hid = w->hid, sh = w->sh;
+    size_t n_lin = 0;
+    for (size_t i = 0; i < n; i++) {
+        const int ex = list[i];
+        for (int which = 0; which < 2; which++) {
+            w->lin[n_lin] = w->xl ? &w->xl[(size_t)ex * 3 + (which ? 2u : 0u)] : which ? &lw->w3[ex] : &lw->w1[ex];
+            w->lx[n_lin] = w->xe + w->first[ex] * D;
+            w->ly[n_lin] = (which ? w->u : w->g) + w->first[ex] * hid;
+            w->lm[n_lin++] = w->count[ex];
+        }
+    }
+    if (shared) {
+        w->lin[n_lin] = &lw->sh_w1, w->lx[n_lin] = w->xn, w->ly[n_lin] = w->g + sh * hid, w->lm[n_lin++] = w->M;
+        w->lin[n_lin] = &lw->sh_w3, w->lx[n_lin] = w->xn, w->ly[n_lin] = w->u + sh * hid, w->lm[n_lin++] = w->M;
+    }
+    if (n_lin == 0) return;
+    ops->linear_batch(ops, n_lin, w->lin, w->lx, w->lm, w->ly, DS41_OUT_BF16);
+    for (size_t i = 0; i < n; i++) {
+        const int ex = list[i];
+        ops->swiglu(ops, w->g + w->first[ex] * hid, w->u + w->first[ex] * hid, w->count[ex], w->I,
+                    w->e->swiglu_limit, w->route + w->first[ex], w->h + w->first[ex] * hid);
+    }
+    if (shared) ops->swiglu(ops, w->g + sh * hid, w->u + sh * hid, w->M, w->SI, w->e->swiglu_limit, NULL, w->h + sh * hid);
+    n_lin = 0;
+    for (size_t i = 0; i < n; i++) {
+        const int ex = list[i];
+        w->lin[n_lin] = w->xl ? &w->xl[(size_t)ex * 3 + 1] : &lw->w2[ex], w->lx[n_lin] = w->h + w->first[ex] * hid,
+        w->ly[n_lin] = w->oe + w->first[ex] * D;
+        w->lm[n_lin++] = w->count[ex];
+    }
+    if (shared)
+        w->lin[n_lin] = &lw->sh_w2, w->lx[n_lin] = w->h + sh * hid, w->ly[n_lin] = w->oe + sh * D,
+        w->lm[n_lin++] = w->M;
+    ops->linear_batch(ops, n_lin, w->lin, w->lx, w->lm, w->ly, DS41_OUT_BF16);
+}
+
+/* Layer L+1's experts from layer L's normed FFN input (while L's experts
+ * load: a layer of lead time, but L's FFN and L+1's attention still change
+ * the stream). */
+static void predict_next(ds41_engine *e, const fwd_batch *b, int L, const float *xn) {
+    predict_layer(e, b, L + 1, xn);
+}
+
+/* Layer L's experts from its FFN input without the attention output: the
+ * stream entering L through the FFN's pre-mix and norm. */
+void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const float *h, const float *ffn_pre) {
+    const ds41_model_config *c = &e->cfg;
+    if (!e->xc || !e->expert_predict_early || !c->roles[L].present || c->roles[L].n_experts <= 0) return;
+    const size_t M = b->M, D = (size_t)c->dim;
+    float *x = malloc(M * D * sizeof *x), *xn = malloc(M * D * sizeof *xn);
+    if (x && xn) {
+        e->ops->hc_pre(e->ops, h, ffn_pre, M, (int)c->hc_mult, D, x);
+        e->ops->rmsnorm(e->ops, e->w.layers[L].ffn_norm, x, M, D, e->norm_eps, xn);
+        predict_layer(e, b, L, xn);
+    }
+    free(x);
+    free(xn);
+}
+
+int ds41_expert_predict_parse(const char *s) {
+    static const char *const names[] = {"default", "next", "early", "both"};
+    for (int i = 0; s && i < 4; i++)
+        if (strcmp(s, names[i]) == 0) return i;
+    return -1;
+}
+
+const char *ds41_expert_predict_name(ds41_expert_predict p) {
+    switch (p) {
+    case DS41_XPREDICT_NEXT: return "next";
+    case DS41_XPREDICT_BOTH: return "both";
+    case DS41_XPREDICT_DEFAULT:
+    case DS41_XPREDICT_EARLY: break;
+    }
+    return "early";
 }
 
 int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err) {
@@ -85,9 +198,11 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     size_t *lm = malloc(nl * sizeof *lm);
     int32_t *pending = malloc(((size_t)E + 1) * sizeof *pending);
     uint8_t *got = malloc((size_t)E + 1);
+    uint8_t *done = malloc((size_t)E + 1);
+    int32_t *group = malloc(((size_t)E + 1) * sizeof *group);
     ds41_expert_view *views = malloc(((size_t)E + 1) * sizeof *views);
     ds41_linear *xl = malloc(((size_t)E + 1) * 3 * sizeof *xl);
-    if (!pending || !got || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
+    if (!pending || !got || !done || !group || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
         !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -129,25 +244,45 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     for (int ex = 0; ex < E; ex++)
         if (count[ex]) pending[n_pending++] = ex;
     ds41_expert_cache *xc = e->xc;
+    const expert_work wk = {.e = e, .lw = lw, .M = M, .D = D, .I = I, .SI = SI, .hid = hid, .sh = sh,
+                            .xn = xn, .count = count, .first = first, .xe = xe, .route = route,
+                            .g = g, .u = u, .h = h, .oe = oe, .lin = lin, .lx = lx, .ly = ly, .lm = lm,
+                            .xl = xc ? xl : NULL};
+    if (!xc || !n_pending) {
+        run_experts(&wk, pending, n_pending, true);
+        goto combine;
+    }
     bool first_wave = true;
     do {
-        if (xc && n_pending) {
-            const long pinned = ds41_expert_cache_acquire(xc, L, pending, n_pending, got, err);
-            if (pinned < 0) {
-                rc = ds41_error_prefix(err, "layer %d", L);
-                goto out;
-            }
-            /* While this layer's reads are in flight: guess the next
-             * layer's experts and start their reads (only when this layer
-             * fits the pool: with waves there is no room to spare). */
-            if (first_wave && e->expert_predict && (size_t)pinned == n_pending) predict_next(e, b, L, xn);
-            if (ds41_expert_cache_wait(xc, L, pending, n_pending, got, views, err) != 0) {
+        const long pinned = ds41_expert_cache_acquire(xc, L, pending, n_pending, got, err);
+        if (pinned < 0) {
+            rc = ds41_error_prefix(err, "layer %d", L);
+            goto out;
+        }
+        /* While this layer's reads are in flight: guess the next layer's
+         * experts and start their reads (only when this layer fits the pool:
+         * with waves there is no room to spare). */
+        if (first_wave && e->expert_predict_next && (size_t)pinned == n_pending) predict_next(e, b, L, xn);
+        const bool last_wave = (size_t)pinned == n_pending; /* the shared expert rides with the last wave */
+        /* Compute as the reads complete: first the shared expert with the
+         * experts already loaded (hits), then each group that has arrived
+         * since, so the arithmetic overlaps the reads still in flight. */
+        memset(done, 0, n_pending);
+        bool shared_left = last_wave;
+        for (size_t n_done = 0; n_done < (size_t)pinned || shared_left;) {
+            const long arrived = n_done < (size_t)pinned
+                               ? ds41_expert_cache_wait_some(xc, L, pending, n_pending, got, done, shared_left ? 0 : 1,
+                                                             views, err)
+                               : 0;
+            if (arrived < 0) {
                 ds41_expert_cache_release(xc, L, pending, n_pending, got);
                 rc = ds41_error_prefix(err, "layer %d", L);
                 goto out;
             }
+            size_t n_group = 0;
             for (size_t i = 0; i < n_pending; i++) {
-                if (!got[i]) continue;
+                if (!done[i] || done[i] == 2) continue;
+                done[i] = 2; /* computed */
                 const int ex = pending[i];
                 const ds41_linear *src[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
                 for (int w = 0; w < 3; w++) {
@@ -155,55 +290,13 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
                     xl[(size_t)ex * 3 + (size_t)w].q = views[i].w[w];
                     xl[(size_t)ex * 3 + (size_t)w].scale = views[i].s[w];
                 }
+                group[n_group++] = ex;
             }
-        } else {
-            for (size_t i = 0; i < n_pending; i++) got[i] = 1;
+            run_experts(&wk, group, n_group, shared_left);
+            shared_left = false;
+            n_done += n_group;
         }
-        size_t n_wave = 0;
-        for (size_t i = 0; i < n_pending; i++) n_wave += got[i];
-        const bool last_wave = n_wave == n_pending; /* the shared expert rides with the last wave */
-
-        /* w1 and w3 of the wave's experts (and of the shared expert): one batch. */
-        size_t n_lin = 0;
-        for (size_t i = 0; i < n_pending; i++) {
-            if (!got[i]) continue;
-            const int ex = pending[i];
-            for (int which = 0; which < 2; which++) {
-                lin[n_lin] = xc ? &xl[(size_t)ex * 3 + (which ? 2u : 0u)] : which ? &lw->w3[ex] : &lw->w1[ex];
-                lx[n_lin] = xe + first[ex] * D;
-                ly[n_lin] = (which ? u : g) + first[ex] * hid;
-                lm[n_lin++] = count[ex];
-            }
-        }
-        if (last_wave) {
-            lin[n_lin] = &lw->sh_w1, lx[n_lin] = xn, ly[n_lin] = g + sh * hid, lm[n_lin++] = M;
-            lin[n_lin] = &lw->sh_w3, lx[n_lin] = xn, ly[n_lin] = u + sh * hid, lm[n_lin++] = M;
-        }
-        /* Each output is a compact [rows][width] block at its expert's offset
-         * (first * hid >= the previous block's rows * I: no overlap). */
-        ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
-        for (size_t i = 0; i < n_pending; i++) {
-            if (!got[i]) continue;
-            const int ex = pending[i];
-            ops->swiglu(ops, g + first[ex] * hid, u + first[ex] * hid, count[ex], I, e->swiglu_limit,
-                        route + first[ex], h + first[ex] * hid);
-        }
-        if (last_wave) ops->swiglu(ops, g + sh * hid, u + sh * hid, M, SI, e->swiglu_limit, NULL, h + sh * hid);
-
-        /* w2 of the wave's experts (and of the shared expert): one batch. */
-        n_lin = 0;
-        for (size_t i = 0; i < n_pending; i++) {
-            if (!got[i]) continue;
-            const int ex = pending[i];
-            lin[n_lin] = xc ? &xl[(size_t)ex * 3 + 1] : &lw->w2[ex], lx[n_lin] = h + first[ex] * hid,
-            ly[n_lin] = oe + first[ex] * D;
-            lm[n_lin++] = count[ex];
-        }
-        if (last_wave)
-            lin[n_lin] = &lw->sh_w2, lx[n_lin] = h + sh * hid, ly[n_lin] = oe + sh * D, lm[n_lin++] = M;
-        ops->linear_batch(ops, n_lin, lin, lx, lm, ly, DS41_OUT_BF16);
-
-        if (xc && n_pending) ds41_expert_cache_release(xc, L, pending, n_pending, got);
+        ds41_expert_cache_release(xc, L, pending, n_pending, got);
         size_t keep = 0;
         for (size_t i = 0; i < n_pending; i++)
             if (!got[i]) pending[keep++] = pending[i];
@@ -211,6 +304,7 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
         first_wave = false;
     } while (n_pending > 0);
 
+combine:
     /* Combine in fp32: routed experts in increasing id, then the shared one. */
     for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
     for (size_t i = 0; i < total; i++) {
@@ -238,6 +332,8 @@ out:
     free(lm);
     free(pending);
     free(got);
+    free(done);
+    free(group);
     free(views);
     free(xl);
     return rc;

@@ -39,6 +39,7 @@ typedef struct slot {
     uint8_t state;
     uint8_t predicted;  /* holds a prediction pin */
     uint8_t pred_fresh; /* loaded for a prediction and not used yet */
+    uint8_t spec;       /* its load was a prediction's, not yet read again on demand */
     uint32_t pins;
     uint32_t pending; /* runs in flight */
     uint32_t freq;
@@ -398,6 +399,7 @@ static void start_load(ds41_expert_cache *c, slot *s, int L, int ex, size_t *nre
     const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
     s->layer = L;
     s->expert = ex;
+    s->spec = 0;
     s->state = SLOT_LOADING;
     s->pending = l->n_runs;
     s->t_submit = now_ns();
@@ -410,6 +412,14 @@ static void start_load(ds41_expert_cache *c, slot *s, int L, int ex, size_t *nre
                                              .buf = base + l->run_slot[k],
                                              .tag = si * PARTS + (uint64_t)k};
     if (l->n_runs == 0) s->state = SLOT_READY;
+}
+
+/* Bytes one load of (L, ex) delivers into its slot. */
+static uint64_t load_bytes(const ds41_expert_cache *c, int L, int ex) {
+    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+    uint64_t b = 0;
+    for (int k = 0; k < l->n_runs; k++) b += l->run_len[k];
+    return b;
 }
 
 static int check_args(const ds41_expert_cache *c, int L, const int32_t *experts, size_t n, ds41_error *err) {
@@ -433,7 +443,7 @@ static void slots_used_stat(ds41_expert_cache *c) {
 long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, uint8_t *got,
                                ds41_error *err) {
     if (check_args(c, L, experts, n, err) != 0) return -1;
-    uint64_t hits = 0, pf_hits = 0, pred_used = 0, misses = 0;
+    uint64_t hits = 0, pf_hits = 0, pf_inflight = 0, pred_used = 0, misses = 0, used_bytes = 0;
     size_t pinned = 0;
     for (size_t i = 0; i < n; i++) got[i] = 0;
     /* Settle what has arrived, so that failed prefetches are retried. */
@@ -448,9 +458,11 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
             slot_drop(c, s);
             continue;
         }
-        if (s->pred_fresh)
+        if (s->pred_fresh) {
             pf_hits++;
-        else
+            pf_inflight += s->state == SLOT_LOADING;
+            used_bytes += load_bytes(c, L, experts[i]);
+        } else
             hits++;
         s->pred_fresh = 0;
         s->pins++;
@@ -477,6 +489,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
         got[i] = 1;
         pinned++;
         misses++;
+        used_bytes += load_bytes(c, L, experts[i]);
     }
     if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) {
         /* Nothing of this submission is in flight: undo it. */
@@ -493,8 +506,10 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
     c->st.requests += pinned;
     c->st.hits += hits;
     c->st.prefetch_hits += pf_hits;
+    c->st.prefetch_inflight += pf_inflight;
     c->st.misses += misses;
     c->st.reads += misses;
+    c->st.bytes_used += used_bytes;
     c->st.predicted_used += pred_used;
     if (pinned < n) c->st.waves++;
     pthread_mutex_unlock(&c->mu);
@@ -510,6 +525,105 @@ fail:
     return -1;
 }
 
+/* A predicted expert whose read failed and that a layer now waits for is
+ * read again, once, as a demand read: a speculative read never fails a
+ * request by itself (the demand read does, with its own error).  Returns 1
+ * when the read was issued again, 0 when s is not such a slot, -1 when the
+ * submission fails (s keeps its first failure). */
+static int reread_prediction(ds41_expert_cache *c, int L, int32_t ex, slot *s, ds41_error *err) {
+    if (s->state != SLOT_FAILED || !s->spec) return 0;
+    s->spec = 0;
+    const size_t si = (size_t)(s - c->slots);
+    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+    unsigned char *base = c->pool + si * c->slot_bytes;
+    size_t nreq = 0;
+    for (int k = 0; k < l->n_runs; k++)
+        c->reqs[nreq++] = (ds41_read_req){.file = l->shard[k],
+                                          .offset = l->run_off[k],
+                                          .len = (size_t)l->run_len[k],
+                                          .buf = base + l->run_slot[k],
+                                          .tag = si * PARTS + (uint64_t)k};
+    if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) return -1;
+    s->has_fail = 0;
+    s->pending = l->n_runs;
+    s->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
+    s->t_submit = now_ns();
+    pthread_mutex_lock(&c->mu);
+    c->st.reads++;
+    pthread_mutex_unlock(&c->mu);
+    return 1;
+}
+
+/* The slot of pinned expert (L, ex), or NULL with err filled. */
+static slot *pinned_slot(ds41_expert_cache *c, int L, int32_t ex, ds41_error *err) {
+    const int32_t si = *index_of(c, L, ex);
+    if (si < 0 || c->slots[si].pins == 0) {
+        ds41_fail(err, "expert cache: layer %d expert %d is not pinned", L, (int)ex);
+        return NULL;
+    }
+    return &c->slots[si];
+}
+
+/* For a settled slot: its views (0), or the failed read's message (-1). */
+static int settled_view(ds41_expert_cache *c, int L, int32_t ex, const slot *s, ds41_expert_view *view,
+                        ds41_error *err) {
+    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+    if (s->state == SLOT_FAILED) {
+        ds41_reader_completion_error(c->r, &s->fail, err);
+        return ds41_error_prefix(err, "reading routed expert tensor 'layers.%d.ffn.experts.%d.%s' (and the rest of "
+                                      "its run)",
+                                 L, (int)ex, part_suffix[l->run_first[s->fail_run]]);
+    }
+    const unsigned char *base = c->pool + (size_t)(s - c->slots) * c->slot_bytes;
+    for (int w = 0; w < 3; w++) {
+        view->w[w] = base + l->part_slot[2 * w];
+        view->s[w] = base + l->part_slot[2 * w + 1];
+    }
+    return 0;
+}
+
+static void add_stall(ds41_expert_cache *c, uint64_t ns) {
+    pthread_mutex_lock(&c->mu);
+    c->st.stall_ns += ns;
+    pthread_mutex_unlock(&c->mu);
+}
+
+long ds41_expert_cache_wait_some(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, const uint8_t *got,
+                                 uint8_t *done, size_t min_new, ds41_expert_view *views, ds41_error *err) {
+    if (check_args(c, L, experts, n, err) != 0) return -1;
+    size_t newly = 0;
+    uint64_t stalled = 0;
+    /* Take in what has arrived without blocking first. */
+    if (reap(c, 0, err) != 0) return -1;
+    for (;;) {
+        size_t left = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (!got[i] || done[i]) continue;
+            slot *s = pinned_slot(c, L, experts[i], err);
+            if (!s) goto fail;
+            const int rr = reread_prediction(c, L, experts[i], s, err);
+            if (rr < 0) goto fail;
+            if (s->state == SLOT_LOADING) {
+                left++;
+                continue;
+            }
+            if (settled_view(c, L, experts[i], s, &views[i], err) != 0) goto fail;
+            done[i] = 1;
+            newly++;
+        }
+        if (newly >= min_new || left == 0) break;
+        const uint64_t t0 = now_ns();
+        const int rc = reap(c, 1, err);
+        stalled += now_ns() - t0;
+        if (rc != 0) goto fail;
+    }
+    add_stall(c, stalled);
+    return (long)newly;
+fail:
+    add_stall(c, stalled);
+    return -1;
+}
+
 int ds41_expert_cache_wait(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, const uint8_t *got,
                            ds41_expert_view *views, ds41_error *err) {
     if (check_args(c, L, experts, n, err) != 0) return -1;
@@ -517,28 +631,22 @@ int ds41_expert_cache_wait(ds41_expert_cache *c, int L, const int32_t *experts, 
     int rc = 0;
     for (size_t i = 0; i < n && rc == 0; i++) {
         if (!got[i]) continue;
-        const int32_t si = *index_of(c, L, experts[i]);
-        if (si < 0 || c->slots[si].pins == 0) {
-            rc = ds41_fail(err, "expert cache: layer %d expert %d is not pinned", L, (int)experts[i]);
+        slot *s = pinned_slot(c, L, experts[i], err);
+        if (!s) {
+            rc = -1;
             break;
         }
-        slot *s = &c->slots[si];
-        while (s->state == SLOT_LOADING && rc == 0) rc = reap(c, 1, err);
+        for (;;) {
+            while (s->state == SLOT_LOADING && rc == 0) rc = reap(c, 1, err);
+            if (rc != 0) break;
+            const int rr = reread_prediction(c, L, experts[i], s, err);
+            if (rr <= 0) {
+                rc = rr;
+                break;
+            }
+        }
         if (rc != 0) break;
-        if (s->state == SLOT_FAILED) {
-            const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)experts[i]];
-            ds41_reader_completion_error(c->r, &s->fail, err);
-            rc = ds41_error_prefix(err, "reading routed expert tensor 'layers.%d.ffn.experts.%d.%s' (and the rest of "
-                                        "its run)",
-                                   L, (int)experts[i], part_suffix[l->run_first[s->fail_run]]);
-            break;
-        }
-        const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)experts[i]];
-        const unsigned char *base = c->pool + (size_t)si * c->slot_bytes;
-        for (int w = 0; w < 3; w++) {
-            views[i].w[w] = base + l->part_slot[2 * w];
-            views[i].s[w] = base + l->part_slot[2 * w + 1];
-        }
+        rc = settled_view(c, L, experts[i], s, &views[i], err);
     }
     pthread_mutex_lock(&c->mu);
     c->st.stall_ns += now_ns() - t0;
@@ -564,10 +672,11 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
     ds41_error err;
     if (check_args(c, L, experts, n, &err) != 0) return 0;
     size_t nreq = 0, done = 0;
-    uint64_t skipped = 0, loads = 0;
+    uint64_t skipped = 0, loads = 0, again = 0;
     for (size_t i = 0; i < n; i++) {
         const int32_t si = *index_of(c, L, experts[i]);
         if (si >= 0) {
+            if (c->slots[si].predicted) again++; /* an earlier prediction for this layer named it: count it once */
             if (c->slots[si].state != SLOT_FAILED) {
                 c->slots[si].predicted = 1;
                 done++;
@@ -582,6 +691,7 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
         start_load(c, s, L, experts[i], &nreq);
         s->predicted = 1;
         s->pred_fresh = 1;
+        s->spec = 1;
         s->freq = 0;
         s->last_use = ++c->tick;
         loads++;
@@ -597,7 +707,7 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
         loads = 0;
     }
     pthread_mutex_lock(&c->mu);
-    c->st.predicted += n;
+    c->st.predicted += n - again;
     c->st.predict_skipped += skipped;
     c->st.reads += loads;
     pthread_mutex_unlock(&c->mu);

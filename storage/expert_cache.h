@@ -39,17 +39,30 @@
  *
  * Prediction
  *   ds41_expert_cache_predict starts reads for the experts the caller
- *   expects the NEXT layer to use (the engine applies layer L+1's router to
- *   layer L's FFN input), into slots not pinned now; those slots carry a
- *   prediction pin until that layer's acquire (which keeps the used ones and
- *   drops the rest) or ds41_expert_cache_end_step.  Statistics count the
- *   experts predicted and how many of them the layer then used.
+ *   expects a layer to use before its router runs (engine/moe.c: layer L's
+ *   router on its FFN input without the attention output, before L's
+ *   attention; and/or layer L+1's router on layer L's FFN input), into slots
+ *   not pinned now, in the order given (likeliest first); those slots carry
+ *   a prediction pin until that layer's acquire (which keeps the used ones
+ *   and drops the rest) or ds41_expert_cache_end_step.  Several predictions
+ *   for one layer add up.  Statistics count the experts predicted (once per
+ *   layer and step), how many of them the layer then used, and how many were
+ *   still in flight when it asked.
+ *
+ * Computing as reads complete
+ *   ds41_expert_cache_wait_some hands out the pinned experts whose reads
+ *   have finished, so the caller computes those (and the hits) while the
+ *   rest still load; ds41_expert_cache_wait waits for all of them.
  *
  * Errors
  *   A failed read (EIO, a short file, an injected fault) fails
  *   ds41_expert_cache_wait with a message naming the shard, the offset and
  *   the expert's tensors; the slot is emptied at release, so a later request
- *   reads again.  Nothing else changes: no crash, no leak.
+ *   reads again.  A failed read of a PREDICTED expert never fails a request
+ *   by itself: when a layer needs that expert it is read again, once, on
+ *   demand (before the acquire: as a miss; after it: by wait / wait_some),
+ *   and only that read's failure is reported.  Nothing else changes: no
+ *   crash, no leak.
  *
  * Threads: every call except ds41_expert_cache_get_stats comes from one
  * thread at a time (the engine's forward call).  get_stats may be called
@@ -129,6 +142,17 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int layer, const int32_t *e
 int ds41_expert_cache_wait(ds41_expert_cache *c, int layer, const int32_t *experts, size_t n, const uint8_t *got,
                            ds41_expert_view *views, ds41_error *err);
 
+/* Like ds41_expert_cache_wait, expert by expert as the reads complete: for
+ * each pinned experts[i] (got[i]) not yet done[i] whose load has finished,
+ * fills views[i] and sets done[i] = 1 ("newly done").  Waits until at least
+ * min_new are newly done (fewer when fewer remain; 0: only polls).  Lets the
+ * caller compute the experts already there while the others still load.
+ * Returns the number newly done, or -1 with err as ds41_expert_cache_wait
+ * (a read failed: the experts stay pinned, release them). */
+long ds41_expert_cache_wait_some(ds41_expert_cache *c, int layer, const int32_t *experts, size_t n,
+                                 const uint8_t *got, uint8_t *done, size_t min_new, ds41_expert_view *views,
+                                 ds41_error *err);
+
 /* Unpin experts[i] with got[i] (got NULL: all n).  An expert whose read
  * failed is dropped from the cache. */
 void ds41_expert_cache_release(ds41_expert_cache *c, int layer, const int32_t *experts, size_t n,
@@ -150,12 +174,16 @@ typedef struct ds41_expert_cache_stats {
     uint64_t requests;       /* expert uses: experts pinned by acquire (= hits + prefetch_hits + misses) */
     uint64_t hits;           /* already loaded */
     uint64_t prefetch_hits;  /* loaded or in flight thanks to a prediction, first use */
+    uint64_t prefetch_inflight; /* of which still in flight when the layer asked (late predictions) */
     uint64_t misses;         /* read on demand */
     uint64_t evictions;
     uint64_t waves;          /* acquires that could not pin the whole request */
     uint64_t read_errors;
     uint64_t bytes_read;     /* bytes delivered into slots */
     uint64_t device_bytes;   /* bytes the reader read from the device (incl. alignment) */
+    uint64_t bytes_used;     /* of bytes_read, those of loads a layer then used (demand loads, and
+                              * predicted loads at their first use): bytes_read - bytes_used were
+                              * read for predictions nobody used */
     uint64_t reads;          /* expert loads started (demand + prediction) */
     uint64_t predicted;      /* experts predicted for a layer */
     uint64_t predicted_used; /* of which the layer used */

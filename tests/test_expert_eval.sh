@@ -130,11 +130,15 @@ x = json.load(open(sys.argv[1]))["experts"]
 assert x["streamed"] is True, x
 assert x["slots"] >= 1 and x["total_bytes"] > x["budget_bytes"] >= x["slot_bytes"], x
 assert x["device_read_bandwidth_bps"] > 0, x
+assert x["prediction"] is True and x["prediction_mode"] == "early", x
 io = x["io_without_compute"]
 assert io["read_bps"] > 0 and io["read_bps_next_layer_early"] > 0, io
 for p in x["phases"]:
     assert p["uses"] == p["hits"] + p["prefetch_hits"] + p["misses"], p
+    assert 0 <= p["prefetch_inflight"] <= p["prefetch_hits"], p
     assert p["bytes_read"] > 0 and p["achieved_read_bps"] > 0, p
+    # bytes of loads a layer used: never more than what was read
+    assert 0 < p["bytes_used"] <= p["bytes_read"] and 0 < p["used_fraction_of_device"] <= p["fraction_of_device"], p
     assert 0 <= p["hit_rate"] <= 1 and 0 <= p["prediction_accuracy"] <= 1, p
     assert p["latency_p99_ns"] >= p["latency_p50_ns"] > 0, p
     # what the tier read came from the device: /proc/self/io counts at least the tier's bytes
@@ -147,7 +151,7 @@ print("# without compute: %.1f%% of the device, %.1f%% with the next layer early
 EOF
 rc=$?
 cat "$work/bcheck.log" | grep '^#'
-check "ds41-bench's expert report: uses = hits + predicted + misses, bytes, latency, accuracy, /proc/self/io >= tier bytes" \
+check "ds41-bench's expert report: uses = hits + predicted + misses, bytes (used <= read), latency, accuracy, /proc/self/io >= tier bytes" \
     test $rc = 0
 [ $rc = 0 ] || sed 's/^/# /' "$work/bcheck.log" | tail -5
 echo "1..$n"
