@@ -420,8 +420,8 @@ typedef struct ds41_service {
      * to stay valid only during that call). */
     int (*cache_info)(void *ctx, void (*emit)(void *acc, const ds41_svc_cache *cache), void *acc,
                       ds41_svc_error *err);
-    /* Session snapshots (NULL = not implemented, 501).  list: every snapshot of every loaded
-     * model.  save: write the state of session `session_id` (a ds41_svc_session id) to disk and
+    /* Session snapshots (NULL: a service without snapshots; the routes answer
+     * 501).  list: every snapshot of every loaded model.  save: write the state of session `session_id` (a ds41_svc_session id) to disk and
      * emit the snapshot once (NOT_FOUND: no such session; CONFLICT: snapshots disabled or
      * nothing to save yet).  restore: load snapshot `snapshot_id` into its model's prefix
      * cache; *session_id receives the new cache session's id, *tokens its length (NOT_FOUND;

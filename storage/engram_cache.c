@@ -513,8 +513,8 @@ int ds41_engram_cache_gather(ds41_engram_cache *c, uint32_t t, const int64_t *ro
     c->acc.s.uses += nu;
 
     /* Pass 1: ready rows are copied now; rows in flight are waited for. */
-    uint8_t *todo = calloc(nu ? nu : 1, 1); /* 1: still absent */
-    if (!todo) {
+    uint8_t *absent = calloc(nu ? nu : 1, 1); /* 1: not in the cache when the call began */
+    if (!absent) {
         c->g = NULL;
         ds41_fail(err, "engram cache: out of memory");
         goto out;
@@ -523,7 +523,7 @@ int ds41_engram_cache_gather(ds41_engram_cache *c, uint32_t t, const int64_t *ro
         const uint64_t key = ((uint64_t)t << ROW_BITS) | (uint64_t)g.order[g.ustart[u]].row;
         const uint32_t i = lookup(c, key);
         if (i == NONE) {
-            todo[u] = 1;
+            absent[u] = 1;
             continue;
         }
         entry *x = &c->e[i];
@@ -552,7 +552,7 @@ int ds41_engram_cache_gather(ds41_engram_cache *c, uint32_t t, const int64_t *ro
     const uint64_t t0 = now_ns();
     int sub_rc = 0;
     for (size_t u = 0; u < nu && sub_rc == 0; u++) {
-        if (!todo[u]) continue;
+        if (!absent[u]) continue;
         const int64_t row = g.order[g.ustart[u]].row;
         const uint64_t key = ((uint64_t)t << ROW_BITS) | (uint64_t)row;
         c->acc.s.misses++;
@@ -585,7 +585,7 @@ int ds41_engram_cache_gather(ds41_engram_cache *c, uint32_t t, const int64_t *ro
         }
         if (sub_rc == 0) g.remaining++;
     }
-    free(todo);
+    free(absent);
     if (sub_rc != 0) {
         /* Nothing of pass 2 was submitted: forget it, then wait for pass 1's rows. */
         for (size_t k = 0; k < c->n_reqs; k += 2) {
