@@ -270,65 +270,13 @@ out:
  * text layers, and how many of them are in the page cache (mincore): with
  * the experts streamed through O_DIRECT after a dropped page cache this
  * stays near 0, showing the experts came from the device, not the mapping. */
-typedef struct xrange {
-    uintptr_t a, b;
-} xrange;
-
-static int cmp_xrange(const void *x, const void *y) {
-    const xrange *p = x, *q = y;
-    return p->a < q->a ? -1 : p->a > q->a;
-}
-
 static void expert_pages_resident(const ds41_engine *e, uint64_t *resident, uint64_t *pages) {
-    const ds41_model_config *c = ds41_engine_config(e);
-    const ds41_weights *w = ds41_engine_weights(e);
-    size_t n = 0, cap = 0;
-    xrange *r = NULL;
-    *resident = *pages = 0;
-    for (int L = 0; L < (int)c->n_layers; L++) {
-        const ds41_layer_weights *lw = &w->layers[L];
-        for (int64_t ex = 0; ex < lw->n_experts; ex++) {
-            const ds41_linear *ls[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
-            for (int k = 0; k < 3; k++) {
-                if (n + 2 > cap) {
-                    cap = cap ? 2 * cap : 1024;
-                    xrange *nr = realloc(r, cap * sizeof *nr);
-                    if (!nr) {
-                        free(r);
-                        return;
-                    }
-                    r = nr;
-                }
-                const size_t qb = (size_t)(ls[k]->n * (ls[k]->kind == DS41_LINEAR_FP4 ? ls[k]->k / 2 : ls[k]->k));
-                r[n++] = (xrange){(uintptr_t)ls[k]->q, (uintptr_t)ls[k]->q + qb};
-                r[n++] = (xrange){(uintptr_t)ls[k]->scale, (uintptr_t)ls[k]->scale + (size_t)(ls[k]->n * ls[k]->scale_cols)};
-            }
-        }
-    }
-    if (!n) {
-        free(r);
-        return;
-    }
-    qsort(r, n, sizeof *r, cmp_xrange);
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (m && r[i].a <= r[m - 1].b) {
-            if (r[i].b > r[m - 1].b) r[m - 1].b = r[i].b;
-        } else {
-            r[m++] = r[i];
-        }
-    }
+    size_t n = 0;
+    ds41_page_range *r = ds41_engine_expert_only_pages(e, &n);
     const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
-    for (size_t i = 0; i < m; i++) {
-        const uintptr_t a = (r[i].a + pg - 1) / pg * pg, b = r[i].b / pg * pg;
-        if (b <= a) continue;
-        const size_t np = (b - a) / pg;
-        unsigned char *v = malloc(np);
-        if (v && mincore((void *)a, b - a, v) == 0)
-            for (size_t p = 0; p < np; p++) *resident += v[p] & 1;
-        *pages += np;
-        free(v);
-    }
+    *pages = 0;
+    for (size_t i = 0; i < n; i++) *pages += (r[i].end - r[i].start) / pg;
+    *resident = ds41_page_ranges_resident(r, n);
     free(r);
 }
 

@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* ---- load ---------------------------------------------------------------------- */
 
@@ -216,6 +218,73 @@ const ds41_model_config *ds41_engine_config(const ds41_engine *e) {
 
 const ds41_weights *ds41_engine_weights(const ds41_engine *e) {
     return &e->w;
+}
+
+static int cmp_page_range(const void *x, const void *y) {
+    const ds41_page_range *p = x, *q = y;
+    return p->start < q->start ? -1 : p->start > q->start;
+}
+
+ds41_page_range *ds41_engine_expert_only_pages(const ds41_engine *e, size_t *n_out) {
+    size_t n = 0, cap = 0;
+    ds41_page_range *r = NULL;
+    *n_out = 0;
+    for (int L = 0; L < (int)e->cfg.n_layers; L++) {
+        const ds41_layer_weights *lw = &e->w.layers[L];
+        for (int64_t ex = 0; ex < lw->n_experts; ex++) {
+            const ds41_linear *ls[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
+            for (int k = 0; k < 3; k++) {
+                if (n + 2 > cap) {
+                    cap = cap ? 2 * cap : 1024;
+                    ds41_page_range *nr = realloc(r, cap * sizeof *nr);
+                    if (!nr) {
+                        free(r);
+                        return NULL;
+                    }
+                    r = nr;
+                }
+                const ds41_linear *l = ls[k];
+                const size_t qb = (size_t)(l->n * (l->kind == DS41_LINEAR_FP4 ? (l->k + 1) / 2 : l->k));
+                r[n++] = (ds41_page_range){(uintptr_t)l->q, (uintptr_t)l->q + qb};
+                r[n++] = (ds41_page_range){(uintptr_t)l->scale, (uintptr_t)l->scale + (size_t)(l->n * l->scale_cols)};
+            }
+        }
+    }
+    if (!n) {
+        free(r);
+        return NULL;
+    }
+    /* Merge the byte ranges, then keep the whole pages inside each. */
+    qsort(r, n, sizeof *r, cmp_page_range);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (m && r[i].start <= r[m - 1].end) {
+            if (r[i].end > r[m - 1].end) r[m - 1].end = r[i].end;
+        } else {
+            r[m++] = r[i];
+        }
+    }
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    size_t k = 0;
+    for (size_t i = 0; i < m; i++) {
+        const uintptr_t a = (r[i].start + pg - 1) / pg * pg, b = r[i].end / pg * pg;
+        if (b > a) r[k++] = (ds41_page_range){a, b};
+    }
+    *n_out = k;
+    return r;
+}
+
+uint64_t ds41_page_ranges_resident(const ds41_page_range *r, size_t n) {
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uint64_t t = 0;
+    for (size_t i = 0; i < n; i++) {
+        const size_t np = (r[i].end - r[i].start) / pg;
+        unsigned char *v = malloc(np ? np : 1);
+        if (v && mincore((void *)r[i].start, r[i].end - r[i].start, v) == 0)
+            for (size_t p = 0; p < np; p++) t += v[p] & 1;
+        free(v);
+    }
+    return t;
 }
 
 const ds41_ops *ds41_engine_ops(const ds41_engine *e) {

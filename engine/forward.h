@@ -123,6 +123,21 @@ void ds41_engine_free(ds41_engine *e);
 const ds41_model_config *ds41_engine_config(const ds41_engine *e);
 const ds41_weights *ds41_engine_weights(const ds41_engine *e);
 const ds41_ops *ds41_engine_ops(const ds41_engine *e);
+
+/* Whole pages of the checkpoint mapping that hold nothing but routed-expert
+ * bytes (codes and scales) of the text layers, as sorted disjoint address
+ * ranges [start, end): what must stay out of the page cache when the experts
+ * are streamed, for ds41-bench's mincore check and the tests.  Returns a
+ * malloc'd array (free() it) and *n, or NULL with *n = 0 when there is none
+ * or memory ran out. */
+typedef struct ds41_page_range {
+    uintptr_t start, end;
+} ds41_page_range;
+ds41_page_range *ds41_engine_expert_only_pages(const ds41_engine *e, size_t *n);
+
+/* How many pages of the ranges are in the page cache (mincore(2)); pages
+ * whose state cannot be read count as absent. */
+uint64_t ds41_page_ranges_resident(const ds41_page_range *r, size_t n);
 /* The engine's backend (owned by the engine): its counters, level, threads. */
 ds41_backend *ds41_engine_backend(const ds41_engine *e);
 

@@ -133,81 +133,17 @@ out:
 
 /* ---- the mapping's expert-only pages ----------------------------------------------- */
 
-typedef struct range {
-    uintptr_t a, b;
-} range;
-
-static int cmp_range(const void *x, const void *y) {
-    const range *p = x, *q = y;
-    return p->a < q->a ? -1 : p->a > q->a;
-}
-
-/* Whole pages holding nothing but routed-expert bytes of the text layers
- * (from the bound weights, which point into the mapping). */
-static range *expert_pages(const ds41_engine *e, size_t *n_out) {
-    const ds41_model_config *c = ds41_engine_config(e);
-    const ds41_weights *w = ds41_engine_weights(e);
-    size_t n = 0, cap = 0;
-    range *r = NULL;
-    for (int L = 0; L < (int)c->n_layers; L++) {
-        const ds41_layer_weights *lw = &w->layers[L];
-        for (int64_t ex = 0; ex < lw->n_experts; ex++) {
-            const ds41_linear *ls[3] = {&lw->w1[ex], &lw->w2[ex], &lw->w3[ex]};
-            for (int k = 0; k < 3; k++) {
-                if (n + 2 > cap) {
-                    cap = cap ? 2 * cap : 256;
-                    r = realloc(r, cap * sizeof *r);
-                }
-                const size_t qb = (size_t)(ls[k]->n * (ls[k]->kind == DS41_LINEAR_FP4 ? ls[k]->k / 2 : ls[k]->k));
-                const size_t sb = (size_t)(ls[k]->n * ls[k]->scale_cols);
-                r[n++] = (range){(uintptr_t)ls[k]->q, (uintptr_t)ls[k]->q + qb};
-                r[n++] = (range){(uintptr_t)ls[k]->scale, (uintptr_t)ls[k]->scale + sb};
-            }
-        }
-    }
-    qsort(r, n, sizeof *r, cmp_range);
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (m && r[i].a <= r[m - 1].b) {
-            if (r[i].b > r[m - 1].b) r[m - 1].b = r[i].b;
-        } else {
-            r[m++] = r[i];
-        }
-    }
-    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
-    size_t k = 0;
-    for (size_t i = 0; i < m; i++) {
-        const uintptr_t a = (r[i].a + pg - 1) / pg * pg, b = r[i].b / pg * pg;
-        if (b > a) r[k++] = (range){a, b};
-    }
-    *n_out = k;
-    return r;
-}
-
-static size_t pages_in(const range *r, size_t n) {
+static size_t pages_in(const ds41_page_range *r, size_t n) {
     const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
     size_t t = 0;
-    for (size_t i = 0; i < n; i++) t += (r[i].b - r[i].a) / pg;
+    for (size_t i = 0; i < n; i++) t += (r[i].end - r[i].start) / pg;
     return t;
 }
 
-static int protect(const range *r, size_t n, int prot) {
+static int protect(const ds41_page_range *r, size_t n, int prot) {
     for (size_t i = 0; i < n; i++)
-        if (mprotect((void *)r[i].a, r[i].b - r[i].a, prot) != 0) return -1;
+        if (mprotect((void *)r[i].start, r[i].end - r[i].start, prot) != 0) return -1;
     return 0;
-}
-
-static size_t resident_pages(const range *r, size_t n) {
-    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
-    size_t t = 0;
-    for (size_t i = 0; i < n; i++) {
-        const size_t np = (r[i].b - r[i].a) / pg;
-        unsigned char *v = malloc(np);
-        if (v && mincore((void *)r[i].a, r[i].b - r[i].a, v) == 0)
-            for (size_t p = 0; p < np; p++) t += v[p] & 1;
-        free(v);
-    }
-    return t;
 }
 
 /* Write back and drop the checkpoint files' pages from the page cache. */
@@ -311,7 +247,7 @@ static void test_preset(const char *dir, const char *name, int with_reference) {
                 continue;
             }
             size_t nr = 0;
-            range *pages = expert_pages(e, &nr);
+            ds41_page_range *pages = ds41_engine_expert_only_pages(e, &nr);
             const int prot_ok = protect(pages, nr, PROT_NONE) == 0;
             memset(got, 0, NF * sizeof *got);
             const int rrc = run(e, prompts, got, &err);
@@ -365,11 +301,11 @@ static void test_preset(const char *dir, const char *name, int with_reference) {
             TAP_SKIP("%s: mincore check: the file system refuses O_DIRECT here", name);
         } else {
             size_t nr = 0;
-            range *pages = expert_pages(e, &nr);
+            ds41_page_range *pages = ds41_engine_expert_only_pages(e, &nr);
             const int dropped = drop_dir_cache(dir) == 0;
-            const size_t before = resident_pages(pages, nr);
+            const size_t before = (size_t)ds41_page_ranges_resident(pages, nr);
             const int rrc = run(e, prompts, got, &err);
-            const size_t after = resident_pages(pages, nr);
+            const size_t after = (size_t)ds41_page_ranges_resident(pages, nr);
             ds41_engine_expert_stats(e, &st, false);
             TAP_CHECK(dropped && rrc == 0 && st.bytes_read > 0 && after <= before,
                       "%s: O_DIRECT reads of %" PRIu64 " expert bytes left the page cache alone: %zu of %zu "
