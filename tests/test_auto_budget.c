@@ -7,6 +7,7 @@
 #include "storage/expert_cache.h"
 #include "storage/safetensors.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <ftw.h>
 #include <inttypes.h>
@@ -21,13 +22,6 @@
 #define GIB ((uint64_t)1 << 30)
 
 static char root[4096];
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 /* Write text to root/rel, creating the directories on the way. */
 static int put(const char *base, const char *rel, const char *text) {
@@ -308,6 +302,6 @@ int main(void) {
     test_mem_read();
     test_decide();
     test_footprint();
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

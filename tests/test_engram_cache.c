@@ -6,6 +6,7 @@
  * the tables' mapped pages are never touched. */
 #include "storage/engram_cache.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <fcntl.h>
 #include <ftw.h>
@@ -27,13 +28,6 @@ static uint64_t rnd(void) {
     rng ^= rng >> 7;
     rng ^= rng << 17;
     return rng;
-}
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
 }
 
 /* Two tables (payload + scales each) in two shards, with other tensors
@@ -331,7 +325,7 @@ int main(void) {
         ds41_engram_cache_free(c2);
     }
     ds41_checkpoint_close(ck);
-    nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(dir);
     for (int t = 0; t < 2; t++) {
         free(ref_p[t]);
         free(ref_s[t]);

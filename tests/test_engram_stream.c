@@ -11,6 +11,7 @@
 #include "engine/model_gen.h"
 #include "storage/safetensors.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <fcntl.h>
 #include <ftw.h>
@@ -21,13 +22,6 @@
 #include <unistd.h>
 
 static char root[3000];
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 #define PROMPT 21
 #define STEPS 5
@@ -253,6 +247,6 @@ int main(void) {
     }
     preset_checks("tiny", 11);
     preset_checks("long", 12);
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

@@ -18,6 +18,7 @@
 #include "engine/model_gen.h"
 #include "storage/expert_cache.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -30,13 +31,6 @@
 #include <unistd.h>
 
 static char root[3000];
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static int32_t rnd(int64_t n) {
@@ -561,6 +555,6 @@ int main(void) {
     }
     if (TAP_CHECK(make("long", 72, dir_long) == 0, "long checkpoint generated"))
         test_preset(dir_long, "long", getenv("DS41_SANITIZED") == NULL);
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

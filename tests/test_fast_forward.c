@@ -9,6 +9,7 @@
 #include "engine/forward.h"
 #include "engine/model_gen.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <ftw.h>
 #include <math.h>
@@ -17,13 +18,6 @@
 #include <string.h>
 
 static char root[3000];
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
 static int32_t rnd(int64_t n) {
@@ -243,6 +237,6 @@ int main(void) {
     }
     if (TAP_CHECK(make("long", 22, dir_long) == 0, "long checkpoint generated"))
         test_invariance(dir_long, "long", slow ? 70 : 130, 0);
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

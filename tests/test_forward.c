@@ -11,6 +11,7 @@
 #include "engine/quant.h"
 #include "engine/tensor_plan.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <ftw.h>
 #include <math.h>
@@ -24,13 +25,6 @@ static char root[3000];
 
 /* This file tests the reference mode (the fast path: test_fast_forward.c). */
 static const ds41_engine_opts ref_opts = {.reference = true};
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 static uint64_t rng = 0x5deece66dull;
 static uint32_t rnd(uint32_t n) {
@@ -521,6 +515,6 @@ int main(void) {
     if (TAP_CHECK(lng != NULL, "long checkpoint generated and loaded")) test_chunking(lng, "long", 140);
     ds41_engine_free(lng);
 
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

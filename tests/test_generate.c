@@ -8,6 +8,7 @@
 #include "engine/pyjson.h"
 #include "engine/tokenizer.h"
 #include "tap.h"
+#include "tmpdir.h"
 
 #include <ftw.h>
 #include <math.h>
@@ -858,13 +859,6 @@ static void test_tool_choice(void) {
     json_decref(msgs);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -887,7 +881,7 @@ int main(void) {
     }
     if (POOL && ds41_sampler_scratch_new(&SCRATCH, NV, &err) != 0) SCRATCH = NULL;
     if (!TAP_CHECK(SCRATCH != NULL, "tiny checkpoint, engine, tokenizer (%s)", SCRATCH ? "ok" : err.msg)) {
-        nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        tmpdir_remove(root);
         return tap_done();
     }
     test_prompt();
@@ -905,6 +899,6 @@ int main(void) {
     ds41_tokenizer_free(TOK);
     ds41_vocab_free(VOCAB);
     ds41_engine_free(E);
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

@@ -7,6 +7,7 @@
 #include "engine/model_gen.h"
 #include "engine/sampler.h"
 #include "tap.h"
+#include "tmpdir.h"
 
 #include <ftw.h>
 #include <stdio.h>
@@ -267,13 +268,6 @@ static void run_mode(const char *dir, bool reference) {
     ds41_engine_free(e);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -291,6 +285,6 @@ int main(void) {
         run_mode(dir, false);
         run_mode(dir, true);
     }
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

@@ -19,6 +19,7 @@
 #include "storage/map_guard.h"
 #include "storage/safetensors.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -40,13 +41,6 @@
 
 static char root[PATH_MAX];
 static size_t ps; /* page size */
-
-static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(p);
-}
 
 static uint8_t pat(size_t i) {
     return (uint8_t)(i * 131u + 7u) | 1u; /* never 0 */
@@ -478,6 +472,6 @@ int main(void) {
     test_checkpoint();
     test_engine();
 
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

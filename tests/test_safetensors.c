@@ -4,6 +4,7 @@
  * Everything is written under a mkdtemp directory in /tmp, removed at the end. */
 #include "storage/safetensors.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <fcntl.h>
 #include <ftw.h>
@@ -66,11 +67,6 @@ static void write_st_n(const char *dir, const char *name, uint64_t n_field, cons
 
 static void write_st(const char *dir, const char *name, const char *json, size_t data_len) {
     write_st_n(dir, name, strlen(json), json, data_len);
-}
-
-static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(p);
 }
 
 static uint8_t pattern_byte(const char *name, size_t j) {
@@ -958,6 +954,6 @@ int main(void) {
     test_malformed_index();
     test_directory_errors();
     test_no_payload_read();
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

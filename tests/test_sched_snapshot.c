@@ -8,6 +8,7 @@
 #include "engine/scheduler.h"
 #include "engine/tokenizer.h"
 #include "tap.h"
+#include "tmpdir.h"
 
 #include <ftw.h>
 #include <pthread.h>
@@ -259,13 +260,6 @@ static void test_export_import(void) {
     ds41_scheduler_free(s, 1000);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -290,6 +284,6 @@ int main(void) {
     ds41_tokenizer_free(TOK);
     ds41_vocab_free(VOCAB);
     ds41_engine_free(E);
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

@@ -6,6 +6,7 @@
 #include "engine/scheduler.h"
 #include "engine/tokenizer.h"
 #include "tap.h"
+#include "tmpdir.h"
 
 #include <ftw.h>
 #include <pthread.h>
@@ -451,13 +452,6 @@ static void test_stop(void) {
     for (int i = 0; i < N; i++) rec_destroy(&r[i]);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -474,7 +468,7 @@ int main(void) {
     if (E) VOCAB = ds41_vocab_load_dir(dir, &err);
     if (VOCAB) TOK = ds41_tokenizer_new(VOCAB, &err);
     if (!TAP_CHECK(TOK != NULL, "tiny checkpoint, engine, tokenizer (%s)", TOK ? "ok" : err.msg)) {
-        nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        tmpdir_remove(root);
         return tap_done();
     }
     NV = (uint32_t)ds41_engine_config(E)->vocab_size;
@@ -493,6 +487,6 @@ int main(void) {
     ds41_tokenizer_free(TOK);
     ds41_vocab_free(VOCAB);
     ds41_engine_free(E);
-    nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(root);
     return tap_done();
 }

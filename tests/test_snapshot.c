@@ -5,6 +5,7 @@
 #include "storage/snapshot.h"
 #include "storage/snapshot_store.h"
 #include "tap.h"
+#include "tmpdir.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -425,13 +426,6 @@ static void test_store(void) {
     ds41_snapshot_store_free(st);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     snprintf(ROOT, sizeof ROOT, "%s/ds41-snapfmt-XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -449,6 +443,6 @@ int main(void) {
     test_atomic();
     test_model_id();
     test_store();
-    nftw(ROOT, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tmpdir_remove(ROOT);
     return tap_done();
 }
