@@ -473,13 +473,22 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
 
 /* Activations in VNNI tiles: for row block mb (16 rows) and chunk q (32 K),
  * 16 dwords per K pair i (the pair's two bf16, low = even) for the 16 rows:
- * dword [(mb * nq + q) * 256 + i * 16 + (m % 16)].  Rows past M are zero. */
+ * dword [(mb * nq + q) * 256 + i * 16 + (m % 16)].  Rows past M are zero.
+ * A call with M < 16 rows (decode) packs them narrow, M dwords per pair:
+ * dword [q * 16 * M + i * M + m], so that a chunk's B tile is M x 64 bytes
+ * instead of 1 KiB: a one-row activation of K = 2048 is 4 KiB and stays in
+ * L1 next to the weight panel (the wide layout's 64 KiB did not). */
 static size_t amx_kp(ds41_linear_kind kind, size_t K) {
     return kind == DS41_LINEAR_BF16 ? pad32(K) : pad64(K);
 }
 
 static size_t amx_act_bytes(ds41_linear_kind kind, size_t K, size_t M) {
-    return (M + 15) / 16 * 16 * amx_kp(kind, K) * sizeof(uint16_t);
+    return (M < 16 ? M : (M + 15) / 16 * 16) * amx_kp(kind, K) * sizeof(uint16_t);
+}
+
+/* Dwords per chunk of a row block, and bytes per tile row (B tile stride). */
+static size_t amx_chunk_dwords(size_t M) {
+    return M < 16 ? 16 * M : 256;
 }
 
 /* 16 x 16 dword transpose of r[0..15] in place. */
@@ -515,6 +524,7 @@ static inline void transpose16(__m512i r[16]) {
  * tile lines (pair i: the 16 rows' dwords). */
 static void amx_pack_act(ds41_linear_kind kind, const float *x, size_t K, size_t M, size_t m, uint8_t *act) {
     const size_t Kp = amx_kp(kind, K), nq = Kp / 32, rows = M - m < 16 ? M - m : 16;
+    const size_t cd = amx_chunk_dwords(M);
     float tmp[1024];
     uint16_t buf[16][1024] __attribute__((aligned(64)));
     uint32_t *v = (uint32_t *)act + (m / 16) * nq * 256;
@@ -526,7 +536,12 @@ static void amx_pack_act(ds41_linear_kind kind, const float *x, size_t K, size_t
             for (size_t i = len ? amx_kp(kind, len) : 0; i < plen; i++) buf[r][i] = 0;
         }
         for (size_t q = 0; q < plen / 32; q++) {
-            uint32_t *line = v + (k0 / 32 + q) * 256;
+            uint32_t *line = v + (k0 / 32 + q) * cd;
+            if (M == 1) {
+                /* narrow, one row: the chunk's 16 dwords as they are */
+                _mm512_storeu_si512(line, _mm512_loadu_si512(buf[0] + q * 32));
+                continue;
+            }
             if (rows == 1) {
                 /* one row: lane 0 of each line */
                 const __m512i d = _mm512_loadu_si512(buf[0] + q * 32);
@@ -539,6 +554,10 @@ static void amx_pack_act(ds41_linear_kind kind, const float *x, size_t K, size_t
             for (size_t r = 0; r < 16; r++)
                 r16[r] = r < rows ? _mm512_loadu_si512(buf[r] + q * 32) : _mm512_setzero_si512();
             transpose16(r16);
+            if (M < 16) {
+                for (int i = 0; i < 16; i++) _mm512_mask_storeu_epi32(line + i * M, tail16(M), r16[i]);
+                continue;
+            }
             for (int i = 0; i < 16; i++) _mm512_store_si512(line + i * 16, r16[i]);
         }
     }
@@ -570,22 +589,28 @@ typedef struct __attribute__((packed)) tile_config {
     uint8_t rows[16];
 } tile_config;
 
-/* C tiles 0-3, A (weights) and B (activations) tiles 2-7, all 16 x 64
- * bytes.  Loaded once per thread and kept (the thread pool's threads only
- * run these kernels; the kernel saves the tile state across switches). */
-static _Thread_local int amx_configured;
+/* A (weights) tiles 2-5 are 16 x 64 bytes.  The C tiles 0-3 and the B
+ * (activations) tiles 6-7 are 16 rows of 4 x cols bytes: cols activation
+ * rows per row block.  A task with at most 16 rows uses cols = its rows
+ * (a C element is the same tdpbf16ps chain whatever the tile's width, and
+ * a narrow tile's products cost the AMX unit less time: at one row the
+ * step is up to 20% faster); other tasks use 16.  The configuration is
+ * loaded per thread when it changes and kept (the thread pool's threads
+ * only run these kernels; the kernel saves the tile state across
+ * switches). */
+static _Thread_local int amx_cols_loaded;
 
-static void amx_config(void) {
-    if (amx_configured) return;
+static void amx_config(int cols) {
+    if (amx_cols_loaded == cols) return;
     tile_config c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
         c.rows[t] = 16;
-        c.colsb[t] = 64;
+        c.colsb[t] = (uint16_t)(t >= 2 && t <= 5 ? 64 : 4 * cols);
     }
     _tile_loadconfig(&c);
-    amx_configured = 1;
+    amx_cols_loaded = cols;
 }
 
 /* cbuf[n][m] (a stored C tile) -> y[m][n] for the valid rows and columns. */
@@ -627,23 +652,43 @@ static void amx_store(float *cbuf, size_t m_base, size_t n_base, size_t m_end, s
  * ld elements) in the packed order, scales folded in.  One call covers all
  * rows so the tables stay in registers; rows whose scales need the exact
  * scalar path take it. */
-/* One line of the next task's weights (fast_prefetch), if any is left: to
- * L2, so that the panel the current task works in stays in L1. */
-static inline void next_line(fast_prefetch *nx) {
-    if (!nx) return;
-    for (int r = 0; r < 2; r++)
-        if (nx->p[r] < nx->end[r]) {
-            _mm_prefetch(nx->p[r], _MM_HINT_T1);
-            nx->p[r] += 64;
-            return;
-        }
+/* The next task's weights (fast_prefetch) as a cursor held in registers for
+ * the length of one decode_rows call (through the struct, every step would
+ * reload and store it around the panel stores, which may alias it). */
+typedef struct next_cursor {
+    const char *p0, *end0, *p1, *end1;
+} next_cursor;
+
+static inline next_cursor next_open(const fast_prefetch *nx) {
+    next_cursor c = {0};
+    if (nx) c = (next_cursor){nx->p[0], nx->end[0], nx->p[1], nx->end[1]};
+    return c;
 }
 
-/* (nx: the next task's weights, advanced by one line per chunk decoded here,
- * 64 bytes of FP8 codes or 32 of FP4, so that the next task's codes and
- * scales are on their way before it starts; NULL for none.) */
+static inline void next_close(const next_cursor *c, fast_prefetch *nx) {
+    if (!nx) return;
+    nx->p[0] = c->p0;
+    nx->p[1] = c->p1;
+}
+
+/* One line of the next task's weights, if any is left: to L2, so that the
+ * panel the current task works in stays in L1. */
+static inline void next_line(next_cursor *c) {
+    if (c->p0 < c->end0) {
+        _mm_prefetch(c->p0, _MM_HINT_T1);
+        c->p0 += 64;
+    } else if (c->p1 < c->end1) {
+        _mm_prefetch(c->p1, _MM_HINT_T1);
+        c->p1 += 64;
+    }
+}
+
+/* (nx: the next task's weights, advanced by one line per 64 bytes of codes
+ * decoded here, so that the next task's codes and scales are on their way
+ * before it starts; NULL for none.) */
 static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows, size_t k0, size_t klen,
                         uint16_t *dst, size_t ld, size_t pf, fast_prefetch *nx) {
+    next_cursor cur = next_open(nx);
     const size_t K = (size_t)w->k, kk = K - k0 < klen ? K - k0 : klen, nkb = (kk + 31) / 32;
     const size_t done = w->kind == DS41_LINEAR_BF16 ? kk : pad64(kk);
     const size_t nend = n0 + nrows < n1 ? n0 + nrows : n1;
@@ -684,7 +729,7 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
             __mmask64 nan_codes = 0;
             for (size_t c = 0; c < nch; c++) {
                 _mm_prefetch((const char *)q + c * 64 + pf, PF_HINT);
-                next_line(nx);
+                next_line(&cur);
                 const __m512i raw = _mm512_maskz_loadu_epi8(c + 1 < nch ? ~(__mmask64)0 : tail, q + c * 64);
                 __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
                 hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
@@ -704,8 +749,16 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
             if (nan_codes) decode_fp8_row_slow(q, sc, kk, out);
         }
     } else {
+        /* Per chunk of 32 code bytes (blocks 2c and 2c+1), the table of the
+         * 16 codes' values is scaled for both blocks at once (entries 0-15:
+         * block 2c, 16-31: block 2c+1; the scale is added to the exponent of
+         * the non-zero magnitudes), and the low nibbles of bytes 16-31 (the
+         * high ones likewise) index the upper half: two permutes per 64
+         * values and nothing else on the shuffle port. */
         const __m512i tab = _mm512_load_si512(e2m1_bf16);
-        const __m512i nib = _mm512_set1_epi16(15), nz = _mm512_set1_epi16(7);
+        const __m512i nib = _mm512_set1_epi16(15);
+        const __m512i upper = _mm512_mask_mov_epi32(_mm512_setzero_si512(), 0xFF00, _mm512_set1_epi16(16));
+        const __mmask32 nonzero = 0xFEFEFEFEu; /* entries whose magnitude (code & 7) is not 0 */
         const size_t rb = (kk + 1) / 2, full = rb / 32;
         const __mmask32 tail = (((__mmask32)1 << (rb % 32)) - 1);
         for (size_t n = n0; n < nend; n++) {
@@ -716,26 +769,28 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
                 decode_fp4_row_slow(q, sc, kk, out);
                 continue;
             }
-            /* Whole chunks (32 bytes = blocks 2c and 2c+1), then a partial one. */
-            for (size_t c = 0; c <= full; c++) {
-                if (c == full && rb % 32 == 0) break;
-                _mm_prefetch((const char *)q + c * 32 + pf, PF_HINT);
-                next_line(nx);
+            /* Whole chunks, then a partial one. */
+            const size_t nchunk = full + (rb % 32 != 0);
+            for (size_t c = 0; c < nchunk; c++) {
+                if (c % 2 == 0) {
+                    _mm_prefetch((const char *)q + c * 32 + pf, PF_HINT);
+                    next_line(&cur);
+                }
                 const __m256i bytes = c < full ? _mm256_loadu_si256((const __m256i *)(q + c * 32))
                                                : _mm256_maskz_loadu_epi8(tail, q + c * 32);
                 const __m512i wv = _mm512_cvtepu8_epi16(bytes);
-                const __m512i il = _mm512_and_si512(wv, nib), ih = _mm512_srli_epi16(wv, 4);
                 const uint8_t sb = c < full || 2 * c + 1 < nkb ? sc[2 * c + 1] : 127;
                 const __m512i off = _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[sc[2 * c]]),
                                                           0xFF00, _mm512_set1_epi32((int)exp_off32[sb]));
-                const __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
-                _mm512_store_si512(out + c * 64,
-                                   _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off));
-                _mm512_store_si512(out + c * 64 + 32,
-                                   _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(ih, nz), hi, off));
+                const __m512i t = _mm512_mask_add_epi16(tab, nonzero, tab, off);
+                const __m512i il = _mm512_ternarylogic_epi32(wv, nib, upper, 0xEA); /* (wv & 15) | upper */
+                const __m512i ih = _mm512_or_si512(_mm512_srli_epi16(wv, 4), upper);
+                _mm512_store_si512(out + c * 64, _mm512_permutexvar_epi16(il, t));
+                _mm512_store_si512(out + c * 64 + 32, _mm512_permutexvar_epi16(ih, t));
             }
         }
     }
+    next_close(&cur, nx);
     for (size_t n = n0; n < n0 + nrows; n++) {
         uint16_t *o = dst + (n - n0) * ld;
         if (n >= n1)
@@ -749,24 +804,25 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
  * 1 (rows 16-31, when wide) for one row block of activations b.  A and B
  * alternate between tiles 2,3,6 and 4,5,7, so the loads of a chunk overlap
  * the products of the previous one (tiles are not renamed). */
-static inline void amx_chunks_one(const uint16_t *A, size_t lda, const uint32_t *b, size_t nch, int wide) {
-    const size_t astride = lda * sizeof(uint16_t);
+static inline void amx_chunks_one(const uint16_t *A, size_t lda, const uint32_t *b, size_t cd, size_t nch,
+                                  int wide) {
+    const size_t astride = lda * sizeof(uint16_t), bstride = cd / 4;
     size_t q = 0;
     for (; q + 2 <= nch; q += 2) {
         _tile_loadd(2, A + q * 32, astride);
-        _tile_loadd(6, b + q * 256, 64);
+        _tile_loadd(6, b + q * cd, bstride);
         if (wide) _tile_loadd(3, A + 16 * lda + q * 32, astride);
         _tile_dpbf16ps(0, 2, 6);
         if (wide) _tile_dpbf16ps(1, 3, 6);
         _tile_loadd(4, A + (q + 1) * 32, astride);
-        _tile_loadd(7, b + (q + 1) * 256, 64);
+        _tile_loadd(7, b + (q + 1) * cd, bstride);
         if (wide) _tile_loadd(5, A + 16 * lda + (q + 1) * 32, astride);
         _tile_dpbf16ps(0, 4, 7);
         if (wide) _tile_dpbf16ps(1, 5, 7);
     }
     if (q < nch) {
         _tile_loadd(2, A + q * 32, astride);
-        _tile_loadd(6, b + q * 256, 64);
+        _tile_loadd(6, b + q * cd, bstride);
         if (wide) _tile_loadd(3, A + 16 * lda + q * 32, astride);
         _tile_dpbf16ps(0, 2, 6);
         if (wide) _tile_dpbf16ps(1, 3, 6);
@@ -816,14 +872,13 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
                             size_t n0, size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
     const size_t K = (size_t)w->k, N = (size_t)w->n, Kp = amx_kp(w->kind, K), nq = Kp / 32;
     const uint32_t *v = (const uint32_t *)act;
-    (void)M;
     uint16_t *panel = scratch;
     float *cbuf =
         (float *)((uintptr_t)((char *)scratch + amx_panel_elems(w->kind, K) * sizeof(uint16_t) + 63) &
                   ~(uintptr_t)63);
     const size_t nnb = (n1 - n0 + 15) / 16, nrows = nnb * 16;
     const int wide = nnb > 1;
-    amx_config();
+    amx_config(m1 - m0 < 16 ? (int)(m1 - m0) : 16);
     /* Decode the task's weight rows once, whole, then every pair of row
      * blocks.  (Streaming K slabs through a smaller panel was slower: the
      * interleaved row segments defeat the prefetchers.) */
@@ -833,7 +888,7 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
         /* Few rows (decode): K slabs of AMX_SLAB through a panel that stays in
          * L1 (writing a whole 32-row panel costs more L2 bandwidth than the
          * products); the C tiles accumulate across slabs. */
-        const size_t mb = m0 / 16;
+        const size_t mb = m0 / 16, cd = amx_chunk_dwords(M);
         const int two = m1 - m0 > 16;
         const uint32_t *b0 = v + mb * nq * 256, *b1 = v + (mb + 1) * nq * 256;
         const size_t lds = AMX_SLAB + 32;
@@ -859,10 +914,10 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
                 /* Prefetch each row's next slab: a whole slab pass ahead. */
                 decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2, next);
             }
-            if (two)
+                if (two)
                 amx_chunks_two(A, lda, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
             else
-                amx_chunks_one(A, lda, b0 + q0 * 256, klen / 32, wide);
+                amx_chunks_one(A, lda, b0 + q0 * cd, cd, klen / 32, wide);
         }
         amx_flush(cbuf, mb, two, wide, n0, m1, n1, y, N, out_bf16);
         return;
@@ -879,7 +934,7 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
             _tile_zero(3);
             amx_chunks_two(panel, ld, b0, b1, nq, wide);
         } else {
-            amx_chunks_one(panel, ld, b0, nq, wide);
+            amx_chunks_one(panel, ld, b0, 256, nq, wide);
         }
         amx_flush(cbuf, mb, two, wide, n0, m1, n1, y, N, out_bf16);
     }

@@ -285,6 +285,9 @@ static void test_linears(void) {
         {DS41_LINEAR_BF16, 1, 7, 33, DS41_OUT_F32},     {DS41_LINEAR_BF16, 3, 40, 100, DS41_OUT_BF16},
         {DS41_LINEAR_BF16, 17, 65, 64, DS41_OUT_F32},   {DS41_LINEAR_BF16, 35, 32, 96, DS41_OUT_BF16},
         {DS41_LINEAR_BF16, 130, 20, 31, DS41_OUT_F32},
+        /* K over several AMX slabs, 2..15 rows (the narrow activation tiles) */
+        {DS41_LINEAR_FP8, 15, 33, 1100, DS41_OUT_BF16}, {DS41_LINEAR_FP4, 7, 40, 1100, DS41_OUT_BF16},
+        {DS41_LINEAR_FP4, 1, 64, 2048, DS41_OUT_BF16},  {DS41_LINEAR_BF16, 9, 40, 1056, DS41_OUT_F32},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_linear_case(&cases[i]);
 }
