@@ -869,7 +869,8 @@ static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size
  * from zero, whichever of the paths below computes it (same decoded values,
  * same chunk order): the invariance rule. */
 static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1,
-                            size_t n0, size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
+                            size_t n0, size_t n1, float *y, int out_bf16, void *scratch,
+                            fast_prefetch *next) {
     const size_t K = (size_t)w->k, N = (size_t)w->n, Kp = amx_kp(w->kind, K), nq = Kp / 32;
     const uint32_t *v = (const uint32_t *)act;
     uint16_t *panel = scratch;
@@ -914,7 +915,7 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
                 /* Prefetch each row's next slab: a whole slab pass ahead. */
                 decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2, next);
             }
-                if (two)
+            if (two)
                 amx_chunks_two(A, lda, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
             else
                 amx_chunks_one(A, lda, b0 + q0 * cd, cd, klen / 32, wide);
