@@ -577,9 +577,14 @@ static size_t amx_panel_elems(ds41_linear_kind kind, size_t K) {
     return FAST_COLS * (ld > AMX_SLAB + 32 ? ld : AMX_SLAB + 32);
 }
 
+/* Scratch: the weight panel, a C tile buffer, and one slab of B tiles of a
+ * row block with the FP8 weight scales applied (scale_act_fp8). */
+#define AMX_SCALED_DWORDS (AMX_SLAB / 32 * 256)
+
 static size_t amx_scratch_bytes(ds41_linear_kind kind, size_t rows, size_t K) {
     (void)rows;
-    return amx_panel_elems(kind, K) * sizeof(uint16_t) + 64 + 16 * 16 * sizeof(float) + 64;
+    return amx_panel_elems(kind, K) * sizeof(uint16_t) + 64 + 16 * 16 * sizeof(float) + 64 +
+           AMX_SCALED_DWORDS * sizeof(uint32_t) + 64;
 }
 
 typedef struct __attribute__((packed)) tile_config {
@@ -687,7 +692,7 @@ static inline void next_line(next_cursor *c) {
  * decoded here, so that the next task's codes and scales are on their way
  * before it starts; NULL for none.) */
 static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows, size_t k0, size_t klen,
-                        uint16_t *dst, size_t ld, size_t pf, fast_prefetch *nx) {
+                        uint16_t *dst, size_t ld, size_t pf, fast_prefetch *nx, int fp8_unscaled) {
     next_cursor cur = next_open(nx);
     const size_t K = (size_t)w->k, kk = K - k0 < klen ? K - k0 : klen, nkb = (kk + 31) / 32;
     const size_t done = w->kind == DS41_LINEAR_BF16 ? kk : pad64(kk);
@@ -709,8 +714,29 @@ static void decode_rows(const ds41_linear *w, size_t n0, size_t n1, size_t nrows
          * so every row of a group shares them (a task's rows are one group). */
         __m512i offs[64];
         size_t offs_group = SIZE_MAX;
-        int group_ok = 0;
-        for (size_t n = n0; n < nend; n++) {
+        int group_ok = 0, nch_done = 0;
+        if (fp8_unscaled) {
+            /* The codes' own values (the caller applies the scales to the
+             * activations): two lookups, the sign and the interleave; NaN
+             * codes become bf16 NaN through the tables. */
+            for (size_t n = n0; n < nend; n++) {
+                const uint8_t *q = w->q + n * K + k0;
+                uint16_t *out = dst + (n - n0) * ld;
+                for (size_t c = 0; c < nch; c++) {
+                    _mm_prefetch((const char *)q + c * 64 + pf, PF_HINT);
+                    next_line(&cur);
+                    const __m512i raw =
+                        _mm512_maskz_loadu_epi8(c + 1 < nch ? ~(__mmask64)0 : tail, q + c * 64);
+                    __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
+                    hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
+                    const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
+                    _mm512_store_si512(out + c * 64, _mm512_unpacklo_epi8(lo, hi));
+                    _mm512_store_si512(out + c * 64 + 32, _mm512_unpackhi_epi8(lo, hi));
+                }
+            }
+            nch_done = 1;
+        }
+        for (size_t n = nch_done ? nend : n0; n < nend; n++) {
             const uint8_t *q = w->q + n * K + k0, *sc = w->scale + (n / 32) * (size_t)w->scale_cols + k0 / 32;
             uint16_t *out = dst + (n - n0) * ld;
             if (offs_group != n / 32) group_ok = scales_in(sc, nkb, 10, 246);
@@ -865,6 +891,50 @@ static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size
     }
 }
 
+/* FP8 weights carry one scale per 32 output rows x 32 K, so for a task (its
+ * 32 rows one scale group) the scale can multiply the activations instead of
+ * the weights: each product w * 2^s * a is the same exact fp32 value as
+ * w * (a * 2^s), so the tdpbf16ps chains, and every output, are bit for bit
+ * those of the weight-scaled path, while the weights decode without the
+ * exponent adds, their masks and the NaN check (a third of the decode's
+ * shuffle-port work).  This scales nch chunks (from chunk q0) of one row
+ * block's B tiles (cd dwords per chunk) into dst: in the FP8 packed order
+ * the first 8 K pairs of a chunk belong to K block 2c and the last 8 to
+ * block 2c + 1 (c = the 64-K chunk).  Returns 0 when a non-zero value is not
+ * a normal bf16 or would leave the normal range (the AMX unit treats
+ * subnormal inputs as zero, so only the weight-scaled path is exact there);
+ * the caller then scales the weights for this slab. */
+static int scale_act_fp8(const uint32_t *b, size_t cd, size_t q0, size_t nch, const uint8_t *sc, size_t nkb,
+                         uint32_t *dst) {
+    const size_t half = cd / 2; /* dwords of 8 K pairs */
+    const __m512i mag = _mm512_set1_epi16(0x7FFF), ex = _mm512_set1_epi16(0xFF);
+    const __m512i one = _mm512_set1_epi16(1), top = _mm512_set1_epi16(254);
+    for (size_t q = q0; q < q0 + nch; q++) {
+        const size_t kb0 = (q / 2) * 2;
+        for (int h = 0; h < 2; h++) {
+            const int sbyte = kb0 + (size_t)h < nkb ? sc[kb0 + (size_t)h] : 127;
+            const int S = sbyte - 127;
+            const __m512i off = _mm512_set1_epi16((short)(S * 128)), sv = _mm512_set1_epi16((short)S);
+            const uint32_t *src = b + q * cd + (size_t)h * half;
+            uint32_t *o = dst + (q - q0) * cd + (size_t)h * half;
+            for (size_t i = 0; i < half; i += 16) {
+                const __mmask16 m16 = half - i >= 16 ? (__mmask16)0xFFFF : tail16(half - i);
+                const __m512i v = _mm512_maskz_loadu_epi32(m16, src + i);
+                const __mmask32 nz = _mm512_test_epi16_mask(v, mag);
+                const __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7), ex);
+                const __m512i es = _mm512_add_epi16(e, sv);
+                /* e in [1, 254] and e + S in [1, 254] for every non-zero value */
+                const __mmask32 bad =
+                    _mm512_mask_cmplt_epi16_mask(nz, e, one) | _mm512_mask_cmpgt_epi16_mask(nz, e, top) |
+                    _mm512_mask_cmplt_epi16_mask(nz, es, one) | _mm512_mask_cmpgt_epi16_mask(nz, es, top);
+                if (bad) return 0;
+                _mm512_mask_storeu_epi32(o + i, m16, _mm512_mask_add_epi16(v, nz, v, off));
+            }
+        }
+    }
+    return 1;
+}
+
 /* Every element is one tdpbf16ps chain over the chunks of K in order, started
  * from zero, whichever of the paths below computes it (same decoded values,
  * same chunk order): the invariance rule. */
@@ -902,10 +972,16 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
         /* bf16 weights with whole 16-row blocks and K a multiple of 32 need
          * no decoding: the A tiles load straight from the checkpoint. */
         const int direct = w->kind == DS41_LINEAR_BF16 && K % 32 == 0 && n1 - n0 == nrows;
+        uint32_t *scaled = (uint32_t *)(((uintptr_t)(cbuf + 16 * 16) + 63) & ~(uintptr_t)63);
+        const uint8_t *sc_row =
+            w->kind == DS41_LINEAR_FP8 ? w->scale + (n0 / 32) * (size_t)w->scale_cols : NULL;
         for (size_t k0 = 0; k0 < Kp; k0 += AMX_SLAB) {
             const size_t klen = Kp - k0 < AMX_SLAB ? Kp - k0 : AMX_SLAB, q0 = k0 / 32;
             const uint16_t *A = panel;
             size_t lda = lds;
+            /* FP8 with one row block: the slab's scales go to the activations. */
+            const int unscaled =
+                sc_row && !two && scale_act_fp8(b0, cd, q0, klen / 32, sc_row, (K + 31) / 32, scaled);
             if (direct) {
                 /* (No software prefetch here: bursts of it for 32 rows stall
                  * on fill buffers; the tile loads' streams do better alone.) */
@@ -913,10 +989,12 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
                 lda = K;
             } else {
                 /* Prefetch each row's next slab: a whole slab pass ahead. */
-                decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2, next);
+                decode_rows(w, n0, n1, nrows, k0, klen, panel, lds, klen * elem_bytes2 / 2, next, unscaled);
             }
             if (two)
                 amx_chunks_two(A, lda, b0 + q0 * 256, b1 + q0 * 256, klen / 32, wide);
+            else if (unscaled)
+                amx_chunks_one(A, lda, scaled, cd, klen / 32, wide);
             else
                 amx_chunks_one(A, lda, b0 + q0 * cd, cd, klen / 32, wide);
         }
@@ -924,7 +1002,7 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
         return;
     }
     const size_t ld = amx_ld(w->kind, K);
-    decode_rows(w, n0, n1, nrows, 0, Kp, panel, ld, PREFETCH_AHEAD, NULL);
+    decode_rows(w, n0, n1, nrows, 0, Kp, panel, ld, PREFETCH_AHEAD, NULL, 0);
     for (size_t mb = m0 / 16; mb * 16 < m1; mb += 2) {
         const int two = (mb + 1) * 16 < m1;
         const uint32_t *b0 = v + mb * nq * 256, *b1 = v + (mb + 1) * nq * 256;

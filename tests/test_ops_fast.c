@@ -503,6 +503,55 @@ static void test_moe_engram_gathers(void) {
     }
 }
 
+/* FP8 weight scales far from 2^0: with few rows the AMX level multiplies the
+ * activations by the weight scale of each 32 x 32 block (and falls back to
+ * scaling the weights where a scaled activation would leave bf16's normal
+ * range); with many rows it scales the weights.  Every output must be the
+ * same bit for bit either way, and the same as the reference within the
+ * accumulation tolerance where nothing underflows. */
+static void test_fp8_scale_extremes(void) {
+    const size_t N = 64, K = 320, M = 40, kb = (K + 31) / 32;
+    static const uint8_t scales[] = {10, 11, 40, 127, 200, 236, 90, 160, 127, 12};
+    lin_case c = {DS41_LINEAR_FP8, M, N, K, DS41_OUT_F32};
+    lin_data d;
+    make_linear(&c, &d);
+    for (size_t i = 0; i < ((N + 31) / 32) * kb; i++) d.sc[i] = scales[(i * 7 + i / kb) % sizeof scales];
+    /* Rows 0-19 small (many activations below 2^-10, so sc = 10 blocks fall
+     * back), rows 20-39 near 1. */
+    for (size_t m = 0; m < M; m++)
+        for (size_t k = 0; k < K; k++)
+            d.x[m * K + k] = ldexpf(d.x[m * K + k], m < 20 ? -12 + (int)(k % 9) : 0);
+    float *y = malloc(M * N * sizeof *y), *row = malloc(N * sizeof *row),
+          *five = malloc(5 * N * sizeof *five);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        ops->linear(ops, &d.w, d.x, M, y, DS41_OUT_F32);
+        int alone = 1, narrow = 1, finite = 1, nonzero = 0;
+        for (size_t m = 0; m < M; m++) {
+            ops->linear(ops, &d.w, d.x + m * K, 1, row, DS41_OUT_F32);
+            alone &= memcmp(row, y + m * N, N * sizeof *row) == 0;
+        }
+        for (size_t m = 0; m + 5 <= M; m += 5) {
+            ops->linear(ops, &d.w, d.x + m * K, 5, five, DS41_OUT_F32);
+            narrow &= memcmp(five, y + m * N, 5 * N * sizeof *five) == 0;
+        }
+        for (size_t i = 0; i < M * N; i++) {
+            finite &= isfinite(y[i]) != 0;
+            nonzero += y[i] != 0.0f;
+        }
+        if (!alone || !narrow) TAP_NOTE("alone %d narrow %d", alone, narrow);
+        TAP_CHECK(alone && narrow && finite && nonzero > (int)(M * N / 2),
+                  "%s FP8 linear, scales 2^-117 .. 2^109: 1 row and 5 rows = 40 rows bit for bit (finite, %d "
+                  "of %zu "
+                  "non-zero)",
+                  ds41_cpu_level_name(levels[li]), nonzero, M * N);
+    }
+    free(y);
+    free(row);
+    free(five);
+    free_linear(&d);
+}
+
 /* linear_batch = one linear call per member, bit for bit, including
  * members with no rows and members of different kinds and sizes. */
 static void test_linear_batch(void) {
@@ -636,6 +685,7 @@ int main(void) {
     test_primitives();
     test_act_quant();
     test_linears();
+    test_fp8_scale_extremes();
     test_linear_batch();
     test_norms_and_hc();
     test_attention();
