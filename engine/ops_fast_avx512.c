@@ -23,13 +23,15 @@
  *    interleaves, which leave the values in a fixed permuted order (lo word j
  *    = k 16(j/8) + j%8, hi word j = that + 8); the activations are packed in
  *    the same order.
- *  - FP4 weights: the low and high nibbles of 32 bytes index a 16-entry bf16
- *    table (vpermw), so a chunk holds even k then odd k; activations too.
+ *  - FP4 weights: the low and high nibbles of 32 bytes index a bf16 table
+ *    (vpermw), so a chunk holds even k then odd k; activations too.  On the
+ *    AMX level the table is scaled per chunk for its two blocks at once.
  *  - Weight scales are added to the bf16 exponent field (exact while the
  *    result stays a normal bf16, i.e. for ordinary scale bytes; a chunk with
  *    an extreme scale or a NaN code takes a scalar path).  The dpbf16 level
  *    folds FP8's 32x32 block scales into the activations of each group of
- *    32 output rows instead.
+ *    32 output rows instead, and so does the AMX level for tasks of at most
+ *    16 rows, slab by slab (scale_act_fp8: the same exact products).
  *
  * dpbf16 level: a task decodes the weight rows of its columns into a panel
  * and runs a 3-row x 8-column register tile over every row; each output is
@@ -39,8 +41,9 @@
  * layout, written there by pack_act), and each output element is one
  * tdpbf16ps chain over the chunks of K in order.  A task with few rows
  * (decode) streams K slab by slab through an L1-sized panel (bf16 weights
- * load straight from the checkpoint); one with many rows (prefill) decodes
- * its rows once into a whole panel.  Either way the decoded values and the
+ * load straight from the checkpoint), with C and B tiles only as wide as its
+ * rows (below 16 rows the activations are packed narrow); one with many rows
+ * (prefill) decodes its rows once into a whole panel.  Either way the decoded values and the
  * chunk order are the same, and an element's sequence of operations does
  * not depend on the tile it shares (the invariance rule of ops_fast.h). */
 #include "engine/ops_fast.h"
