@@ -459,13 +459,24 @@ static void mix_rs_task(void *p, size_t b, size_t e, int th) {
     }
 }
 
+/* Mix functions per task: the qk kernel computes them in one pass over the
+ * stream row (its four-way form is bit for bit four dot calls). */
+#define MIX_GROUP 4
+
 static void mix_task(void *p, size_t b, size_t e, int th) {
     (void)th;
     mix_job *j = p;
+    const size_t groups = ((size_t)j->n_mix + MIX_GROUP - 1) / MIX_GROUP;
     for (size_t t = b; t < e; t++) {
-        const size_t mi = t % (size_t)j->n_mix, m = t / (size_t)j->n_mix;
-        const float d = (float)j->c->k->dot(j->fn + mi * j->n, j->h + m * j->n, j->n);
-        j->mix[m * (size_t)j->n_mix + mi] = d * j->rs[m];
+        const size_t g = t % groups, m = t / groups, mi0 = g * MIX_GROUP;
+        const size_t cnt = (size_t)j->n_mix - mi0 < MIX_GROUP ? (size_t)j->n_mix - mi0 : MIX_GROUP;
+        const float *hr = j->h + m * j->n;
+        double d[MIX_GROUP];
+        if (j->c->k->qk)
+            j->c->k->qk(hr, j->fn + mi0 * j->n, cnt, j->n, d);
+        else
+            for (size_t i = 0; i < cnt; i++) d[i] = j->c->k->dot(j->fn + (mi0 + i) * j->n, hr, j->n);
+        for (size_t i = 0; i < cnt; i++) j->mix[m * (size_t)j->n_mix + mi0 + i] = (float)d[i] * j->rs[m];
     }
 }
 
@@ -482,12 +493,12 @@ static void fast_hc_mix(const ds41_ops *self, const float *fn, const float *scal
     float *mix = ensure(&c->work2, M * (size_t)n_mix * sizeof(float));
     mix_job j = {c, fn, h, M, n, n_mix, norm_eps, rs, mix};
     rows_parallel(c, M, n, mix_rs_task, &j);
-    /* Tasks are (row, mix) pairs with the mix index fastest: a task group
-     * reads one stream row and consecutive mix functions. */
-    ds41_threadpool_run(c->pool, M * (size_t)n_mix, 1, mix_task, &j);
+    /* Tasks are (row, group of mixes) pairs with the group fastest: a task
+     * reads one stream row once for MIX_GROUP mix functions. */
+    ds41_threadpool_run(c->pool, M * (((size_t)n_mix + MIX_GROUP - 1) / MIX_GROUP), 1, mix_task, &j);
     for (size_t m = 0; m < M; m++)
         ds41_rm_hc_sinkhorn(mix + m * (size_t)n_mix, scale, base, hc, iters, hc_eps, pre + m * (size_t)hc,
-                 post + m * (size_t)hc, comb + m * (size_t)hc * (size_t)hc);
+                            post + m * (size_t)hc, comb + m * (size_t)hc * (size_t)hc);
     PROF_END(c, P_HC_MIX, (uint64_t)n_mix * n * sizeof(float));
 }
 
