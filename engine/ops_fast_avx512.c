@@ -621,22 +621,24 @@ static void amx_config(int cols) {
     amx_cols_loaded = cols;
 }
 
+/* RNE to bf16 of 16 values (NaN stays NaN: ds41_bf16_round's rule). */
+static inline __m512 bf16_round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* cbuf[n][m] (a stored C tile) -> y[m][n] for the valid rows and columns. */
 static void amx_store(float *cbuf, size_t m_base, size_t n_base, size_t m_end, size_t n_end, float *y,
                       size_t N, int out_bf16) {
     const size_t nn = n_end - n_base < 16 ? n_end - n_base : 16,
                  nm = m_end - m_base < 16 ? m_end - m_base : 16;
     if (out_bf16)
-        for (size_t i = 0; i < nn; i++) {
-            /* RNE to bf16 of 16 values at once (NaN stays NaN: ds41_bf16_round's rule). */
-            const __m512 v = _mm512_load_ps(cbuf + i * 16);
-            const __m512i u = _mm512_castps_si512(v);
-            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-            const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-            _mm512_store_si512(cbuf + i * 16, _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
-        }
+        for (size_t i = 0; i < nn; i++)
+            _mm512_store_ps(cbuf + i * 16, bf16_round16(_mm512_load_ps(cbuf + i * 16)));
     /* Transpose the 16 x 16 tile in registers, store each row's nn values. */
     __m512i r16[16];
     for (int i = 0; i < 16; i++) r16[i] = _mm512_load_si512(cbuf + i * 16);
@@ -878,6 +880,21 @@ static inline void amx_chunks_two(const uint16_t *A, size_t lda, const uint32_t 
 
 static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size_t m1, size_t n1, float *y,
                       size_t N, int out_bf16) {
+    if (m1 - mb * 16 == 1 && !two) {
+        /* One row (a one-column C tile): stored contiguously, the 16 values
+         * are y[m][n0 ..] as they are. */
+        for (int t = 0; t < 1 + wide; t++) {
+            const size_t nb = n0 + 16 * (size_t)t, nn = n1 - nb < 16 ? n1 - nb : 16;
+            if (t == 0)
+                _tile_stored(0, cbuf, 4);
+            else
+                _tile_stored(1, cbuf, 4);
+            __m512 v = _mm512_load_ps(cbuf);
+            if (out_bf16) v = bf16_round16(v);
+            _mm512_mask_storeu_ps(y + mb * 16 * N + nb, nn >= 16 ? (__mmask16)0xFFFF : tail16(nn), v);
+        }
+        return;
+    }
     _tile_stored(0, cbuf, 64);
     amx_store(cbuf, mb * 16, n0, m1, n1, y, N, out_bf16);
     if (wide) {
