@@ -880,8 +880,8 @@ static inline void amx_chunks_two(const uint16_t *A, size_t lda, const uint32_t 
 
 static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size_t m1, size_t n1, float *y,
                       size_t N, int out_bf16) {
-    if (m1 - mb * 16 == 1 && !two) {
-        /* One row (a one-column C tile): stored contiguously, the 16 values
+    if (m1 - mb * 16 == 1 && !two && amx_cols_loaded == 1) {
+        /* One row in a one-column C tile: stored contiguously, the 16 values
          * are y[m][n0 ..] as they are. */
         for (int t = 0; t < 1 + wide; t++) {
             const size_t nb = n0 + 16 * (size_t)t, nn = n1 - nb < 16 ? n1 - nb : 16;
