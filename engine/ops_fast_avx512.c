@@ -911,6 +911,11 @@ static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size
     }
 }
 
+/* Up to this many rows scaling the activations costs less than the weight
+ * decode work it saves (measured on the linear kernel: one row +6%, four
+ * +5%, eight -12%, sixteen -22%). */
+#define FP8_ACT_SCALE_ROWS 4
+
 /* FP8 weights carry one scale per 32 output rows x 32 K, so for a task (its
  * 32 rows one scale group) the scale can multiply the activations instead of
  * the weights: each product w * 2^s * a is the same exact fp32 value as
@@ -924,11 +929,6 @@ static void amx_flush(float *cbuf, size_t mb, int two, int wide, size_t n0, size
  * a normal bf16 or would leave the normal range (the AMX unit treats
  * subnormal inputs as zero, so only the weight-scaled path is exact there);
  * the caller then scales the weights for this slab. */
-/* Up to this many rows scaling the activations costs less than the weight
- * decode work it saves (measured on the linear kernel: one row +6%, four
- * +5%, eight -12%, sixteen -22%). */
-#define FP8_ACT_SCALE_ROWS 4
-
 static int scale_act_fp8(const uint32_t *b, size_t cd, size_t q0, size_t nch, const uint8_t *sc, size_t nkb,
                          uint32_t *dst) {
     const size_t half = cd / 2; /* dwords of 8 K pairs */
