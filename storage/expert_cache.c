@@ -39,7 +39,8 @@ typedef struct slot {
     uint8_t state;
     uint8_t predicted;  /* holds a prediction pin */
     uint8_t pred_fresh; /* loaded for a prediction and not used yet */
-    uint8_t spec;       /* its load was a prediction's, not yet read again on demand */
+    uint8_t spec;       /* its load was a prediction's, or its last pin went while it was in
+                         * flight; not yet read again on demand */
     uint32_t pins;
     uint32_t pending; /* runs in flight */
     uint32_t freq;
@@ -665,6 +666,12 @@ void ds41_expert_cache_release(ds41_expert_cache *c, int L, const int32_t *exper
         slot *s = &c->slots[si];
         if (s->pins) s->pins--;
         if (s->pins == 0 && s->state == SLOT_FAILED && !s->predicted) slot_drop(c, s);
+        /* A read still in flight that nobody waits for any more is, from now
+         * on, as speculative as a prediction's: if it fails, the next layer
+         * that needs the expert reads it again instead of inheriting an
+         * error from a request that has gone (e.g. one that failed on another
+         * expert's read and released the rest). */
+        if (s->pins == 0 && s->state == SLOT_LOADING) s->spec = 1;
     }
 }
 
