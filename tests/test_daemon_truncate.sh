@@ -129,19 +129,25 @@ code=$(api POST /v1/completions "$other_req")
 check "the other model keeps serving: same text as before" test "$code $(pyj 'o["choices"][0]["text"]')" = "200 $want_other"
 check "the daemon logged the failed step" grep -q "was truncated or became unreadable while mapped" "$work/daemon.log"
 
+# wait_ready: "yes" once /health answers 200 (within 30 s), else "no".
+wait_ready() {
+    local i
+    for i in $(seq 1 300); do
+        if [ "$(api GET /health)" = 200 ]; then
+            echo yes
+            return
+        fi
+        sleep 0.1
+    done
+    echo no
+}
+
 # ---- restored and reloaded ------------------------------------------------------------------------
 cp "$work/shard.bak" "$shard"
 "$ctl" --socket "$sock" models load m >"$work/load.txt" 2>&1
 rc=$?
 note "ds41ctl models load m: $(cat "$work/load.txt")"
-ready=no
-for i in $(seq 1 300); do
-    if [ "$(api GET /health)" = 200 ]; then
-        ready=yes
-        break
-    fi
-    sleep 0.1
-done
+ready=$(wait_ready)
 check "the shard restored, ds41ctl models load m: the model is ready again" test "$rc $ready" = "0 yes"
 check "the daemon logged the reload" grep -q "model m: reloading" "$work/daemon.log"
 code=$(api POST /v1/completions "$req")
@@ -156,14 +162,7 @@ check "cut again (to 0 bytes) after the reload: the request fails naming the sha
     bash -c "test '$code' != 200 && [[ \"\$1\" == *$shard_name*'truncated or became unreadable'* ]] && kill -0 $daemon_pid" _ "$msg"
 cp "$work/shard.bak" "$shard"
 kill -HUP "$daemon_pid"
-ready=no
-for i in $(seq 1 300); do
-    if [ "$(api GET /health)" = 200 ]; then
-        ready=yes
-        break
-    fi
-    sleep 0.1
-done
+ready=$(wait_ready)
 code=$(api POST /v1/completions "$req")
 check "restored + SIGHUP: ready again, the same text" test "$ready $code $(pyj 'o["choices"][0]["text"]')" = "yes 200 $want"
 stop_daemon
