@@ -292,9 +292,7 @@ static void test_footprint(void) {
 }
 
 int main(void) {
-    const char *bd = getenv("DS41_BUILD_DIR");
-    snprintf(root, sizeof root, "%s/ds41-test-auto-budget-XXXXXX", bd && *bd ? bd : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "DS41_BUILD_DIR", "ds41-test-auto-budget-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }

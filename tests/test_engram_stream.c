@@ -239,9 +239,7 @@ static void preset_checks(const char *preset, uint64_t seed) {
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/ds41-test-engram-stream-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-test-engram-stream-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }

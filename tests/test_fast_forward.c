@@ -220,9 +220,7 @@ static int make(const char *preset, uint64_t seed, char *dir_out) {
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/ds41-test-fast-forward-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-test-fast-forward-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }

@@ -445,9 +445,7 @@ static ds41_engine *make(const char *preset, uint64_t seed, char *dir_out) {
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/ds41-test-forward-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-test-forward-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }

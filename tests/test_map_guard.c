@@ -337,9 +337,7 @@ out:
 
 int main(void) {
     ps = (size_t)sysconf(_SC_PAGESIZE);
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/ds41-map-guard-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-map-guard-XXXXXX")) {
         printf("Bail out! mkdtemp failed: %s\n", strerror(errno));
         return 1;
     }

@@ -427,9 +427,7 @@ static void test_store(void) {
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(ROOT, sizeof ROOT, "%s/ds41-snapfmt-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(ROOT)) {
+    if (!tmpdir_make(ROOT, sizeof ROOT, "TMPDIR", "ds41-snapfmt-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }
