@@ -3,8 +3,8 @@
 #include "engine/quant.h"
 
 #include <math.h>
-#include <stdbool.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,8 +36,8 @@ struct ds41_kv_seq {
     ds41_kv_pool *pool;
     uint64_t tokens;
     page_table src[DS41_KV_MAX_SOURCES];
-    uint8_t *rings;  /* [n_rings][window][ring_row_bytes] */
-    float *carries;  /* per carry: kv [ratio][dim] then score [ratio][dim] */
+    uint8_t *rings; /* [n_rings][window][ring_row_bytes] */
+    float *carries; /* per carry: kv [ratio][dim] then score [ratio][dim] */
     size_t carry_floats;
     ds41_engram_history engram;
 };
@@ -103,8 +103,8 @@ ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_byt
     }
     p->pages_max = budget_bytes ? budget_bytes / p->layout.page_bytes : 0;
     if (budget_bytes && p->pages_max == 0) {
-        ds41_fail(err, "kv cache: budget %llu bytes is below one page (%u bytes)", (unsigned long long)budget_bytes,
-                  p->layout.page_bytes);
+        ds41_fail(err, "kv cache: budget %llu bytes is below one page (%u bytes)",
+                  (unsigned long long)budget_bytes, p->layout.page_bytes);
         ds41_kv_pool_free(p);
         return NULL;
     }
@@ -214,8 +214,8 @@ static void reset_carries(ds41_kv_seq *s) {
     for (int src = 0; src < l->n_sources; src++) {
         if (l->source_carry[src] < 0) continue;
         size_t n = (size_t)l->source_ratio[src] * l->latent_dim;
-        for (size_t i = 0; i < n; i++) c[i] = 0.0f;           /* kv_state = 0 */
-        for (size_t i = 0; i < n; i++) c[n + i] = -INFINITY;  /* score_state = -inf */
+        for (size_t i = 0; i < n; i++) c[i] = 0.0f;          /* kv_state = 0 */
+        for (size_t i = 0; i < n; i++) c[n + i] = -INFINITY; /* score_state = -inf */
         c += 2 * n;
     }
 }
@@ -315,7 +315,8 @@ uint64_t ds41_kv_seq_entries(const ds41_kv_seq *s, int source) {
     return s->src[source].n_entries;
 }
 
-int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const float *index_key, ds41_error *err) {
+int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const float *index_key,
+                       ds41_error *err) {
     ds41_kv_pool *p = s->pool;
     const ds41_kv_layout *l = &p->layout;
     page_table *t = &s->src[source];
@@ -340,8 +341,8 @@ int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const fl
             /* Shared with a fork: copy before writing. */
             uint32_t copy;
             if (page_alloc(p, &copy) != 0)
-                return ds41_fail(err, "KV cache full (%llu pages of %u bytes)", (unsigned long long)p->pages_max,
-                                 l->page_bytes);
+                return ds41_fail(err, "KV cache full (%llu pages of %u bytes)",
+                                 (unsigned long long)p->pages_max, l->page_bytes);
             memcpy(page_ptr(p, copy), page_ptr(p, id), (size_t)slot * l->entry_bytes);
             page_unref(p, id);
             t->pages[t->n_pages - 1] = copy;
@@ -526,7 +527,9 @@ int ds41_kv_seq_serialize(const ds41_kv_seq *s, uint8_t *buf, size_t cap, size_t
     return 0;
 }
 
-static bool e4m3_is_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
+static bool e4m3_is_nan(uint8_t b) {
+    return (b & 0x7F) == 0x7F;
+}
 
 /* A packed compressed entry holds finite values only: e4m3 latent scales
  * that are not NaN, ue8m0 index-key scales that are not NaN (every FP4 code
@@ -552,18 +555,23 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
     const size_t head = kv_snap_header_bytes(l);
     if (len < 12 || memcmp(buf, KV_SNAP_MAGIC, 8) != 0) return ds41_fail(err, "kv snapshot: bad magic");
     if (get_u32(buf + 8) != KV_SNAP_VERSION)
-        return ds41_fail(err, "kv snapshot: version %u, this build reads %u", get_u32(buf + 8), KV_SNAP_VERSION);
+        return ds41_fail(err, "kv snapshot: version %u, this build reads %u", get_u32(buf + 8),
+                         KV_SNAP_VERSION);
     if (len < 16) return ds41_fail(err, "kv snapshot: truncated header (%zu bytes)", len);
     if (get_u32(buf + 12) != (uint32_t)l->n_sources)
-        return ds41_fail(err, "kv snapshot: %u kv sources, the model has %d", get_u32(buf + 12), l->n_sources);
+        return ds41_fail(err, "kv snapshot: %u kv sources, the model has %d", get_u32(buf + 12),
+                         l->n_sources);
     if (len < head) return ds41_fail(err, "kv snapshot: truncated header (%zu of %zu bytes)", len, head);
     const uint8_t *p = buf + 16;
     const struct {
         const char *name;
         uint32_t want;
-    } fields[] = {{"n_rings", (uint32_t)l->n_rings}, {"n_carries", (uint32_t)l->n_carries},
-                  {"latent_dim", l->latent_dim},     {"index_dim", l->index_dim},
-                  {"window", l->window},             {"entry_bytes", l->entry_bytes},
+    } fields[] = {{"n_rings", (uint32_t)l->n_rings},
+                  {"n_carries", (uint32_t)l->n_carries},
+                  {"latent_dim", l->latent_dim},
+                  {"index_dim", l->index_dim},
+                  {"window", l->window},
+                  {"entry_bytes", l->entry_bytes},
                   {"ring_row_bytes", l->ring_row_bytes}};
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++, p += 4)
         if (get_u32(p) != fields[i].want)
@@ -583,9 +591,10 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
         entries[src] = get_u64(p);
         const uint64_t want = tokens / (uint64_t)l->source_ratio[src];
         if (entries[src] != want)
-            return ds41_fail(err, "kv snapshot: source %d has %llu entries, %llu tokens at ratio %d need %llu", src,
-                             (unsigned long long)entries[src], (unsigned long long)tokens, l->source_ratio[src],
-                             (unsigned long long)want);
+            return ds41_fail(err,
+                             "kv snapshot: source %d has %llu entries, %llu tokens at ratio %d need %llu",
+                             src, (unsigned long long)entries[src], (unsigned long long)tokens,
+                             l->source_ratio[src], (unsigned long long)want);
         body += entries[src] * l->entry_bytes; /* <= 2^40 * 2^32: no overflow */
     }
     const uint64_t ring_bytes = kv_snap_ring_bytes(l);
@@ -594,7 +603,8 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
         if (l->source_carry[src] >= 0) carry_floats += 2 * (uint64_t)l->source_ratio[src] * l->latent_dim;
     const uint64_t total = head + body + ring_bytes + carry_floats * 4 + KV_SNAP_ENGRAM_BYTES;
     if ((uint64_t)len != total)
-        return ds41_fail(err, "kv snapshot: %zu bytes, the header describes %llu", len, (unsigned long long)total);
+        return ds41_fail(err, "kv snapshot: %zu bytes, the header describes %llu", len,
+                         (unsigned long long)total);
 
     /* Check every value before building anything. */
     const uint8_t *ent = p;
@@ -607,8 +617,8 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
             if (slot >= tokens) {
                 for (uint32_t b = 0; b < l->ring_row_bytes; b++)
                     if (p[b])
-                        return ds41_fail(err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r,
-                                         slot);
+                        return ds41_fail(
+                            err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r, slot);
                 continue;
             }
             for (uint32_t b = 0; b < l->latent_dim; b++)
@@ -683,8 +693,8 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
             uint32_t id;
             if (page_alloc(pool, &id) != 0) {
                 ds41_kv_seq_free(s);
-                return ds41_fail(err, "KV cache full (%llu pages of %u bytes)", (unsigned long long)pool->pages_max,
-                                 l->page_bytes);
+                return ds41_fail(err, "KV cache full (%llu pages of %u bytes)",
+                                 (unsigned long long)pool->pages_max, l->page_bytes);
             }
             t->pages[t->n_pages++] = id;
             uint64_t k = entries[src] - i < l->entries_per_page ? entries[src] - i : l->entries_per_page;
