@@ -531,9 +531,12 @@ static bool e4m3_is_nan(uint8_t b) {
     return (b & 0x7F) == 0x7F;
 }
 
-/* A packed compressed entry holds finite values only: e4m3 latent scales
- * that are not NaN, ue8m0 index-key scales that are not NaN (every FP4 code
- * is finite). */
+/* A packed compressed entry must decode to finite values only: e4m3 latent
+ * scales that are not NaN (an FP4 code times a finite e4m3 scale is at most
+ * 6 * 448), and index-key values whose FP4 code times the ue8m0 scale stays
+ * finite: scale bytes near the top of the range overflow float for the
+ * larger codes, and the quantizer never writes such a block, so a snapshot
+ * holding one was not written by this engine. */
 static int check_entry(const ds41_kv_layout *l, const uint8_t *e, int src, uint64_t i, ds41_error *err) {
     for (uint32_t k = 0; k < l->latent_dim / DS41_FP4_E4M3_BLOCK; k++)
         if (e4m3_is_nan(e[l->latent_dim / 2 + k]))
@@ -544,6 +547,31 @@ static int check_entry(const ds41_kv_layout *l, const uint8_t *e, int src, uint6
         if (key[l->index_dim / 2 + k] == 0xFF)
             return ds41_fail(err, "kv snapshot: source %d entry %llu: index-key scale %u is NaN", src,
                              (unsigned long long)i, k);
+    for (uint32_t k = 0; k < l->index_dim; k++) {
+        const uint8_t code = (uint8_t)((key[k / 2] >> ((k & 1) * 4)) & 15);
+        if (!isfinite(ds41_e2m1_to_f32(code) *
+                      ds41_ue8m0_to_f32(key[l->index_dim / 2 + k / DS41_QUANT_BLOCK])))
+            return ds41_fail(err, "kv snapshot: source %d entry %llu: index-key value %u overflows", src,
+                             (unsigned long long)i, k);
+    }
+    return 0;
+}
+
+/* A ring row decodes as ds41_kv_decode_ring_row does: e4m3 times the ue8m0
+ * block scale, rounded to bf16; every value must be finite. */
+static int check_ring_row(const ds41_kv_layout *l, const uint8_t *row, uint32_t r, uint32_t slot,
+                          ds41_error *err) {
+    for (uint32_t b = 0; b < l->latent_dim; b++)
+        if (e4m3_is_nan(row[b]))
+            return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u is NaN", r, slot, b);
+    for (uint32_t b = l->latent_dim; b < l->ring_row_bytes; b++)
+        if (row[b] == 0xFF)
+            return ds41_fail(err, "kv snapshot: ring %u slot %u: scale %u is NaN", r, slot,
+                             b - l->latent_dim);
+    for (uint32_t b = 0; b < l->latent_dim; b++)
+        if (!isfinite(
+                ds41_bf16_round(ds41_e4m3_to_f32(row[b]) * ds41_ue8m0_to_f32(row[l->latent_dim + b / 32]))))
+            return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u overflows", r, slot, b);
     return 0;
 }
 
@@ -621,13 +649,7 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
                             err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r, slot);
                 continue;
             }
-            for (uint32_t b = 0; b < l->latent_dim; b++)
-                if (e4m3_is_nan(p[b]))
-                    return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u is NaN", r, slot, b);
-            for (uint32_t b = l->latent_dim; b < l->ring_row_bytes; b++)
-                if (p[b] == 0xFF)
-                    return ds41_fail(err, "kv snapshot: ring %u slot %u: scale %u is NaN", r, slot,
-                                     b - l->latent_dim);
+            if (check_ring_row(l, p, r, slot, err) != 0) return -1;
         }
     }
     const uint8_t *carries = p;

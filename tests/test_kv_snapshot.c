@@ -48,11 +48,13 @@ static int step(ds41_sampler *sm, ds41_sampler_scratch *sc, const float *logits,
     return ds41_sampler_accept(sm, r.token, err);
 }
 
-static int mutate_refused(ds41_kv_pool *pool, const uint8_t *snap, size_t len, size_t off, uint8_t val,
-                          const char *want, char *msg, size_t msg_size) {
+/* Is the snapshot with n bytes replaced (offs[i] = vals[i]) refused with a
+ * message containing want?  Copies the message into msg either way. */
+static int bytes_refused(ds41_kv_pool *pool, const uint8_t *snap, size_t len, const size_t *offs,
+                         const uint8_t *vals, int n, const char *want, char *msg, size_t msg_size) {
     uint8_t *b = malloc(len);
     memcpy(b, snap, len);
-    b[off] = val;
+    for (int i = 0; i < n; i++) b[offs[i]] = vals[i];
     ds41_kv_seq *s = NULL;
     ds41_error err = {{0}};
     int rc = ds41_kv_seq_deserialize(pool, b, len, &s, &err);
@@ -63,6 +65,27 @@ static int mutate_refused(ds41_kv_pool *pool, const uint8_t *snap, size_t len, s
         return 0;
     }
     return s == NULL && strstr(err.msg, want) != NULL;
+}
+
+static int mutate_refused(ds41_kv_pool *pool, const uint8_t *snap, size_t len, size_t off, uint8_t val,
+                          const char *want, char *msg, size_t msg_size) {
+    return bytes_refused(pool, snap, len, &off, &val, 1, want, msg, msg_size);
+}
+
+/* An index-key block (32 codes, 16 bytes) of entry 0 with every code set to
+ * `code` and its ue8m0 scale byte set to `scale`. */
+static int index_block_refused(ds41_kv_pool *pool, const uint8_t *snap, size_t len, size_t entry_off,
+                               uint8_t code, uint8_t scale, char *msg, size_t msg_size) {
+    const ds41_kv_layout *l = ds41_kv_pool_layout(pool);
+    size_t offs[17];
+    uint8_t vals[17];
+    for (int i = 0; i < 16; i++) {
+        offs[i] = entry_off + l->latent_bytes + (size_t)i;
+        vals[i] = (uint8_t)(code | code << 4);
+    }
+    offs[16] = entry_off + l->latent_bytes + l->index_dim / 2;
+    vals[16] = scale;
+    return bytes_refused(pool, snap, len, offs, vals, 17, "index-key value 0 overflows", msg, msg_size);
 }
 
 static void run_mode(const char *dir, bool reference) {
@@ -194,6 +217,11 @@ static void run_mode(const char *dir, bool reference) {
     TAP_CHECK(mutate_refused(pool, snap, len, body + l->latent_bytes + l->index_dim / 2, 0xFF,
                              "index-key scale", msg, sizeof msg),
               "%s: NaN index-key scale (%s)", mode, msg);
+    /* Scale 2^127: code 1.0 decodes to 1.7e38, code 2.0 to 2^128 = inf. */
+    TAP_CHECK(!index_block_refused(pool, snap, len, body, 2, 0xFE, msg, sizeof msg) && !msg[0],
+              "%s: an index-key block at 2^127 that stays finite is accepted (%s)", mode, msg);
+    TAP_CHECK(index_block_refused(pool, snap, len, body, 4, 0xFE, msg, sizeof msg),
+              "%s: an index-key value that overflows float is refused (%s)", mode, msg);
     size_t ent_bytes = 0;
     for (int s = 0; s < l->n_sources; s++)
         ent_bytes += (PROMPT + CUT) / (size_t)l->source_ratio[s] * l->entry_bytes;
@@ -201,6 +229,20 @@ static void run_mode(const char *dir, bool reference) {
     TAP_CHECK(
         mutate_refused(pool, snap, len, ring_off + 3, 0xFF, "ring 0 slot 0: value 3 is NaN", msg, sizeof msg),
         "%s: NaN ring value (%s)", mode, msg);
+    {
+        /* Block 0 of ring 0 slot 0 zero but value 3 = 448, scale 2^127: inf. */
+        size_t offs[33];
+        uint8_t vals[33];
+        for (int i = 0; i < 32; i++) {
+            offs[i] = ring_off + (size_t)i;
+            vals[i] = i == 3 ? 0x7E : 0;
+        }
+        offs[32] = ring_off + l->latent_dim;
+        vals[32] = 0xFE;
+        TAP_CHECK(bytes_refused(pool, snap, len, offs, vals, 33, "ring 0 slot 0: value 3 overflows", msg,
+                                sizeof msg),
+                  "%s: a ring value that overflows float is refused (%s)", mode, msg);
+    }
     const size_t carry_off = ring_off + (size_t)l->n_rings * l->window * l->ring_row_bytes;
     if (l->n_carries > 0) {
         bool ok = mutate_refused(pool, snap, len, carry_off + 3, 0x7F, "carry", msg, sizeof msg);
