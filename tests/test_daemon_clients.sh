@@ -90,7 +90,8 @@ for i in $(seq 1 100); do
     sleep 0.05
 done
 curl -s --unix-socket "$sock" http://ds41/metrics >"$work/metrics2.txt"
-check "a client that disconnects mid-stream (after $events events): its session is gone (no live sessions) and counted as cancelled" \
+outcomes=$(grep '^ds41_requests_total{model="ds41-tiny"' "$work/metrics2.txt" | sed 's/.*outcome=//' | tr '\n' ' ')
+check "a client that disconnects mid-stream (after $events events): its session is gone ($live live sessions) and counted as cancelled ($outcomes)" \
     bash -c "test '$events' -ge 5 && test '$live' = 0 && grep -q '^ds41_requests_total{model=\"ds41-tiny\",outcome=\"cancelled\"} 1' '$work/metrics2.txt'"
 code=$(api GET /admin/cache)
 pages=$(pyj 'o["pages_used"]')
