@@ -154,6 +154,7 @@ struct ds41_generation {
     bool *prop_used;   /* per property of ctool_cur */
     size_t n_invokes;  /* invokes the constraint has opened */
     int32_t eos_id;    /* -1: none (or ignore_eos) */
+    int32_t silent_eos_id; /* CHAT with ignore_eos: the EOS id, whose text stays out of T; else -1 */
     ds41_token_ids close_ids[N_CLOSES]; /* CLOSE_TEXT[], canonical tokens */
     uint32_t *cforce;  /* tokens the constraint forces next */
     size_t n_cforce, cforce_pos;
@@ -896,6 +897,7 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
     g->tok = tok;
     g->n_vocab = n_vocab;
     g->kind = p->kind;
+    g->silent_eos_id = -1;
     g->max_context = p->max_context;
     g->parse_tool_calls = p->kind == DS41_GENERATION_CHAT && p->parse_tool_calls;
     g->parallel_tool_calls = p->parallel_tool_calls;
@@ -992,6 +994,12 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
         uint32_t n_eos = 0;
         if (!p->ignore_eos && eos >= 0 && (uint32_t)eos < n_vocab) eos_ids[n_eos++] = (uint32_t)eos;
         g->eos_id = n_eos ? (int32_t)eos_ids[0] : -1;
+        /* The EOS that ends a generation is never part of T.  One generated past (ignore_eos) stays
+         * out of a CHAT text too: there its text is the parser's end marker, and everything after
+         * it (the rest of a benchmark's tokens) would be dropped from the stream and the message. */
+        g->silent_eos_id =
+            p->ignore_eos && p->kind == DS41_GENERATION_CHAT && eos >= 0 && (uint32_t)eos < n_vocab ? eos
+                                                                                                    : -1;
         if (ds41_gen_limits_init(&g->limits, p->max_tokens, eos_ids, n_eos, p->stop_ids, p->n_stop_ids, err) != 0)
             goto fail;
     }
@@ -1415,6 +1423,8 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
     if (ds41_gen_verdict_emits(v)) {
         if (ds41_sampler_accept(g->sampler, token, err) != 0) return -1;
         out->emitted = true;
+    }
+    if (ds41_gen_verdict_emits(v) && (int32_t)token != g->silent_eos_id) {
         const char *piece;
         size_t piece_len;
         if (g->cst != CS_OFF) {

@@ -35,9 +35,10 @@
  *
  * Text.  Emitted tokens go through the streaming detokenizer (never a partial UTF-8 sequence),
  * then the stop-string matcher (a completed stop string ends generation, its text and anything
- * after it never appear), giving the generated text T.  RAW and IDS prompts stream T as
- * content.  CHAT splits T the way the V4.1 parser does (REFERENCE §11.7, the lenient parser of
- * engine/chat.h), while it streams:
+ * after it never appear), giving the generated text T.  A CHAT generation with ignore_eos
+ * leaves the EOS tokens it generates past out of T (their text would end the parsed message and
+ * hide every later token).  RAW and IDS prompts stream T as content.  CHAT splits T the way the V4.1 parser
+ * does (REFERENCE §11.7, the lenient parser of engine/chat.h), while it streams:
  *   - thinking mode: reasoning until the first of "</think>", a tool-call block
  *     ("\n\n<｜DSML｜ calls") or an EOS text; "</think>" itself is dropped;
  *   - then content until the first of an EOS text or a tool-call block;
@@ -173,7 +174,8 @@ typedef struct ds41_generation_params {
     uint32_t n_stop_ids;
     uint32_t max_tokens;  /* generated tokens; 0 = no limit but the context */
     uint32_t max_context; /* prompt + generated tokens; 0 = no limit */
-    bool ignore_eos;      /* EOS is emitted like any token (benchmarks) */
+    bool ignore_eos;      /* EOS is generated past like any token (benchmarks); in CHAT its text
+                             stays out of T (see "Text") */
     bool skip_special;    /* drop special tokens' text from the output (RAW/IDS; CHAT ignores it:
                              the parser needs every marker) */
 

@@ -549,6 +549,34 @@ static void test_forced(void) {
                   strcmp(r.finish_name, "stop") == 0 && r.result_content_len == 0,
               "logit_bias on EOS: one token, finish stop, empty content, EOS counted");
     run_free(&r);
+
+    /* ignore_eos: generation goes on past an EOS, whose text stays out of the message (it would
+     * end the parse and hide the rest) */
+    {
+        forced = encode("Hello<｜end▁of▁sentence｜> world, still here.", &nf);
+        p = ds41_generation_params_default();
+        p.messages = msgs;
+        p.forced_ids = forced;
+        p.n_forced = nf;
+        p.max_tokens = (uint32_t)nf;
+        p.ignore_eos = true;
+        r = run_gen(&p, NULL);
+        bool has_eos = false;
+        for (size_t i = 0; i < r.n_tokens; i++) has_eos |= r.tokens[i] == eos;
+        TAP_CHECK(r.rc == 0 && r.n_tokens == nf && has_eos && strcmp(r.finish_name, "length") == 0 &&
+                      strcmp(r.result_content, "Hello world, still here.") == 0 && streamed_equals_result(&r),
+                  "ignore_eos: the tokens after an EOS are content, streamed as they come; the EOS counts "
+                  "but adds no text ('%s')",
+                  r.result_content ? r.result_content : "(none)");
+        run_free(&r);
+        p.ignore_eos = false;
+        r = run_gen(&p, NULL);
+        TAP_CHECK(r.rc == 0 && r.finish == DS41_GENERATION_EOS && strcmp(r.result_content, "Hello") == 0,
+                  "without ignore_eos the same EOS ends it ('%s')",
+                  r.result_content ? r.result_content : "(none)");
+        run_free(&r);
+        free(forced);
+    }
     json_decref(msgs);
 }
 
