@@ -531,13 +531,13 @@ static bool e4m3_is_nan(uint8_t b) {
     return (b & 0x7F) == 0x7F;
 }
 
-/* A packed compressed entry must decode to finite values only: e4m3 latent
- * scales that are not NaN (an FP4 code times a finite e4m3 scale is at most
- * 6 * 448), and index-key values whose FP4 code times the ue8m0 scale stays
- * finite: scale bytes near the top of the range overflow float for the
- * larger codes, and the quantizer never writes such a block, so a snapshot
- * holding one was not written by this engine. */
-static int check_entry(const ds41_kv_layout *l, const uint8_t *e, int src, uint64_t i, ds41_error *err) {
+/* A packed compressed entry must decode to finite values only.  The NaN
+ * encodings get their own message; beyond them, a ue8m0 scale near 2^127
+ * times a large code overflows float, which the quantizer never writes, so
+ * the values are decoded with the engine's own decoders and checked.  out:
+ * room for max(latent_dim, index_dim) floats. */
+static int check_entry(const ds41_kv_layout *l, const uint8_t *e, int src, uint64_t i, float *out,
+                       ds41_error *err) {
     for (uint32_t k = 0; k < l->latent_dim / DS41_FP4_E4M3_BLOCK; k++)
         if (e4m3_is_nan(e[l->latent_dim / 2 + k]))
             return ds41_fail(err, "kv snapshot: source %d entry %llu: latent scale %u is NaN", src,
@@ -547,19 +547,21 @@ static int check_entry(const ds41_kv_layout *l, const uint8_t *e, int src, uint6
         if (key[l->index_dim / 2 + k] == 0xFF)
             return ds41_fail(err, "kv snapshot: source %d entry %llu: index-key scale %u is NaN", src,
                              (unsigned long long)i, k);
-    for (uint32_t k = 0; k < l->index_dim; k++) {
-        const uint8_t code = (uint8_t)((key[k / 2] >> ((k & 1) * 4)) & 15);
-        if (!isfinite(ds41_e2m1_to_f32(code) *
-                      ds41_ue8m0_to_f32(key[l->index_dim / 2 + k / DS41_QUANT_BLOCK])))
+    ds41_kv_decode_latent(l, e, out);
+    for (uint32_t k = 0; k < l->latent_dim; k++)
+        if (!isfinite(out[k]))
+            return ds41_fail(err, "kv snapshot: source %d entry %llu: latent value %u overflows", src,
+                             (unsigned long long)i, k);
+    ds41_kv_decode_index_key(l, e, out);
+    for (uint32_t k = 0; k < l->index_dim; k++)
+        if (!isfinite(out[k]))
             return ds41_fail(err, "kv snapshot: source %d entry %llu: index-key value %u overflows", src,
                              (unsigned long long)i, k);
-    }
     return 0;
 }
 
-/* A ring row decodes as ds41_kv_decode_ring_row does: e4m3 times the ue8m0
- * block scale, rounded to bf16; every value must be finite. */
-static int check_ring_row(const ds41_kv_layout *l, const uint8_t *row, uint32_t r, uint32_t slot,
+/* A written ring row: likewise, through ds41_kv_decode_ring_row. */
+static int check_ring_row(const ds41_kv_layout *l, const uint8_t *row, uint32_t r, uint32_t slot, float *out,
                           ds41_error *err) {
     for (uint32_t b = 0; b < l->latent_dim; b++)
         if (e4m3_is_nan(row[b]))
@@ -568,11 +570,37 @@ static int check_ring_row(const ds41_kv_layout *l, const uint8_t *row, uint32_t 
         if (row[b] == 0xFF)
             return ds41_fail(err, "kv snapshot: ring %u slot %u: scale %u is NaN", r, slot,
                              b - l->latent_dim);
+    ds41_kv_decode_ring_row(l, row, out);
     for (uint32_t b = 0; b < l->latent_dim; b++)
-        if (!isfinite(
-                ds41_bf16_round(ds41_e4m3_to_f32(row[b]) * ds41_ue8m0_to_f32(row[l->latent_dim + b / 32]))))
+        if (!isfinite(out[b]))
             return ds41_fail(err, "kv snapshot: ring %u slot %u: value %u overflows", r, slot, b);
     return 0;
+}
+
+/* Every packed entry, then every ring row of a snapshot: p points at the
+ * entries, the rings follow them. */
+static int check_packed(const ds41_kv_layout *l, const uint8_t *p, const uint64_t *entries, uint64_t tokens,
+                        ds41_error *err) {
+    float *out = malloc((size_t)(l->latent_dim > l->index_dim ? l->latent_dim : l->index_dim) * sizeof *out);
+    if (!out) return ds41_fail(err, "kv snapshot: out of memory");
+    int rc = 0;
+    for (int src = 0; src < l->n_sources && rc == 0; src++)
+        for (uint64_t i = 0; i < entries[src] && rc == 0; i++, p += l->entry_bytes)
+            rc = check_entry(l, p, src, i, out, err);
+    for (uint32_t r = 0; r < (uint32_t)l->n_rings && rc == 0; r++) {
+        for (uint32_t slot = 0; slot < l->window && rc == 0; slot++, p += l->ring_row_bytes) {
+            if (slot < tokens) {
+                rc = check_ring_row(l, p, r, slot, out, err);
+                continue;
+            }
+            for (uint32_t b = 0; b < l->ring_row_bytes && rc == 0; b++)
+                if (p[b])
+                    rc = ds41_fail(err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r,
+                                   slot);
+        }
+    }
+    free(out);
+    return rc;
 }
 
 int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, ds41_kv_seq **out,
@@ -636,22 +664,10 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
 
     /* Check every value before building anything. */
     const uint8_t *ent = p;
-    for (int src = 0; src < l->n_sources; src++)
-        for (uint64_t i = 0; i < entries[src]; i++, p += l->entry_bytes)
-            if (check_entry(l, p, src, i, err) != 0) return -1;
+    if (check_packed(l, p, entries, tokens, err) != 0) return -1;
+    p += body;
     const uint8_t *rings = p;
-    for (uint32_t r = 0; r < (uint32_t)l->n_rings; r++) {
-        for (uint32_t slot = 0; slot < l->window; slot++, p += l->ring_row_bytes) {
-            if (slot >= tokens) {
-                for (uint32_t b = 0; b < l->ring_row_bytes; b++)
-                    if (p[b])
-                        return ds41_fail(
-                            err, "kv snapshot: ring %u slot %u is beyond the tokens but not empty", r, slot);
-                continue;
-            }
-            if (check_ring_row(l, p, r, slot, err) != 0) return -1;
-        }
-    }
+    p += ring_bytes;
     const uint8_t *carries = p;
     {
         const uint8_t *c = p;
