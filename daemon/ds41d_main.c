@@ -5,6 +5,7 @@
 #include "daemon/engine_service.h"
 #include "daemon/listen.h"
 #include "daemon/log.h"
+#include "daemon/state_lock.h"
 #include "daemon/systemd.h"
 #include "ipc/api.h"
 #include "ipc/http_server.h"
@@ -124,6 +125,14 @@ int main(int argc, char **argv) {
     }
     ds41_log_set_level(cfg.log.level);
     ds41_log(DS41_LOG_INFO, "starting (configuration: %s)", cfg.source ? cfg.source : "built-in defaults");
+    /* Before anything in the state directory is touched (the embedded model, snapshot clean-up),
+     * and held until exit, reloads included. */
+    int state_lock = ds41_state_lock_acquire(cfg.state_directory, &err);
+    if (state_lock < 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        ds41_daemon_config_free(&cfg);
+        return 1;
+    }
 
     /* Signals are taken synchronously by the main thread: block them before any thread exists
      * so every thread inherits the mask. */
@@ -246,6 +255,13 @@ int main(int argc, char **argv) {
                     (ncfg.listen.tcp == NULL) != (cfg.listen.tcp == NULL) ||
                     (ncfg.listen.tcp && strcmp(ncfg.listen.tcp, cfg.listen.tcp) != 0))
                     ds41_log(DS41_LOG_WARNING, "reload: listen.* changes take effect at the next start");
+                /* the lock is on the directory of the start: a reload never moves the state */
+                if (strcmp(ncfg.state_directory, cfg.state_directory) != 0) {
+                    ds41_log(DS41_LOG_WARNING,
+                             "reload: state_directory changes take effect at the next start");
+                    if (ds41_daemon_config_set(&ncfg, "state_directory", cfg.state_directory, &err) != 0)
+                        ds41_log(DS41_LOG_ERROR, "reload: %s", err.msg);
+                }
                 if (ds41_engine_service_reconfigure(svc, &ncfg, &err) != 0) {
                     ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
                     outcome = "reload failed, configuration kept";
@@ -285,6 +301,7 @@ out:
     ds41_http_metrics_free(metrics);
     ds41_listeners_close(ls, n_ls);
     ds41_daemon_config_free(&cfg);
+    ds41_state_lock_release(state_lock);
     ds41_log(status == 0 ? DS41_LOG_INFO : DS41_LOG_ERROR, "exiting with status %d", status);
     return status;
 }

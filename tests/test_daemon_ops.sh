@@ -1,0 +1,74 @@
+#!/bin/bash
+# ds41d operations (issue 13 items 3 and 4): one daemon per state directory (a second one exits
+# naming the first one's pid, while the first keeps serving and finishes a snapshot save that was
+# in flight, also after a SIGHUP).  TAP.
+. "$(dirname "$0")/daemon_lib.sh"
+
+cfg=$work/ds41d.yaml
+lockmsg() { echo "state directory $state is in use by ds41d pid $1 (lock $state/ds41d.lock)"; }
+# second_daemon LOG: a second ds41d on the first one's configuration, its own socket; prints its
+# exit status (124: still running after 60 s, i.e. it started).
+second_daemon() {
+    timeout 60 "$ds41d" --config "$work/first.yaml" --socket "$work/second.sock" >"$1" 2>&1
+    echo $?
+}
+
+# ---- one daemon per state directory ---------------------------------------------------------
+# Admin routes (the snapshot save) for the test's own group, root or not.
+write_config "$cfg" "snapshots:" "  test_save_delay_ms: 3000"
+sed -i "s/^  admin_group: null\$/  admin_group: \"$(id -gn)\"/" "$cfg"
+cp "$cfg" "$work/first.yaml"
+if ! start_daemon "$cfg"; then notok "ds41d starts"; finish; exit 0; fi
+first=$daemon_pid
+check "the first daemon holds the lock: its pid is in $state/ds41d.lock" \
+    test "$(cat "$state/ds41d.lock" 2>/dev/null)" = "$first"
+chat='{"model":"ds41-tiny","messages":[{"role":"user","content":"Tell me about the sea."}],"max_tokens":8,"seed":1}'
+st=$(api POST /v1/chat/completions "$chat")
+api GET /admin/sessions >/dev/null
+sess=$(pyj '[s["id"] for s in o["data"] if s["state"] == "cached"][-1]' 2>/dev/null)
+note "chat $st, cached session ${sess:-none}"
+snapdir=$state/snapshots/ds41-tiny
+# a save in flight (the test hook holds it half-way for 3 s) while a second daemon starts
+curl -s -o "$work/save.json" -w '%{http_code}' --unix-socket "$sock" -H 'Content-Type: application/json' \
+    --data-binary "{\"session\":\"$sess\"}" http://ds41/admin/snapshots/save >"$work/save.code" &
+curl_pid=$!
+inflight=
+for i in $(seq 1 100); do
+    ls -a "$snapdir" 2>/dev/null | grep -q '^\.tmp-' && { inflight=y; break; }
+    sleep 0.05
+done
+rc=$(second_daemon "$work/second.log")
+check "a second daemon on the same state directory exits 1 naming the first one's pid (rc $rc)" \
+    bash -c "test '$rc' = 1 && grep -qF '$(lockmsg "$first")' '$work/second.log'"
+[ "$rc" = 1 ] || sed 's/^/# second: /' "$work/second.log" | tail -5
+check "... before it touched the state directory (no socket of its own, the lock file keeps the first pid)" \
+    bash -c "test ! -e '$work/second.sock' && test \"\$(cat '$state/ds41d.lock')\" = '$first'"
+wait $curl_pid
+save=$(cat "$work/save.code")
+snap=$(pyj 'o.get("id", "")' "$work/save.json" 2>/dev/null)
+check "the save that was in flight (${inflight:-not seen}) succeeds: 200, the snapshot file exists" \
+    bash -c "test '$inflight:$save' = 'y:200' && test -f '$snapdir/${snap#ds41-tiny:}.snap'"
+st=$(api GET /health)
+st2=$(api POST /v1/chat/completions "$chat")
+check "the first daemon still serves (/health $st, chat $st2)" test "$st:$st2" = "200:200"
+# A reload keeps the lock, also when the file names another state directory.
+sed -i "s|^state_directory: .*|state_directory: $work/state-other|" "$cfg"
+kill -HUP "$first"
+for i in $(seq 1 100); do grep -q 'configuration reloaded' "$work/daemon.log" && break; sleep 0.05; done
+check "SIGHUP with another state_directory: reloaded, the change waits for the next start" \
+    grep -q 'reload: state_directory changes take effect at the next start' "$work/daemon.log"
+rc=$(second_daemon "$work/second2.log")
+check "after SIGHUP a second daemon is still refused with the first one's pid (rc $rc)" \
+    bash -c "test '$rc' = 1 && grep -qF '$(lockmsg "$first")' '$work/second2.log'"
+st=$(api POST /v1/chat/completions "$chat")
+check "and the first daemon still serves (chat $st)" test "$st" = 200
+stop_daemon TERM
+check "the first daemon exits 0" test "$daemon_status" = 0
+if start_daemon "$work/first.yaml"; then
+    ok "once it has exited the state directory is free: a new daemon starts on it"
+    stop_daemon TERM
+else
+    notok "once it has exited the state directory is free: a new daemon starts on it"
+fi
+
+finish
