@@ -5,6 +5,7 @@
 #include "daemon/engine_service.h"
 #include "daemon/listen.h"
 #include "daemon/log.h"
+#include "daemon/preflight.h"
 #include "daemon/state_lock.h"
 #include "daemon/systemd.h"
 #include "ipc/api.h"
@@ -12,7 +13,6 @@
 
 #include <errno.h>
 #include <getopt.h>
-#include <grp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +31,8 @@ static void usage(FILE *f) {
             "                   file does not exist)\n"
             "  --socket PATH    the Unix socket to create (overrides listen.socket)\n"
             "  --model DIR      serve this checkpoint as %s (replaces `models`)\n"
-            "  --check-config   validate, print the effective configuration as YAML, exit\n"
+            "  --check-config   print the effective configuration as YAML, then run every check\n"
+            "                   a start runs except binding; exit 0 only when all pass\n"
             "Signals: SIGHUP re-reads the configuration, SIGTERM/SIGINT drain and exit 0.\n"
             "See ds41d(8) and ds41d.yaml(5).\n",
             DS41_DAEMON_CONFIG_DEFAULT_PATH, DS41_DAEMON_CONFIG_REAL_MODEL_NAME);
@@ -117,14 +118,24 @@ int main(int argc, char **argv) {
         ds41_log(DS41_LOG_ERROR, "%s", err.msg);
         return 1;
     }
+    /* The checks of a start (except binding): --check-config runs the same function. */
+    ds41_preflight_result pre;
     if (o.check) {
         int rc = ds41_daemon_config_write_yaml(&cfg, stdout, &err);
         if (rc != 0) ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        fflush(stdout);
+        if (rc == 0 && (rc = ds41_preflight(&cfg, !ds41_preflight_socket_activated(), &pre, &err)) != 0)
+            ds41_log(DS41_LOG_ERROR, "%s", err.msg);
         ds41_daemon_config_free(&cfg);
         return rc == 0 ? 0 : 1;
     }
     ds41_log_set_level(cfg.log.level);
     ds41_log(DS41_LOG_INFO, "starting (configuration: %s)", cfg.source ? cfg.source : "built-in defaults");
+    if (ds41_preflight(&cfg, !ds41_preflight_socket_activated(), &pre, &err) != 0) {
+        ds41_log(DS41_LOG_ERROR, "%s", err.msg);
+        ds41_daemon_config_free(&cfg);
+        return 1;
+    }
     /* Before anything in the state directory is touched (the embedded model, snapshot clean-up),
      * and held until exit, reloads included. */
     int state_lock = ds41_state_lock_acquire(cfg.state_directory, &err);
@@ -165,18 +176,6 @@ int main(int argc, char **argv) {
         ds41_log(DS41_LOG_ERROR, "%zu listening sockets: at most 8 are served", n_ls);
         goto out;
     }
-    bool has_admin = false;
-    gid_t admin_gid = 0;
-    if (cfg.auth.admin_group) {
-        struct group *gr = getgrnam(cfg.auth.admin_group);
-        if (gr) {
-            has_admin = true;
-            admin_gid = gr->gr_gid;
-        } else {
-            ds41_log(DS41_LOG_WARNING, "auth.admin_group '%s' does not exist: admin routes are for root only",
-                     cfg.auth.admin_group);
-        }
-    }
     if (ds41_engine_service_new(&cfg, on_progress, NULL, &svc, &err) != 0) {
         ds41_log(DS41_LOG_ERROR, "%s", err.msg);
         goto out;
@@ -190,8 +189,8 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < n_ls; i++) hl[i] = (ds41_http_listener){.fd = ls[i].fd, .credless_class = DS41_AUTH_INFERENCE};
     ds41_http_config hc = {.listeners = hl,
                            .n_listeners = n_ls,
-                           .has_admin_gid = has_admin,
-                           .admin_gid = admin_gid,
+                           .has_admin_gid = pre.has_admin_gid,
+                           .admin_gid = pre.admin_gid,
                            .request_timeout_ms = cfg.limits.idle_timeout_s * 1000u,
                            .idle_timeout_s = cfg.limits.stream_stall_timeout_s > cfg.limits.idle_timeout_s
                                                  ? cfg.limits.stream_stall_timeout_s

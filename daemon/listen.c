@@ -20,8 +20,7 @@ static void listener_reset(ds41_listener *l) {
     l->fd = -1;
 }
 
-/* gid of a group name (getgrnam_r with a growing buffer). */
-static int group_id(const char *group, gid_t *gid, ds41_error *err) {
+int ds41_listen_group_id(const char *group, gid_t *gid, ds41_error *err) {
     size_t size = 1024;
     for (;;) {
         char *buf = malloc(size);
@@ -45,9 +44,10 @@ static int group_id(const char *group, gid_t *gid, ds41_error *err) {
     }
 }
 
-/* Make sure the socket's directory exists and cannot be written by others
- * (unless sticky, where others cannot rename or remove our entries). */
-static int prepare_parent(const char *path, ds41_error *err) {
+/* The socket's directory: it must exist and not be writable by others (unless sticky, where
+ * others cannot rename or remove our entries), or be missing with a parent directory this process
+ * may create it in.  create: make a missing one (mode 0755); else only check that mkdir could. */
+static int check_parent(const char *path, bool create, ds41_error *err) {
     char parent[sizeof(((struct sockaddr_un *)0)->sun_path)];
     const char *slash = strrchr(path, '/');
     if (!slash) return ds41_fail(err, "%s: the socket path must be absolute", path);
@@ -57,6 +57,25 @@ static int prepare_parent(const char *path, ds41_error *err) {
     struct stat st;
     if (stat(parent, &st) != 0) {
         if (errno != ENOENT) return ds41_fail(err, "%s: %s", parent, strerror(errno));
+        if (!create) {
+            /* mkdir(parent) needs write and search permission in the parent's own directory
+             * (one level: the start does not create missing ancestors either) */
+            char up[sizeof parent];
+            const char *s2 = strrchr(parent, '/');
+            size_t ulen = s2 == parent ? 1 : (size_t)(s2 - parent);
+            memcpy(up, parent, ulen);
+            up[ulen] = 0;
+            struct stat ust;
+            if (stat(up, &ust) != 0)
+                return ds41_fail(err, "cannot create the socket directory %s: %s: %s", parent, up,
+                                 strerror(errno));
+            if (!S_ISDIR(ust.st_mode))
+                return ds41_fail(err, "cannot create the socket directory %s: %s is not a directory", parent,
+                                 up);
+            if (access(up, W_OK | X_OK) != 0)
+                return ds41_fail(err, "cannot create the socket directory %s: %s", parent, strerror(errno));
+            return 0;
+        }
         if (mkdir(parent, 0755) != 0 && errno != EEXIST)
             return ds41_fail(err, "cannot create the socket directory %s: %s", parent, strerror(errno));
         /* mkdir's mode went through the umask; make it exactly 0755 */
@@ -69,6 +88,29 @@ static int prepare_parent(const char *path, ds41_error *err) {
                          "the socket directory %s (mode %04o) is writable by other users and not sticky; another "
                          "user could replace the socket",
                          parent, (unsigned)(st.st_mode & 07777));
+    if (!create && access(parent, W_OK | X_OK) != 0)
+        return ds41_fail(err, "cannot create a socket in %s: %s", parent, strerror(errno));
+    return 0;
+}
+
+/* Path and mode rules of ds41_listen_unix. */
+static int check_path(const char *path, ds41_error *err) {
+    if (!path || path[0] != '/')
+        return ds41_fail(err, "%s: the socket path must be absolute", path ? path : "(null)");
+    if (strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+        return ds41_fail(err, "%s: the socket path is longer than %zu bytes", path,
+                         sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+    return 0;
+}
+
+int ds41_listen_unix_check(const char *path, const char *group, ds41_error *err) {
+    gid_t gid;
+    if (check_path(path, err) != 0) return -1;
+    if (group && ds41_listen_group_id(group, &gid, err) != 0) return ds41_error_prefix(err, "%s", path);
+    if (check_parent(path, false, err) != 0) return -1;
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISSOCK(st.st_mode))
+        return ds41_fail(err, "%s exists and is not a socket; not removing it", path);
     return 0;
 }
 
@@ -106,14 +148,12 @@ int ds41_listen_unix(const char *path, uint32_t mode, const char *group, int bac
                      ds41_error *err) {
     listener_reset(out);
     struct sockaddr_un sun;
-    if (!path || path[0] != '/') return ds41_fail(err, "%s: the socket path must be absolute", path ? path : "(null)");
-    if (strlen(path) >= sizeof sun.sun_path)
-        return ds41_fail(err, "%s: the socket path is longer than %zu bytes", path, sizeof sun.sun_path - 1);
+    if (check_path(path, err) != 0) return -1;
     if (mode > 0777) return ds41_fail(err, "%s: mode %o has bits beyond 0777", path, mode);
     if (backlog < 1) return ds41_fail(err, "%s: backlog %d is below 1", path, backlog);
     gid_t gid = (gid_t)-1;
-    if (group && group_id(group, &gid, err) != 0) return ds41_error_prefix(err, "%s", path);
-    if (prepare_parent(path, err) != 0 || clear_stale(path, err) != 0) return -1;
+    if (group && ds41_listen_group_id(group, &gid, err) != 0) return ds41_error_prefix(err, "%s", path);
+    if (check_parent(path, true, err) != 0 || clear_stale(path, err) != 0) return -1;
 
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return ds41_fail(err, "%s: socket: %s", path, strerror(errno));

@@ -61,6 +61,19 @@ typedef struct ds41_listener {
 int ds41_listen_unix(const char *path, uint32_t mode, const char *group, int backlog, ds41_listener *out,
                      ds41_error *err);
 
+/* The checks ds41_listen_unix makes before it creates anything, creating
+ * nothing: the path is absolute and fits sun_path, the group (unless NULL)
+ * exists, the parent directory exists, is safe as above and lets this process
+ * create the socket -- or is missing and this process may create it (its own
+ * parent is a directory it may write; one level, as ds41_listen_unix creates
+ * one) -- and nothing but a socket is at the path.  A socket already there is
+ * not probed: whether someone listens on it is a question of bind time.
+ * ds41d's start and --check-config run it (daemon/preflight.h). */
+int ds41_listen_unix_check(const char *path, const char *group, ds41_error *err);
+
+/* The gid of a group name; fails naming the group when it does not exist. */
+int ds41_listen_group_id(const char *group, gid_t *gid, ds41_error *err);
+
 /* Create, bind and listen on a loopback TCP socket at `address`
  * ("127.0.0.1:8080", "[::1]:8080"; anything not loopback is refused, see
  * ds41_loopback_address_parse).  allow_port_0: accept port 0 (an ephemeral

@@ -1,7 +1,8 @@
 #!/bin/bash
 # ds41d operations (issue 13 items 3 and 4): one daemon per state directory (a second one exits
 # naming the first one's pid, while the first keeps serving and finishes a snapshot save that was
-# in flight, also after a SIGHUP).  TAP.
+# in flight, also after a SIGHUP); --check-config runs the start's checks (group, socket
+# directory, state directory, model directories) and the start runs the same ones.  TAP.
 . "$(dirname "$0")/daemon_lib.sh"
 
 cfg=$work/ds41d.yaml
@@ -71,4 +72,50 @@ else
     notok "once it has exited the state directory is free: a new daemon starts on it"
 fi
 
+# ---- --check-config runs the checks of a start ------------------------------------------------
+model=$state/embedded/tiny-seed1
+write_config "$cfg"
+# check_fails NAME PATTERN [ds41d args]: --check-config exits 1 with PATTERN (fixed string) on stderr
+check_fails() {
+    local what=$1 pattern=$2; shift 2
+    "$ds41d" --config "$cfg" --check-config "$@" >/dev/null 2>"$work/check.err"
+    local rc=$?
+    if [ $rc = 1 ] && grep -qF -- "$pattern" "$work/check.err"; then
+        ok "--check-config: $what (exit 1: $pattern)"
+    else
+        notok "--check-config: $what (exit $rc, wanted 1 and: $pattern)"
+        sed 's/^/# /' "$work/check.err"
+    fi
+}
+"$ds41d" --config "$cfg" --check-config --model "$model" >/dev/null 2>"$work/check.err"; rc=$?
+check "--check-config: a good configuration with a model directory passes (exit $rc)" test $rc = 0
+sed -i 's/^  socket_group: null$/  socket_group: ds41-no-such-group/' "$cfg"
+check_fails "a missing socket group" "key 'listen.socket_group': group 'ds41-no-such-group' does not exist"
+sed -i "s|^state_directory: .*|state_directory: $work/state-start|" "$cfg"
+"$ds41d" --config "$cfg" >"$work/start.log" 2>&1; rc=$?
+check "the start fails on the same check, before the socket or the state directory exist (exit $rc)" \
+    bash -c "test $rc = 1 && grep -qF \"key 'listen.socket_group': group 'ds41-no-such-group' does not exist\" '$work/start.log' &&
+             test ! -e '$sock' -a ! -e '$work/state-start'"
+write_config "$cfg"
+check_fails "an uncreatable socket directory" "key 'listen.socket': cannot create the socket directory $work/none/sub" \
+    --socket "$work/none/sub/ds41d.sock"
+touch "$work/file"
+check_fails "a socket directory that is a file" "key 'listen.socket': $work/file: not a directory" \
+    --socket "$work/file/ds41d.sock"
+sed -i "s|^state_directory: .*|state_directory: $work/file/state|" "$cfg"
+check_fails "an uncreatable state directory" "key 'state_directory': $work/file/state: cannot create it: $work/file is not a directory"
+write_config "$cfg"
+check_fails "a missing model directory" "key 'models[0].path' (model deepseek-v4.1-flash): $work/nomodel: No such file or directory" \
+    --model "$work/nomodel"
+mkdir -p "$work/notckpt"
+echo '{"model_type": "deepseek_v4"}' >"$work/notckpt/config.json"
+check_fails "a model directory that is not a checkpoint (only a root config.json)" \
+    "key 'models[0].path' (model deepseek-v4.1-flash): $work/notckpt is not a ds41 checkpoint: $work/notckpt/inference/config.json" \
+    --model "$work/notckpt"
+mkdir -p "$work/noshards/inference"
+cp "$model/inference/config.json" "$work/noshards/inference/"
+check_fails "a model directory without its safetensors shards" "key 'models[0].path' (model deepseek-v4.1-flash): $work/noshards: cannot open the checkpoint" \
+    --model "$work/noshards"
+write_config "$cfg" "models:" "  - name: good" "    path: $model" "  - name: other" "    path: $work/notckpt"
+check_fails "every models[] entry is checked, not only the default" "key 'models[1].path' (model other)"
 finish
