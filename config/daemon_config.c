@@ -10,6 +10,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
@@ -724,6 +725,28 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
         !cfg->embedded_model.name || !cfg->embedded_model.preset) {
         ds41_daemon_config_free(cfg);
         return ds41_fail(err, "out of memory");
+    }
+    return 0;
+}
+
+int ds41_daemon_config_defaults_by_hand(ds41_daemon_config *cfg, ds41_error *err) {
+    if (ds41_daemon_config_defaults(cfg, err) != 0) return -1;
+    char state[PATH_MAX];
+    const char *xdg = getenv("XDG_STATE_HOME"), *home = getenv("HOME");
+    state[0] = 0;
+    if (geteuid() == 0) {
+        /* root keeps the service's directory */
+    } else if (xdg && xdg[0] == '/') {
+        snprintf(state, sizeof state, "%s/ds41d", xdg);
+    } else if (home && home[0] == '/') {
+        snprintf(state, sizeof state, "%s/.local/state/ds41d", home);
+    }
+    cfg->listen.socket_mode = 0600;
+    if (ds41_daemon_config_set(cfg, "listen.socket_group", "null", err) != 0 ||
+        ds41_daemon_config_set(cfg, "auth.admin_group", "null", err) != 0 ||
+        (state[0] && ds41_daemon_config_set(cfg, "state_directory", state, err) != 0)) {
+        ds41_daemon_config_free(cfg);
+        return ds41_error_prefix(err, "the defaults for a run by hand");
     }
     return 0;
 }

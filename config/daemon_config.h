@@ -220,6 +220,18 @@ typedef struct ds41_daemon_config {
  * Returns -1 only when memory runs out; cfg is then empty (free is safe). */
 int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err);
 
+/* The defaults of ds41d run by hand: no --config given and no file at
+ * DS41_DAEMON_CONFIG_DEFAULT_PATH (the service always names its file, see
+ * ds41d.service).  The built-in defaults, except that the socket is private
+ * to the invoking user and needs no group: listen.socket_mode 0600,
+ * listen.socket_group null, auth.admin_group null (admin routes for root);
+ * and for a user other than root state_directory is $XDG_STATE_HOME/ds41d
+ * when XDG_STATE_HOME is an absolute path, else $HOME/.local/state/ds41d
+ * (/var/lib/ds41d, the service's directory, when neither is set and for
+ * root).  Same contract as ds41_daemon_config_defaults; an environment
+ * value that is not a valid state_directory is an error naming it. */
+int ds41_daemon_config_defaults_by_hand(ds41_daemon_config *cfg, ds41_error *err);
+
 /* Release everything cfg owns and zero it.  Safe on a zeroed or freed config. */
 void ds41_daemon_config_free(ds41_daemon_config *cfg);
 

@@ -23,19 +23,26 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: ds41d [--config FILE] [--socket PATH] [--model DIR] [--check-config]\n"
+            "usage: ds41d [--config FILE] [--socket PATH] [--model DIR [--name ID]] [--state-dir DIR]\n"
+            "             [--check-config]\n"
             "\n"
             "The ds41 inference daemon: DeepSeek-V4.1-Flash with an OpenAI-compatible API over\n"
             "HTTP on a Unix socket.  Runs in the foreground; logs to stderr.\n"
-            "  --config FILE    configuration (default %s; built-in defaults when that\n"
-            "                   file does not exist)\n"
+            "  --config FILE    configuration (default %s)\n"
             "  --socket PATH    the Unix socket to create (overrides listen.socket)\n"
-            "  --model DIR      serve this checkpoint as %s (replaces `models`)\n"
+            "  --model DIR      serve this checkpoint (replaces `models`)\n"
+            "  --name ID        the model id --model is served as (default %s)\n"
+            "  --state-dir DIR  the state directory (overrides state_directory)\n"
             "  --check-config   print the effective configuration as YAML, then run every check\n"
             "                   a start runs except binding; exit 0 only when all pass\n"
+            "Run by hand (no --config and no %s): built-in defaults with\n"
+            "the socket private to you (mode 0600, no group) and, unless you are root, the\n"
+            "state in $XDG_STATE_HOME/ds41d (else ~/.local/state/ds41d).  One daemon per state\n"
+            "directory (a second one exits naming the first's pid).\n"
             "Signals: SIGHUP re-reads the configuration, SIGTERM/SIGINT drain and exit 0.\n"
             "See ds41d(8) and ds41d.yaml(5).\n",
-            DS41_DAEMON_CONFIG_DEFAULT_PATH, DS41_DAEMON_CONFIG_REAL_MODEL_NAME);
+            DS41_DAEMON_CONFIG_DEFAULT_PATH, DS41_DAEMON_CONFIG_REAL_MODEL_NAME,
+            DS41_DAEMON_CONFIG_DEFAULT_PATH);
 }
 
 typedef struct options {
@@ -43,19 +50,25 @@ typedef struct options {
     bool config_given;
     const char *socket;
     const char *model;
+    const char *name; /* --name: the id --model is served as */
+    const char *state_dir;
     bool check;
 } options;
 
-/* Read the configuration the way the options say (also on SIGHUP). */
-static int load_config(const options *o, ds41_daemon_config *cfg, ds41_error *err) {
+/* Read the configuration the way the options say (also on SIGHUP).  Run by hand (no --config and
+ * no default file; the service always passes --config) the by-hand defaults apply: a private
+ * socket, no group (ds41_daemon_config_defaults_by_hand).  *by_hand says which. */
+static int load_config(const options *o, ds41_daemon_config *cfg, bool *by_hand, ds41_error *err) {
     struct stat st;
-    if (!o->config_given && stat(o->config, &st) != 0 && errno == ENOENT) {
-        if (ds41_daemon_config_defaults(cfg, err) != 0) return -1;
+    *by_hand = !o->config_given && stat(o->config, &st) != 0 && errno == ENOENT;
+    if (*by_hand) {
+        if (ds41_daemon_config_defaults_by_hand(cfg, err) != 0) return -1;
     } else if (ds41_daemon_config_load(o->config, cfg, err) != 0) {
         return -1;
     }
     if (o->socket && ds41_daemon_config_set(cfg, "listen.socket", o->socket, err) != 0) goto fail;
-    if (o->model && ds41_daemon_config_set_model(cfg, NULL, o->model, err) != 0) goto fail;
+    if (o->state_dir && ds41_daemon_config_set(cfg, "state_directory", o->state_dir, err) != 0) goto fail;
+    if (o->model && ds41_daemon_config_set_model(cfg, o->name, o->model, err) != 0) goto fail;
     if (ds41_daemon_config_validate(cfg, err) != 0) goto fail;
     return 0;
 fail:
@@ -92,6 +105,7 @@ int main(int argc, char **argv) {
         {"config", required_argument, NULL, 'c'}, {"socket", required_argument, NULL, 's'},
         {"model", required_argument, NULL, 'm'},  {"check-config", no_argument, NULL, 'k'},
         {"help", no_argument, NULL, 'h'},         {"version", no_argument, NULL, 'V'},
+        {"name", required_argument, NULL, 'n'},   {"state-dir", required_argument, NULL, 'd'},
         {NULL, 0, NULL, 0},
     };
     options o = {.config = DS41_DAEMON_CONFIG_DEFAULT_PATH};
@@ -101,6 +115,8 @@ int main(int argc, char **argv) {
         case 'c': o.config = optarg, o.config_given = true; break;
         case 's': o.socket = optarg; break;
         case 'm': o.model = optarg; break;
+        case 'n': o.name = optarg; break;
+        case 'd': o.state_dir = optarg; break;
         case 'k': o.check = true; break;
         case 'h': usage(stdout); return 0;
         case 'V': puts("ds41d 0.1.0"); return 0;
@@ -111,10 +127,15 @@ int main(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
+    if (o.name && !o.model) {
+        fprintf(stderr, "ds41d: --name names the model of --model; give --model DIR too\n");
+        return 2;
+    }
 
     ds41_daemon_config cfg;
     ds41_error err = {{0}};
-    if (load_config(&o, &cfg, &err) != 0) {
+    bool by_hand;
+    if (load_config(&o, &cfg, &by_hand, &err) != 0) {
         ds41_log(DS41_LOG_ERROR, "%s", err.msg);
         return 1;
     }
@@ -130,7 +151,8 @@ int main(int argc, char **argv) {
         return rc == 0 ? 0 : 1;
     }
     ds41_log_set_level(cfg.log.level);
-    ds41_log(DS41_LOG_INFO, "starting (configuration: %s)", cfg.source ? cfg.source : "built-in defaults");
+    const char *source = by_hand ? "built-in defaults for a run by hand" : "built-in defaults";
+    ds41_log(DS41_LOG_INFO, "starting (configuration: %s)", cfg.source ? cfg.source : source);
     if (ds41_preflight(&cfg, !ds41_preflight_socket_activated(), &pre, &err) != 0) {
         ds41_log(DS41_LOG_ERROR, "%s", err.msg);
         ds41_daemon_config_free(&cfg);
@@ -245,7 +267,8 @@ int main(int argc, char **argv) {
             ds41_log(DS41_LOG_INFO, "SIGHUP: reloading the configuration");
             ds41_daemon_config ncfg;
             const char *outcome = "configuration reloaded";
-            if (load_config(&o, &ncfg, &err) != 0) {
+            bool nby_hand;
+            if (load_config(&o, &ncfg, &nby_hand, &err) != 0) {
                 ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
                 outcome = "reload failed, configuration kept";
             } else {

@@ -2,7 +2,9 @@
 # ds41d operations (issue 13 items 3 and 4): one daemon per state directory (a second one exits
 # naming the first one's pid, while the first keeps serving and finishes a snapshot save that was
 # in flight, also after a SIGHUP); --check-config runs the start's checks (group, socket
-# directory, state directory, model directories) and the start runs the same ones.  TAP.
+# directory, state directory, model directories) and the start runs the same ones; ds41d run by
+# hand without a config (--model/--name/--socket/--state-dir): a socket private to the invoking
+# user, no group needed, the model served under --name.  TAP.
 . "$(dirname "$0")/daemon_lib.sh"
 
 cfg=$work/ds41d.yaml
@@ -118,4 +120,77 @@ check_fails "a model directory without its safetensors shards" "key 'models[0].p
     --model "$work/noshards"
 write_config "$cfg" "models:" "  - name: good" "    path: $model" "  - name: other" "    path: $work/notckpt"
 check_fails "every models[] entry is checked, not only the default" "key 'models[1].path' (model other)"
+"$ds41d" --name x --check-config >/dev/null 2>"$work/check.err"; rc=$?
+check "--name without --model is a usage error (exit $rc)" bash -c "test $rc = 2 && grep -q -- '--model' '$work/check.err'"
+
+# ---- run by hand: no config ----------------------------------------------------------------
+hsock=$work/hand.sock
+# hand_daemon LOG [args]: ds41d with options only, in the background; waits for /health on $hsock.
+hand_daemon() {
+    local log=$1; shift
+    "$@" >"$log" 2>&1 &
+    daemon_pid=$!
+    for i in $(seq 1 300); do
+        [ -S "$hsock" ] && [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$hsock" http://ds41/health)" = 200 ] && return 0
+        kill -0 "$daemon_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    sed 's/^/# daemon: /' "$log" | tail -5
+    return 1
+}
+hchat='{"model":"my-model","messages":[{"role":"user","content":"Hello there."}],"max_tokens":6,"seed":1}'
+if [ -e /etc/ds41d/ds41d.yaml ]; then
+    skip "/etc/ds41d/ds41d.yaml exists on this machine: a run without --config reads it"
+else
+    if hand_daemon "$work/hand.log" "$ds41d" --model "$model" --name my-model --socket "$hsock" --state-dir "$work/hstate"; then
+        ok "ds41d --model --name --socket --state-dir starts without a config"
+        check "the socket is private to the invoking user: mode 0600, owner $(id -u), group $(id -g) (not chowned)" \
+            test "$(stat -c '%a %u %g' "$hsock")" = "600 $(id -u) $(id -g)"
+        check "the log says the by-hand defaults are used" grep -q 'built-in defaults for a run by hand' "$work/hand.log"
+        st=$(curl -s -o "$work/body" -w '%{http_code}' --unix-socket "$hsock" http://ds41/v1/models)
+        check "/v1/models lists the --name id only" test "$st $(pyj '[m["id"] for m in o["data"]]')" = '200 ["my-model"]'
+        st=$(curl -s -o "$work/body" -w '%{http_code}' --unix-socket "$hsock" -H 'Content-Type: application/json' \
+            --data-binary "$hchat" http://ds41/v1/chat/completions)
+        check "a chat with model my-model works" \
+            test "$st $(pyj 'o["model"]') $(pyj 'o["usage"]["completion_tokens"] > 0')" = "200 my-model True"
+        check "the state is in --state-dir (the lock with the daemon's pid)" \
+            test "$(cat "$work/hstate/ds41d.lock" 2>/dev/null)" = "$daemon_pid"
+        kill -TERM "$daemon_pid"; wait "$daemon_pid"; rc=$?; daemon_pid=
+        check "it stops with status 0 and removes its socket" bash -c "test $rc = 0 && test ! -e '$hsock'"
+    else
+        notok "ds41d --model --name --socket --state-dir starts without a config"
+    fi
+    # As a user other than root: no group of its own needed, the state in $XDG_STATE_HOME/ds41d.
+    if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+        home=$work/nobody
+        hsock=$home/hand.sock
+        mkdir -p "$home"
+        cp -r "$model" "$home/m"
+        chown -R 65534:65534 "$home"
+        if hand_daemon "$work/nobody.log" env -i PATH="$PATH" XDG_STATE_HOME="$home/xdg" \
+            setpriv --reuid=65534 --regid=65534 --clear-groups "$ds41d" --model "$home/m" --socket "$hsock"; then
+            st=$(curl -s -o "$work/body" -w '%{http_code}' --unix-socket "$hsock" -H 'Content-Type: application/json' \
+                --data-binary "${hchat/my-model/deepseek-v4.1-flash}" http://ds41/v1/chat/completions)
+            check "as uid 65534 without groups: socket 0600 owned by 65534, state in \$XDG_STATE_HOME/ds41d, a chat works" \
+                test "$(stat -c '%a %u %g' "$hsock") $(cat "$home/xdg/ds41d/ds41d.lock" 2>/dev/null) $st" = \
+                     "600 65534 65534 $daemon_pid 200"
+            kill -TERM "$daemon_pid"; wait "$daemon_pid"; daemon_pid=
+        else
+            notok "as uid 65534 without groups: ds41d --model --socket starts"
+        fi
+        env -i PATH="$PATH" HOME="$home" setpriv --reuid=65534 --regid=65534 --clear-groups "$ds41d" \
+            --model "$home/m" --socket "$hsock" --check-config >"$work/home.yaml" 2>"$work/home.err"; rc=$?
+        check "as uid 65534 with HOME and no XDG_STATE_HOME: the state in ~/.local/state/ds41d (exit $rc)" \
+            bash -c "test $rc = 0 && grep -qx 'state_directory: $home/.local/state/ds41d' '$work/home.yaml'"
+        env -i PATH="$PATH" HOME=/root XDG_STATE_HOME="$home/xdg" "$ds41d" --model "$model" --check-config \
+            >"$work/root.yaml" 2>/dev/null
+        check "as root by hand: the service's state directory and socket path, but mode 0600 and no group" \
+            bash -c "grep -qx 'state_directory: /var/lib/ds41d' '$work/root.yaml' &&
+                     grep -qx '  socket: /run/ds41d/ds41d.sock' '$work/root.yaml' &&
+                     grep -qx '  socket_mode: \"0600\"' '$work/root.yaml' && grep -qx '  socket_group: null' '$work/root.yaml'"
+    else
+        skip "running as another user needs root and setpriv"
+    fi
+fi
+
 finish
