@@ -32,12 +32,16 @@ socket=$build/packaging/ds41d.socket
 check "the units are generated into the build tree" test -f "$service" -a -f "$socket"
 check "no @placeholder@ is left in the units" bash -c "! grep -n '@[a-z_]*@' '$service' '$socket'"
 
-bindir=$("$py" - "$build" <<'EOF'
+# install_dir BUILDDIR OPTION: a directory option of a meson build directory ("bindir",
+# "datadir", "prefix"), joined to its prefix.
+install_dir() {
+    "$py" - "$1" "$2" <<'EOF'
 import json, os, sys
 opts = {o["name"]: o["value"] for o in json.load(open(os.path.join(sys.argv[1], "meson-info", "intro-buildoptions.json")))}
-print(os.path.join(opts["prefix"], opts["bindir"]))
+print(os.path.join(opts["prefix"], opts[sys.argv[2]]))
 EOF
-)
+}
+bindir=$(install_dir "$build" bindir)
 check "ExecStart runs $bindir/ds41d with the default config" \
     grep -qx "ExecStart=$bindir/ds41d --config /etc/ds41d/ds41d.yaml" "$service"
 
@@ -65,6 +69,32 @@ else
 fi
 check "the default YAML is installed at DESTDIR/etc/ds41d/ds41d.yaml, unchanged" \
     cmp -s "$dest/etc/ds41d/ds41d.yaml" "$src/packaging/ds41d.yaml"
+
+datadir=$(install_dir "$build" datadir)
+check "the packaged default is also kept at DESTDIR$datadir/ds41d/ds41d.yaml" \
+    cmp -s "$dest$datadir/ds41d/ds41d.yaml" "$src/packaging/ds41d.yaml"
+# The configuration is a conffile: a second install over an edited file keeps the edit.
+sed -i 's/^  max_queue: 256$/  max_queue: 77  # edited by the operator/' "$dest/etc/ds41d/ds41d.yaml"
+cp "$dest/etc/ds41d/ds41d.yaml" "$work/edited.yaml"
+if meson install -C "$build" --destdir "$dest" --no-rebuild >"$work/install2.log" 2>&1; then
+    check "a second meson install keeps the edited DESTDIR/etc/ds41d/ds41d.yaml" \
+        bash -c "grep -q 'max_queue: 77  # edited' '$dest/etc/ds41d/ds41d.yaml' && cmp -s '$work/edited.yaml' '$dest/etc/ds41d/ds41d.yaml'"
+else
+    not_ok "a second meson install succeeds"
+    sed 's/^/# /' "$work/install2.log" | tail -20
+fi
+# A relative DESTDIR: the config goes where meson puts its own files (the man page's DESTDIR).
+if (cd "$work" && meson install -C "$build" --destdir reldest --no-rebuild >"$work/install3.log" 2>&1); then
+    man8=$(find "$work/reldest" "$build/reldest" -name ds41d.8 -path '*/man8/*' 2>/dev/null | head -1)
+    reldest=${man8%/share/man/man8/ds41d.8}
+    reldest=${reldest%"$(dirname "$datadir")"}
+    check "meson install with a relative --destdir installs the config in the same DESTDIR (${reldest:-?})" \
+        cmp -s "$reldest/etc/ds41d/ds41d.yaml" "$src/packaging/ds41d.yaml"
+    rm -rf "$build/reldest"
+else
+    not_ok "meson install with a relative --destdir succeeds"
+    sed 's/^/# /' "$work/install3.log" | tail -20
+fi
 
 # Where meson says each packaging file goes; every one must be in DESTDIR.
 meson introspect "$build" --installed >"$work/installed.json" 2>/dev/null
@@ -164,6 +194,36 @@ else
     skip "systemd-sysusers is not installed"
     skip "systemd-sysusers is not installed"
 fi
+
+# ---- packaging/README.md's install commands work after the quick start --------------
+# The quick start (.ci/demo, README's "Building") has set up `build` with the default prefix.
+# Run the README's `meson setup`/`meson configure` commands after that (build directories
+# moved under $work) and check that the directory its `meson install -C DIR` installs from
+# has prefix /usr, as the units and the text say.
+"$py" - "$src/packaging/README.md" "$work/rd" >"$work/readme.cmds" <<'EOF'
+import re, shlex, sys
+text = open(sys.argv[1], encoding="utf-8").read()
+block = re.search(r"## Install and start\s+```sh\n(.*?)```", text, re.S).group(1)
+for line in block.splitlines():
+    for cmd in line.split("#")[0].split("&&"):
+        words = shlex.split(cmd)
+        words = [w for w in words if w != "sudo"]
+        if words[:2] in (["meson", "setup"], ["meson", "configure"], ["meson", "install"]):
+            words = [sys.argv[2] + "/" + w if re.fullmatch(r"build[-\w]*", w) else w for w in words]
+            print(shlex.join(words))
+EOF
+readme_build=$(sed -n 's/^meson install -C \([^ ]*\).*/\1/p' "$work/readme.cmds" | head -1)
+mkdir -p "$work/rd"
+rdok=y
+(cd "$src" && meson setup "$work/rd/build" >"$work/rd.log" 2>&1) || rdok=n
+while read -r line; do
+    case $line in "meson install"*) continue ;; esac
+    (cd "$src" && eval "$line") >>"$work/rd.log" 2>&1 || rdok=n
+done <"$work/readme.cmds"
+rdprefix=$(install_dir "$readme_build" prefix 2>/dev/null)
+check "packaging/README.md's commands after the quick start install from a /usr build (got ${rdprefix:-?})" \
+    test "$rdok:$rdprefix" = "y:/usr"
+[ "$rdok:$rdprefix" = "y:/usr" ] || sed 's/^/# /' "$work/readme.cmds" "$work/rd.log" | tail -20
 
 # ---- man pages ---------------------------------------------------------------
 if command -v groff >/dev/null; then
