@@ -11,6 +11,7 @@
  *   - the chunked decoder gives the same result, payload and consumed count fed at once and in
  *     pieces, and never more payload than it consumed. */
 #include "ipc/http_parser.h"
+#include "tests/http_chunk_feed.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,40 +32,6 @@ static bool same_result(ds41_http_parse_result a, const ds41_http_parse_error *e
     if (a == DS41_HTTP_PARSE_ERROR) return ea->status == eb->status && strcmp(ea->code, eb->code) == 0;
     if (a == DS41_HTTP_PARSE_OK) return ua == ub;
     return true;
-}
-
-/* Decode body[0..len) in pieces of `step` bytes; payload to out. */
-static ds41_http_parse_result dechunk(const uint8_t *body, size_t len, size_t step, char *out,
-                                      size_t *out_len, size_t *consumed) {
-    ds41_http_chunked c;
-    ds41_http_chunked_init(&c);
-    char *buf = malloc(len + 1);
-    CHECK(buf);
-    size_t have = 0, at = 0;
-    *out_len = *consumed = 0;
-    ds41_http_parse_result r = DS41_HTTP_PARSE_INCOMPLETE;
-    ds41_http_parse_error err;
-    while (r == DS41_HTTP_PARSE_INCOMPLETE && at < len) {
-        size_t n = len - at < step ? len - at : step;
-        memcpy(buf + have, body + at, n);
-        have += n;
-        at += n;
-        size_t used, o;
-        r = ds41_http_chunked_decode(&c, buf, have, &used, &o, &err);
-        if (r == DS41_HTTP_PARSE_ERROR) {
-            CHECK(err.status == 400 && strcmp(err.code, "invalid_chunked_encoding") == 0);
-            break;
-        }
-        CHECK(used <= have && o <= used);
-        CHECK(r == DS41_HTTP_PARSE_OK || used == have); /* incomplete consumes everything */
-        memcpy(out + *out_len, buf, o);
-        *out_len += o;
-        memmove(buf, buf + used, have - used);
-        have -= used;
-        *consumed += used;
-    }
-    free(buf);
-    return r;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -100,10 +67,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *out1 = malloc(blen + 1), *out2 = malloc(blen + 1);
     CHECK(out1 && out2);
     size_t o1, o2, c1, c2;
-    ds41_http_parse_result r1 = dechunk(body, blen, blen ? blen : 1, out1, &o1, &c1);
-    ds41_http_parse_result r2 = dechunk(body, blen, step, out2, &o2, &c2);
-    CHECK(r1 == r2);
-    if (r1 != DS41_HTTP_PARSE_ERROR) CHECK(o1 == o2 && c1 == c2 && memcmp(out1, out2, o1) == 0 && o1 <= c1);
+    bool sane1, sane2;
+    ds41_http_parse_error e1, e2;
+    ds41_http_parse_result r1 =
+        http_chunk_feed((const char *)body, blen, blen ? blen : 1, out1, &o1, &c1, &sane1, &e1);
+    ds41_http_parse_result r2 = http_chunk_feed((const char *)body, blen, step, out2, &o2, &c2, &sane2, &e2);
+    CHECK(sane1 && sane2 && r1 == r2);
+    if (r1 == DS41_HTTP_PARSE_ERROR)
+        CHECK(e1.status == 400 && strcmp(e1.code, "invalid_chunked_encoding") == 0 && e2.status == 400);
+    else
+        CHECK(o1 == o2 && c1 == c2 && memcmp(out1, out2, o1) == 0 && o1 <= c1);
     free(out1);
     free(out2);
     return 0;
