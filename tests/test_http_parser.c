@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tests/http_bad_requests.h"
 #include "tests/http_chunk_feed.h"
 #include "tests/tap.h"
 
@@ -43,47 +44,45 @@ static void refuse(const char *name, const char *req, size_t len, int status, co
 #define REFUSE(name, req, status, code) refuse(name, req, sizeof req - 1, status, code)
 
 static void test_refusals(void) {
-    REFUSE("Content-Length -5", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400,
-           "invalid_content_length");
-    REFUSE("Content-Length abc", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400,
-           "invalid_content_length");
-    REFUSE("Content-Length 5x", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5x\r\n\r\n", 400,
-           "invalid_content_length");
+    /* the cases of issue 13 (test_ipc_http sends the same bytes over a socket) */
+    for (size_t i = 0; i < sizeof http_bad_requests / sizeof http_bad_requests[0]; i++) {
+        const http_bad_request *b = &http_bad_requests[i];
+        if (!b->in_body) {
+            refuse(b->name, b->bytes, b->len, b->status, b->code);
+            continue;
+        }
+        size_t used, ol, consumed;
+        bool sane;
+        char out[256];
+        ds41_http_parse_result r = parse(b->bytes, b->len, &used);
+        bool head_ok = r == DS41_HTTP_PARSE_OK && head.chunked && b->len - used <= sizeof out;
+        r = head_ok ? http_chunk_feed(b->bytes + used, b->len - used, 1, out, &ol, &consumed, &sane, &perr)
+                    : DS41_HTTP_PARSE_OK;
+        TAP_CHECK(head_ok && r == DS41_HTTP_PARSE_ERROR && perr.status == b->status &&
+                      strcmp(perr.code, b->code) == 0,
+                  "%s: the head is accepted, the chunked body refused with %d %s", b->name, b->status,
+                  b->code);
+    }
+    /* more refusals, on the parser alone */
     REFUSE("Content-Length empty", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length:\r\n\r\n", 400,
            "invalid_content_length");
     REFUSE("Content-Length list", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5, 5\r\n\r\n", 400,
            "invalid_content_length");
-    REFUSE("Content-Length 2^64+1",
-           "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 18446744073709551617\r\n\r\n", 400,
-           "invalid_content_length");
     REFUSE("Content-Length 2^63", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9223372036854775808\r\n\r\n",
            400, "invalid_content_length");
-    REFUSE("conflicting Content-Length",
-           "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400,
-           "invalid_content_length");
     REFUSE("Content-Length with chunked",
            "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 6\r\n\r\n", 400,
            "invalid_content_length");
-    REFUSE("Transfer-Encoding gzip", "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501,
-           "unsupported_transfer_encoding");
-    REFUSE("Transfer-Encoding gzip, chunked",
-           "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501,
-           "unsupported_transfer_encoding");
     REFUSE("Transfer-Encoding chunked twice",
            "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
            501, "unsupported_transfer_encoding");
     REFUSE("Transfer-Encoding in HTTP/1.0", "POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
            "invalid_header");
-    REFUSE("HTTP/1.1 without Host", "GET / HTTP/1.1\r\nAccept: */*\r\n\r\n", 400, "missing_host");
-    REFUSE("two Host", "GET / HTTP/1.1\r\nHost: a\r\nhost: a\r\n\r\n", 400, "invalid_header");
-    REFUSE("HTTP/2.0", "GET / HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported");
-    REFUSE("HTTP/1.2", "GET / HTTP/1.2\r\nHost: x\r\n\r\n", 505, "http_version_not_supported");
     REFUSE("HTTP/0.9", "GET / HTTP/0.9\r\n\r\n", 505, "http_version_not_supported");
     REFUSE("HTTP/1.10", "GET / HTTP/1.10\r\nHost: x\r\n\r\n", 400, "malformed_request");
     REFUSE("http/1.1 lower case", "GET / http/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request");
     REFUSE("no version", "GET /\r\n\r\n", 400, "malformed_request");
     REFUSE("two spaces", "GET  / HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request");
-    REFUSE("garbage", "GARBAGE\r\n\r\n", 400, "malformed_request");
     REFUSE("NUL in the method", "GE\0T / HTTP/1.1\r\n\r\n", 400, "malformed_request");
     REFUSE("bare CR in the request line", "GET /a\rb HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request");
     REFUSE("long method", "ABCDEFGHIJKLMNOPQ / HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented");
@@ -92,10 +91,7 @@ static void test_refusals(void) {
     REFUSE("%00 in the path", "GET /a%00b HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request");
     REFUSE("bad %-escape", "GET /a%zz HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request");
     REFUSE("truncated %-escape", "GET /a%4 HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request");
-    REFUSE("header without colon", "GET / HTTP/1.1\r\nHost x\r\n\r\n", 400, "invalid_header");
-    REFUSE("space before the colon", "GET / HTTP/1.1\r\nHost : x\r\n\r\n", 400, "invalid_header");
     REFUSE("empty header name", "GET / HTTP/1.1\r\n: x\r\nHost: x\r\n\r\n", 400, "invalid_header");
-    REFUSE("obs-fold", "GET / HTTP/1.1\r\nHost: x\r\nX-A: b\r\n\tc\r\n\r\n", 400, "invalid_header");
     REFUSE("control byte in a value", "GET / HTTP/1.1\r\nHost: x\r\nX-A: a\x01\r\n\r\n", 400,
            "invalid_header");
     REFUSE("DEL in a value", "GET / HTTP/1.1\r\nHost: x\r\nX-A: a\x7f\r\n\r\n", 400, "invalid_header");

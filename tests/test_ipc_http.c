@@ -25,9 +25,10 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include "daemon/listen.h"
 #include "ipc/api.h"
 #include "ipc/http_server.h"
-#include "daemon/listen.h"
+#include "tests/http_bad_requests.h"
 #include "tests/ipc_mock_service.h"
 #include "tests/ipc_test_util.h"
 #include "tests/tap.h"
@@ -676,51 +677,11 @@ static void check_protocol_error(const char *name, const char *req, size_t len, 
     free(got.p);
 }
 
-#define PE(name, req, want, code) check_protocol_error(name, req, sizeof req - 1, want, code)
-
 static void test_protocol_errors(void) {
-    PE("Content-Length: -5", "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400,
-       "invalid_content_length");
-    PE("Content-Length: abc", "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400,
-       "invalid_content_length");
-    PE("Content-Length: 5x", "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 5x\r\n\r\nhello", 400,
-       "invalid_content_length");
-    PE("Content-Length: 2^64+1",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 18446744073709551617\r\n\r\n", 400,
-       "invalid_content_length");
-    PE("two conflicting Content-Length",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", 400,
-       "invalid_content_length");
-    PE("Content-Length and Transfer-Encoding",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: "
-       "chunked\r\n\r\n0\r\n\r\n",
-       400, "invalid_content_length");
-    PE("Transfer-Encoding: gzip", "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
-       501, "unsupported_transfer_encoding");
-    PE("Transfer-Encoding: gzip, chunked",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501,
-       "unsupported_transfer_encoding");
-    PE("HTTP/1.1 without Host", "GET /health HTTP/1.1\r\nAccept: */*\r\n\r\n", 400, "missing_host");
-    PE("two Host headers", "GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "invalid_header");
-    PE("HTTP/2.0 request line", "GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported");
-    PE("HTTP/1.2 request line", "GET /health HTTP/1.2\r\nHost: x\r\n\r\n", 505, "http_version_not_supported");
-    PE("garbage request line", "GARBAGE\r\n\r\n", 400, "malformed_request");
-    PE("header line without a colon", "GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400, "invalid_header");
-    PE("space before the colon", "GET /health HTTP/1.1\r\nHost : x\r\n\r\n", 400, "invalid_header");
-    PE("obsolete line folding", "GET /health HTTP/1.1\r\nHost: x\r\nX-A: b\r\n c\r\n\r\n", 400,
-       "invalid_header");
-    PE("chunk size ZZ",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n", 400,
-       "invalid_chunked_encoding");
-    PE("chunk size overflowing 64 bits",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffffff\r\n",
-       400, "invalid_chunked_encoding");
-    PE("chunk size -1",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\nabc\r\n0\r\n\r\n", 400,
-       "invalid_chunked_encoding");
-    PE("chunk data without CRLF",
-       "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcdef\r\n0\r\n\r\n",
-       400, "invalid_chunked_encoding");
+    for (size_t i = 0; i < sizeof http_bad_requests / sizeof http_bad_requests[0]; i++) {
+        const http_bad_request *b = &http_bad_requests[i];
+        check_protocol_error(b->name, b->bytes, b->len, b->status, b->code);
+    }
 
     /* oversized header block and URI */
     raw big = {0};
