@@ -1,8 +1,10 @@
-/* HTTP server on libmicrohttpd: see http_server.h for the model.
+/* HTTP/1.1 server over the listening sockets it is given: see http_server.h
+ * for the model and ipc/http_parser.h for the request syntax it accepts.
  *
  * Layout of this file: metrics, exchanges and answers, streams, signals and
- * waits, routing, the MHD callbacks (connection notify, access handler,
- * request completed), the deadline reaper, start/stop, in-memory dispatch. */
+ * waits, routing, writing answers, one connection's thread (read a request,
+ * run its handler, write its answer, keep alive), the accept threads,
+ * start/stop, in-memory dispatch. */
 #include "ipc/http_server.h"
 
 #include "config/buf.h"
@@ -11,7 +13,6 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
-#include <microhttpd.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -27,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ipc/http_parser.h"
 #include "ipc/json_util.h"
 
 #define DEFAULT_MAX_BODY (32u << 20)
@@ -38,8 +40,14 @@
 #define MAX_LISTENERS 8
 #define MAX_EXTRA_HEADERS 8
 #define STREAM_BLOCK 16384
-#define HEADER_MEMORY_LIMIT (64u << 10)
 #define MAX_PATH_PARAM 128
+/* A connection's receive buffer: a whole request head fits (the parser
+ * refuses a head over DS41_HTTP_MAX_HEAD before the buffer is full). */
+#define CONN_BUF (DS41_HTTP_MAX_HEAD + 16384u)
+/* Before a close, what the client still sends is drained for up to this
+ * long / this many bytes (conn_linger). */
+#define LINGER_MS 1000
+#define LINGER_BYTES (8u << 20)
 
 static int64_t now_ms(void) {
     struct timespec ts;
@@ -160,19 +168,26 @@ char *ds41_http_metrics_render(ds41_http_metrics *m, size_t *len) {
 
 struct listener_state {
     struct ds41_http_server *srv;
-    struct MHD_Daemon *daemon;
     int fd; /* our duplicate of the caller's listening fd */
     ds41_auth_class credless_class;
     bool is_unix;
+    unsigned n_conns; /* srv->mu */
+    pthread_t thread;
+    bool thread_started;
 };
 
-struct conn_rec {
-    struct conn_rec *prev, *next;
+/* One client connection, served by its own (detached) thread. */
+struct conn {
+    struct conn *prev, *next; /* srv->conns, under srv->mu */
+    struct ds41_http_server *srv;
+    struct listener_state *ls;
     int fd;
     ds41_http_peer peer;
     ds41_auth_class auth;
-    int64_t deadline_ms; /* a complete request is due by then; 0 = not receiving */
-    bool cut;            /* shut down by the deadline or a body limit */
+    char *buf; /* received bytes not consumed yet: buf[0..len) */
+    size_t len;
+    int64_t accepted_ms;
+    int64_t last_rx_ms; /* last progress, for the idle timeout */
 };
 
 struct ds41_http_server {
@@ -181,14 +196,12 @@ struct ds41_http_server {
     struct listener_state ls[MAX_LISTENERS];
     size_t n_ls;
     pthread_mutex_t mu;
-    pthread_cond_t cond; /* CLOCK_MONOTONIC: active / connections changed, reaper stop */
-    struct conn_rec *conns;
+    pthread_cond_t cond; /* CLOCK_MONOTONIC: active / connections changed */
+    struct conn *conns;
     unsigned n_conns;
     unsigned active;
     bool draining;
-    bool reaper_stop;
-    bool reaper_started;
-    pthread_t reaper;
+    int stop_fd;  /* eventfd: the accept threads end */
     int abort_fd; /* eventfd made readable at the drain deadline */
 };
 
@@ -209,15 +222,13 @@ static void srv_log(const ds41_http_server *s, const char *fmt, ...) {
 
 /* ============================================================== exchanges */
 
-enum ex_kind { EX_MHD, EX_MEMORY };
+enum ex_kind { EX_SOCKET, EX_MEMORY };
 
 struct ds41_http_exchange {
     enum ex_kind kind;
     const ds41_http_router *router;
     const ds41_http_route *route;
-    ds41_http_server *srv; /* EX_MHD */
-    struct conn_rec *rec;  /* EX_MHD */
-    struct MHD_Connection *conn;
+    ds41_http_server *srv; /* EX_SOCKET */
     int sock_fd;  /* -1 in memory */
     int abort_fd; /* -1 in memory */
     char method[16];
@@ -238,6 +249,12 @@ struct ds41_http_exchange {
     int n_hdr;
     ds41_http_memory_response *mem;
     ds41_http_stream *mem_stream;
+    /* EX_SOCKET: the answer, written by the connection's thread */
+    char *resp_type;
+    char *resp_body;
+    size_t resp_len;
+    ds41_http_stream *resp_stream;
+    char *stop_event;
 };
 
 const char *ds41_http_method(const ds41_http_exchange *ex) {
@@ -322,11 +339,6 @@ static void mem_capture_headers(ds41_http_exchange *ex, const char *content_type
     m->headers = b.data;
 }
 
-static void mhd_add_headers(ds41_http_exchange *ex, struct MHD_Response *r, const char *content_type) {
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
-    for (int i = 0; i < ex->n_hdr; i++) MHD_add_response_header(r, ex->hdr[i].name, ex->hdr[i].value);
-}
-
 int ds41_http_respond(ds41_http_exchange *ex, int status, const char *content_type, const void *body,
                       size_t len) {
     if (ex->answered || ex->abandoned) return -1;
@@ -345,19 +357,15 @@ int ds41_http_respond(ds41_http_exchange *ex, int status, const char *content_ty
         }
         return 0;
     }
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(len, (void *)(uintptr_t)body, MHD_RESPMEM_MUST_COPY);
-    if (!r) {
+    /* The connection's thread writes it once the handler returns. */
+    ex->resp_type = strdup(content_type);
+    ex->resp_body = malloc(len ? len : 1);
+    if (!ex->resp_type || !ex->resp_body) {
         ex->abandoned = true;
         return -1;
     }
-    mhd_add_headers(ex, r, content_type);
-    enum MHD_Result q = MHD_queue_response(ex->conn, (unsigned)status, r);
-    MHD_destroy_response(r);
-    if (q != MHD_YES) {
-        ex->abandoned = true;
-        return -1;
-    }
+    if (len) memcpy(ex->resp_body, body, len);
+    ex->resp_len = len;
     return 0;
 }
 
@@ -464,7 +472,7 @@ ds41_http_wait_result ds41_http_wait(ds41_http_exchange *ex, ds41_http_signal *s
 struct ds41_http_stream {
     pthread_mutex_t mu;
     int efd;
-    int sock_fd;                /* the client's socket once attached over MHD, else -1 */
+    int sock_fd;                /* the client's socket once attached to a connection, else -1 */
     ds41_http_metrics *metrics; /* once attached */
     char *buf;
     size_t off, len, cap;
@@ -605,76 +613,7 @@ static size_t stream_take(ds41_http_stream *s, char *out, size_t max, bool *ende
     return n;
 }
 
-struct stream_consumer {
-    ds41_http_stream *s;
-    int sock_fd;
-    int abort_fd;
-    unsigned keepalive_ms;
-    ds41_http_metrics *metrics;
-    char *stop_event;
-    size_t stop_off;
-    bool stopping;
-};
-
 static const char keepalive_comment[] = ": keep-alive\n\n";
-
-static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
-    (void)pos;
-    struct stream_consumer *c = cls;
-    if (c->stopping) {
-        size_t n = c->stop_event ? strlen(c->stop_event) - c->stop_off : 0;
-        if (n == 0) return MHD_CONTENT_READER_END_OF_STREAM;
-        if (n > max) n = max;
-        memcpy(buf, c->stop_event + c->stop_off, n);
-        c->stop_off += n;
-        return (ssize_t)n;
-    }
-    for (;;) {
-        bool ended, overflow;
-        size_t n = stream_take(c->s, buf, max, &ended, &overflow);
-        if (n) return (ssize_t)n;
-        if (ended) return MHD_CONTENT_READER_END_OF_STREAM;
-        if (overflow) return MHD_CONTENT_READER_END_WITH_ERROR;
-        struct pollfd p[3] = {
-            {.fd = c->s->efd, .events = POLLIN},
-            {.fd = c->sock_fd, .events = POLLRDHUP},
-            {.fd = c->abort_fd, .events = POLLIN},
-        };
-        int r = poll(p, c->abort_fd >= 0 ? 3 : 2, (int)c->keepalive_ms);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return MHD_CONTENT_READER_END_WITH_ERROR;
-        }
-        if (p[1].revents & GONE_EVENTS) {
-            ds41_http_metrics_event(c->metrics, DS41_HTTP_EV_CLIENT_GONE);
-            return MHD_CONTENT_READER_END_WITH_ERROR;
-        }
-        if (c->abort_fd >= 0 && (p[2].revents & POLLIN)) {
-            /* Server stop: the producer's further writes are dropped; the
-             * client gets the route's stop event and a clean end. */
-            pthread_mutex_lock(&c->s->mu);
-            c->s->consumer_gone = true;
-            pthread_mutex_unlock(&c->s->mu);
-            c->stopping = true;
-            return stream_reader(cls, pos, buf, max);
-        }
-        if (p[0].revents & POLLIN) {
-            drain_eventfd(c->s->efd);
-            continue;
-        }
-        if (r == 0 && max >= sizeof keepalive_comment - 1) {
-            memcpy(buf, keepalive_comment, sizeof keepalive_comment - 1);
-            return (ssize_t)(sizeof keepalive_comment - 1);
-        }
-    }
-}
-
-static void stream_consumer_free(void *cls) {
-    struct stream_consumer *c = cls;
-    stream_release_consumer(c->s);
-    free(c->stop_event);
-    free(c);
-}
 
 int ds41_http_respond_stream(ds41_http_exchange *ex, int status, const char *content_type,
                              ds41_http_stream *s, const char *stop_event) {
@@ -693,8 +632,10 @@ int ds41_http_respond_stream(ds41_http_exchange *ex, int status, const char *con
         ex->mem_stream = s;
         return 0;
     }
-    struct stream_consumer *c = calloc(1, sizeof *c);
-    if (!c) {
+    /* The connection's thread writes it once the handler returns. */
+    ex->resp_type = strdup(content_type);
+    ex->stop_event = stop_event ? strdup(stop_event) : NULL;
+    if (!ex->resp_type || (stop_event && !ex->stop_event)) {
         ex->abandoned = true;
         stream_release_consumer(s);
         return -1;
@@ -703,28 +644,7 @@ int ds41_http_respond_stream(ds41_http_exchange *ex, int status, const char *con
     s->sock_fd = ex->sock_fd;
     s->metrics = ex->router->metrics;
     pthread_mutex_unlock(&s->mu);
-    c->s = s;
-    c->sock_fd = ex->sock_fd;
-    c->abort_fd = ex->abort_fd;
-    c->keepalive_ms = ex->srv->cfg.sse_keepalive_ms;
-    c->metrics = ex->router->metrics;
-    c->stop_event = stop_event ? strdup(stop_event) : NULL;
-    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_reader,
-                                                               c, stream_consumer_free);
-    if (!r) {
-        ex->abandoned = true;
-        stream_consumer_free(c);
-        return -1;
-    }
-    mhd_add_headers(ex, r, content_type);
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-    MHD_add_response_header(r, "X-Accel-Buffering", "no");
-    enum MHD_Result q = MHD_queue_response(ex->conn, (unsigned)status, r);
-    MHD_destroy_response(r); /* frees c (and abandons the stream) if the queue failed */
-    if (q != MHD_YES) {
-        ex->abandoned = true;
-        return -1;
-    }
+    ex->resp_stream = s;
     return 0;
 }
 
@@ -867,15 +787,19 @@ static void run_handler(ds41_http_exchange *ex) {
 }
 
 static void exchange_free(ds41_http_exchange *ex) {
+    if (ex->resp_stream) stream_release_consumer(ex->resp_stream);
+    free(ex->resp_type);
+    free(ex->resp_body);
+    free(ex->stop_event);
     free(ex->path);
     free(ex->body);
     free(ex);
 }
 
-/* ====================================================== MHD: connections */
+/* ===================================================== connections */
 
 /* Credentials of a Unix-socket peer and its class. */
-static void read_peer(ds41_http_server *srv, struct conn_rec *rec) {
+static void read_peer(ds41_http_server *srv, struct conn *rec) {
     struct ucred cred;
     socklen_t len = sizeof cred;
     if (getsockopt(rec->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof cred) {
@@ -915,276 +839,598 @@ static void read_peer(ds41_http_server *srv, struct conn_rec *rec) {
     if (heap) free(groups);
 }
 
-static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
-                          enum MHD_ConnectionNotificationCode code) {
-    struct listener_state *ls = cls;
-    ds41_http_server *srv = ls->srv;
-    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
-        struct conn_rec *rec = calloc(1, sizeof *rec);
-        *socket_context = rec;
-        if (!rec) return; /* the access handler refuses a connection without a record */
-        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-        rec->fd = ci ? ci->connect_fd : -1;
-        if (ls->is_unix && rec->fd >= 0)
-            read_peer(srv, rec);
-        else
-            rec->auth = ls->credless_class;
-        pthread_mutex_lock(&srv->mu);
-        rec->deadline_ms = now_ms() + srv->cfg.request_timeout_ms;
-        rec->next = srv->conns;
-        if (srv->conns) srv->conns->prev = rec;
-        srv->conns = rec;
-        srv->n_conns++;
-        pthread_cond_broadcast(&srv->cond);
-        pthread_mutex_unlock(&srv->mu);
-        metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, +1);
-        return;
+/* ========================================================= writing answers */
+
+static const char *reason_phrase(int status) {
+    switch (status) {
+    case 100:
+        return "Continue";
+    case 200:
+        return "OK";
+    case 201:
+        return "Created";
+    case 202:
+        return "Accepted";
+    case 204:
+        return "No Content";
+    case 400:
+        return "Bad Request";
+    case 401:
+        return "Unauthorized";
+    case 403:
+        return "Forbidden";
+    case 404:
+        return "Not Found";
+    case 405:
+        return "Method Not Allowed";
+    case 408:
+        return "Request Timeout";
+    case 409:
+        return "Conflict";
+    case 413:
+        return "Content Too Large";
+    case 414:
+        return "URI Too Long";
+    case 415:
+        return "Unsupported Media Type";
+    case 422:
+        return "Unprocessable Content";
+    case 429:
+        return "Too Many Requests";
+    case 431:
+        return "Request Header Fields Too Large";
+    case 500:
+        return "Internal Server Error";
+    case 501:
+        return "Not Implemented";
+    case 502:
+        return "Bad Gateway";
+    case 503:
+        return "Service Unavailable";
+    case 504:
+        return "Gateway Timeout";
+    case 505:
+        return "HTTP Version Not Supported";
+    case 507:
+        return "Insufficient Storage";
+    default:
+        return "Status";
     }
-    struct conn_rec *rec = *socket_context;
-    if (!rec) return;
-    *socket_context = NULL;
-    pthread_mutex_lock(&srv->mu);
-    if (rec->prev) rec->prev->next = rec->next;
-    if (rec->next) rec->next->prev = rec->prev;
-    if (srv->conns == rec) srv->conns = rec->next;
-    srv->n_conns--;
-    pthread_cond_broadcast(&srv->cond);
-    pthread_mutex_unlock(&srv->mu);
-    metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, -1);
-    free(rec);
 }
 
-/* Answer a request MHD is still reading by writing it straight onto the
- * socket, then shut the connection down.  Only while MHD reads (deadline
- * set), so nothing MHD sends can interleave.  Called with srv->mu held. */
-static void cut_locked(ds41_http_server *srv, struct conn_rec *rec, int status, const char *code,
-                       const char *message) {
-    if (rec->cut) return;
-    rec->cut = true;
-    rec->deadline_ms = 0;
-    if (rec->fd < 0) return;
+/* Write all of iov to the client.  A client that accepts no byte for the
+ * idle timeout is given up on.  0, or -1 when the connection is unusable. */
+static int conn_writev(struct conn *c, struct iovec *iov, int n) {
+    int64_t idle_ms = (int64_t)c->srv->cfg.idle_timeout_s * 1000;
+    while (n > 0) {
+        if (iov[0].iov_len == 0) {
+            iov++;
+            n--;
+            continue;
+        }
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+            struct pollfd p = {.fd = c->fd, .events = POLLOUT};
+            int r = poll(&p, 1, idle_ms > INT32_MAX ? INT32_MAX : (int)idle_ms);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0 || (p.revents & (POLLERR | POLLHUP | POLLNVAL))) return -1;
+            continue;
+        }
+        size_t done = (size_t)w;
+        while (n > 0 && done >= iov[0].iov_len) {
+            done -= iov[0].iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov[0].iov_base = (char *)iov[0].iov_base + done;
+            iov[0].iov_len -= done;
+        }
+    }
+    return 0;
+}
+
+static int conn_write(struct conn *c, const void *p, size_t len) {
+    struct iovec iov = {(void *)(uintptr_t)p, len};
+    return conn_writev(c, &iov, 1);
+}
+
+/* Framing of an answer's body. */
+enum framing { FRAME_LENGTH, FRAME_CHUNKED, FRAME_UNTIL_CLOSE };
+
+/* The status line and headers of an answer, malloc()ed (NULL if out of
+ * memory).  ex may be NULL (a protocol error before any exchange). */
+static char *answer_head(const ds41_http_exchange *ex, int status, const char *content_type, enum framing fr,
+                         size_t length, bool keep_alive, int minor, size_t *len) {
+    if (status < 100 || status > 599) status = 500;
+    ds41_buf b = {0};
+    char date[64];
+    struct tm tm;
+    time_t t = time(NULL);
+    if (!gmtime_r(&t, &tm) || !strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm)) date[0] = 0;
+    ds41_buf_printf(&b, "HTTP/1.1 %d %s\r\n", status, reason_phrase(status));
+    if (date[0]) ds41_buf_printf(&b, "Date: %s\r\n", date);
+    if (content_type) ds41_buf_printf(&b, "Content-Type: %s\r\n", content_type);
+    for (int i = 0; ex && i < ex->n_hdr; i++)
+        if (strcasecmp(ex->hdr[i].name, "Connection") != 0)
+            ds41_buf_printf(&b, "%s: %s\r\n", ex->hdr[i].name, ex->hdr[i].value);
+    if (fr == FRAME_LENGTH) ds41_buf_printf(&b, "Content-Length: %zu\r\n", length);
+    if (fr == FRAME_CHUNKED) ds41_buf_printf(&b, "Transfer-Encoding: chunked\r\n");
+    if (!keep_alive)
+        ds41_buf_printf(&b, "Connection: close\r\n");
+    else if (minor == 0)
+        ds41_buf_printf(&b, "Connection: keep-alive\r\n");
+    ds41_buf_put(&b, "\r\n", 2);
+    if (b.oom) {
+        free(b.data);
+        return NULL;
+    }
+    *len = b.len;
+    return b.data;
+}
+
+/* Did the handler ask for the connection to be closed after its answer? */
+static bool wants_close(const ds41_http_exchange *ex) {
+    for (int i = 0; i < ex->n_hdr; i++)
+        if (strcasecmp(ex->hdr[i].name, "Connection") == 0 && strcasecmp(ex->hdr[i].value, "close") == 0)
+            return true;
+    return false;
+}
+
+/* A complete answer (head, and the body unless head_only). */
+static int send_buffered(struct conn *c, const ds41_http_exchange *ex, int status, const char *content_type,
+                         const char *body, size_t len, bool head_only, bool keep_alive, int minor) {
+    size_t hl = 0;
+    char *head = answer_head(ex, status, content_type, FRAME_LENGTH, len, keep_alive, minor, &hl);
+    if (!head) return -1;
+    struct iovec iov[2] = {{head, hl}, {(void *)(uintptr_t)body, head_only ? 0 : len}};
+    int rc = conn_writev(c, iov, 2);
+    free(head);
+    return rc;
+}
+
+/* An error answer in the API's error shape, outside any route: a request
+ * the server refuses before (or while) reading it.  The connection closes
+ * after it. */
+static void send_protocol_error(struct conn *c, int status, const char *code, const char *message) {
+    const char *type = status == 501 || status == 505 ? "invalid_request_error" : NULL;
     size_t blen = 0;
-    char *body = ds41_http_error_json(status, NULL, code, NULL, message, &blen);
-    if (body) {
-        char head[256];
-        int hl = snprintf(head, sizeof head,
-                          "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-                          "Content-Length: %zu\r\nConnection: close\r\n\r\n",
-                          status, status == 408 ? "Request Timeout" : "Content Too Large", blen);
-        if (hl > 0 && (size_t)hl < sizeof head) {
-            struct iovec iov[2] = {{head, (size_t)hl}, {body, blen}};
-            struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
-            (void)!sendmsg(rec->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        }
-        free(body);
-    }
-    shutdown(rec->fd, SHUT_RDWR);
-    (void)srv;
+    char *body = ds41_http_error_json(status, type, code, NULL, message, &blen);
+    if (body) (void)send_buffered(c, NULL, status, "application/json", body, blen, false, false, 1);
+    free(body);
+    ds41_http_metrics_request(c->srv->router->metrics, NULL, status);
 }
 
-/* ===================================================== MHD: access handler */
+/* ====================================================== reading requests */
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
-                                  const char *version, const char *upload_data, size_t *upload_data_size,
-                                  void **con_cls) {
-    (void)version;
-    struct listener_state *ls = cls;
-    ds41_http_server *srv = ls->srv;
-    ds41_http_exchange *ex = *con_cls;
+typedef enum io_result {
+    IO_OK = 0,  /* more bytes in c->buf */
+    IO_CLOSED,  /* the client closed (or the socket failed, or stop shut it down) */
+    IO_TIMEOUT, /* the request deadline passed */
+    IO_IDLE,    /* no byte for the idle timeout */
+} io_result;
 
-    if (!ex) { /* headers complete: first call */
-        const union MHD_ConnectionInfo *ci =
-            MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-        struct conn_rec *rec = ci ? ci->socket_context : NULL;
-        if (!rec) return MHD_NO;
-        ex = calloc(1, sizeof *ex);
-        if (!ex) return MHD_NO;
-        ex->kind = EX_MHD;
-        ex->router = srv->router;
-        ex->srv = srv;
-        ex->rec = rec;
-        ex->conn = conn;
-        ex->sock_fd = rec->fd;
-        ex->abort_fd = srv->abort_fd;
-        ex->auth = rec->auth;
-        ex->peer = rec->peer;
-        *con_cls = ex;
-        pthread_mutex_lock(&srv->mu);
-        bool cut = rec->cut, draining = srv->draining;
-        srv->active++;
-        ex->counted_active = true;
-        pthread_mutex_unlock(&srv->mu);
-        metrics_gauge(srv->router->metrics, GAUGE_ACTIVE, +1);
-        if (cut) return MHD_NO;
-        if (draining) {
-            snprintf(ex->method, sizeof ex->method, "%s", method);
-            ds41_http_add_header(ex, "Connection", "close");
-            ds41_http_add_header(ex, "Retry-After", "1");
-            ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
-            return MHD_YES;
+static void conn_consume(struct conn *c, size_t n) {
+    memmove(c->buf, c->buf + n, c->len - n);
+    c->len -= n;
+}
+
+/* Wait for and append more received bytes to c->buf. */
+static io_result conn_fill(struct conn *c, int64_t deadline) {
+    for (;;) {
+        if (c->len == CONN_BUF) return IO_CLOSED; /* cannot happen: the parser refuses first */
+        int64_t now = now_ms();
+        if (now >= deadline) return IO_TIMEOUT;
+        int64_t idle_at = c->last_rx_ms + (int64_t)c->srv->cfg.idle_timeout_s * 1000;
+        if (now >= idle_at) return IO_IDLE;
+        int64_t wait = (deadline < idle_at ? deadline : idle_at) - now;
+        struct pollfd p = {.fd = c->fd, .events = POLLIN};
+        int r = poll(&p, 1, wait > INT32_MAX ? INT32_MAX : (int)wait);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return IO_CLOSED;
         }
-        const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
-        uint64_t length = 0;
-        bool has_length = false;
-        if (cl) {
-            char *end;
-            errno = 0;
-            unsigned long long v = strtoull(cl, &end, 10);
-            if (end != cl && *end == 0 && errno == 0) {
-                has_length = true;
-                length = v;
-            } else if (errno == ERANGE) {
-                has_length = true;
-                length = UINT64_MAX;
+        if (r == 0) continue;
+        ssize_t n = recv(c->fd, c->buf + c->len, CONN_BUF - c->len, MSG_DONTWAIT);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (n <= 0) return IO_CLOSED;
+        c->len += (size_t)n;
+        c->last_rx_ms = now_ms();
+        return IO_OK;
+    }
+}
+
+typedef enum body_result { BODY_OK = 0, BODY_TIMEOUT, BODY_TOO_LARGE, BODY_BAD, BODY_GONE } body_result;
+
+/* Read the request body (Content-Length or chunked) into ex. */
+static body_result read_body(struct conn *c, ds41_http_exchange *ex, const ds41_http_head *h,
+                             int64_t deadline, ds41_http_parse_error *perr) {
+    size_t max = router_max_body(ex->router);
+    uint64_t left = h->has_length ? h->content_length : 0;
+    ds41_http_chunked ch;
+    ds41_http_chunked_init(&ch);
+    for (;;) {
+        if (c->len) {
+            size_t used, out;
+            ds41_http_parse_result r;
+            if (h->chunked) {
+                r = ds41_http_chunked_decode(&ch, c->buf, c->len, &used, &out, perr);
+                if (r == DS41_HTTP_PARSE_ERROR) return BODY_BAD;
+            } else {
+                used = out = (uint64_t)c->len < left ? c->len : (size_t)left;
+                left -= used;
+                r = left ? DS41_HTTP_PARSE_INCOMPLETE : DS41_HTTP_PARSE_OK;
             }
+            if (ex->body_len + out > max) return BODY_TOO_LARGE;
+            if (out && body_append(ex, c->buf, out) != 0) return BODY_GONE;
+            conn_consume(c, used);
+            if (r == DS41_HTTP_PARSE_OK) return BODY_OK;
+        } else if (!h->chunked && left == 0) {
+            return BODY_OK;
         }
-        const char *ct = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Type");
-        route_request(ex, method, url, has_length, length, ct);
-        return ex->abandoned ? MHD_NO : MHD_YES;
+        io_result io = conn_fill(c, deadline);
+        if (io == IO_TIMEOUT) return BODY_TIMEOUT;
+        if (io != IO_OK) return BODY_GONE;
     }
-
-    if (*upload_data_size) { /* a piece of the body */
-        size_t n = *upload_data_size;
-        *upload_data_size = 0;
-        if (ex->answered) return MHD_YES; /* early answer: MHD discards the body */
-        struct conn_rec *rec = ex->rec;
-        pthread_mutex_lock(&srv->mu);
-        if (rec->cut) {
-            pthread_mutex_unlock(&srv->mu);
-            return MHD_NO;
-        }
-        if (rec->deadline_ms && now_ms() >= rec->deadline_ms) {
-            cut_locked(srv, rec, 408, "request_timeout",
-                       "the request was not received within the request timeout");
-            pthread_mutex_unlock(&srv->mu);
-            ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_TIMEOUT);
-            ex->status = 408;
-            return MHD_NO;
-        }
-        size_t max = router_max_body(srv->router);
-        if (ex->body_len + n > max) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "request body exceeds the limit of %zu bytes", max);
-            cut_locked(srv, rec, 413, "request_too_large", msg);
-            pthread_mutex_unlock(&srv->mu);
-            ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_TOO_LARGE);
-            ex->status = 413;
-            return MHD_NO;
-        }
-        pthread_mutex_unlock(&srv->mu);
-        if (body_append(ex, upload_data, n) != 0) return MHD_NO;
-        return MHD_YES;
-    }
-
-    /* request complete */
-    if (ex->answered) return MHD_YES;
-    struct conn_rec *rec = ex->rec;
-    pthread_mutex_lock(&srv->mu);
-    if (rec->cut) {
-        pthread_mutex_unlock(&srv->mu);
-        return MHD_NO;
-    }
-    bool late = rec->deadline_ms && now_ms() >= rec->deadline_ms;
-    rec->deadline_ms = 0;
-    pthread_mutex_unlock(&srv->mu);
-    if (late) {
-        ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_TIMEOUT);
-        ds41_http_add_header(ex, "Connection", "close");
-        ds41_http_respond_error(ex, 408, NULL, "request_timeout", NULL,
-                                "the request was not received within the request timeout");
-        return MHD_YES;
-    }
-    run_handler(ex);
-    return ex->abandoned ? MHD_NO : MHD_YES;
 }
 
-static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
-                         enum MHD_RequestTerminationCode toe) {
-    (void)conn;
-    struct listener_state *ls = cls;
-    ds41_http_server *srv = ls->srv;
-    ds41_http_exchange *ex = *con_cls;
-    if (!ex) return;
-    *con_cls = NULL;
-    if (toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED)
-        ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_TIMEOUT);
+/* ======================================================= streamed answers */
+
+/* Write one chunk (or, for an HTTP/1.0 client, the raw bytes). */
+static int send_piece(struct conn *c, bool chunked, const void *data, size_t len) {
+    if (!len) return 0;
+    if (!chunked) return conn_write(c, data, len);
+    char size[24];
+    int sl = snprintf(size, sizeof size, "%zx\r\n", len);
+    struct iovec iov[3] = {{size, (size_t)sl}, {(void *)(uintptr_t)data, len}, {(void *)"\r\n", 2}};
+    return conn_writev(c, iov, 3);
+}
+
+/* Pump a stream to the client until the producer ends it, the client goes,
+ * it stalls, or the server's drain deadline passes.  Returns whether the
+ * body ended cleanly (the connection may be kept). */
+static bool pump_stream(struct conn *c, ds41_http_exchange *ex, ds41_http_stream *s, bool chunked) {
+    ds41_http_metrics *metrics = ex->router->metrics;
+    char *blk = malloc(STREAM_BLOCK);
+    if (!blk) return false;
+    bool clean = false;
+    for (;;) {
+        bool ended, overflow;
+        size_t n = stream_take(s, blk, STREAM_BLOCK, &ended, &overflow);
+        if (n) {
+            if (send_piece(c, chunked, blk, n) != 0) break;
+            continue;
+        }
+        if (ended) {
+            clean = !chunked || conn_write(c, "0\r\n\r\n", 5) == 0;
+            break;
+        }
+        if (overflow) break;
+        struct pollfd p[3] = {
+            {.fd = s->efd, .events = POLLIN},
+            {.fd = c->fd, .events = POLLRDHUP},
+            {.fd = c->srv->abort_fd, .events = POLLIN},
+        };
+        int r = poll(p, 3, (int)c->srv->cfg.sse_keepalive_ms);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        if (p[1].revents & GONE_EVENTS) {
+            ds41_http_metrics_event(metrics, DS41_HTTP_EV_CLIENT_GONE);
+            break;
+        }
+        if (p[2].revents & POLLIN) {
+            /* Server stop: the producer's further writes are dropped; the
+             * client gets the route's stop event and a clean end. */
+            pthread_mutex_lock(&s->mu);
+            s->consumer_gone = true;
+            pthread_mutex_unlock(&s->mu);
+            if (ex->stop_event && send_piece(c, chunked, ex->stop_event, strlen(ex->stop_event)) != 0) break;
+            if (chunked) (void)conn_write(c, "0\r\n\r\n", 5);
+            break; /* the connection closes: the server is stopping */
+        }
+        if (p[0].revents & POLLIN) {
+            drain_eventfd(s->efd);
+            continue;
+        }
+        if (r == 0 && send_piece(c, chunked, keepalive_comment, sizeof keepalive_comment - 1) != 0) break;
+    }
+    free(blk);
+    return clean;
+}
+
+/* ============================================================ connections */
+
+static void exchange_end(struct conn *c, ds41_http_exchange *ex) {
+    ds41_http_server *srv = c->srv;
     ds41_http_metrics_request(srv->router->metrics, ex->route ? ex->route->name : NULL, ex->status);
     pthread_mutex_lock(&srv->mu);
     if (ex->counted_active) srv->active--;
-    if (ex->rec && !ex->rec->cut)
-        ex->rec->deadline_ms =
-            now_ms() + (int64_t)srv->cfg.idle_timeout_s * 1000 + srv->cfg.request_timeout_ms;
     pthread_cond_broadcast(&srv->cond);
     pthread_mutex_unlock(&srv->mu);
     if (ex->counted_active) metrics_gauge(srv->router->metrics, GAUGE_ACTIVE, -1);
     exchange_free(ex);
 }
 
-static enum MHD_Result accept_policy(void *cls, const struct sockaddr *addr, socklen_t addrlen) {
-    (void)addr;
-    struct listener_state *ls = cls;
-    /* MHD 0.9.75 copies addrlen bytes out of its sockaddr_in6-sized buffer;
-     * refuse a (bound, long-named Unix) client whose address did not fit. */
-    if (addrlen > (socklen_t)sizeof(struct sockaddr_in6)) {
-        ds41_http_metrics_event(ls->srv->router->metrics, DS41_HTTP_EV_REFUSED_PEER);
-        return MHD_NO;
+/* Write the handler's answer.  Returns whether the connection may be kept. */
+static bool send_answer(struct conn *c, ds41_http_exchange *ex, const ds41_http_head *h, bool keep) {
+    if (ex->abandoned || !ex->answered) return false;
+    bool head_only = strcmp(h->method, "HEAD") == 0;
+    if (!ex->resp_stream)
+        return send_buffered(c, ex, ex->status, ex->resp_type, ex->resp_body, ex->resp_len, head_only, keep,
+                             h->minor) == 0 &&
+               keep;
+    ds41_http_stream *s = ex->resp_stream;
+    ex->resp_stream = NULL;
+    bool chunked = h->minor == 1;
+    if (!chunked) keep = false; /* an HTTP/1.0 body ends with the connection */
+    size_t hl = 0;
+    char *head = answer_head(ex, ex->status, ex->resp_type, chunked ? FRAME_CHUNKED : FRAME_UNTIL_CLOSE, 0,
+                             keep, h->minor, &hl);
+    bool ok = false;
+    if (head) {
+        /* the stream's own headers, after the handler's */
+        static const char extra[] = "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n\r\n";
+        struct iovec iov[2] = {{head, hl - 2}, {(void *)extra, sizeof extra - 1}};
+        ok = conn_writev(c, iov, 2) == 0;
+        free(head);
     }
-    return MHD_YES;
+    if (ok && !head_only) ok = pump_stream(c, ex, s, chunked);
+    stream_release_consumer(s);
+    return ok && keep;
 }
 
-static void mhd_logger(void *cls, const char *fmt, va_list ap) {
-    ds41_http_server *srv = cls;
-    char msg[512];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    srv_log(srv, "%s", msg);
-}
-
-/* ================================================================ reaper */
-
-static void *reaper_main(void *arg) {
-    ds41_http_server *srv = arg;
-    pthread_mutex_lock(&srv->mu);
-    while (!srv->reaper_stop) {
-        int64_t now = now_ms();
-        int64_t next = now + 1000;
-        for (struct conn_rec *r = srv->conns; r; r = r->next) {
-            if (!r->deadline_ms || r->cut) continue;
-            if (now >= r->deadline_ms) {
-                cut_locked(srv, r, 408, "request_timeout",
-                           "the request was not received within the request timeout");
-                ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_TIMEOUT);
-            } else if (r->deadline_ms < next) {
-                next = r->deadline_ms;
-            }
+/* Read, handle and answer one request.  Returns whether to serve another on
+ * this connection. */
+static bool serve_request(struct conn *c, int64_t deadline) {
+    ds41_http_server *srv = c->srv;
+    ds41_http_metrics *metrics = srv->router->metrics;
+    ds41_http_head *h = malloc(sizeof *h);
+    if (!h) return false;
+    ds41_http_parse_error perr;
+    size_t used = 0;
+    bool keep = false;
+    for (;;) {
+        ds41_http_parse_result r =
+            c->len ? ds41_http_parse_head(c->buf, c->len, h, &used, &perr) : DS41_HTTP_PARSE_INCOMPLETE;
+        if (r == DS41_HTTP_PARSE_OK) break;
+        if (r == DS41_HTTP_PARSE_ERROR) {
+            send_protocol_error(c, perr.status, perr.code, perr.message);
+            goto out;
         }
-        struct timespec ts = {.tv_sec = (time_t)(next / 1000), .tv_nsec = (long)(next % 1000) * 1000000};
-        pthread_cond_timedwait(&srv->cond, &srv->mu, &ts);
+        io_result io = conn_fill(c, deadline);
+        if (io == IO_OK) continue;
+        if (io == IO_TIMEOUT) {
+            ds41_http_metrics_event(metrics, DS41_HTTP_EV_TIMEOUT);
+            send_protocol_error(c, 408, "request_timeout",
+                                "the request was not received within the request timeout");
+        } else if (io == IO_IDLE && c->len) {
+            ds41_http_metrics_event(metrics, DS41_HTTP_EV_TIMEOUT);
+        }
+        goto out;
     }
+    conn_consume(c, used);
+
+    ds41_http_exchange *ex = calloc(1, sizeof *ex);
+    if (!ex) goto out;
+    ex->kind = EX_SOCKET;
+    ex->router = srv->router;
+    ex->srv = srv;
+    ex->sock_fd = c->fd;
+    ex->abort_fd = srv->abort_fd;
+    ex->auth = c->auth;
+    ex->peer = c->peer;
+    pthread_mutex_lock(&srv->mu);
+    bool draining = srv->draining;
+    srv->active++;
+    ex->counted_active = true;
     pthread_mutex_unlock(&srv->mu);
+    metrics_gauge(metrics, GAUGE_ACTIVE, +1);
+
+    bool body_pending = h->chunked || (h->has_length && h->content_length > 0);
+    if (draining) {
+        snprintf(ex->method, sizeof ex->method, "%s", h->method);
+        ds41_http_add_header(ex, "Connection", "close");
+        ds41_http_add_header(ex, "Retry-After", "1");
+        ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
+    } else if (!route_request(ex, h->method, h->path, h->has_length, h->content_length,
+                              h->has_content_type ? h->content_type : NULL)) {
+        if (body_pending && h->expect_continue) {
+            static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+            if (conn_write(c, cont, sizeof cont - 1) != 0) ex->abandoned = true;
+        }
+        body_result br = ex->abandoned ? BODY_GONE : read_body(c, ex, h, deadline, &perr);
+        if (br == BODY_OK) body_pending = false;
+        if (br == BODY_OK && now_ms() >= deadline) br = BODY_TIMEOUT; /* complete, but late */
+        switch (br) {
+        case BODY_OK:
+            run_handler(ex);
+            break;
+        case BODY_TIMEOUT:
+            ds41_http_metrics_event(metrics, DS41_HTTP_EV_TIMEOUT);
+            ds41_http_add_header(ex, "Connection", "close");
+            ds41_http_respond_error(ex, 408, NULL, "request_timeout", NULL,
+                                    "the request was not received within the request timeout");
+            break;
+        case BODY_TOO_LARGE: {
+            ds41_http_metrics_event(metrics, DS41_HTTP_EV_TOO_LARGE);
+            ds41_http_add_header(ex, "Connection", "close");
+            ds41_http_respond_error(ex, 413, NULL, "request_too_large", NULL,
+                                    "request body exceeds the limit of %zu bytes",
+                                    router_max_body(srv->router));
+            break;
+        }
+        case BODY_BAD:
+            ds41_http_add_header(ex, "Connection", "close");
+            ds41_http_respond_error(ex, perr.status, NULL, perr.code, NULL, "%s", perr.message);
+            break;
+        case BODY_GONE:
+            ds41_http_abandon(ex);
+            break;
+        }
+    }
+    /* An answer given before the body was read (404, 413, ...) ends the
+     * connection: the unread body cannot be told from a next request. */
+    keep = h->keep_alive && !body_pending && !wants_close(ex);
+    pthread_mutex_lock(&srv->mu);
+    if (srv->draining) keep = false;
+    pthread_mutex_unlock(&srv->mu);
+    keep = send_answer(c, ex, h, keep);
+    exchange_end(c, ex);
+out:
+    free(h);
+    return keep;
+}
+
+/* Before the close: end our side, then read (and drop) what the client
+ * still sends for a moment.  Closing a socket with unread bytes resets the
+ * connection (TCP) or fails the client's pending send with ECONNRESET (Unix)
+ * -- a client still sending a body that was refused (413, 404, a framing
+ * error) would lose the answer instead of reading it.  Bounded in time and
+ * bytes; a client that closes ends it at once. */
+static void conn_linger(struct conn *c) {
+    shutdown(c->fd, SHUT_WR);
+    int64_t until = now_ms() + LINGER_MS;
+    char sink[16384];
+    for (size_t total = 0; total < LINGER_BYTES;) {
+        int64_t left = until - now_ms();
+        struct pollfd p = {.fd = c->fd, .events = POLLIN};
+        if (left <= 0 || poll(&p, 1, (int)left) <= 0) break;
+        ssize_t n = recv(c->fd, sink, sizeof sink, MSG_DONTWAIT);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (n <= 0) break;
+        total += (size_t)n;
+    }
+}
+
+static void *conn_main(void *arg) {
+    struct conn *c = arg;
+    ds41_http_server *srv = c->srv;
+    if (c->ls->is_unix)
+        read_peer(srv, c);
+    else
+        c->auth = c->ls->credless_class;
+    /* A complete request is due within request_timeout_ms of the connect,
+     * or of the end of the previous answer plus the idle time. */
+    int64_t deadline = c->accepted_ms + srv->cfg.request_timeout_ms;
+    while (serve_request(c, deadline)) {
+        c->last_rx_ms = now_ms();
+        deadline = c->last_rx_ms + (int64_t)srv->cfg.idle_timeout_s * 1000 + srv->cfg.request_timeout_ms;
+    }
+    conn_linger(c);
+    ds41_http_metrics *metrics = srv->router->metrics;
+    metrics_gauge(metrics, GAUGE_CONNECTIONS, -1);
+    pthread_mutex_lock(&srv->mu);
+    if (c->prev) c->prev->next = c->next;
+    if (c->next) c->next->prev = c->prev;
+    if (srv->conns == c) srv->conns = c->next;
+    srv->n_conns--;
+    c->ls->n_conns--;
+    pthread_cond_broadcast(&srv->cond);
+    pthread_mutex_unlock(&srv->mu);
+    /* srv may be gone from here on (stop waits only for the count above) */
+    close(c->fd);
+    free(c->buf);
+    free(c);
+    return NULL;
+}
+
+/* ================================================================ accept */
+
+static void *accept_main(void *arg) {
+    struct listener_state *ls = arg;
+    ds41_http_server *srv = ls->srv;
+    for (;;) {
+        struct pollfd p[2] = {{.fd = ls->fd, .events = POLLIN}, {.fd = srv->stop_fd, .events = POLLIN}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            srv_log(srv, "poll on listener fd %d: %s", ls->fd, strerror(errno));
+            break;
+        }
+        if (p[1].revents & POLLIN) break;
+        if (!(p[0].revents & POLLIN)) continue;
+        int fd = accept4(ls->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) continue;
+            srv_log(srv, "accept on fd %d: %s", ls->fd, strerror(errno));
+            /* out of fds or memory: back off instead of spinning */
+            struct pollfd stop = {.fd = srv->stop_fd, .events = POLLIN};
+            if (poll(&stop, 1, 100) > 0) break;
+            continue;
+        }
+        struct conn *c = calloc(1, sizeof *c);
+        char *buf = c ? malloc(CONN_BUF) : NULL;
+        pthread_mutex_lock(&srv->mu);
+        bool refuse = !buf || srv->draining || ls->n_conns >= srv->cfg.max_connections;
+        if (!refuse) {
+            c->srv = srv;
+            c->ls = ls;
+            c->fd = fd;
+            c->buf = buf;
+            c->accepted_ms = c->last_rx_ms = now_ms();
+            c->next = srv->conns;
+            if (srv->conns) srv->conns->prev = c;
+            srv->conns = c;
+            srv->n_conns++;
+            ls->n_conns++;
+        }
+        pthread_mutex_unlock(&srv->mu);
+        if (refuse) {
+            ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_REFUSED_PEER);
+            close(fd);
+            free(buf);
+            free(c);
+            continue;
+        }
+        metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, +1);
+        pthread_attr_t attr;
+        pthread_t t;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, conn_main, c);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            srv_log(srv, "cannot start a connection thread: %s", strerror(rc));
+            metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, -1);
+            pthread_mutex_lock(&srv->mu);
+            if (c->next) c->next->prev = c->prev;
+            srv->conns = c->next;
+            srv->n_conns--;
+            ls->n_conns--;
+            pthread_cond_broadcast(&srv->cond);
+            pthread_mutex_unlock(&srv->mu);
+            close(fd);
+            free(buf);
+            free(c);
+        }
+    }
     return NULL;
 }
 
 /* ============================================================ start / stop */
 
+static void stop_accepting(ds41_http_server *s) {
+    uint64_t one = 1;
+    if (s->stop_fd >= 0) (void)!write(s->stop_fd, &one, sizeof one);
+    for (size_t i = 0; i < s->n_ls; i++)
+        if (s->ls[i].thread_started) {
+            pthread_join(s->ls[i].thread, NULL);
+            s->ls[i].thread_started = false;
+        }
+}
+
 static void server_free(ds41_http_server *s) {
-    for (size_t i = 0; i < s->n_ls; i++) {
-        if (s->ls[i].daemon) MHD_stop_daemon(s->ls[i].daemon);
+    for (size_t i = 0; i < s->n_ls; i++)
         if (s->ls[i].fd >= 0) close(s->ls[i].fd);
-    }
+    if (s->stop_fd >= 0) close(s->stop_fd);
     if (s->abort_fd >= 0) close(s->abort_fd);
     pthread_cond_destroy(&s->cond);
     pthread_mutex_destroy(&s->mu);
     free(s);
-}
-
-static void stop_reaper(ds41_http_server *s) {
-    if (!s->reaper_started) return;
-    pthread_mutex_lock(&s->mu);
-    s->reaper_stop = true;
-    pthread_cond_broadcast(&s->cond);
-    pthread_mutex_unlock(&s->mu);
-    pthread_join(s->reaper, NULL);
-    s->reaper_started = false;
 }
 
 int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *router,
@@ -1205,7 +1451,7 @@ int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *
     if (!s->cfg.sse_keepalive_ms) s->cfg.sse_keepalive_ms = DEFAULT_KEEPALIVE_MS;
     if (!s->cfg.max_stream_buffer) s->cfg.max_stream_buffer = DEFAULT_STREAM_BUFFER;
     s->router = router;
-    s->abort_fd = -1;
+    s->stop_fd = s->abort_fd = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1215,7 +1461,8 @@ int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *
     for (size_t i = 0; i < MAX_LISTENERS; i++) s->ls[i].fd = -1;
 
     s->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (s->abort_fd < 0) {
+    s->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (s->abort_fd < 0 || s->stop_fd < 0) {
         ds41_fail(err, "http server: eventfd: %s", strerror(errno));
         goto fail;
     }
@@ -1249,27 +1496,27 @@ int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *
             ds41_fail(err, "http server: dup of listener fd %d: %s", fd, strerror(errno));
             goto fail;
         }
-        ls->daemon = MHD_start_daemon(
-            MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL | MHD_USE_ITC |
-                MHD_USE_ERROR_LOG,
-            0, accept_policy, ls, on_request, ls, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, s,
-            MHD_OPTION_LISTEN_SOCKET, ls->fd, MHD_OPTION_CONNECTION_LIMIT, s->cfg.max_connections,
-            MHD_OPTION_CONNECTION_TIMEOUT, s->cfg.idle_timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-            (size_t)HEADER_MEMORY_LIMIT, MHD_OPTION_NOTIFY_COMPLETED, on_completed, ls,
-            MHD_OPTION_NOTIFY_CONNECTION, on_connection, ls, MHD_OPTION_END);
-        if (!ls->daemon) {
-            ds41_fail(err, "http server: libmicrohttpd refused to start on fd %d", fd);
+        /* accept4 after poll must not block when another process took the
+         * connection first (the flag is shared with the caller's fd, which
+         * only ever hands it on). */
+        int fl = fcntl(ls->fd, F_GETFL);
+        if (fl < 0 || fcntl(ls->fd, F_SETFL, fl | O_NONBLOCK) != 0) {
+            ds41_fail(err, "http server: listener fd %d: %s", fd, strerror(errno));
             goto fail;
         }
     }
-    if (pthread_create(&s->reaper, NULL, reaper_main, s) != 0) {
-        ds41_fail(err, "http server: cannot start the deadline thread");
-        goto fail;
+    for (size_t i = 0; i < s->n_ls; i++) {
+        int rc = pthread_create(&s->ls[i].thread, NULL, accept_main, &s->ls[i]);
+        if (rc != 0) {
+            ds41_fail(err, "http server: cannot start the accept thread: %s", strerror(rc));
+            goto fail;
+        }
+        s->ls[i].thread_started = true;
     }
-    s->reaper_started = true;
     *out = s;
     return 0;
 fail:
+    stop_accepting(s);
     server_free(s);
     return -1;
 }
@@ -1289,8 +1536,7 @@ unsigned ds41_http_server_stop(ds41_http_server *s, unsigned drain_ms) {
     pthread_mutex_lock(&s->mu);
     s->draining = true;
     pthread_mutex_unlock(&s->mu);
-    for (size_t i = 0; i < s->n_ls; i++)
-        if (s->ls[i].daemon) (void)MHD_quiesce_daemon(s->ls[i].daemon); /* fd closed after stop */
+    stop_accepting(s); /* the listening fds stay open in the caller's hands */
     pthread_mutex_lock(&s->mu);
     wait_idle_locked(s, now_ms() + drain_ms);
     unsigned aborted = s->active;
@@ -1299,8 +1545,12 @@ unsigned ds41_http_server_stop(ds41_http_server *s, unsigned drain_ms) {
         (void)!write(s->abort_fd, &one, sizeof one);
         wait_idle_locked(s, now_ms() + 5000);
     }
+    /* Close what is left: idle keep-alive connections, clients still
+     * sending a request.  A handler still inside a slow service call is
+     * waited for (its thread owns the connection). */
+    for (struct conn *c = s->conns; c; c = c->next) shutdown(c->fd, SHUT_RDWR);
+    while (s->n_conns > 0) pthread_cond_wait(&s->cond, &s->mu);
     pthread_mutex_unlock(&s->mu);
-    stop_reaper(s);
     server_free(s);
     return aborted;
 }

@@ -1,30 +1,39 @@
-/* ds41_http: the HTTP/1.1 server under the API (libmicrohttpd 0.9.75).
+/* ds41_http: the HTTP/1.1 server under the API (our own, over the sockets
+ * it is given; the request syntax is ipc/http_parser.h).
  *
  * Listening.  The server never creates sockets itself: it serves listening
  * fds it is given (a Unix socket the daemon created with ds41_listen_unix()
  * or received from systemd, and optionally a loopback TCP socket).  Each fd
- * gets its own MHD daemon; the caller keeps ownership of the fds (the server
- * works on duplicates), so a socket passed by systemd survives a restart of
- * the server.  MHD accepts AF_UNIX listening sockets as they are (verified:
- * it learns the family with SO_DOMAIN and skips TCP-only socket options).
- * One MHD 0.9.75 defect is worked around: it copies the client address with
- * the length accept() reports, which for a client that bound its own socket
- * to a path longer than fits a sockaddr_in6 reads past MHD's stack buffer; an
- * accept policy refuses such (rare) clients before that copy.
+ * gets its own accept thread; the caller keeps ownership of the fds (the
+ * server works on duplicates, set non-blocking), so a socket passed by
+ * systemd survives a restart of the server.
  *
- * Threads.  MHD_USE_THREAD_PER_CONNECTION (+ poll, not select, so fd numbers
- * above 1024 work): each connection has its own thread, so a route handler
- * may block -- a non-streaming completion waits for the service's terminal
- * event with ds41_http_wait(), an SSE stream's content reader waits for the
- * next event -- without stalling other clients.  While blocked, the thread
- * also polls the client socket for POLLRDHUP/POLLHUP, so a client that
- * disconnects is noticed at once (not at the next write) and the service's
- * cancel is called.  Generation events arrive on the service's threads and
- * are handed over through a ds41_http_stream (mutex + eventfd).  The cost is
- * one thread per open connection, bounded by max_connections; a local
- * inference daemon serves tens of clients, not tens of thousands, and the
- * alternative (suspend/resume in MHD's poll loop) cannot see a disconnect
- * while a connection is suspended.
+ * Threads.  One thread per connection: it reads a request, runs the route
+ * handler, writes the answer and, on a kept-alive connection, reads the next
+ * (pipelined requests are answered in order).  A route handler may block --
+ * a non-streaming completion waits for the service's terminal event with
+ * ds41_http_wait(), an SSE stream's pump waits for the next event -- without
+ * stalling other clients.  While blocked, the thread also polls the client
+ * socket for POLLRDHUP/POLLHUP, so a client that disconnects is noticed at
+ * once (not at the next write) and the service's cancel is called.
+ * Generation events arrive on the service's threads and are handed over
+ * through a ds41_http_stream (mutex + eventfd).  The cost is one thread per
+ * open connection, bounded by max_connections; a local inference daemon
+ * serves tens of clients, not tens of thousands.
+ *
+ * Protocol errors.  Every answer is exactly one HTTP/1.1 response with a
+ * Content-Length (or, for a stream, chunked framing); every refusal carries
+ * the error shape below as its body.  A request the server cannot read
+ * safely is answered and the connection closed (Connection: close): bad
+ * request line or header (400), HTTP/1.1 without Host (400), a Content-Length
+ * that is not a plain decimal number below 2^63, or two different ones, or
+ * one next to Transfer-Encoding (400), Transfer-Encoding other than chunked
+ * (501), bad chunked framing (400), request-target over 8 KiB (414), request
+ * line + headers over 64 KiB or 128 fields (431), a version other than
+ * HTTP/1.0 and 1.1 (505).  The body's "code" names the case
+ * (invalid_content_length, missing_host, invalid_header, malformed_request,
+ * unsupported_transfer_encoding, invalid_chunked_encoding, uri_too_long,
+ * header_too_large, http_version_not_supported, method_not_implemented).
  *
  * Authorization.  Each connection gets a class when accepted:
  *   - AF_UNIX peers: SO_PEERCRED gives pid/uid/gid; uid 0 -> ADMIN; a peer
@@ -50,20 +59,16 @@
  *   - request_timeout_ms: a client must deliver a complete request (headers
  *     and body) within this time of connecting or of the end of the previous
  *     response (+ idle_timeout_s on a kept-alive connection); a client that
- *     dribbles bytes keeps MHD's idle timer alive but not this deadline.  On
- *     expiry the client gets 408 and the connection is shut down.  MHD 0.9.75
- *     cannot queue a response while it is reading a request, so the 408 is
- *     written by the server directly on the socket while MHD is only reading
- *     (over TCP the close that follows may reset the connection before the
- *     client reads it; over the Unix socket it is always delivered).
- *   - idle_timeout_s: MHD closes a connection that makes no progress for this
- *     long (idle keep-alive, or a client that stops reading a response).
- *   - max_connections: further connections are closed by MHD at once.
+ *     dribbles bytes makes progress but does not move this deadline.  On
+ *     expiry the client gets 408 and the connection is closed.
+ *   - idle_timeout_s: a connection that makes no progress for this long is
+ *     closed (idle keep-alive, or a client that stops reading a response).
+ *   - max_connections: further connections are closed at once (counted as
+ *     refused_peer).
  *   - a stream whose client does not read while max_stream_buffer bytes pile
  *     up is cut off and its generation cancelled.
- *   - broken framing (bad chunked encoding, oversized headers over 64 KiB,
- *     malformed request line) is answered by MHD itself with a 4xx and a
- *     close; MHD's diagnostics about it go to cfg.log.
+ *   - an answer given before the body was read (404, 405, 403, 413, 415)
+ *     closes the connection: the unread body is not taken for a request.
  *   - a route with a body accepts Content-Type application/json, text/plain,
  *     application/x-www-form-urlencoded (what `curl -d` sends) or none; any
  *     other type is a 415.
@@ -247,7 +252,7 @@ typedef enum ds41_http_event {
     DS41_HTTP_EV_TIMEOUT,         /* request deadline cut a slow client */
     DS41_HTTP_EV_TOO_LARGE,       /* body over the limit */
     DS41_HTTP_EV_STALLED,         /* stream client stopped reading */
-    DS41_HTTP_EV_REFUSED_PEER,    /* accept policy refusal */
+    DS41_HTTP_EV_REFUSED_PEER,    /* connection refused: max_connections reached or stopping */
     DS41_HTTP_EV_COUNT
 } ds41_http_event;
 
@@ -271,7 +276,7 @@ typedef struct ds41_http_config {
     unsigned idle_timeout_s;     /* 0 = 60 */
     unsigned sse_keepalive_ms;   /* 0 = 15000 */
     size_t max_stream_buffer;    /* 0 = 8 MiB */
-    /* MHD's and the server's own diagnostics; NULL = stderr with "ds41 http: " */
+    /* the server's diagnostics (accept failures); NULL = stderr with "ds41 http: " */
     void (*log)(void *log_ctx, const char *message);
     void *log_ctx;
 } ds41_http_config;
@@ -279,8 +284,8 @@ typedef struct ds41_http_config {
 typedef struct ds41_http_server ds41_http_server;
 
 /* Start serving.  router (and what it points to) must outlive the server.
- * Errors: a listener fd that is not a listening stream socket, MHD refusing
- * to start, out of memory.  Returns 0 / -1. */
+ * Errors: a listener fd that is not a listening stream socket, a thread
+ * that cannot start, out of memory.  Returns 0 / -1. */
 int ds41_http_server_start(const ds41_http_config *cfg, const ds41_http_router *router,
                            ds41_http_server **out, ds41_error *err);
 
