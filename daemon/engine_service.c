@@ -916,7 +916,6 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
         p->kind = DS41_GENERATION_RAW;
         p->text = req->prompt ? req->prompt : "";
         p->text_len = req->prompt ? req->prompt_len : 0;
-        p->skip_special = true;
     }
     ds41_sampler_params *sp = &p->sampler;
     if (req->temperature.set) sp->temperature = (float)req->temperature.value;
@@ -954,6 +953,7 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
     p->max_tokens = req->max_tokens ? req->max_tokens : s->st.max_tokens_default;
     p->max_context = m->context > UINT32_MAX ? UINT32_MAX : (uint32_t)m->context;
     p->ignore_eos = req->ignore_eos;
+    p->skip_special = !req->keep_special_tokens;
     if (req->forced_output) {
         if (!s->st.test_forced_output)
             return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "ds41_forced_output",

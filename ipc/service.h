@@ -255,6 +255,8 @@ typedef struct ds41_gen_request {
     const char *const *stop; /* stop strings (each non-empty) */
     size_t n_stop;
     bool ignore_eos; /* keep generating past EOS (benchmarks) */
+    bool keep_special_tokens; /* skip_special_tokens: false (the default strips the special tokens'
+                                 text from content and reasoning_content) */
     /* Test hook ("ds41_forced_output"): a text whose tokens (special tokens
      * matched) replace the sampled tokens until it runs out, so tests can make
      * a random-weight model emit reasoning and tool calls.  NULL = not given.
