@@ -10,6 +10,7 @@
  * that has touched the weights (page faults of the mapping do not count). */
 #include "daemon/bench_kernels.h"
 #include "daemon/budget_flags.h"
+#include "ds41_version.h"
 #include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
@@ -504,6 +505,7 @@ int main(int argc, char **argv) {
         {"predict", required_argument, NULL, 'R'},
         {"predict-extra", required_argument, NULL, 'x'},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL;
@@ -621,6 +623,9 @@ int main(int argc, char **argv) {
         }
         case 'h':
             usage(stdout);
+            return 0;
+        case 'V':
+            puts("ds41-bench " DS41_VERSION);
             return 0;
         default:
             usage(stderr);

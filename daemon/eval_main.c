@@ -4,6 +4,7 @@
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
 #include "daemon/budget_flags.h"
+#include "ds41_version.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
 #include "storage/safetensors.h"
@@ -265,11 +266,17 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
 
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
-        {"model", required_argument, NULL, 'm'}, {"ids", required_argument, NULL, 'i'},
-        {"chunk", required_argument, NULL, 'c'}, {"decode", required_argument, NULL, 'k'},
-        {"reference", no_argument, NULL, 'r'},   {"dump", required_argument, NULL, 'd'},
-        {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
-        {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
+        {"model", required_argument, NULL, 'm'},
+        {"ids", required_argument, NULL, 'i'},
+        {"chunk", required_argument, NULL, 'c'},
+        {"decode", required_argument, NULL, 'k'},
+        {"reference", no_argument, NULL, 'r'},
+        {"dump", required_argument, NULL, 'd'},
+        {"out", required_argument, NULL, 'o'},
+        {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
+        {"threads", required_argument, NULL, 't'},
+        {"cpu", required_argument, NULL, 'L'},
         {"pin", no_argument, NULL, 'P'},
         {"no-predict", no_argument, NULL, 'N'},
         DS41_BUDGET_LONGOPTS,
@@ -328,6 +335,9 @@ int main(int argc, char **argv) {
         case 'd': dump = optarg; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;
+        case 'V':
+            puts("ds41-eval " DS41_VERSION);
+            return 0;
         default: usage(stderr); return 2;
         }
     }

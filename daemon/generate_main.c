@@ -2,6 +2,7 @@
  * OpenAI-style messages file, raw text or token ids), runs prefill and decode on the engine and
  * streams the answer to stdout -- the tool a developer uses to debug the engine end to end,
  * without the daemon.  The generation logic is engine/generate.h, the same the daemon runs. */
+#include "ds41_version.h"
 #include "engine/forward.h"
 #include "engine/generate.h"
 #include "engine/pyjson.h"
@@ -239,6 +240,7 @@ int main(int argc, char **argv) {
         {"forced", required_argument, NULL, OPT_FORCED},
         {"json", no_argument, NULL, OPT_JSON},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *prompt = NULL, *messages_path = NULL, *ids_arg = NULL, *forced_text = NULL;
@@ -312,6 +314,9 @@ int main(int argc, char **argv) {
         case OPT_FORCED: forced_text = optarg; break;
         case OPT_JSON: json_out = true; break;
         case 'h': usage(stdout); return 0;
+        case 'V':
+            puts("ds41-generate " DS41_VERSION);
+            return 0;
         default: usage(stderr); return 2;
         }
     }

@@ -10,6 +10,7 @@
  * Exit status: 0 nothing wrong, 1 problems found, 2 the directory could not be
  * read (bad config, malformed safetensors, usage). */
 #include "config/model_config.h"
+#include "ds41_version.h"
 #include "engine/engram_layout.h"
 #include "engine/engram_tokens.h"
 #include "engine/tensor_plan.h"
@@ -273,6 +274,7 @@ int main(int argc, char **argv) {
     static const struct option longopts[] = {
         {"max-list", required_argument, NULL, 'm'},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
     report_ctx rctx = {.limit = -1};
@@ -287,6 +289,9 @@ int main(int argc, char **argv) {
             }
         } else if (c == 'h') {
             usage(stdout);
+            return 0;
+        } else if (c == 'V') {
+            puts("ds41-inspect " DS41_VERSION);
             return 0;
         } else {
             usage(stderr);

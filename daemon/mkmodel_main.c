@@ -1,5 +1,6 @@
 /* ds41-mkmodel: write a random-weight DeepSeek-V4.1 checkpoint in the Hugging
  * Face release layout (see engine/model_gen.h). */
+#include "ds41_version.h"
 #include "engine/model_gen.h"
 
 #include <errno.h>
@@ -46,10 +47,15 @@ static int parse_u64(const char *s, uint64_t *out) {
 
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
-        {"preset", required_argument, NULL, 'p'},   {"seed", required_argument, NULL, 's'},
-        {"set", required_argument, NULL, 'S'},      {"tokenizer", required_argument, NULL, 't'},
-        {"shard-bytes", required_argument, NULL, 'b'}, {"quiet", no_argument, NULL, 'q'},
-        {"help", no_argument, NULL, 'h'},           {NULL, 0, NULL, 0},
+        {"preset", required_argument, NULL, 'p'},
+        {"seed", required_argument, NULL, 's'},
+        {"set", required_argument, NULL, 'S'},
+        {"tokenizer", required_argument, NULL, 't'},
+        {"shard-bytes", required_argument, NULL, 'b'},
+        {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
+        {NULL, 0, NULL, 0},
     };
     ds41_model_gen_opts o = {.preset = "tiny", .seed = 1, .progress = print_progress};
     const char **sets = calloc((size_t)argc, sizeof *sets);
@@ -74,6 +80,9 @@ int main(int argc, char **argv) {
             break;
         case 'q': o.progress = NULL; break;
         case 'h': usage(stdout); return 0;
+        case 'V':
+            puts("ds41-mkmodel " DS41_VERSION);
+            return 0;
         default: usage(stderr); return 2;
         }
     }
