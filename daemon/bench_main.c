@@ -29,11 +29,12 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
-               "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
-               "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
-               "                  [--predict early|next|both] [--predict-extra N]\n"
-               "                  [--engram-cache-bytes SIZE]\n"
+               "                  [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE]\n"
+               "                  [--config ds41d.yaml] [--no-predict] [--predict early|next|both]\n"
+               "                  [--predict-extra N]\n"
+               "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL] [--bandwidth-gib G]\n"
+               "       ds41-bench --version\n"
                "\n"
                "Measures, with the fast CPU path:\n"
                "  machine   read bandwidth (every thread streaming its slice of a G GiB buffer,\n"

@@ -264,6 +264,7 @@ static int check_tokenizer_engram(const char *dir, const ds41_model_config *cfg)
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds41-inspect DIR [--max-list N]\n"
+               "       ds41-inspect --version\n"
                "  Inventory, layer roles, cache figures and a completeness check of a\n"
                "  DeepSeek-V4.1 checkpoint directory (Hugging Face layout).\n"
                "  --max-list N   print at most N problem lines (default: all)\n"

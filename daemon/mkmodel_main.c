@@ -13,6 +13,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-mkmodel OUTDIR [--preset NAME] [--seed N] [--set key=value ...]\n"
             "                    [--tokenizer FILE] [--shard-bytes N] [--quiet]\n"
+            "       ds41-mkmodel --version\n"
             "\n"
             "Writes a random-weight checkpoint of the DeepSeek-V4.1 architecture in the\n"
             "Hugging Face layout (safetensors shards + index, inference/config.json,\n"

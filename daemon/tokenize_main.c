@@ -11,6 +11,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-tokenize TOKENIZER_JSON [--decode] [--skip-special]\n"
+            "       ds41-tokenize --version\n"
             "\n"
             "Encode: reads one JSON string per line on stdin and writes one JSON array\n"
             "of token ids per line (Hugging Face encode(text, add_special_tokens=false):\n"
