@@ -80,9 +80,10 @@ int main(int argc, char **argv) {
             }
             break;
         case 'q': o.progress = NULL; break;
-        case 'h': usage(stdout); return 0;
+        case 'h': usage(stdout); free(sets); return 0;
         case 'V':
             puts("ds41-mkmodel " DS41_VERSION);
+            free(sets);
             return 0;
         default: usage(stderr); return 2;
         }
