@@ -1263,7 +1263,8 @@ static bool marker_watched(const ds41_generation *g, int m) {
 static void emit_part(ds41_generation *g, split_state part, const char *s, size_t n) {
     if (!n) return;
     const int k = part == SPLIT_REASONING ? 0 : 1;
-    ds41_buf *all = k ? &g->all_content : &g->all_reasoning, *step = k ? &g->step_content : &g->step_reasoning;
+    ds41_buf *all = k ? &g->all_content : &g->all_reasoning,
+             *step = k ? &g->step_content : &g->step_reasoning;
     ds41_buf_put(all, s, n);
     if (!g->specials)
         ds41_buf_put(step, s, n);
@@ -1276,10 +1277,12 @@ static void emit_part(ds41_generation *g, split_state part, const char *s, size_
 static int specials_finish(ds41_generation *g) {
     if (!g->specials) return 0;
     if (g->all_reasoning.oom || g->all_content.oom) return -1;
-    strip_specials(g, g->all_reasoning.data, g->all_reasoning.len, &g->strip_pos[0], &g->step_reasoning, true);
+    strip_specials(g, g->all_reasoning.data, g->all_reasoning.len, &g->strip_pos[0], &g->step_reasoning,
+                   true);
     strip_specials(g, g->all_content.data, g->all_content.len, &g->strip_pos[1], &g->step_content, true);
     ds41_chat_completion *r = &g->result;
-    if (r->reasoning_content && strip_string(g, r->reasoning_content, &r->reasoning_content_len) != 0) return -1;
+    if (r->reasoning_content && strip_string(g, r->reasoning_content, &r->reasoning_content_len) != 0)
+        return -1;
     if (r->content && strip_string(g, r->content, &r->content_len) != 0) return -1;
     return 0;
 }

@@ -914,32 +914,34 @@ static void test_special_tokens(void) {
     json_t *msgs = user("Hi");
     /* "<｜Assistant｜>" and "<｜User｜>" spelt by ordinary tokens, byte by byte around the
      * fullwidth bar: a streamed step may end inside them */
-    const char *const pieces[] = {"Let me <｜title｜>think", "<", "｜", "Ass", "istant", "｜", ">", ".</think>Answer <think>with",
-                                  "<", "｜", "User", "｜>", " tokens.", "<｜end▁of▁sentence｜>"};
+    const char *const pieces[] = {
+        "Let me <｜title｜>think",     "<", "｜", "Ass",  "istant", "｜",       ">",
+        ".</think>Answer <think>with", "<", "｜", "User", "｜>",    " tokens.", "<｜end▁of▁sentence｜>"};
     size_t nf;
     uint32_t *forced = concat_encoded(pieces, sizeof pieces / sizeof *pieces, &nf);
     ds41_generation_params p = ds41_generation_params_default();
-    p.messages = msgs;
-    p.thinking = true;
-    p.forced_ids = forced;
-    p.n_forced = nf;
-    p.skip_special = true;
+    p.skip_special = true; /* what the daemon sets unless skip_special_tokens is false */
+    p.messages = msgs, p.thinking = true;
+    p.forced_ids = forced, p.n_forced = nf;
     run_opts o = {.no_model = true};
     run r = run_gen(&p, &o);
-    TAP_CHECK(r.rc == 0 && r.finish == DS41_GENERATION_EOS && strcmp(r.result_reasoning, "Let me think.") == 0 &&
+    TAP_CHECK(r.rc == 0 && r.finish == DS41_GENERATION_EOS &&
+                  strcmp(r.result_reasoning, "Let me think.") == 0 &&
                   strcmp(r.result_content, "Answer with tokens.") == 0,
               "skip_special: the message's reasoning and content lose every special token ('%s' / '%s', %s)",
               r.result_reasoning ? r.result_reasoning : "", r.result_content ? r.result_content : "", r.err);
-    TAP_CHECK(r.rc == 0 && streamed_equals_result(&r) && !has_special_text(cstr(&r.reasoning)) &&
-                  !has_special_text(cstr(&r.content)),
-              "skip_special: the streamed deltas add up to the same text, no special token in part ('%s' / '%s')",
-              cstr(&r.reasoning), cstr(&r.content));
+    TAP_CHECK(
+        r.rc == 0 && streamed_equals_result(&r) && !has_special_text(cstr(&r.reasoning)) &&
+            !has_special_text(cstr(&r.content)),
+        "skip_special: the streamed deltas add up to the same text, no special token in part ('%s' / '%s')",
+        cstr(&r.reasoning), cstr(&r.content));
     run_free(&r);
 
     p.skip_special = false;
     r = run_gen(&p, &o);
     TAP_CHECK(r.rc == 0 && strcmp(r.result_reasoning, "Let me <｜title｜>think<｜Assistant｜>.") == 0 &&
-                  strcmp(r.result_content, "Answer <think>with<｜User｜> tokens.") == 0 && streamed_equals_result(&r),
+                  strcmp(r.result_content, "Answer <think>with<｜User｜> tokens.") == 0 &&
+                  streamed_equals_result(&r),
               "without skip_special they are kept, streamed and final ('%s' / '%s')",
               r.result_reasoning ? r.result_reasoning : "", r.result_content ? r.result_content : "");
     run_free(&r);
