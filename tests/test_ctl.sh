@@ -9,6 +9,12 @@ cfg=$work/ds41d.yaml
 write_config "$cfg"
 # one engine thread: a count doctor must report from the daemon, not from this machine's CPUs
 sed -i 's/^  threads: 2$/  threads: 1/' "$cfg"
+# as root: the socket's group is nogroup, so uid 65534 can connect as a non-admin peer
+peer_tests=false
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && getent group nogroup >/dev/null; then
+    peer_tests=true
+    sed -i 's/^  socket_group: null$/  socket_group: nogroup/' "$cfg"
+fi
 
 ctl status >"$work/down.out" 2>"$work/down.err"; rc=$?
 check "daemon down: exit 1 and a message that says so" \
@@ -97,6 +103,14 @@ for i in $(seq 1 400); do
     [ -n "$live" ] && break
     sleep 0.02
 done
+if $peer_tests; then
+    setpriv --reuid=65534 --regid=65534 --clear-groups -- "$bin/ds41ctl" --socket "$sock" cancel "$live" >/dev/null 2>"$work/cancel403.err"; rc=$?
+    still=$(ctl ps --json | "$py" -c 'import json,sys; print(" ".join(s["id"] for s in json.load(sys.stdin)["data"]))')
+    check "cancel as a non-admin peer: exit 1 with the daemon's 403, the session runs on" \
+        bash -c "test $rc -eq 1 && grep -q 'HTTP 403' '$work/cancel403.err' && [[ ' $still ' == *' $live '* ]]"
+else
+    skip "cancel as a non-admin peer (needs root, setpriv and the nogroup group)"
+fi
 ctl cancel "$live" >"$work/cancel.txt"; rc=$?
 wait "$curl_pid"
 check "cancel SESSION: the live request ($live) is cancelled, its stream ends with the cancelled error" \
