@@ -467,7 +467,8 @@ static int cmd_cancel(const char *id) {
         print_json(j);
     else
         printf("%s: %s\n", id,
-               strchr(id, ':') && strchr(id, ':')[1] == 'c' ? "dropped from the prefix cache" : "cancelled");
+               strrchr(id, ':') && strrchr(id, ':')[1] == 'c' ? "dropped from the prefix cache"
+                                                              : "cancelled");
     json_decref(j);
     return 0;
 }
