@@ -10,6 +10,7 @@
  * that has touched the weights (page faults of the mapping do not count). */
 #include "daemon/bench_kernels.h"
 #include "daemon/budget_flags.h"
+#include "ds41_version.h"
 #include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
@@ -28,11 +29,12 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds41-bench --model DIR [--threads N] [--pin] [--json] [--cpu scalar|avx2|avx512|amx]\n"
-               "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL]\n"
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
-               "                  [--expert-cache-bytes SIZE] [--config ds41d.yaml] [--no-predict]\n"
-               "                  [--predict early|next|both] [--predict-extra N]\n"
-               "                  [--engram-cache-bytes SIZE]\n"
+               "                  [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE]\n"
+               "                  [--config ds41d.yaml] [--no-predict] [--predict early|next|both]\n"
+               "                  [--predict-extra N]\n"
+               "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL] [--bandwidth-gib G]\n"
+               "       ds41-bench --version\n"
                "\n"
                "Measures, with the fast CPU path:\n"
                "  machine   read bandwidth (every thread streaming its slice of a G GiB buffer,\n"
@@ -504,6 +506,7 @@ int main(int argc, char **argv) {
         {"predict", required_argument, NULL, 'R'},
         {"predict-extra", required_argument, NULL, 'x'},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL;
@@ -621,6 +624,9 @@ int main(int argc, char **argv) {
         }
         case 'h':
             usage(stdout);
+            return 0;
+        case 'V':
+            puts("ds41-bench " DS41_VERSION);
             return 0;
         default:
             usage(stderr);

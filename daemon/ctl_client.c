@@ -1,5 +1,6 @@
 /* ds41ctl's HTTP client over a Unix socket (see ctl_client.h). */
 #include "daemon/ctl_client.h"
+#include "ds41_version.h"
 
 #include "engine/pyjson.h"
 
@@ -52,7 +53,8 @@ static int send_request(int fd, const char *method, const char *path, const char
                         ds41_error *err) {
     char head[1024];
     int n = snprintf(head, sizeof head,
-                     "%s %s HTTP/1.1\r\nHost: ds41\r\nUser-Agent: ds41ctl/0.1.0\r\nConnection: close\r\n"
+                     "%s %s HTTP/1.1\r\nHost: ds41\r\nUser-Agent: ds41ctl/" DS41_VERSION
+                     "\r\nConnection: close\r\n"
                      "Accept: application/json, text/event-stream\r\n",
                      method, path);
     if (n < 0 || (size_t)n >= sizeof head) return ds41_fail(err, "request path too long");

@@ -1,10 +1,13 @@
 /* ds41ctl: control and query ds41d over its Unix socket (see ds41ctl(1)).  Human tables by
  * default, JSON with --json. */
+#include "config/model_config.h"
 #include "daemon/ctl_client.h"
+#include "ds41_version.h"
 #include "engine/auto_budget.h"
 #include "engine/backend.h"
 #include "engine/pyjson.h"
 #include "engine/threadpool.h"
+#include "storage/safetensors.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -31,34 +34,43 @@ static bool g_json = false;
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41ctl [--socket PATH] [--json] COMMAND [ARGS]\n"
+            "       ds41ctl --version | --help\n"
             "\n"
             "Talks to ds41d over its Unix socket (default %s, or $DS41_SOCKET).\n"
-            "Commands:\n"
+            "--socket and --json may also follow the command (ds41ctl status --json).\n"
+            "Commands (admin: root or a member of the daemon's auth.admin_group):\n"
             "  status                       daemon state, model, load and memory\n"
             "  models ls                    configured and loaded models, bytes per tier\n"
             "  models load NAME             load a configured model (admin)\n"
             "  models unload NAME           unload a model (admin)\n"
-            "  ps                           live sessions with tokens and KV bytes (admin)\n"
+            "  ps [--all]                   live sessions with tokens and KV bytes; --all adds the\n"
+            "                               prefix-cache entries (admin)\n"
+            "  cancel SESSION               cancel a live session (an ID from ps), or drop a\n"
+            "                               prefix-cache entry; kill is the same command (admin)\n"
             "  cache                        KV cache per session and per tier (admin)\n"
             "  cache ls                     session snapshots on disk (admin)\n"
             "  cache save SESSION           write a session (see ps) to a snapshot (admin)\n"
             "  cache restore SNAPSHOT       load a snapshot into the prefix cache (admin)\n"
             "  cache rm SNAPSHOT            delete a snapshot (admin)\n"
             "  cache --set-expert-bytes SIZE  change the routed-expert budget at run time\n"
-            "       [--model M]             (e.g. 2GiB; auto or 0 = all resident; admin)\n"
+            "       [--model M]             (e.g. 2GiB; auto or 0 = the budget decided at load;\n"
+            "                               admin)\n"
             "  chat [PROMPT]                chat, streaming; interactive without PROMPT\n"
             "       [--model M] [--system TEXT] [--thinking] [--effort N] [--max-tokens N]\n"
             "       [--temperature T] [--seed S]\n"
             "  generate PROMPT              a plain completion, streamed\n"
             "       [--model M] [--max-tokens N] [--temperature T] [--seed S]\n"
             "  bench                        prefill and decode throughput through the daemon\n"
-            "       [--requests N] [--concurrency C] [--prompt-tokens P] [--max-tokens T] [--model M]\n"
-            "  doctor [--model DIR]         check this machine: io_uring, O_DIRECT on the model\n"
-            "                               directory, memlock, CPU features, CPU kernel level and\n"
-            "                               threads, GPU, free memory\n"
+            "       [--requests N] [--concurrency C] [--prompt-tokens P]\n"
+            "       [--max-tokens T] [--model M]\n"
+            "  doctor [--model DIR]         check this machine: the daemon, io_uring, the\n"
+            "                               checkpoint and O_DIRECT on its directory, memlock,\n"
+            "                               CPU features, CPU kernel level and threads, GPU,\n"
+            "                               free memory\n"
             "  metrics                      the daemon's Prometheus metrics\n"
-            "--json prints JSON for scripts.  Exit status: 0 ok, 1 failure (including an unreachable\n"
-            "daemon), 2 bad usage.\n",
+            "--json prints JSON for scripts.  On a terminal, chat and generate show the model's\n"
+            "control characters escaped (\\x1b, \\u009b); piped, the text is written as it is.\n"
+            "Exit status: 0 ok, 1 failure (including an unreachable daemon), 2 bad usage.\n",
             DEFAULT_SOCKET);
 }
 
@@ -191,12 +203,12 @@ static void table_print(table *t) {
 
 static char *fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
 static char *fmt(const char *f, ...) {
-    static char ring[64][128];
+    static char ring[64][256];
     static int k;
     char *b = ring[k++ % 64];
     va_list ap;
     va_start(ap, f);
-    vsnprintf(b, 128, f, ap);
+    vsnprintf(b, sizeof ring[0], f, ap);
     va_end(ap);
     return b;
 }
@@ -352,9 +364,22 @@ static void sessions_table(const json_t *sessions) {
     table_print(&t);
 }
 
-static int cmd_ps(void) {
+/* ps [--all]: the prefix cache's entries (state "cached") only with --all. */
+static int cmd_ps(int argc, char **argv) {
+    bool all = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--all") == 0 || strcmp(argv[i], "-a") == 0) {
+            all = true;
+        } else {
+            fprintf(stderr, "ds41ctl: ps: unknown argument '%s' (ps [--all])\n", argv[i]);
+            return 2;
+        }
+    }
     json_t *j = call_json("GET", "/admin/sessions", NULL, NULL, false);
     if (!j) return 1;
+    json_t *data = json_object_get(j, "data");
+    for (size_t i = json_array_size(data); !all && i-- > 0;)
+        if (strcmp(jstr(json_array_get(data, i), "state"), "cached") == 0) json_array_remove(data, i);
     if (g_json)
         print_json(j);
     else
@@ -421,6 +446,33 @@ static int cmd_cache(void) {
     return 0;
 }
 
+/* A session or snapshot id as a path segment: refused when it could leave it. */
+static bool path_segment_ok(const char *id) {
+    if (!*id) return false;
+    for (const char *p = id; *p; p++)
+        if (*p == '/' || *p == '?' || *p == '#' || *p == '%' || (unsigned char)*p <= ' ' || *p == 0x7f)
+            return false;
+    return true;
+}
+
+/* cancel SESSION (kill SESSION): DELETE /admin/sessions/ID -- a live request is cancelled (its
+ * client gets the "cancelled" error), a prefix-cache entry is dropped. */
+static int cmd_cancel(const char *id) {
+    if (!path_segment_ok(id)) return fail("not a session id: %s", id), 2;
+    char path[600];
+    snprintf(path, sizeof path, "/admin/sessions/%.500s", id);
+    json_t *j = call_json("DELETE", path, NULL, NULL, false);
+    if (!j) return 1;
+    if (g_json)
+        print_json(j);
+    else
+        printf("%s: %s\n", id,
+               strrchr(id, ':') && strrchr(id, ':')[1] == 'c' ? "dropped from the prefix cache"
+                                                              : "cancelled");
+    json_decref(j);
+    return 0;
+}
+
 /* cache ls | save SESSION | restore SNAPSHOT | rm SNAPSHOT */
 static int cmd_cache_snapshots(int argc, char **argv) {
     const char *sub = argv[1];
@@ -453,9 +505,7 @@ static int cmd_cache_snapshots(int argc, char **argv) {
         const char *arg = argv[2];
         json_t *j;
         if (strcmp(sub, "rm") == 0) {
-            for (const char *p = arg; *p; p++)
-                if (*p == '/' || *p == '?' || *p == '#' || *p == '%' || (unsigned char)*p <= ' ')
-                    return fail("not a snapshot id: %s", arg);
+            if (!path_segment_ok(arg)) return fail("not a snapshot id: %s", arg);
             char path[600];
             snprintf(path, sizeof path, "/admin/snapshots/%.500s", arg);
             j = call_json("DELETE", path, NULL, NULL, false);
@@ -515,10 +565,17 @@ static int cmd_cache_set(int argc, char **argv) {
     json_t *j = call_json("POST", "/admin/cache/experts", text, NULL, false);
     free(text);
     if (!j) return 1;
+    long long chosen = jint(j, "expert_cache_bytes");
+    char hb[32];
+    human_bytes((double)chosen, hb, sizeof hb);
     if (g_json)
         print_json(j);
+    else if (!chosen)
+        printf("expert budget set to %sall routed experts resident (applies from the next forward step)\n",
+               json_is_true(json_object_get(j, "auto")) ? "auto: " : "");
     else
-        printf("expert budget set to %lld bytes (applies from the next forward step)\n", jint(j, "expert_cache_bytes"));
+        printf("expert budget set to %s%lld bytes (%s; applies from the next forward step)\n",
+               json_is_true(json_object_get(j, "auto")) ? "auto: " : "", chosen, hb);
     json_decref(j);
     return 0;
 }
@@ -588,6 +645,32 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The model's text to stdout.  On a terminal, control characters other than newline and tab
+ * (C0, DEL, C1) are written escaped (\x1b, \x7f, \u009b): a model's output must not move the
+ * cursor, retitle the window or inject terminal sequences.  Piped, the text goes as it is, so
+ * scripts get the exact answer (--json escapes everything anyway). */
+static void put_model_text(const stream_state *s, const char *t) {
+    if (!s->tty) {
+        fputs(t, stdout);
+        return;
+    }
+    const unsigned char *p = (const unsigned char *)t, *run = p;
+    for (; *p; p++) {
+        bool c0 = (*p < 0x20 && *p != '\n' && *p != '\t') || *p == 0x7f;
+        bool c1 = *p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f;
+        if (!c0 && !c1) continue;
+        fwrite(run, 1, (size_t)(p - run), stdout);
+        if (c0) {
+            printf("\\x%02x", *p);
+        } else {
+            printf("\\u%04x", p[1]);
+            p++;
+        }
+        run = p + 1;
+    }
+    fwrite(run, 1, (size_t)(p - run), stdout);
+}
+
 static bool on_chat_event(void *ctx, const char *data, size_t len) {
     stream_state *s = ctx;
     if (len == 6 && memcmp(data, "[DONE]", 6) == 0) return true;
@@ -616,7 +699,7 @@ static bool on_chat_event(void *ctx, const char *data, size_t len) {
                 fputs(s->tty ? "\033[2m" : "[reasoning] ", stdout);
                 s->in_reasoning = true;
             }
-            fputs(r, stdout);
+            put_model_text(s, r);
             ds41_buf_puts(&s->reasoning, r);
         }
         if (c && *c) {
@@ -624,7 +707,7 @@ static bool on_chat_event(void *ctx, const char *data, size_t len) {
                 fputs(s->tty ? "\033[0m\n" : "\n[answer] ", stdout);
                 s->in_reasoning = false;
             }
-            fputs(c, stdout);
+            put_model_text(s, c);
             ds41_buf_puts(&s->content, c);
         }
         size_t k;
@@ -664,7 +747,10 @@ static void stream_end(stream_state *s) {
     json_t *call;
     json_object_foreach(s->tool_calls, k, call) {
         json_t *f = json_object_get(call, "function");
-        printf("\n[tool call] %s %s", jstr(f, "name"), jstr(f, "arguments"));
+        fputs("\n[tool call] ", stdout);
+        put_model_text(s, jstr(f, "name"));
+        putchar(' ');
+        put_model_text(s, jstr(f, "arguments"));
     }
     putchar('\n');
     fflush(stdout);
@@ -890,6 +976,7 @@ typedef struct bench_job {
     long prompt_tokens, max_tokens;
     const char *model;
     double ttft, total;
+    double decode_from, decode_to; /* when its decode ran (first token to end, now_s() time) */
     long completion, prompt_seen;
     bool ok;
     char error[256];
@@ -957,12 +1044,46 @@ static void *bench_worker(void *p) {
             j->ok = true;
             j->ttft = (s.first_token_seen ? s.t_first : t1) - t0;
             j->total = t1 - t0;
+            j->decode_from = s.first_token_seen ? s.t_first : t1;
+            j->decode_to = t1;
             j->completion = (long)jint(s.usage, "completion_tokens");
             j->prompt_seen = (long)jint(s.usage, "prompt_tokens");
         }
         ds41_ctl_response_free(&r);
         json_decref(s.usage);
     }
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Seconds covered by at least one successful request's decode interval. */
+static double bench_decode_union(const bench_job *jobs, long n) {
+    double *iv = malloc((size_t)(n ? n : 1) * 2 * sizeof *iv);
+    if (!iv) return 0;
+    long k = 0;
+    for (long i = 0; i < n; i++) {
+        if (!jobs[i].ok || jobs[i].completion < 2 || jobs[i].decode_to <= jobs[i].decode_from) continue;
+        iv[2 * k] = jobs[i].decode_from;
+        iv[2 * k + 1] = jobs[i].decode_to;
+        k++;
+    }
+    qsort(iv, (size_t)k, 2 * sizeof *iv, cmp_double); /* by start (pairs sort by their first member) */
+    double sum = 0, from = 0, to = 0;
+    for (long i = 0; i < k; i++) {
+        if (i == 0 || iv[2 * i] > to) {
+            sum += to - from;
+            from = iv[2 * i];
+            to = iv[2 * i + 1];
+        } else if (iv[2 * i + 1] > to) {
+            to = iv[2 * i + 1];
+        }
+    }
+    if (k) sum += to - from;
+    free(iv);
+    return sum;
 }
 
 static int cmd_bench(int argc, char **argv) {
@@ -1001,8 +1122,8 @@ static int cmd_bench(int argc, char **argv) {
     for (long i = 0; i < conc; i++) pthread_create(&th[i], NULL, bench_worker, &sh);
     for (long i = 0; i < conc; i++) pthread_join(th[i], NULL);
     double wall = now_s() - t0;
-    long ok = 0, gen = 0, prompt = 0;
-    double ttft = 0, decode_rate = 0;
+    long ok = 0, gen = 0, prompt = 0, decode_tokens = 0;
+    double ttft = 0, decode_s = 0;
     const char *first_err = NULL;
     for (long i = 0; i < requests; i++) {
         bench_job *j = &sh.jobs[i];
@@ -1014,17 +1135,29 @@ static int cmd_bench(int argc, char **argv) {
         gen += j->completion;
         prompt += j->prompt_seen;
         ttft += j->ttft;
-        if (j->total > j->ttft && j->completion > 1) decode_rate += (double)(j->completion - 1) / (j->total - j->ttft);
+        if (j->decode_to > j->decode_from && j->completion > 1) {
+            decode_tokens += j->completion - 1;
+            decode_s += j->decode_to - j->decode_from;
+        }
     }
     double mean_ttft = ok ? ttft / (double)ok : 0;
+    /* Decode rates: per request, the decode tokens over the seconds each request spent decoding
+     * (summed); in all, the same tokens over the seconds during which any request was decoding
+     * (the union of those intervals, so prefill-only stretches and the gaps between sequential
+     * requests are not counted).  The union is never longer than the sum: in all >= per
+     * request, equal when the requests ran one after another. */
+    double decode_union = bench_decode_union(sh.jobs, requests);
+    double rate_per_request = decode_s > 0 ? (double)decode_tokens / decode_s : 0.0;
+    double rate_all = decode_union > 0 ? (double)decode_tokens / decode_union : 0.0;
     if (g_json) {
-        json_t *o = json_pack("{s:I s:I s:I s:I s:I s:f s:I s:I s:f s:f s:f s:f}", "requests", (json_int_t)requests,
-                              "succeeded", (json_int_t)ok, "concurrency", (json_int_t)conc, "prompt_tokens",
-                              (json_int_t)ptok, "max_tokens", (json_int_t)mtok, "wall_seconds", wall,
-                              "total_prompt_tokens", (json_int_t)prompt, "total_generated_tokens", (json_int_t)gen,
-                              "mean_time_to_first_token_s", mean_ttft, "prefill_tokens_per_s",
-                              mean_ttft > 0 ? (double)ptok / mean_ttft : 0.0, "decode_tokens_per_s_per_request",
-                              ok ? decode_rate / (double)ok : 0.0, "generated_tokens_per_s", wall > 0 ? (double)gen / wall : 0.0);
+        json_t *o = json_pack(
+            "{s:I s:I s:I s:I s:I s:f s:I s:I s:f s:f s:f s:f s:f}", "requests", (json_int_t)requests,
+            "succeeded", (json_int_t)ok, "concurrency", (json_int_t)conc, "prompt_tokens", (json_int_t)ptok,
+            "max_tokens", (json_int_t)mtok, "wall_seconds", wall, "total_prompt_tokens", (json_int_t)prompt,
+            "total_generated_tokens", (json_int_t)gen, "mean_time_to_first_token_s", mean_ttft,
+            "prefill_tokens_per_s", mean_ttft > 0 ? (double)ptok / mean_ttft : 0.0,
+            "decode_tokens_per_s_per_request", rate_per_request, "decode_tokens_per_s", rate_all,
+            "generated_tokens_per_s", wall > 0 ? (double)gen / wall : 0.0);
         if (first_err) json_object_set_new(o, "first_error", json_string(first_err));
         print_json(o);
         json_decref(o);
@@ -1034,7 +1167,9 @@ static int cmd_bench(int argc, char **argv) {
         printf("wall time:       %.3f s\n", wall);
         printf("prefill:         %.3f s to the first token on average (%.1f prompt tokens/s per request)\n", mean_ttft,
                mean_ttft > 0 ? (double)ptok / mean_ttft : 0.0);
-        printf("decode:          %.1f tokens/s per request, %.1f tokens/s in all\n", ok ? decode_rate / (double)ok : 0.0,
+        printf("decode:          %.1f tokens/s per request, %.1f tokens/s in all\n", rate_per_request,
+               rate_all);
+        printf("overall:         %.1f generated tokens/s over the wall time (prefill included)\n",
                wall > 0 ? (double)gen / wall : 0.0);
         if (first_err) printf("first error:     %s\n", first_err);
     }
@@ -1098,6 +1233,47 @@ static void doctor_odirect(doctor *d, const char *dir) {
         dr(d, "O_DIRECT", "ok", fmt("aligned reads work on %.90s", dir));
 }
 
+/* Whether DIR is a checkpoint ds41d can load: inference/config.json valid, every safetensors
+ * header readable (headers only: no payload page is touched), tokenizer.json present.  A Hugging
+ * Face directory with only its root config.json fails here, naming what is missing. */
+static void doctor_checkpoint(doctor *d, const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        dr(d, "checkpoint", "fail",
+           fmt("%.90s: %s", dir, stat(dir, &st) != 0 ? strerror(errno) : "not a directory"));
+        return;
+    }
+    ds41_model_config cfg;
+    ds41_error err = {{0}};
+    if (ds41_model_config_load(dir, &cfg, &err) != 0) {
+        char root[4096];
+        snprintf(root, sizeof root, "%s/config.json", dir);
+        dr(d, "checkpoint", "fail",
+           fmt("not a ds41 checkpoint: %.70s%s", err.msg,
+               access(root, F_OK) == 0
+                   ? " (a root config.json alone is not enough: inference/config.json is read)"
+                   : ""));
+        return;
+    }
+    ds41_model_config_free(&cfg);
+    ds41_checkpoint *ck = ds41_checkpoint_open(dir, &err);
+    if (!ck) {
+        dr(d, "checkpoint", "fail", fmt("not a ds41 checkpoint: %.100s", err.msg));
+        return;
+    }
+    char tokp[4096];
+    snprintf(tokp, sizeof tokp, "%s/tokenizer.json", dir);
+    char b[32];
+    human_bytes((double)ds41_checkpoint_payload_bytes(ck), b, sizeof b);
+    if (access(tokp, R_OK) != 0)
+        dr(d, "checkpoint", "fail", fmt("%.60s: no readable tokenizer.json", dir));
+    else
+        dr(d, "checkpoint", "ok",
+           fmt("%zu tensors, %s of weights; inference/config.json and tokenizer.json present",
+               ds41_checkpoint_tensor_count(ck), b));
+    ds41_checkpoint_close(ck);
+}
+
 static int cmd_doctor(int argc, char **argv) {
     static const struct option lo[] = {{"model", required_argument, NULL, 'm'}, {NULL, 0, NULL, 0}};
     const char *model_dir = NULL;
@@ -1116,6 +1292,7 @@ static int cmd_doctor(int argc, char **argv) {
     ds41_ctl_response r;
     ds41_error err = {{0}};
     char *daemon_model = NULL;
+    char daemon_threads[160] = "";
     if (ds41_ctl_request(g_socket, "GET", "/health", NULL, 0, 5000, &r, &err) == 0) {
         dr(&d, "daemon", r.status == 200 ? "ok" : "warn", fmt("%s answers %d %.60s", g_socket, r.status, r.body));
         ds41_ctl_response_free(&r);
@@ -1123,6 +1300,15 @@ static int cmd_doctor(int argc, char **argv) {
         if (m) {
             json_t *first = json_array_get(json_object_get(m, "data"), 0);
             if (first && jstr(first, "path")[0]) daemon_model = strdup(jstr(first, "path"));
+            /* the threads of the daemon's loaded engines, as it reports them */
+            size_t i;
+            json_t *e;
+            json_array_foreach(json_object_get(m, "data"), i, e) {
+                if (jint(e, "threads") <= 0) continue;
+                size_t used = strlen(daemon_threads);
+                snprintf(daemon_threads + used, sizeof daemon_threads - used, "%s%.40s %lld",
+                         used ? ", " : "", jstr(e, "id"), jint(e, "threads"));
+            }
             json_decref(m);
         }
         /* The memory budgets the daemon decided at load (admin only; quiet otherwise). */
@@ -1154,6 +1340,7 @@ static int cmd_doctor(int argc, char **argv) {
 
     /* O_DIRECT on the model directory */
     const char *dir = model_dir ? model_dir : daemon_model;
+    if (dir) doctor_checkpoint(&d, dir);
     if (dir)
         doctor_odirect(&d, dir);
     else
@@ -1208,10 +1395,17 @@ static int cmd_doctor(int argc, char **argv) {
     {
         ds41_cpu_level lv = ds41_cpu_level_detect();
         const char *cap = getenv("DS41_CPU_LEVEL");
+        char threads[200];
+        if (daemon_threads[0])
+            snprintf(threads, sizeof threads, "the daemon's threads: %s", daemon_threads);
+        else
+            snprintf(threads, sizeof threads,
+                     "%d threads by default here (one per usable CPU; the daemon's own count needs admin)",
+                     ds41_cpu_count());
         dr(&d, "backend", lv >= DS41_CPU_AVX2 ? "ok" : "warn",
-           fmt("fast CPU kernels at level %s%s%s%s; %d threads (one per usable CPU; engine.threads overrides)",
-               ds41_cpu_level_name(lv), cap && *cap ? " (DS41_CPU_LEVEL=" : "", cap && *cap ? cap : "",
-               cap && *cap ? ")" : "", ds41_cpu_count()));
+           fmt("fast CPU kernels at level %s%s%s%s; %.120s", ds41_cpu_level_name(lv),
+               cap && *cap ? " (DS41_CPU_LEVEL=" : "", cap && *cap ? cap : "", cap && *cap ? ")" : "",
+               threads));
     }
 
     /* GPU */
@@ -1268,10 +1462,45 @@ static int cmd_doctor(int argc, char **argv) {
 
 /* ---- main ---------------------------------------------------------------------------------------------- */
 
+/* The global options given after the command (ds41ctl status --json) are taken out of its
+ * arguments, up to a "--" (after which everything is the command's); 1 = --help / --version done
+ * (*rc set), 0 = go on. */
+static int take_global_opts(int *argc, char **argv, int *rc) {
+    int w = 1;
+    bool rest = false;
+    for (int i = 1; i < *argc; i++) {
+        const char *a = argv[i];
+        if (rest || strncmp(a, "--", 2) != 0) {
+            argv[w++] = argv[i];
+        } else if (strcmp(a, "--") == 0) {
+            rest = true;
+            argv[w++] = argv[i];
+        } else if (strcmp(a, "--json") == 0) {
+            g_json = true;
+        } else if (strcmp(a, "--socket") == 0 && i + 1 < *argc) {
+            g_socket = argv[++i];
+        } else if (strncmp(a, "--socket=", 9) == 0) {
+            g_socket = a + 9;
+        } else if (strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return *rc = 0, 1;
+        } else if (strcmp(a, "--version") == 0) {
+            puts("ds41ctl " DS41_VERSION);
+            return *rc = 0, 1;
+        } else {
+            argv[w++] = argv[i];
+        }
+    }
+    argv[w] = NULL;
+    *argc = w;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     static const struct option lo[] = {{"socket", required_argument, NULL, 's'},
                                        {"json", no_argument, NULL, 'j'},
                                        {"help", no_argument, NULL, 'h'},
+                                       {"version", no_argument, NULL, 'V'},
                                        {NULL, 0, NULL, 0}};
     const char *env = getenv("DS41_SOCKET");
     if (env && *env) g_socket = env;
@@ -1281,6 +1510,9 @@ int main(int argc, char **argv) {
         case 's': g_socket = optarg; break;
         case 'j': g_json = true; break;
         case 'h': usage(stdout); return 0;
+        case 'V':
+            puts("ds41ctl " DS41_VERSION);
+            return 0;
         default: usage(stderr); return 2;
         }
     }
@@ -1291,9 +1523,13 @@ int main(int argc, char **argv) {
     const char *cmd = argv[optind];
     int sub_argc = argc - optind;
     char **sub_argv = argv + optind;
+    int rc;
+    if (take_global_opts(&sub_argc, sub_argv, &rc)) return rc;
     if (strcmp(cmd, "status") == 0 && sub_argc == 1) return cmd_status();
     if (strcmp(cmd, "models") == 0) return cmd_models(sub_argc, sub_argv);
-    if (strcmp(cmd, "ps") == 0 && sub_argc == 1) return cmd_ps();
+    if (strcmp(cmd, "ps") == 0) return cmd_ps(sub_argc, sub_argv);
+    if ((strcmp(cmd, "cancel") == 0 || strcmp(cmd, "kill") == 0) && sub_argc == 2)
+        return cmd_cancel(sub_argv[1]);
     if (strcmp(cmd, "cache") == 0 && sub_argc == 1) return cmd_cache();
     if (strcmp(cmd, "cache") == 0 && sub_argc > 1 && strncmp(sub_argv[1], "--", 2) == 0)
         return cmd_cache_set(sub_argc, sub_argv);

@@ -8,6 +8,7 @@
 #include "daemon/preflight.h"
 #include "daemon/state_lock.h"
 #include "daemon/systemd.h"
+#include "ds41_version.h"
 #include "ipc/api.h"
 #include "ipc/http_server.h"
 
@@ -119,7 +120,7 @@ int main(int argc, char **argv) {
         case 'd': o.state_dir = optarg; break;
         case 'k': o.check = true; break;
         case 'h': usage(stdout); return 0;
-        case 'V': puts("ds41d 0.1.0"); return 0;
+        case 'V': puts("ds41d " DS41_VERSION); return 0;
         default: usage(stderr); return 2;
         }
     }

@@ -916,7 +916,6 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
         p->kind = DS41_GENERATION_RAW;
         p->text = req->prompt ? req->prompt : "";
         p->text_len = req->prompt ? req->prompt_len : 0;
-        p->skip_special = true;
     }
     ds41_sampler_params *sp = &p->sampler;
     if (req->temperature.set) sp->temperature = (float)req->temperature.value;
@@ -954,6 +953,7 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
     p->max_tokens = req->max_tokens ? req->max_tokens : s->st.max_tokens_default;
     p->max_context = m->context > UINT32_MAX ? UINT32_MAX : (uint32_t)m->context;
     p->ignore_eos = req->ignore_eos;
+    p->skip_special = !req->keep_special_tokens;
     if (req->forced_output) {
         if (!s->st.test_forced_output)
             return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, "ds41_forced_output",
@@ -1108,7 +1108,10 @@ static int svc_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41_
                              .context_length = state == DS41_MODEL_READY ? m->context : 0,
                              .detail = state != m->state ? lost.msg : m->detail,
                              .tiers = state == DS41_MODEL_READY ? &tier : NULL,
-                             .n_tiers = state == DS41_MODEL_READY ? 1 : 0};
+                             .n_tiers = state == DS41_MODEL_READY ? 1 : 0,
+                             .threads = state == DS41_MODEL_READY && m->engine
+                                            ? (uint32_t)ds41_backend_threads(ds41_engine_backend(m->engine))
+                                            : 0};
         emit(acc, &sm);
         pthread_rwlock_unlock(&m->lock);
     }
@@ -1909,10 +1912,12 @@ static int svc_delete_snapshot(void *ctx, const char *snapshot_id, ds41_svc_erro
     return 0;
 }
 
-static int svc_set_expert_budget(void *ctx, const char *name, uint64_t bytes, ds41_svc_error *err) {
+static int svc_set_expert_budget(void *ctx, const char *name, uint64_t bytes, uint64_t *chosen,
+                                 ds41_svc_error *err) {
     ds41_engine_service *s = ctx;
     int rc = 0;
     size_t matched = 0;
+    bool chosen_default = false;
     pthread_rwlock_rdlock(&s->cfg_lock);
     for (size_t i = 0; i < s->n_models && rc == 0; i++) {
         model *m = s->models[i];
@@ -1931,6 +1936,10 @@ static int svc_set_expert_budget(void *ctx, const char *name, uint64_t bytes, ds
             else if (!bytes)
                 ds41_log(DS41_LOG_INFO, "model %s: expert budget auto = %llu bytes (%s)", m->name,
                          (unsigned long long)want, want ? "streamed" : "resident");
+            if (rc == 0 && chosen && (matched == 1 || (m->is_default && !chosen_default))) {
+                *chosen = want;
+                chosen_default = m->is_default;
+            }
         } else if (name) {
             matched++;
             rc = ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "model %s is not loaded", m->name);

@@ -4,6 +4,7 @@
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
 #include "daemon/budget_flags.h"
+#include "ds41_version.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
 #include "storage/safetensors.h"
@@ -22,6 +23,7 @@ static void usage(FILE *f) {
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "                 [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE] [--config ds41d.yaml]\n"
             "                 [--no-predict]\n"
+            "       ds41-eval --version\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
             "K greedy steps (each feeds the argmax of the previous logits, lowest id on\n"
@@ -31,7 +33,7 @@ static void usage(FILE *f) {
             "with every float as %%.9g of its float32 value.  The default is the fast CPU\n"
             "path (threads, SIMD; --threads N, default one per CPU, --pin binds them to CPUs;\n"
             "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
-            "canonical arithmetic of REFERENCE.md section 10 (bit-exact against\n"
+            "canonical arithmetic of the reference mode (engine/refmath.h; bit-exact against\n"
             "tests/reference/ds41_ref.py).\n"
             "--engram-cache-bytes SIZE (bytes, or with a unit: 64MiB, 1.5GiB, 2GB) streams the\n"
             "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"
@@ -41,7 +43,7 @@ static void usage(FILE *f) {
             "--expert-cache-bytes SIZE (e.g. 1GiB, as in ds41d.yaml) streams the routed experts\n"
             "through a slot pool of that size (io_uring, O_DIRECT) when they do not all fit;\n"
             "--config FILE takes memory.expert_cache_bytes and engram_cache_bytes from a ds41d\n"
-            "YAML file (the flags win); --no-predict turns off next-layer expert prediction.\n"
+            "YAML file (the flags win); --no-predict turns off expert prediction.\n"
             "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
             "memory the process may use (MemAvailable, cgroup limits): everything resident when\n"
             "it fits, else the Engram rows streamed first, then the experts (see ds41d.yaml(5)).\n"
@@ -265,11 +267,17 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
 
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
-        {"model", required_argument, NULL, 'm'}, {"ids", required_argument, NULL, 'i'},
-        {"chunk", required_argument, NULL, 'c'}, {"decode", required_argument, NULL, 'k'},
-        {"reference", no_argument, NULL, 'r'},   {"dump", required_argument, NULL, 'd'},
-        {"out", required_argument, NULL, 'o'},   {"help", no_argument, NULL, 'h'},
-        {"threads", required_argument, NULL, 't'}, {"cpu", required_argument, NULL, 'L'},
+        {"model", required_argument, NULL, 'm'},
+        {"ids", required_argument, NULL, 'i'},
+        {"chunk", required_argument, NULL, 'c'},
+        {"decode", required_argument, NULL, 'k'},
+        {"reference", no_argument, NULL, 'r'},
+        {"dump", required_argument, NULL, 'd'},
+        {"out", required_argument, NULL, 'o'},
+        {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
+        {"threads", required_argument, NULL, 't'},
+        {"cpu", required_argument, NULL, 'L'},
         {"pin", no_argument, NULL, 'P'},
         {"no-predict", no_argument, NULL, 'N'},
         DS41_BUDGET_LONGOPTS,
@@ -328,6 +336,9 @@ int main(int argc, char **argv) {
         case 'd': dump = optarg; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;
+        case 'V':
+            puts("ds41-eval " DS41_VERSION);
+            return 0;
         default: usage(stderr); return 2;
         }
     }

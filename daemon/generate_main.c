@@ -2,6 +2,7 @@
  * OpenAI-style messages file, raw text or token ids), runs prefill and decode on the engine and
  * streams the answer to stdout -- the tool a developer uses to debug the engine end to end,
  * without the daemon.  The generation logic is engine/generate.h, the same the daemon runs. */
+#include "ds41_version.h"
 #include "engine/forward.h"
 #include "engine/generate.h"
 #include "engine/pyjson.h"
@@ -24,6 +25,7 @@ static void usage(FILE *f) {
             "                     [--raw] [--thinking] [--effort N] [--temperature T] [--top-p P]\n"
             "                     [--top-k K] [--seed S] [--max-tokens N] [--stop S]... [--ignore-eos]\n"
             "                     [--chunk N] [--reference] [--forced TEXT] [--json]\n"
+            "       ds41-generate --version\n"
             "\n"
             "Runs the model on a prompt and streams the answer to stdout.\n"
             "  --prompt TEXT      one user message (rendered with the V4.1 chat encoding), or with\n"
@@ -40,7 +42,7 @@ static void usage(FILE *f) {
             "  --stop S           a stop string (repeatable)\n"
             "  --ignore-eos       keep generating past EOS\n"
             "  --chunk N          prefill the prompt in chunks of N tokens (default: all at once)\n"
-            "  --reference        the canonical reference arithmetic (REFERENCE.md section 10)\n"
+            "  --reference        the canonical reference arithmetic (engine/refmath.h)\n"
             "  --forced TEXT      test hook: the output is the tokens of TEXT (special tokens matched)\n"
             "                     instead of samples, then sampling goes on\n"
             "  --json             no streaming: print one JSON object with the prompt and generated ids,\n"
@@ -239,6 +241,7 @@ int main(int argc, char **argv) {
         {"forced", required_argument, NULL, OPT_FORCED},
         {"json", no_argument, NULL, OPT_JSON},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *prompt = NULL, *messages_path = NULL, *ids_arg = NULL, *forced_text = NULL;
@@ -312,6 +315,9 @@ int main(int argc, char **argv) {
         case OPT_FORCED: forced_text = optarg; break;
         case OPT_JSON: json_out = true; break;
         case 'h': usage(stdout); return 0;
+        case 'V':
+            puts("ds41-generate " DS41_VERSION);
+            return 0;
         default: usage(stderr); return 2;
         }
     }

@@ -10,6 +10,7 @@
  * Exit status: 0 nothing wrong, 1 problems found, 2 the directory could not be
  * read (bad config, malformed safetensors, usage). */
 #include "config/model_config.h"
+#include "ds41_version.h"
 #include "engine/engram_layout.h"
 #include "engine/engram_tokens.h"
 #include "engine/tensor_plan.h"
@@ -263,6 +264,7 @@ static int check_tokenizer_engram(const char *dir, const ds41_model_config *cfg)
 
 static void usage(FILE *f) {
     fprintf(f, "usage: ds41-inspect DIR [--max-list N]\n"
+               "       ds41-inspect --version\n"
                "  Inventory, layer roles, cache figures and a completeness check of a\n"
                "  DeepSeek-V4.1 checkpoint directory (Hugging Face layout).\n"
                "  --max-list N   print at most N problem lines (default: all)\n"
@@ -273,6 +275,7 @@ int main(int argc, char **argv) {
     static const struct option longopts[] = {
         {"max-list", required_argument, NULL, 'm'},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
     report_ctx rctx = {.limit = -1};
@@ -287,6 +290,9 @@ int main(int argc, char **argv) {
             }
         } else if (c == 'h') {
             usage(stdout);
+            return 0;
+        } else if (c == 'V') {
+            puts("ds41-inspect " DS41_VERSION);
             return 0;
         } else {
             usage(stderr);

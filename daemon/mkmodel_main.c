@@ -1,5 +1,6 @@
 /* ds41-mkmodel: write a random-weight DeepSeek-V4.1 checkpoint in the Hugging
  * Face release layout (see engine/model_gen.h). */
+#include "ds41_version.h"
 #include "engine/model_gen.h"
 
 #include <errno.h>
@@ -12,6 +13,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-mkmodel OUTDIR [--preset NAME] [--seed N] [--set key=value ...]\n"
             "                    [--tokenizer FILE] [--shard-bytes N] [--quiet]\n"
+            "       ds41-mkmodel --version\n"
             "\n"
             "Writes a random-weight checkpoint of the DeepSeek-V4.1 architecture in the\n"
             "Hugging Face layout (safetensors shards + index, inference/config.json,\n"
@@ -46,10 +48,15 @@ static int parse_u64(const char *s, uint64_t *out) {
 
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
-        {"preset", required_argument, NULL, 'p'},   {"seed", required_argument, NULL, 's'},
-        {"set", required_argument, NULL, 'S'},      {"tokenizer", required_argument, NULL, 't'},
-        {"shard-bytes", required_argument, NULL, 'b'}, {"quiet", no_argument, NULL, 'q'},
-        {"help", no_argument, NULL, 'h'},           {NULL, 0, NULL, 0},
+        {"preset", required_argument, NULL, 'p'},
+        {"seed", required_argument, NULL, 's'},
+        {"set", required_argument, NULL, 'S'},
+        {"tokenizer", required_argument, NULL, 't'},
+        {"shard-bytes", required_argument, NULL, 'b'},
+        {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
+        {NULL, 0, NULL, 0},
     };
     ds41_model_gen_opts o = {.preset = "tiny", .seed = 1, .progress = print_progress};
     const char **sets = calloc((size_t)argc, sizeof *sets);
@@ -73,7 +80,11 @@ int main(int argc, char **argv) {
             }
             break;
         case 'q': o.progress = NULL; break;
-        case 'h': usage(stdout); return 0;
+        case 'h': usage(stdout); free(sets); return 0;
+        case 'V':
+            puts("ds41-mkmodel " DS41_VERSION);
+            free(sets);
+            return 0;
         default: usage(stderr); return 2;
         }
     }

@@ -1,5 +1,6 @@
 /* ds41-tokenize: encode or decode with a tokenizer.json, one JSON value per
  * line (see usage()).  Other checks drive it: keep the interface stable. */
+#include "ds41_version.h"
 #include "engine/tokenizer.h"
 
 #include <jansson.h>
@@ -10,6 +11,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41-tokenize TOKENIZER_JSON [--decode] [--skip-special]\n"
+            "       ds41-tokenize --version\n"
             "\n"
             "Encode: reads one JSON string per line on stdin and writes one JSON array\n"
             "of token ids per line (Hugging Face encode(text, add_special_tokens=false):\n"
@@ -117,6 +119,9 @@ int main(int argc, char **argv) {
             skip = true;
         else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "--version")) {
+            puts("ds41-tokenize " DS41_VERSION);
             return 0;
         } else if (argv[i][0] == '-' && argv[i][1]) {
             fprintf(stderr, "ds41-tokenize: unknown option '%s'\n", argv[i]);

@@ -90,6 +90,12 @@ static const char *const CLOSE_TEXT[N_CLOSES] = {
 enum { M_THINK_END, M_TOOL_CALLS, M_EOS, N_MARKERS };
 static const char *const MARKER_TEXT[N_MARKERS] = {DS41_CHAT_THINK_END, TOOL_CALLS_START, DS41_CHAT_EOS};
 
+/* The decoded text of one added token (owned by the tokenizer). */
+typedef struct special_text {
+    const char *s;
+    size_t len;
+} special_text;
+
 struct ds41_generation {
     const ds41_tokenizer *tok;
     uint32_t n_vocab;
@@ -120,10 +126,16 @@ struct ds41_generation {
     ds41_buf text;
     size_t split_pos;
     split_state state;
-    ds41_buf all_reasoning, all_content; /* everything streamed so far */
+    ds41_buf all_reasoning, all_content; /* everything split off so far (special tokens' text kept) */
 
-    /* this step's text */
+    /* this step's text (special tokens' text dropped when skip_special) */
     ds41_buf step_reasoning, step_content;
+
+    /* skip_special: the text of every added token, dropped from what is returned */
+    special_text *specials;
+    size_t n_specials;
+    uint8_t special_first[32]; /* bit set: some special text starts with that byte */
+    size_t strip_pos[2];       /* bytes of all_reasoning / all_content already stripped */
 
     /* tool-call streaming */
     bool parallel_tool_calls;
@@ -177,6 +189,79 @@ ds41_generation_params ds41_generation_params_default(void) {
 }
 
 static int oom(ds41_error *err) { return ds41_fail(err, "out of memory"); }
+
+/* ---- special tokens out of the returned text (skip_special) -------------------------------------- */
+
+/* The decoded text of every added token of the vocabulary (V4.1 marks only a few "special", but
+ * every added token is a control token: <｜Assistant｜>, <think>, ｜DSML｜, <｜safety｜>...). */
+static int specials_init(ds41_generation *g) {
+    const ds41_vocab *v = ds41_tokenizer_vocab(g->tok);
+    size_t n = ds41_vocab_n_added(v);
+    g->specials = calloc(n ? n : 1, sizeof *g->specials);
+    if (!g->specials) return -1;
+    for (size_t i = 0; i < n; i++) {
+        size_t len = 0;
+        const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, ds41_vocab_added_at(v, i)->id, &len);
+        if (!b || !len) continue;
+        g->specials[g->n_specials++] = (special_text){(const char *)b, len};
+        g->special_first[b[0] >> 3] |= (uint8_t)(1u << (b[0] & 7));
+    }
+    return 0;
+}
+
+/* Append t[*pos..len) to OUT without the special tokens' text and advance *pos.  At each byte the
+ * longest special text that matches is dropped; unless FINAL, a tail that may still grow into
+ * one is held back (*pos stops there), so stripping piece by piece gives exactly what stripping
+ * the whole text does, and a special token cut between two steps never shows in part. */
+static void strip_specials(const ds41_generation *g, const char *t, size_t len, size_t *pos, ds41_buf *out,
+                           bool final) {
+    if (!t) return;
+    size_t i = *pos, run = i;
+    while (i < len) {
+        const uint8_t c = (uint8_t)t[i];
+        if (!(g->special_first[c >> 3] & (1u << (c & 7)))) {
+            i++;
+            continue;
+        }
+        size_t best = 0;
+        bool maybe = false;
+        for (size_t k = 0; k < g->n_specials; k++) {
+            const special_text *sp = &g->specials[k];
+            if ((uint8_t)sp->s[0] != c) continue;
+            if (sp->len <= len - i) {
+                if (sp->len > best && memcmp(t + i, sp->s, sp->len) == 0) best = sp->len;
+            } else if (!final && memcmp(t + i, sp->s, len - i) == 0) {
+                maybe = true;
+            }
+        }
+        if (maybe) break;
+        if (best) {
+            ds41_buf_put(out, t + run, i - run);
+            i += best;
+            run = i;
+        } else {
+            i++;
+        }
+    }
+    ds41_buf_put(out, t + run, i - run);
+    *pos = i;
+}
+
+/* A malloc'd string (*s, *len) without the special tokens' text (in place: it only shrinks). */
+static int strip_string(const ds41_generation *g, char *s, size_t *len) {
+    ds41_buf b = {0};
+    size_t pos = 0;
+    strip_specials(g, s, *len, &pos, &b, true);
+    if (b.oom) {
+        ds41_buf_free(&b);
+        return -1;
+    }
+    if (b.len) memcpy(s, b.data, b.len);
+    s[b.len] = 0;
+    *len = b.len;
+    ds41_buf_free(&b);
+    return 0;
+}
 
 static int push_token(ds41_generation *g, int32_t id) {
     if (g->n_tokens == g->cap_tokens) {
@@ -1026,7 +1111,7 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
     }
 
     g->detok = ds41_detok_new(tok, p->kind == DS41_GENERATION_CHAT ? false : p->skip_special);
-    if (!g->detok) {
+    if (!g->detok || (p->skip_special && specials_init(g) != 0)) {
         oom(err);
         goto fail;
     }
@@ -1073,6 +1158,7 @@ void ds41_generation_free(ds41_generation *g) {
     ds41_buf_free(&g->step_content);
     ds41_buf_free(&g->all_reasoning);
     ds41_buf_free(&g->all_content);
+    free(g->specials);
     if (g->has_result) ds41_chat_completion_free(&g->result);
     for (size_t i = 0; i < g->n_calls; i++) {
         free(g->calls[i].name);
@@ -1176,13 +1262,29 @@ static bool marker_watched(const ds41_generation *g, int m) {
 
 static void emit_part(ds41_generation *g, split_state part, const char *s, size_t n) {
     if (!n) return;
-    if (part == SPLIT_REASONING) {
-        ds41_buf_put(&g->step_reasoning, s, n);
-        ds41_buf_put(&g->all_reasoning, s, n);
-    } else {
-        ds41_buf_put(&g->step_content, s, n);
-        ds41_buf_put(&g->all_content, s, n);
-    }
+    const int k = part == SPLIT_REASONING ? 0 : 1;
+    ds41_buf *all = k ? &g->all_content : &g->all_reasoning,
+             *step = k ? &g->step_content : &g->step_reasoning;
+    ds41_buf_put(all, s, n);
+    if (!g->specials)
+        ds41_buf_put(step, s, n);
+    else if (!all->oom)
+        strip_specials(g, all->data, all->len, &g->strip_pos[k], step, false);
+}
+
+/* The end: what was held back as a possible special token is not one; the message loses the
+ * special tokens' text as the stream did. */
+static int specials_finish(ds41_generation *g) {
+    if (!g->specials) return 0;
+    if (g->all_reasoning.oom || g->all_content.oom) return -1;
+    strip_specials(g, g->all_reasoning.data, g->all_reasoning.len, &g->strip_pos[0], &g->step_reasoning,
+                   true);
+    strip_specials(g, g->all_content.data, g->all_content.len, &g->strip_pos[1], &g->step_content, true);
+    ds41_chat_completion *r = &g->result;
+    if (r->reasoning_content && strip_string(g, r->reasoning_content, &r->reasoning_content_len) != 0)
+        return -1;
+    if (r->content && strip_string(g, r->content, &r->content_len) != 0) return -1;
+    return 0;
 }
 
 /* Decide as much of T as can be decided: stream reasoning / content up to the next marker or up
@@ -1291,7 +1393,7 @@ static int finalize(ds41_generation *g, ds41_error *err) {
         r->reasoning_content = dup_buf(&g->all_reasoning, &r->reasoning_content_len);
         r->content = dup_buf(&g->all_content, &r->content_len);
         g->has_result = true;
-        if (!r->reasoning_content || !r->content) return oom(err);
+        if (!r->reasoning_content || !r->content || specials_finish(g) != 0) return oom(err);
         return 0;
     }
 
@@ -1322,7 +1424,7 @@ static int finalize(ds41_generation *g, ds41_error *err) {
     emit_rest(g, SPLIT_REASONING, g->result.reasoning_content, g->result.reasoning_content_len);
     emit_rest(g, SPLIT_CONTENT, g->result.content, g->result.content_len);
     g->state = SPLIT_DONE;
-    return 0;
+    return specials_finish(g) != 0 ? oom(err) : 0;
 }
 
 /* ---- stepping ---------------------------------------------------------------------------------- */

@@ -52,6 +52,17 @@
  * of every step's reasoning (content) equals the final message's reasoning_content (content),
  * byte for byte, however the text was cut into tokens.
  *
+ * Special tokens.  With skip_special, the text of every added token of the tokenizer (V4.1's
+ * control tokens: <｜Assistant｜>, <think>, </think>, ｜DSML｜, <｜safety｜>, the EOS...; its
+ * tokenizer.json marks only a few of them "special", all are control tokens) is dropped from the
+ * streamed reasoning / content and from the final message's reasoning_content / content, wherever
+ * it appears (the longest match at each position).  The splitting and the parse above still see
+ * T whole: the markers they need are special tokens.  Text that may still become a special
+ * token's text is held back like a marker prefix, so a special token is never streamed in part
+ * and the concatenation rule above holds for the stripped text.  RAW / IDS prompts also drop the
+ * tokens marked special before the stop strings see the text (as HF's decode(skip_special)).
+ * Tool-call arguments are left as they are.
+ *
  * Tool-call streaming.  While a block is generated it is scanned with the strict parser's rules
  * (REFERENCE §11.7) and streamed, the way OpenAI and vLLM stream tool calls: a call's first
  * fragment carries its index and bare name with empty arguments, as soon as its invoke line is
@@ -176,8 +187,8 @@ typedef struct ds41_generation_params {
     uint32_t max_context; /* prompt + generated tokens; 0 = no limit */
     bool ignore_eos;      /* EOS is generated past like any token (benchmarks); in CHAT its text
                              stays out of T (see "Text") */
-    bool skip_special;    /* drop special tokens' text from the output (RAW/IDS; CHAT ignores it:
-                             the parser needs every marker) */
+    bool skip_special;    /* drop the special tokens' text from what is returned (see "Special
+                             tokens"); false keeps it (the daemon's skip_special_tokens: false) */
 
     /* tests only: the first generated tokens */
     const uint32_t *forced_ids;

@@ -916,7 +916,8 @@ static void model_emit(void *accp, const ds41_svc_model *m) {
              !ds41_json_set_new(o, "created", json_integer(m->created)) &&
              !ds41_json_set_new(o, "context_length", ju64(m->context_length)) &&
              !ds41_json_set_str(o, "detail", m->detail) && !json_object_set(o, "tiers", tiers) &&
-             !ds41_json_set_new(o, "bytes_total", ju64(total));
+             !ds41_json_set_new(o, "bytes_total", ju64(total)) &&
+             (!m->threads || !ds41_json_set_new(o, "threads", ju64(m->threads)));
         json_decref(tiers);
         if (!ok) {
             json_decref(o);
@@ -1498,13 +1499,16 @@ static void route_admin_cache_experts(ds41_http_exchange *ex, void *ctx) {
                       "'bytes' must be a size: a non-negative integer, a string like \"16GiB\", or \"auto\"");
         goto bad;
     }
-    int rc = api->svc.set_expert_budget(api->svc.ctx, model, bytes, &err);
+    uint64_t chosen = bytes;
+    int rc = api->svc.set_expert_budget(api->svc.ctx, model, bytes, &chosen, &err);
     json_decref(root);
     if (rc != 0) {
         respond_svc_error(ex, &err);
         return;
     }
-    respond_json(ex, 200, json_pack("{s:I,s:s}", "expert_cache_bytes", (json_int_t)bytes, "applies", "next step"));
+    respond_json(ex, 200,
+                 json_pack("{s:I,s:b,s:s}", "expert_cache_bytes", (json_int_t)chosen, "auto", bytes == 0,
+                           "applies", "next step"));
     return;
 bad:
     json_decref(root);

@@ -80,7 +80,9 @@
  *     reasoning_effort, thinking ({"type":"enabled"|"disabled"}),
  *     chat_template_kwargs ({"thinking"|"enable_thinking": bool}),
  *   llama.cpp / vLLM extras: top_k (integer >= -1), min_p [0,1],
- *     repetition_penalty (0,100], ignore_eos (bool),
+ *     repetition_penalty (0,100], ignore_eos (bool), skip_special_tokens
+ *     (bool, default true: the special tokens' text is left out of content
+ *     and reasoning_content; false keeps it),
  *   ds41 test hook: ds41_forced_output (string; the service refuses it unless
  *     its configuration enables test hooks, see ds41_gen_request),
  *   accepted and ignored: store, metadata, service_tier, modalities (only
@@ -104,7 +106,8 @@
  * in OpenAI), temperature, top_p, n (1), best_of (1), stream, stream_options,
  * logprobs (integer 0..20: top alternatives per token), echo (string prompts
  * without logprobs), stop, presence_penalty, frequency_penalty, logit_bias,
- * seed, user, top_k, min_p, repetition_penalty, ignore_eos, ds41_forced_output.
+ * seed, user, top_k, min_p, repetition_penalty, ignore_eos, skip_special_tokens,
+ * ds41_forced_output.
  *
  * POST /tokenize: {"model"?, exactly one of "content" | "prompt" (text) |
  * "messages" (chat, with optional "tools", "thinking", "reasoning_effort"),

@@ -793,6 +793,8 @@ static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error 
     g->stream = has && b;
     if (ds41_api_get_bool(root, NULL, "ignore_eos", &has, &b, err)) return -1;
     g->ignore_eos = has && b;
+    if (ds41_api_get_bool(root, NULL, "skip_special_tokens", &has, &b, err)) return -1;
+    g->keep_special_tokens = has && !b;
     json_t *so = get(root, "stream_options");
     if (so) {
         if (!json_is_object(so)) return type_error(err, "stream_options", "an object", so);
@@ -868,6 +870,7 @@ static const char *const chat_keys[] = {"messages",
                                         "min_p",
                                         "repetition_penalty",
                                         "ignore_eos",
+                                        "skip_special_tokens",
                                         "ds41_forced_output",
                                         "store",
                                         "metadata",
@@ -1002,6 +1005,7 @@ static const char *const completion_keys[] = {"model",
                                               "min_p",
                                               "repetition_penalty",
                                               "ignore_eos",
+                                              "skip_special_tokens",
                                               "ds41_forced_output",
                                               NULL};
 

@@ -105,6 +105,7 @@ typedef struct ds41_svc_model {
     const char *detail;      /* progress or failure text; may be NULL */
     const ds41_svc_tier_bytes *tiers;
     size_t n_tiers;
+    uint32_t threads; /* CPU threads of its loaded engine (admin listing); 0 = not loaded */
 } ds41_svc_model;
 
 /* List callbacks: the service calls emit(acc, item) once per item, during
@@ -255,6 +256,8 @@ typedef struct ds41_gen_request {
     const char *const *stop; /* stop strings (each non-empty) */
     size_t n_stop;
     bool ignore_eos; /* keep generating past EOS (benchmarks) */
+    bool keep_special_tokens; /* skip_special_tokens: false (the default strips the special tokens'
+                                 text from content and reasoning_content) */
     /* Test hook ("ds41_forced_output"): a text whose tokens (special tokens
      * matched) replace the sampled tokens until it runs out, so tests can make
      * a random-weight model emit reasoning and tool calls.  NULL = not given.
@@ -434,10 +437,12 @@ typedef struct ds41_service {
                             uint64_t *tokens, ds41_svc_error *err);
     int (*delete_snapshot)(void *ctx, const char *snapshot_id, ds41_svc_error *err);
     /* POST /admin/cache/experts: change the routed-expert budget (0 = "auto":
-     * the service's automatic choice; ds41d: the one made at load) of model `model` (NULL: every loaded model) at run time; it
-     * applies from the next forward step.  Below one expert ->
-     * DS41_SVC_BAD_REQUEST naming the minimum; unknown model -> NOT_FOUND. */
-    int (*set_expert_budget)(void *ctx, const char *model, uint64_t bytes, ds41_svc_error *err);
+     * the service's automatic choice; ds41d: the one made at load) of model `model` (NULL: every loaded
+     * model) at run time; it applies from the next forward step.  Below one expert -> DS41_SVC_BAD_REQUEST
+     * naming the minimum; unknown model -> NOT_FOUND. *chosen gets the budget in force from then on (what
+     * "auto" chose; with no model named, the default model's; 0 = every routed expert resident). */
+    int (*set_expert_budget)(void *ctx, const char *model, uint64_t bytes, uint64_t *chosen,
+                             ds41_svc_error *err);
 } ds41_service;
 
 #endif

@@ -185,7 +185,9 @@ check "ds41ctl doctor has a budgets row" grep -q "^budgets .*budgets: auto -> ex
 auto_cap=$(pyj '[t["capacity_bytes"] for t in o["cache"]["tiers"] if t["name"] == "experts"][0]' "$work/cache3.json")
 "$ctl" --socket "$sock" cache --set-expert-bytes 300KiB >/dev/null 2>&1
 code=$(api POST /v1/completions "$req")
-"$ctl" --socket "$sock" cache --set-expert-bytes auto >/dev/null 2>&1
+"$ctl" --socket "$sock" cache --set-expert-bytes auto >"$work/setauto.txt" 2>&1
+check "ds41ctl cache --set-expert-bytes auto prints the budget auto chose ($auto_cap bytes)" \
+    grep -q "^expert budget set to auto: $auto_cap bytes" "$work/setauto.txt"
 code2=$(api POST /v1/completions "$req")
 "$ctl" --socket "$sock" --json cache >"$work/cache4.json"
 check "ds41ctl cache --set-expert-bytes auto: back to the load-time auto budget ($auto_cap bytes), same text" \

@@ -887,6 +887,87 @@ static void test_tool_choice(void) {
     json_decref(msgs);
 }
 
+/* skip_special: the special tokens' text never reaches reasoning or content, streamed or final,
+ * even when a special token's text is spelt by ordinary tokens over several steps. */
+static uint32_t *concat_encoded(const char *const *pieces, size_t n_pieces, size_t *n) {
+    uint32_t *all = NULL;
+    *n = 0;
+    for (size_t i = 0; i < n_pieces; i++) {
+        size_t k;
+        uint32_t *ids = encode(pieces[i], &k);
+        all = realloc(all, (*n + k + 1) * sizeof *all);
+        memcpy(all + *n, ids, k * sizeof *ids);
+        *n += k;
+        free(ids);
+    }
+    return all;
+}
+
+static bool has_special_text(const char *s) {
+    static const char *const sp[] = {"<think>", "｜", "<｜", "end▁of▁sentence", NULL};
+    for (size_t i = 0; sp[i]; i++)
+        if (s && strstr(s, sp[i])) return true;
+    return false;
+}
+
+static void test_special_tokens(void) {
+    json_t *msgs = user("Hi");
+    /* "<｜Assistant｜>" and "<｜User｜>" spelt by ordinary tokens, byte by byte around the
+     * fullwidth bar: a streamed step may end inside them */
+    const char *const pieces[] = {
+        "Let me <｜title｜>think",     "<", "｜", "Ass",  "istant", "｜",       ">",
+        ".</think>Answer <think>with", "<", "｜", "User", "｜>",    " tokens.", "<｜end▁of▁sentence｜>"};
+    size_t nf;
+    uint32_t *forced = concat_encoded(pieces, sizeof pieces / sizeof *pieces, &nf);
+    ds41_generation_params p = ds41_generation_params_default();
+    p.skip_special = true; /* what the daemon sets unless skip_special_tokens is false */
+    p.messages = msgs, p.thinking = true;
+    p.forced_ids = forced, p.n_forced = nf;
+    run_opts o = {.no_model = true};
+    run r = run_gen(&p, &o);
+    TAP_CHECK(r.rc == 0 && r.finish == DS41_GENERATION_EOS &&
+                  strcmp(r.result_reasoning, "Let me think.") == 0 &&
+                  strcmp(r.result_content, "Answer with tokens.") == 0,
+              "skip_special: the message's reasoning and content lose every special token ('%s' / '%s', %s)",
+              r.result_reasoning ? r.result_reasoning : "", r.result_content ? r.result_content : "", r.err);
+    TAP_CHECK(
+        r.rc == 0 && streamed_equals_result(&r) && !has_special_text(cstr(&r.reasoning)) &&
+            !has_special_text(cstr(&r.content)),
+        "skip_special: the streamed deltas add up to the same text, no special token in part ('%s' / '%s')",
+        cstr(&r.reasoning), cstr(&r.content));
+    run_free(&r);
+
+    p.skip_special = false;
+    r = run_gen(&p, &o);
+    TAP_CHECK(r.rc == 0 && strcmp(r.result_reasoning, "Let me <｜title｜>think<｜Assistant｜>.") == 0 &&
+                  strcmp(r.result_content, "Answer <think>with<｜User｜> tokens.") == 0 &&
+                  streamed_equals_result(&r),
+              "without skip_special they are kept, streamed and final ('%s' / '%s')",
+              r.result_reasoning ? r.result_reasoning : "", r.result_content ? r.result_content : "");
+    run_free(&r);
+    free(forced);
+
+    /* a text prompt (completions): the same rule; a held '<' that becomes no special token is
+     * delivered at the end */
+    const char *const raw_pieces[] = {"a<｜Assistant｜>b", "<think>", "c <", "｜", "Use"};
+    forced = concat_encoded(raw_pieces, sizeof raw_pieces / sizeof *raw_pieces, &nf);
+    p = ds41_generation_params_default();
+    p.kind = DS41_GENERATION_RAW;
+    p.text = "x";
+    p.text_len = 1;
+    p.forced_ids = forced;
+    p.n_forced = nf;
+    p.max_tokens = (uint32_t)nf;
+    p.skip_special = true;
+    r = run_gen(&p, &o);
+    TAP_CHECK(r.rc == 0 && strcmp(r.result_content, "abc <｜Use") == 0 && streamed_equals_result(&r),
+              "a raw prompt: special tokens dropped, a prefix that never completes one kept ('%s')",
+              r.result_content ? r.result_content : "");
+    run_free(&r);
+    free(forced);
+    json_decref(msgs);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -917,6 +998,7 @@ int main(void) {
     test_seeded();
     test_greedy();
     test_forced();
+    test_special_tokens();
     test_stop_and_limits();
     test_utf8();
     test_split_property();

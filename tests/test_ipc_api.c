@@ -228,6 +228,47 @@ static void test_chat_parse_full(void) {
     if (rc == 0) ds41_api_request_free(&r);
 }
 
+/* skip_special_tokens (vLLM's field): a boolean, default true; false keeps the special tokens. */
+static void test_skip_special_tokens(void) {
+    static const struct {
+        const char *value; /* NULL: absent */
+        int rc;
+        bool keep;
+    } cases[] = {{NULL, 0, false},   {"true", 0, false},       {"false", 0, true},
+                 {"null", 0, false}, {"\"false\"", -1, false}, {"0", -1, false}};
+    size_t n = sizeof cases / sizeof cases[0], bad = n;
+    char got[512] = "";
+    for (size_t i = 0; i < n && bad == n; i++) {
+        for (int kind = 0; kind < 2 && bad == n; kind++) {
+            char body[256];
+            const char *start =
+                kind ? "{\"prompt\":\"x\"" : "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]";
+            if (cases[i].value)
+                snprintf(body, sizeof body, "%s,\"skip_special_tokens\":%s}", start, cases[i].value);
+            else
+                snprintf(body, sizeof body, "%s}", start);
+            ds41_api_request r;
+            ds41_svc_error err = {0};
+            int rc = kind ? ds41_api_parse_completion(body, strlen(body), 16, &r, &err)
+                          : ds41_api_parse_chat(body, strlen(body), &r, &err);
+            bool ok = rc == cases[i].rc && (rc == 0 ? r.gen.keep_special_tokens == cases[i].keep
+                                                    : err.status == DS41_SVC_BAD_REQUEST &&
+                                                          strcmp(err.param, "skip_special_tokens") == 0 &&
+                                                          strcmp(err.code, "invalid_type") == 0);
+            if (!ok) {
+                bad = i;
+                snprintf(got, sizeof got, "%.200s: rc=%d param='%.40s' code='%.40s' msg='%.200s'", body, rc,
+                         err.param, err.code, err.message);
+            }
+            if (rc == 0) ds41_api_request_free(&r);
+        }
+    }
+    TAP_CHECK(bad == n,
+              "skip_special_tokens: absent/true/null strip, false keeps, a non-boolean is a 400 naming the "
+              "field, in chat and completions (%s)",
+              got);
+}
+
 static void test_thinking_mapping(void) {
     static const struct {
         const char *extra;
@@ -776,6 +817,7 @@ int main(void) {
     test_chat_parse_errors();
     test_chat_parse_full();
     test_thinking_mapping();
+    test_skip_special_tokens();
     test_completion_parse();
     test_health_models();
     test_chat_nonstream();
