@@ -25,7 +25,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ds41d [--config FILE] [--socket PATH] [--model DIR [--name ID]] [--state-dir DIR]\n"
-            "             [--check-config]\n"
+            "             [--check-config] | --help | --version\n"
             "\n"
             "The ds41 inference daemon: DeepSeek-V4.1-Flash with an OpenAI-compatible API over\n"
             "HTTP on a Unix socket.  Runs in the foreground; logs to stderr.\n"
@@ -36,6 +36,7 @@ static void usage(FILE *f) {
             "  --state-dir DIR  the state directory (overrides state_directory)\n"
             "  --check-config   print the effective configuration as YAML, then run every check\n"
             "                   a start runs except binding; exit 0 only when all pass\n"
+            "  --version        print the version and exit\n"
             "Run by hand (no --config and no %s): built-in defaults with\n"
             "the socket private to you (mode 0600, no group) and, unless you are root, the\n"
             "state in $XDG_STATE_HOME/ds41d (else ~/.local/state/ds41d).  One daemon per state\n"
