@@ -755,6 +755,8 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     }
     req.gen.id = g->id;
     req.gen.response_id = g->response_id;
+    const ds41_http_peer *peer = ds41_http_peer_info(ex); /* the prefix-cache partition's owner */
+    req.gen.peer_uid = peer && peer->has_creds ? (int64_t)peer->uid : -1;
     g->refs = 2; /* handler + service */
     ds41_gen_sink sink = {.event = sink_event, .sink_ctx = g};
     rc = api->svc.submit(api->svc.ctx, &req.gen, &sink, &g->accept, &err);
@@ -1237,6 +1239,11 @@ typedef struct list_acc {
     bool oom;
 } list_acc;
 
+/* A partition owner's uid (admin listings), null when unknown (a peer without credentials). */
+static json_t *owner_json(int64_t uid) {
+    return uid >= 0 ? json_integer((json_int_t)uid) : json_null();
+}
+
 static void session_emit(void *accp, const ds41_svc_session *s) {
     list_acc *acc = accp;
     if (!s || !s->id || acc->oom) return;
@@ -1251,7 +1258,8 @@ static void session_emit(void *accp, const ds41_svc_session *s) {
               !ds41_json_set_new(o, "kv_pages", ju64(s->kv_pages)) &&
               !ds41_json_set_new(o, "kv_bytes", ju64(s->kv_bytes)) &&
               !ds41_json_set_new(o, "created", json_integer(s->created)) &&
-              !ds41_json_set_new(o, "last_used", json_integer(s->last_used));
+              !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
+              !ds41_json_set_new(o, "owner_uid", owner_json(s->owner_uid));
     if (!ok || json_array_append_new(acc->list, o)) {
         if (!ok) json_decref(o);
         acc->oom = true;
@@ -1335,7 +1343,9 @@ static void cache_emit(void *accp, const ds41_svc_cache *c) {
          !ds41_json_set_new(o, "pages_used", ju64(c->pages_used)) &&
          !ds41_json_set_new(o, "pages_free", ju64(c->pages_free)) &&
          !ds41_json_set_new(o, "bytes_per_token", jreal(c->bytes_per_token)) &&
-         !json_object_set(o, "tiers", tiers) && (!c->budgets || !ds41_json_set_str(o, "budgets", c->budgets));
+         !json_object_set(o, "tiers", tiers) &&
+         (!c->budgets || !ds41_json_set_str(o, "budgets", c->budgets)) &&
+         !ds41_json_set_new(o, "prefix_shared_across_users", json_boolean(c->prefix_shared_across_users));
     json_decref(tiers);
     if (!ok) {
         json_decref(o);
@@ -1369,10 +1379,12 @@ static void snapshot_emit(void *accp, const ds41_svc_snapshot *s) {
     if (!s || !s->id || acc->oom) return;
     json_t *o = json_object();
     bool ok = o && !ds41_json_set_str(o, "id", s->id) && !ds41_json_set_str(o, "model", s->model) &&
-              !ds41_json_set_new(o, "tokens", ju64(s->tokens)) && !ds41_json_set_new(o, "bytes", ju64(s->bytes)) &&
+              !ds41_json_set_new(o, "tokens", ju64(s->tokens)) &&
+              !ds41_json_set_new(o, "bytes", ju64(s->bytes)) &&
               !ds41_json_set_new(o, "created", json_integer(s->created)) &&
               !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
-              !ds41_json_set_new(o, "sampler_state", json_boolean(s->has_sampler));
+              !ds41_json_set_new(o, "sampler_state", json_boolean(s->has_sampler)) &&
+              !ds41_json_set_new(o, "owner_uid", owner_json(s->owner_uid));
     if (!ok || json_array_append_new(acc->list, o)) {
         if (!ok) json_decref(o);
         acc->oom = true;
