@@ -50,28 +50,34 @@ chat() {
 }
 hit() { test "$1" = 200 && test "$2" = "$(($3 - 1))"; } # STATUS CACHED PROMPT: the prompt less its last token
 miss() { test "$1" = 200 && test "$2" = 0; }
+same() { test "$1" = "$2"; }
+# probe WHAT hit|miss UID PIN PASSWORD [SALT]: one chat as UID, checked; WHAT gets the result appended
+probe() {
+    local what=$1 kind=$2 r
+    shift 2
+    r=$(chat "$@")
+    check "$what ($r)" $kind $r
+}
+# expect hit|miss|same "ARGS" [...]: every pair holds (ARGS split into words)
+expect() { while [ $# -ge 2 ]; do "$1" $2 || return 1; shift 2; done; }
 
 config
 start_daemon "$cfg" || { notok "ds41d starts"; finish; exit 0; }
 check "the socket admits both users: mode 0660, group nogroup" test "$(stat -c '%a %G' "$sock")" = "660 nogroup"
 
 # ---- the memory tier: the issue's example ------------------------------------------------------
-set -- $(chat $UA 4711 hunter2); a1="$*"
-set -- $(chat $UB 4711 hunter2); b_right="$*"
-check "user A sends the PIN 4711 ($a1); user B guessing 4711 gets cached_tokens 0 ($b_right)" miss $b_right
-set -- $(chat $UB 1234 hunter2); b_wrong="$*"
-check "user B guessing 1234 gets cached_tokens 0 as well ($b_wrong): no guess is confirmed" miss $b_wrong
-set -- $(chat $UA 4711 hunter2); a2="$*"
-check "user A's own repeat is served from the prefix cache: the prompt less its last token ($a2)" hit $a2
-set -- $(chat $UB 4711 hunter2); b2="$*"
-check "user B's repeat hits B's own entry ($b2)" hit $b2
+a1=$(chat $UA 4711 hunter2)
+probe "user A sent the PIN 4711 ($a1); user B guessing 4711 gets cached_tokens 0" miss $UB 4711 hunter2
+probe "user B guessing 1234 gets cached_tokens 0 as well: no guess is confirmed" miss $UB 1234 hunter2
+probe "user A's own repeat is served from the prefix cache: the prompt less its last token" hit $UA 4711 hunter2
+probe "user B's repeat hits B's own entry" hit $UB 4711 hunter2
 
 # ---- cache_salt -----------------------------------------------------------------------------------
-set -- $(chat $UA 4711 hunter2 tenant-1); s1="$*"
-set -- $(chat $UA 4711 hunter2 tenant-1); s2="$*"
-set -- $(chat $UA 4711 hunter2 tenant-2); s3="$*"
+s1=$(chat $UA 4711 hunter2 tenant-1)
+s2=$(chat $UA 4711 hunter2 tenant-1)
+s3=$(chat $UA 4711 hunter2 tenant-2)
 check "the same uid with a cache_salt: a miss ($s1), then a hit within that salt ($s2), another salt misses ($s3)" \
-    bash -c "[ '${s1%% *}' = 200 ] && [ '$(echo $s1 | cut -d' ' -f2)' = 0 ] && [ '$(echo $s2 | cut -d' ' -f2)' = \$(( $(echo $s2 | cut -d' ' -f3) - 1 )) ] && [ '$(echo $s3 | cut -d' ' -f2)' = 0 ]"
+    expect miss "$s1" hit "$s2" miss "$s3"
 bad=""
 for v in '5' '""' "\"$(printf 'x%.0s' $(seq 257))\"" '["a"]'; do
     st=$(as $UA POST /v1/chat/completions "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1,\"cache_salt\":$v}")
@@ -103,7 +109,7 @@ setpriv --reuid=$UB --regid=65534 --clear-groups -- "$bin/ds41ctl" --socket "$so
 check "ds41ctl status as user B: no cache line, no admin data" bash -c "! grep -q '^cache:' '$work/ctl.out'"
 
 # ---- the disk tier (no restart): every entry saved (A's new one among them), the memory dropped ------
-set -- $(chat $UA 2468 swordfish); d1="$*"
+d1=$(chat $UA 2468 swordfish)
 api GET /admin/sessions >/dev/null
 pyj '" ".join(s["id"] for s in o["data"] if s["state"] == "cached")' >"$work/all_ids"
 saved=0
@@ -115,16 +121,16 @@ api GET /admin/snapshots >/dev/null
 snap_owners=$(pyj 'sorted({s.get("owner_uid") for s in o["data"]})')
 check "the cached entries saved as snapshots ($saved, owners $snap_owners), every memory entry dropped ($left left)" \
     test "$([ $saved -ge 2 ] && echo y) $snap_owners $left" = "y [$UA, $UB] 0"
-set -- $(chat $UB 2468 swordfish); db="$*"
+db=$(chat $UB 2468 swordfish)
 check "disk tier: user B's guess of A's prompt is not restored from A's snapshot ($db)" miss $db
-set -- $(chat $UA 2468 swordfish); da="$*"
+da=$(chat $UA 2468 swordfish)
 api GET /admin/cache >/dev/null
 sn_hits=$(pyj '[t["hits"] for t in o["tiers"] if t["name"] == "snapshots"][0]')
 check "disk tier: user A's repeat is restored from the snapshot ($da; snapshot hits $sn_hits)" \
-    bash -c "set -- $da; [ \$1 = 200 ] && [ \$2 = \$((\$3 - 1)) ] && [ $sn_hits = 1 ]"
+    expect hit "$da" same "$sn_hits 1"
 
 # ---- across a restart ------------------------------------------------------------------------------
-set -- $(chat $UA 1357 letmein); r1="$*"
+r1=$(chat $UA 1357 letmein)
 stop_daemon TERM
 snapdir=$state/snapshots/ds41-tiny
 formats=$("$py" - "$snapdir" $UA <<'EOF'
@@ -148,14 +154,11 @@ EOF
 start_daemon "$cfg" || { notok "ds41d restarts"; finish; exit 0; }
 check "a version-1 snapshot is deleted at start with a log line saying why" \
     bash -c "grep -q 'format version 1 has no cache partition' '$work/daemon.log' && ! test -e '$snapdir/0123456789abcdef0123456789abcdef01234567.snap'"
-set -- $(chat $UB 1357 letmein); rb="$*"
-check "after the restart user B still gets cached_tokens 0 for A's prompt ($rb)" miss $rb
-set -- $(chat $UA 1357 letmein); ra="$*"
-check "after the restart user A gets the hit from A's snapshot ($r1 before; $ra)" hit $ra
-set -- $(chat $UA 4711 hunter2 tenant-1); rs="$*"
-set -- $(chat $UA 4711 hunter2 tenant-3); rs3="$*"
-check "the cache_salt partition survives the restart too ($rs; another salt: $rs3)" \
-    bash -c "set -- $rs; [ \$2 = \$((\$3 - 1)) ] && set -- $rs3 && [ \$2 = 0 ]"
+probe "after the restart user B still gets cached_tokens 0 for A's prompt" miss $UB 1357 letmein
+probe "after the restart user A gets the hit from A's snapshot ($r1 before)" hit $UA 1357 letmein
+rs=$(chat $UA 4711 hunter2 tenant-1)
+rs3=$(chat $UA 4711 hunter2 tenant-3)
+check "the cache_salt partition survives the restart too ($rs; another salt: $rs3)" expect hit "$rs" miss "$rs3"
 ctl cache ls >"$work/ctl.out" 2>&1
 check "ds41ctl cache ls: an OWNER column with the owners' uids" \
     bash -c "grep -q OWNER '$work/ctl.out' && grep -q ' $UA' '$work/ctl.out' && grep -q ' $UB' '$work/ctl.out'"
@@ -164,11 +167,11 @@ stop_daemon TERM
 # ---- the operator shares the cache across users -------------------------------------------------------
 config "prefix_cache:" "  share_across_users: true"
 start_daemon "$cfg" || { notok "ds41d starts with sharing on"; finish; exit 0; }
-set -- $(chat $UA 8080 opensesame); h1="$*"
-set -- $(chat $UB 8080 opensesame); h2="$*"
-set -- $(chat $UB 8080 opensesame other); h3="$*"
+h1=$(chat $UA 8080 opensesame)
+h2=$(chat $UB 8080 opensesame)
+h3=$(chat $UB 8080 opensesame other)
 check "share_across_users: true: user B hits user A's entry ($h1; $h2), a cache_salt still separates ($h3)" \
-    bash -c "set -- $h1; [ \$2 = 0 ] && set -- $h2 && [ \$2 = \$((\$3 - 1)) ] && set -- $h3 && [ \$2 = 0 ]"
+    expect miss "$h1" hit "$h2" miss "$h3"
 st=$(api GET /admin/cache)
 check "admin: /admin/cache says sharing is on" test "$st $(pyj 'o["prefix_shared_across_users"]')" = "200 True"
 ctl status >"$work/ctl.out" 2>&1
