@@ -10,6 +10,7 @@
 #include "ipc/api.h"
 #include "config/buf.h"
 #include "config/daemon_config.h"
+#include "config/sha256.h"
 
 #include <inttypes.h>
 #include <limits.h>
@@ -36,6 +37,7 @@ struct ds41_api {
     ds41_http_router router;
     atomic_uint_fast64_t next_id;
     uint32_t salt;
+    uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
 };
 
 /* ------------------------------------------------------------- utilities */
@@ -148,6 +150,7 @@ typedef struct gen_ctx {
     pthread_mutex_t mu;
     int refs;
     uint64_t id;
+    uint64_t shown_id; /* what response and tool-call ids show instead of the counter */
     uint32_t salt;
     char response_id[64];
     ds41_gen_accept accept;
@@ -391,7 +394,8 @@ static void tool_call_id(const gen_ctx *g, int index, const char *given, char ou
     if (given && *given && strlen(given) < 64 && ds41_utf8_valid(given, strlen(given), NULL))
         snprintf(out, 64, "%s", given);
     else
-        snprintf(out, 64, "call_%08" PRIx32 "%012" PRIx64 "%04x", g->salt, g->id, (unsigned)index);
+        snprintf(out, 64, "call_%08" PRIx32 "%012" PRIx64 "%04x", g->salt,
+                 g->shown_id & UINT64_C(0xFFFFFFFFFFFF), (unsigned)index);
 }
 
 static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
@@ -699,6 +703,18 @@ static json_t *build_completion_response(gen_ctx *g) {
 
 /* ------------------------------------------------------ generation route */
 
+/* The id a client sees for request `id`: a keyed hash, not the counter, so a local user cannot
+ * count from the ids of its own responses how many requests other users made meanwhile. */
+static uint64_t shown_id(const ds41_api *api, uint64_t id) {
+    uint8_t b[sizeof api->id_key + 8], h[32];
+    memcpy(b, api->id_key, sizeof api->id_key);
+    for (int i = 0; i < 8; i++) b[sizeof api->id_key + i] = (uint8_t)(id >> (8 * i));
+    ds41_sha256(b, sizeof b, h);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)h[i] << (8 * i);
+    return v;
+}
+
 static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_kind kind) {
     size_t len;
     const char *body = ds41_http_body(ex, &len);
@@ -722,8 +738,9 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     g->refs = 1;
     g->id = atomic_fetch_add(&api->next_id, 1);
     g->salt = api->salt;
+    g->shown_id = shown_id(api, g->id);
     snprintf(g->response_id, sizeof g->response_id, "%s-%08" PRIx32 "%016" PRIx64,
-             kind == DS41_GEN_CHAT ? "chatcmpl" : "cmpl", api->salt, g->id);
+             kind == DS41_GEN_CHAT ? "chatcmpl" : "cmpl", api->salt, g->shown_id);
     g->created = unix_now();
     g->kind = kind;
     g->stream = req.gen.stream;
@@ -1538,6 +1555,10 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
     atomic_init(&api->next_id, 1);
     if (getrandom(&api->salt, sizeof api->salt, GRND_NONBLOCK) != (ssize_t)sizeof api->salt)
         api->salt = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)api;
+    if (getrandom(api->id_key, sizeof api->id_key, GRND_NONBLOCK) != (ssize_t)sizeof api->id_key) {
+        uint64_t t = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)api ^ ((uint64_t)api->salt << 32);
+        memcpy(api->id_key, &t, sizeof t);
+    }
     const ds41_http_route routes[N_ROUTES] = {
         {"GET", "/health", DS41_AUTH_INFERENCE, false, "health", route_health},
         {"GET", "/v1/models", DS41_AUTH_INFERENCE, false, "models", route_models},

@@ -397,6 +397,16 @@ static void test_chat_nonstream(void) {
                   jint(x.json, "usage.prompt_tokens_details.cached_tokens") == 2 &&
                   jint(x.json, "usage.completion_tokens_details.reasoning_tokens") == 0,
               "chat non-stream: usage with cached_tokens and reasoning_tokens");
+    /* issue 13: response ids must not count the requests other users made in between */
+    char id1[64] = "";
+    snprintf(id1, sizeof id1, "%s", x.json ? jstr(x.json, "id") : "");
+    resp_free(&x);
+    x = post("/v1/chat/completions", chat_body("\"model\":\"mock-model\""));
+    const char *id2 = x.json ? jstr(x.json, "id") : "";
+    bool ids_ok = strlen(id1) == 33 && strlen(id2) == 33 && strncmp(id1, id2, 17) == 0 &&
+                  strcmp(id1, id2) != 0 && strtoull(id2 + 17, NULL, 16) - strtoull(id1 + 17, NULL, 16) > 1000;
+    TAP_CHECK(ids_ok, "chat: response ids of consecutive requests are unique and not a counter (%s, %s)", id1,
+              id2);
     resp_free(&x);
 
     x = post("/v1/chat/completions", chat_body("\"thinking\":{\"type\":\"enabled\"}"));
