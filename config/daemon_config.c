@@ -114,6 +114,8 @@ static const key_desc keys[] = {
     {"prefix_cache.enabled", "prefix_cache", "enabled", V_BOOL, CFG(prefix_cache.enabled), 0, 0, false, false, NULL},
     {"prefix_cache.max_bytes", "prefix_cache", "max_bytes", V_SIZE, CFG(prefix_cache.max_bytes), 0, UINT64_MAX, false,
      true, NULL},
+    {"prefix_cache.share_across_users", "prefix_cache", "share_across_users", V_BOOL,
+     CFG(prefix_cache.share_across_users), 0, 0, false, false, NULL},
     {"snapshots.enabled", "snapshots", "enabled", V_BOOL, CFG(snapshots.enabled), 0, 0, false, false, NULL},
     {"snapshots.max_bytes", "snapshots", "max_bytes", V_SIZE, CFG(snapshots.max_bytes), 0, UINT64_MAX, false, false,
      NULL},
@@ -717,6 +719,7 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->limits.drain_timeout_s = 30;
     cfg->prefix_cache.enabled = true;
     cfg->prefix_cache.max_bytes = 0;
+    cfg->prefix_cache.share_across_users = false;
     cfg->snapshots.enabled = true;
     cfg->snapshots.max_bytes = 4ull << 30;
     cfg->snapshots.test_save_delay_ms = 0;

@@ -84,6 +84,10 @@
  *   prefix_cache.enabled     true     keep KV pages of finished sessions for prompt reuse.
  *   prefix_cache.max_bytes   auto     their budget ("auto"/0: any KV page no live session
  *                            needs); when both are set, <= memory.kv_cache_bytes.
+ *   prefix_cache.share_across_users false  whether requests of different peer uids reuse each
+ *                            other's cached prefixes (memory and snapshots).  false: each uid
+ *                            (and each cache_salt) is its own partition, so cached_tokens never
+ *                            tells one user what another sent; true: only cache_salt separates.
  *   snapshots.enabled        true     session snapshots on disk (the disk tier of the prefix
  *                            cache) under <state_directory>/snapshots/<model>/: finished
  *                            conversations leaving the prefix cache and at shutdown, and on
@@ -205,6 +209,7 @@ typedef struct ds41_daemon_config {
     struct {
         bool enabled;
         uint64_t max_bytes;
+        bool share_across_users; /* issue 13: false = partition by peer uid */
     } prefix_cache;
     struct {
         bool enabled;

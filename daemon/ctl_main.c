@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <dirent.h>
+#include <pwd.h>
 
 #define DEFAULT_SOCKET "/run/ds41d/ds41d.sock"
 
@@ -256,6 +257,9 @@ static int cmd_status(void) {
     double kv_used = metrics ? metric_sum(metrics, "ds41_kv_cache_bytes", "state=\"used\"") : NAN;
     double kv_free = metrics ? metric_sum(metrics, "ds41_kv_cache_bytes", "state=\"free\"") : NAN;
     const char *hs = health ? jstr(health, "status") : "unknown";
+    /* admins only (quiet otherwise): whether users share cached prefixes */
+    json_t *cache = call_json("GET", "/admin/cache", NULL, NULL, true);
+    json_t *shared = cache ? json_object_get(cache, "prefix_shared_across_users") : NULL;
     if (g_json) {
         json_t *o = json_pack("{s:s s:s s:O*}", "socket", g_socket, "health", hs, "models",
                               models ? json_object_get(models, "data") : NULL);
@@ -267,6 +271,7 @@ static int cmd_status(void) {
         if (!isnan(kv_used)) json_object_set_new(load, "kv_used_bytes", json_integer((json_int_t)kv_used));
         if (!isnan(kv_free)) json_object_set_new(load, "kv_free_bytes", json_integer((json_int_t)kv_free));
         json_object_set_new(o, "load", load);
+        if (json_is_boolean(shared)) json_object_set(o, "prefix_shared_across_users", shared);
         if (health && json_object_get(health, "detail"))
             json_object_set(o, "detail", json_object_get(health, "detail"));
         print_json(o);
@@ -287,7 +292,11 @@ static int cmd_status(void) {
             human_bytes(isnan(kv_free) ? 0 : kv_free, f, sizeof f);
             printf("memory:  KV cache %s used, %s free\n", u, isnan(kv_free) ? "unbounded" : f);
         }
+        if (json_is_boolean(shared))
+            printf("cache:   prefix cache %s\n",
+                   json_is_true(shared) ? "shared across users" : "per user and cache_salt (not shared)");
     }
+    json_decref(cache);
     json_decref(health);
     json_decref(models);
     free(metrics);
@@ -352,15 +361,28 @@ static int cmd_models(int argc, char **argv) {
     return 2;
 }
 
+/* The prefix-cache partition owner of a session or snapshot: "UID (name)", "-" when unknown. */
+static const char *owner_cell(const json_t *o) {
+    json_t *u = json_object_get(o, "owner_uid");
+    if (!json_is_integer(u)) return "-";
+    struct passwd pw, *res = NULL;
+    char buf[1024];
+    if (getpwuid_r((uid_t)json_integer_value(u), &pw, buf, sizeof buf, &res) == 0 && res)
+        return fmt("%lld (%.60s)", (long long)json_integer_value(u), res->pw_name);
+    return fmt("%lld", (long long)json_integer_value(u));
+}
+
 static void sessions_table(const json_t *sessions) {
-    table t = {.cols = 9};
-    table_row(&t, "ID", "MODEL", "STATE", "PROMPT", "GENERATED", "CACHED", "KV_TOKENS", "KV_PAGES", "KV_BYTES");
+    table t = {.cols = 10};
+    table_row(&t, "ID", "MODEL", "STATE", "PROMPT", "GENERATED", "CACHED", "KV_TOKENS", "KV_PAGES",
+              "KV_BYTES", "OWNER");
     size_t i;
     json_t *s;
     json_array_foreach(json_object_get(sessions, "data"), i, s)
-        table_row(&t, jstr(s, "id"), jstr(s, "model"), jstr(s, "state"), fmt("%lld", jint(s, "prompt_tokens")),
-                  fmt("%lld", jint(s, "generated_tokens")), fmt("%lld", jint(s, "cached_tokens")),
-                  fmt("%lld", jint(s, "kv_tokens")), fmt("%lld", jint(s, "kv_pages")), fmt("%lld", jint(s, "kv_bytes")));
+        table_row(&t, jstr(s, "id"), jstr(s, "model"), jstr(s, "state"),
+                  fmt("%lld", jint(s, "prompt_tokens")), fmt("%lld", jint(s, "generated_tokens")),
+                  fmt("%lld", jint(s, "cached_tokens")), fmt("%lld", jint(s, "kv_tokens")),
+                  fmt("%lld", jint(s, "kv_pages")), fmt("%lld", jint(s, "kv_bytes")), owner_cell(s));
     table_print(&t);
 }
 
@@ -422,6 +444,9 @@ static int cmd_cache(void) {
         }
         table_print(&t);
         if (jstr(c, "budgets")[0]) printf("%s\n", jstr(c, "budgets"));
+        printf("prefix cache: %s\n", json_is_true(json_object_get(c, "prefix_shared_across_users"))
+                                         ? "shared across users (prefix_cache.share_across_users)"
+                                         : "one partition per user and cache_salt (not shared across users)");
         json_array_foreach(json_object_get(c, "tiers"), i, tier) {
             if (strcmp(jstr(tier, "name"), "experts") != 0) continue;
             char tot[32], rd[32];
@@ -482,8 +507,8 @@ static int cmd_cache_snapshots(int argc, char **argv) {
         if (g_json) {
             print_json(j);
         } else {
-            table t = {.cols = 6};
-            table_row(&t, "SNAPSHOT", "TOKENS", "SIZE", "CREATED", "LAST_USED", "SAMPLER");
+            table t = {.cols = 7};
+            table_row(&t, "SNAPSHOT", "TOKENS", "SIZE", "CREATED", "LAST_USED", "SAMPLER", "OWNER");
             size_t i;
             json_t *e;
             json_array_foreach(json_object_get(j, "data"), i, e) {
@@ -494,7 +519,7 @@ static int cmd_cache_snapshots(int argc, char **argv) {
                 strftime(created, sizeof created, "%Y-%m-%d %H:%M:%S", localtime_r(&c, &tc));
                 strftime(used, sizeof used, "%Y-%m-%d %H:%M:%S", localtime_r(&u, &tu));
                 table_row(&t, jstr(e, "id"), fmt("%lld", jint(e, "tokens")), size, created, used,
-                          json_is_true(json_object_get(e, "sampler_state")) ? "yes" : "no");
+                          json_is_true(json_object_get(e, "sampler_state")) ? "yes" : "no", owner_cell(e));
             }
             table_print(&t);
         }

@@ -48,6 +48,7 @@ typedef struct settings {
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes;
+    bool prefix_share; /* prefix_cache.share_across_users */
     bool snapshots;
     uint64_t snapshots_max_bytes;
     uint32_t snapshot_delay_ms; /* TEST ONLY */
@@ -121,6 +122,7 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->request_timeout_s = cfg->limits.request_timeout_s;
     st->prefix_cache = cfg->prefix_cache.enabled;
     st->prefix_cache_max_bytes = cfg->prefix_cache.max_bytes;
+    st->prefix_share = cfg->prefix_cache.share_across_users;
     st->snapshots = cfg->snapshots.enabled && cfg->prefix_cache.enabled;
     st->snapshots_max_bytes = cfg->snapshots.max_bytes;
     st->snapshot_delay_ms = cfg->snapshots.test_save_delay_ms;
@@ -419,13 +421,28 @@ static uint64_t snapshot_max_raw(void *ctx, size_t n_ids) {
     return ds41_kv_serialized_size_for(ds41_kv_pool_layout(m->layout_pool), n_ids) + (64ull << 20);
 }
 
+/* The scheduler's partitions and the snapshot files' owners are the same thing. */
+static ds41_snapshot_owner owner_of(const ds41_sched_partition *part) {
+    ds41_snapshot_owner o = {.uid = part->owner_uid};
+    _Static_assert(sizeof o.key == sizeof part->key, "partition keys differ in size");
+    memcpy(o.key, part->key, sizeof o.key);
+    return o;
+}
+
+static ds41_sched_partition partition_of(const ds41_snapshot_owner *o) {
+    ds41_sched_partition part = {.owner_uid = o->uid};
+    memcpy(part.key, o->key, sizeof part.key);
+    return part;
+}
+
 /* Scheduler callback (engine thread): a prompt missed the in-memory cache. */
-static ds41_kv_seq *disk_restore_once(model *m, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached,
-                                      bool *retry) {
+static ds41_kv_seq *disk_restore_once(model *m, ds41_kv_pool *pool, const ds41_sched_partition *part,
+                                      const int32_t *ids, size_t n, size_t *n_cached, bool *retry) {
     *n_cached = 0;
     *retry = false;
     char name[DS41_SNAPSHOT_NAME_LEN + 1];
-    if (ds41_snapshot_store_match(m->store, ids, n, name) == 0) return NULL;
+    const ds41_snapshot_owner owner = owner_of(part);
+    if (ds41_snapshot_store_match(m->store, &owner, ids, n, name) == 0) return NULL;
     ds41_snapshot snap;
     ds41_error err = {{0}};
     if (ds41_snapshot_store_load(m->store, name, &snap, &err) != 0) { /* logged by the store, deleted */
@@ -433,8 +450,11 @@ static ds41_kv_seq *disk_restore_once(model *m, ds41_kv_pool *pool, const int32_
         return NULL;
     }
     ds41_kv_seq *seq = NULL;
-    if (snap.n_ids >= n || memcmp(snap.ids, ids, snap.n_ids * sizeof *ids) != 0) {
-        ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s does not hold a prefix of the prompt", m->name, name);
+    if (snap.n_ids >= n || memcmp(snap.ids, ids, snap.n_ids * sizeof *ids) != 0 ||
+        memcmp(snap.owner.key, owner.key, sizeof owner.key) != 0) {
+        ds41_log(DS41_LOG_WARNING,
+                 "model %s: snapshot %s does not hold a prefix of the prompt in its partition", m->name,
+                 name);
     } else if (ds41_kv_seq_deserialize(pool, snap.kv, snap.kv_len, &seq, &err) != 0) {
         bool full = strstr(err.msg, "KV cache full") != NULL;
         ds41_log(DS41_LOG_WARNING, "model %s: snapshot %s/%s.snap refused: %s%s", m->name,
@@ -457,22 +477,26 @@ static ds41_kv_seq *disk_restore_once(model *m, ds41_kv_pool *pool, const int32_
 }
 
 /* A refused snapshot leaves the index: the next longest one is tried (a few at most). */
-static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached) {
+static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const ds41_sched_partition *part,
+                                 const int32_t *ids, size_t n, size_t *n_cached) {
     model *m = ctx;
     bool retry = true;
     ds41_kv_seq *seq = NULL;
     for (int attempt = 0; attempt < 4 && retry && !seq; attempt++)
-        seq = disk_restore_once(m, pool, ids, n, n_cached, &retry);
+        seq = disk_restore_once(m, pool, part, ids, n, n_cached, &retry);
     return seq;
 }
 
 /* Scheduler callback (engine thread, or the thread freeing the scheduler): a cached prefix (a
  * prompt less its last token, or a finished conversation) leaves the in-memory cache.  Serialized
  * here (a copy of its pages), written by the store's writer thread. */
-static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n) {
+static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const ds41_sched_partition *part,
+                         const int32_t *ids, size_t n) {
     model *m = ctx;
     if ((uint64_t)n != ds41_kv_seq_tokens(seq) || n == 0) return;
-    if (ds41_snapshot_store_contains(m->store, ids, n)) return; /* already on disk (queued saves aside) */
+    const ds41_snapshot_owner owner = owner_of(part);
+    if (ds41_snapshot_store_contains(m->store, &owner, ids, n))
+        return; /* already on disk (queued saves aside) */
     size_t len = ds41_kv_seq_serialized_size(seq), written = 0;
     uint8_t *kv = malloc(len);
     int32_t *copy = malloc(n * sizeof *copy);
@@ -485,7 +509,7 @@ static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, 
         return;
     }
     memcpy(copy, ids, n * sizeof *copy);
-    if (ds41_snapshot_store_save_async(m->store, copy, n, kv, len, &err) != 0)
+    if (ds41_snapshot_store_save_async(m->store, &owner, copy, n, kv, len, &err) != 0)
         ds41_log(DS41_LOG_WARNING, "model %s: cannot snapshot a conversation: %s", m->name, err.msg);
 }
 
@@ -1021,7 +1045,11 @@ static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
     pthread_mutex_unlock(&s->jobs_mu);
     ds41_sched_sink ss = {.delta = on_delta, .done = on_done, .ctx = j};
     uint64_t id = 0;
-    ds41_sched_status st = ds41_scheduler_submit(m->sched, g, &ss, &id, &e);
+    /* Its prefix-cache partition: the peer's uid (unless shared) and its cache_salt (issue 13). */
+    ds41_sched_partition part;
+    ds41_sched_partition_make(req->peer_uid, s->st.prefix_share, req->cache_salt,
+                              req->cache_salt ? strlen(req->cache_salt) : 0, &part);
+    ds41_sched_status st = ds41_scheduler_submit_in(m->sched, &part, g, &ss, &id, &e);
     if (st != DS41_SCHED_DONE) {
         job_unlink(s, j);
         free(j);
@@ -1625,7 +1653,8 @@ static void emit_session(void *p, const ds41_sched_session *ss) {
                             .kv_pages = ss->kv_pages,
                             .kv_bytes = ss->kv_bytes,
                             .created = ss->created,
-                            .last_used = ss->last_used};
+                            .last_used = ss->last_used,
+                            .owner_uid = ss->owner_uid};
     a->emit(a->acc, &out);
 }
 
@@ -1677,6 +1706,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     bool have_experts = false, have_engram = false;
     char budgets[sizeof s->models[0]->budgets] = "";
     pthread_rwlock_rdlock(&s->cfg_lock);
+    c.prefix_shared_across_users = s->st.prefix_share;
     for (size_t i = 0; i < s->n_models; i++) {
         model *m = s->models[i];
         pthread_rwlock_rdlock(&m->lock);
@@ -1776,7 +1806,8 @@ static void emit_snapshot(void *p, const ds41_snapshot_entry *e) {
                              .bytes = e->bytes,
                              .created = e->created,
                              .last_used = e->last_used,
-                             .has_sampler = e->has_sampler};
+                             .has_sampler = e->has_sampler,
+                             .owner_uid = e->owner.uid};
     a->emit(a->acc, &out);
 }
 
@@ -1837,9 +1868,10 @@ static int svc_save_snapshot(void *ctx, const char *session_id, ds41_svc_snapsho
             size_t len = ds41_kv_seq_serialized_size(x.seq), written = 0;
             uint8_t *kv = malloc(len);
             ds41_snapshot_entry entry;
+            const ds41_snapshot_owner owner = owner_of(&x.part); /* the file keeps the session's partition */
             if (!kv || ds41_kv_seq_serialize(x.seq, kv, len, &written, &e) != 0 ||
-                ds41_snapshot_store_save(m->store, x.ids, x.n_ids, kv, len, x.sampler, x.sampler_len, &entry, &e) !=
-                    0) {
+                ds41_snapshot_store_save(m->store, &owner, x.ids, x.n_ids, kv, len, x.sampler, x.sampler_len,
+                                         &entry, &e) != 0) {
                 ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "%s", e.msg[0] ? e.msg : "out of memory");
             } else {
                 snap_acc a = {.model = m->name, .emit = emit, .acc = acc};
@@ -1876,7 +1908,9 @@ static int svc_restore_snapshot(void *ctx, const char *snapshot_id, char *sessio
                           missing ? "" : "snapshot refused: ", e.msg);
         } else {
             char cid[32];
-            if (ds41_scheduler_import(m->sched, snap.kv, snap.kv_len, snap.ids, snap.n_ids, cid, &e) != 0) {
+            const ds41_sched_partition part = partition_of(&snap.owner); /* back into its own partition */
+            if (ds41_scheduler_import(m->sched, &part, snap.kv, snap.kv_len, snap.ids, snap.n_ids, cid, &e) !=
+                0) {
                 bool full = strstr(e.msg, "KV cache full") || strstr(e.msg, "cannot keep");
                 ds41_svc_fail(err, full ? DS41_SVC_KV_FULL : DS41_SVC_BAD_REQUEST, "id", "snapshot %.200s: %s",
                               snapshot_id, e.msg);

@@ -9,6 +9,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "config/sha256.h"
+
 const unsigned ds41_sched_hist_bounds[DS41_SCHED_HIST_BUCKETS - 1] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 
 typedef enum req_phase { PH_QUEUED = 0, PH_PREFILL, PH_DECODE } req_phase;
@@ -18,6 +20,7 @@ typedef struct req {
     ds41_generation *g;
     ds41_sched_sink sink;
     ds41_kv_seq *seq;
+    ds41_sched_partition part; /* whose prefix-cache entries it may use and makes */
     req_phase phase;
     bool cancel;       /* asked (under mu) */
     bool snapshot_due; /* take a prefix-cache snapshot at prompt - 1 tokens */
@@ -35,6 +38,7 @@ typedef struct req {
 
 typedef struct cache_entry {
     uint64_t n; /* its number ("c<n>") */
+    ds41_sched_partition part; /* only requests of the same key reuse it */
     ds41_kv_seq *seq;
     int32_t *ids; /* the ids the sequence consumed */
     size_t n_ids;
@@ -54,6 +58,7 @@ typedef struct sched_job {
     ds41_sched_export *out;          /* EXPORT */
     const uint8_t *kv;               /* IMPORT */
     size_t kv_len;
+    const ds41_sched_partition *part; /* IMPORT */
     const int32_t *ids;
     size_t n_ids;
     uint64_t entry_n;                /* IMPORT result */
@@ -183,7 +188,8 @@ static bool cache_evict_one(ds41_scheduler *s, size_t keep) {
         if (i != keep && (victim == SIZE_MAX || s->cache[i].last_use < s->cache[victim].last_use)) victim = i;
     if (victim == SIZE_MAX) return false;
     const cache_entry *e = &s->cache[victim];
-    if (e->persist && s->cfg.disk.evicted) s->cfg.disk.evicted(s->cfg.disk.ctx, e->seq, e->ids, e->n_ids);
+    if (e->persist && s->cfg.disk.evicted)
+        s->cfg.disk.evicted(s->cfg.disk.ctx, e->seq, &e->part, e->ids, e->n_ids);
     cache_drop(s, victim);
     return true;
 }
@@ -194,14 +200,21 @@ static void cache_trim(ds41_scheduler *s) {
         if (!cache_evict_one(s, SIZE_MAX)) break;
 }
 
-/* Keep seq (taken over) with the ids it consumed.  An entry with the same ids is replaced. */
-static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int32_t *ids, size_t n, bool persist) {
+static bool same_partition(const cache_entry *e, const ds41_sched_partition *part) {
+    return memcmp(e->part.key, part->key, sizeof part->key) == 0;
+}
+
+/* Keep seq (taken over) with the ids it consumed, in partition part.  An entry of the same
+ * partition with the same ids is replaced. */
+static cache_entry *cache_insert(ds41_scheduler *s, const ds41_sched_partition *part, ds41_kv_seq *seq,
+                                 const int32_t *ids, size_t n, bool persist) {
     if (!s->cfg.prefix_cache || n == 0) {
         ds41_kv_seq_free(seq);
         return NULL;
     }
     for (size_t i = 0; i < s->n_cache; i++) {
-        if (s->cache[i].n_ids == n && memcmp(s->cache[i].ids, ids, n * sizeof *ids) == 0) {
+        if (s->cache[i].n_ids == n && same_partition(&s->cache[i], part) &&
+            memcmp(s->cache[i].ids, ids, n * sizeof *ids) == 0) {
             cache_drop(s, i);
             break;
         }
@@ -215,6 +228,7 @@ static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int3
     memcpy(copy, ids, n * sizeof *ids);
     cache_entry *e = &s->cache[s->n_cache++];
     e->n = ++s->cache_numbers;
+    e->part = *part;
     e->seq = seq;
     e->ids = copy;
     e->n_ids = n;
@@ -229,12 +243,15 @@ static cache_entry *cache_insert(ds41_scheduler *s, ds41_kv_seq *seq, const int3
     return NULL;
 }
 
-/* The longest entry whose ids are a proper prefix of ids[0..n).  SIZE_MAX when none. */
-static size_t cache_lookup(ds41_scheduler *s, const int32_t *ids, size_t n) {
+/* The longest entry of partition part whose ids are a proper prefix of ids[0..n).  SIZE_MAX when
+ * none.  Entries of other partitions are never candidates, whatever their ids. */
+static size_t cache_lookup(ds41_scheduler *s, const ds41_sched_partition *part, const int32_t *ids,
+                           size_t n) {
     size_t best = SIZE_MAX;
     for (size_t i = 0; i < s->n_cache; i++) {
         const cache_entry *e = &s->cache[i];
         if (e->n_ids >= n || (best != SIZE_MAX && e->n_ids <= s->cache[best].n_ids)) continue;
+        if (!same_partition(e, part)) continue;
         if (memcmp(e->ids, ids, e->n_ids * sizeof *ids) == 0) best = i;
     }
     return best;
@@ -320,13 +337,14 @@ static void publish(req *r) {
 
 /* The disk tier: restore the longest stored prefix of a prompt into the in-memory cache.  Returns
  * the new entry's index, or SIZE_MAX. */
-static size_t disk_restore(ds41_scheduler *s, const int32_t *ids, size_t n_prompt) {
+static size_t disk_restore(ds41_scheduler *s, const ds41_sched_partition *part, const int32_t *ids,
+                           size_t n_prompt) {
     size_t n_cached = 0;
     /* Reading and verifying a file takes a while: other threads (submit, stats, listings) go on
      * meanwhile.  Nothing this thread relies on changes: only the engine thread takes requests
      * off the queue or runs forward passes, and no cache index is held across the call. */
     pthread_mutex_unlock(&s->mu);
-    ds41_kv_seq *seq = s->cfg.disk.restore(s->cfg.disk.ctx, s->pool, ids, n_prompt, &n_cached);
+    ds41_kv_seq *seq = s->cfg.disk.restore(s->cfg.disk.ctx, s->pool, part, ids, n_prompt, &n_cached);
     pthread_mutex_lock(&s->mu);
     if (!seq) return SIZE_MAX;
     if (n_cached == 0 || n_cached >= n_prompt || ds41_kv_seq_tokens(seq) != n_cached) {
@@ -335,10 +353,10 @@ static size_t disk_restore(ds41_scheduler *s, const int32_t *ids, size_t n_promp
         ds41_kv_seq_free(seq);
         return SIZE_MAX;
     }
-    if (!cache_insert(s, seq, ids, n_cached, false)) return SIZE_MAX;
+    if (!cache_insert(s, part, seq, ids, n_cached, false)) return SIZE_MAX;
     s->st.disk_hits++;
     s->st.disk_cached_tokens += n_cached;
-    return cache_lookup(s, ids, n_prompt);
+    return cache_lookup(s, part, ids, n_prompt);
 }
 
 /* Admit queue heads while there is a slot and room.  Returns with every admitted request in
@@ -349,14 +367,14 @@ static void admit(ds41_scheduler *s) {
         req *r = s->queue_head;
         size_t n_prompt = ds41_generation_prompt_tokens(r->g);
         const int32_t *ids = ds41_generation_tokens(r->g, NULL);
-        size_t hit = s->cfg.prefix_cache ? cache_lookup(s, ids, n_prompt) : SIZE_MAX;
+        size_t hit = s->cfg.prefix_cache ? cache_lookup(s, &r->part, ids, n_prompt) : SIZE_MAX;
         if (hit == SIZE_MAX && s->cfg.prefix_cache && s->cfg.disk.restore && n_prompt >= 2)
-            hit = disk_restore(s, ids, n_prompt);
+            hit = disk_restore(s, &r->part, ids, n_prompt);
         size_t cached = hit == SIZE_MAX ? 0 : s->cache[hit].n_ids;
         uint64_t need = pages_for(s->layout, cached, n_prompt - cached + reserve);
         /* evict other entries (swap-removal may move the hit: look it up again) */
         while (pages_free(s) < need && cache_evict_one(s, hit))
-            if (hit != SIZE_MAX) hit = cache_lookup(s, ids, n_prompt);
+            if (hit != SIZE_MAX) hit = cache_lookup(s, &r->part, ids, n_prompt);
         if (pages_free(s) < need) {
             if (s->n_running > 0) return; /* wait for memory */
             /* Nothing runs and it still does not fit: try without the reserve, else refuse. */
@@ -516,7 +534,7 @@ static void finish_request(ds41_scheduler *s, req *r, uint32_t idx) {
         const int32_t *ids = ds41_generation_tokens(r->g, &n);
         uint64_t consumed = ds41_kv_seq_tokens(r->seq);
         if (consumed <= n) {
-            cache_insert(s, r->seq, ids, (size_t)consumed, true);
+            cache_insert(s, &r->part, r->seq, ids, (size_t)consumed, true);
             r->seq = NULL;
         }
     }
@@ -559,6 +577,7 @@ static void run_jobs(ds41_scheduler *s) {
                 } else {
                     memcpy(x->ids, ids, n * sizeof *ids);
                     x->n_ids = n;
+                    x->part = r->part;
                     j->rc = 0;
                 }
             }
@@ -570,7 +589,7 @@ static void run_jobs(ds41_scheduler *s) {
                               (unsigned long long)ds41_kv_seq_tokens(seq), j->n_ids);
                     ds41_kv_seq_free(seq);
                 } else {
-                    cache_entry *e = cache_insert(s, seq, j->ids, j->n_ids, false);
+                    cache_entry *e = cache_insert(s, j->part, seq, j->ids, j->n_ids, false);
                     if (e) {
                         j->entry_n = e->n;
                         j->rc = 0;
@@ -750,7 +769,8 @@ static void *engine_main(void *arg) {
             uint64_t fed = ds41_kv_seq_tokens(r->seq);
             if (r->snapshot_due && fed == n_prompt - 1) {
                 ds41_kv_seq *snap = ds41_kv_seq_fork(r->seq, &err);
-                if (snap) cache_insert(s, snap, ds41_generation_tokens(r->g, NULL), n_prompt - 1, true);
+                if (snap)
+                    cache_insert(s, &r->part, snap, ds41_generation_tokens(r->g, NULL), n_prompt - 1, true);
                 r->snapshot_due = false;
             }
             if (fed >= n_prompt) r->phase = PH_DECODE;
@@ -848,7 +868,8 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     /* cached prefixes go to the disk tier (the engine thread is gone: no lock needed) */
     for (size_t i = 0; i < s->n_cache && s->cfg.disk.evicted; i++)
         if (s->cache[i].persist)
-            s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, s->cache[i].ids, s->cache[i].n_ids);
+            s->cfg.disk.evicted(s->cfg.disk.ctx, s->cache[i].seq, &s->cache[i].part, s->cache[i].ids,
+                                s->cache[i].n_ids);
     while (s->n_cache) cache_drop(s, s->n_cache - 1);
     pthread_cond_destroy(&s->wake);
     pthread_cond_destroy(&s->jobs_done);
@@ -865,10 +886,39 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     free(s);
 }
 
+void ds41_sched_partition_make(int64_t uid, bool share_across_users, const char *salt, size_t salt_len,
+                               ds41_sched_partition *out) {
+    /* Length-prefixed fields after a domain tag: no two (owner, salt) pairs give the same bytes. */
+    char owner[32];
+    int on = share_across_users ? snprintf(owner, sizeof owner, "any user")
+                                : snprintf(owner, sizeof owner, "uid %lld", (long long)uid);
+    ds41_sha256_ctx c;
+    ds41_sha256_init(&c);
+    static const char tag[] = "ds41 prefix-cache partition v1";
+    ds41_sha256_update(&c, tag, sizeof tag);
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)on >> (8 * i));
+    ds41_sha256_update(&c, len, 8);
+    ds41_sha256_update(&c, owner, (size_t)on);
+    if (!salt) salt_len = 0;
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)salt_len >> (8 * i));
+    ds41_sha256_update(&c, len, 8);
+    if (salt_len) ds41_sha256_update(&c, salt, salt_len);
+    ds41_sha256_final(&c, out->key);
+    out->owner_uid = uid;
+}
+
 ds41_sched_status ds41_scheduler_submit(ds41_scheduler *s, ds41_generation *g, const ds41_sched_sink *sink,
                                         uint64_t *id, ds41_error *err) {
+    const ds41_sched_partition none = {.owner_uid = -1};
+    return ds41_scheduler_submit_in(s, &none, g, sink, id, err);
+}
+
+ds41_sched_status ds41_scheduler_submit_in(ds41_scheduler *s, const ds41_sched_partition *part,
+                                           ds41_generation *g, const ds41_sched_sink *sink, uint64_t *id,
+                                           ds41_error *err) {
     if (id) *id = 0;
-    if (!s || !g || !sink || !sink->delta || !sink->done) {
+    if (!s || !part || !g || !sink || !sink->delta || !sink->done) {
         ds41_generation_free(g);
         ds41_fail(err, "scheduler: bad submission");
         return DS41_SCHED_ERROR;
@@ -881,6 +931,7 @@ ds41_sched_status ds41_scheduler_submit(ds41_scheduler *s, ds41_generation *g, c
     }
     r->g = g;
     r->sink = *sink;
+    r->part = *part;
     r->created = r->last_used = wall_now();
     size_t n_prompt = ds41_generation_prompt_tokens(g);
     pthread_mutex_lock(&s->mu);
@@ -973,6 +1024,7 @@ static void emit_req(const req *r, void (*emit)(void *, const ds41_sched_session
     ss.kv_bytes = r->pub_kv_bytes;
     ss.created = r->created;
     ss.last_used = r->last_used;
+    ss.owner_uid = r->part.owner_uid;
     emit(acc, &ss);
 }
 
@@ -991,6 +1043,7 @@ void ds41_scheduler_sessions(ds41_scheduler *s, void (*emit)(void *acc, const ds
         ss.kv_bytes = ds41_kv_seq_page_bytes(e->seq);
         ss.created = e->created;
         ss.last_used = e->last_used;
+        ss.owner_uid = e->part.owner_uid;
         emit(acc, &ss);
     }
     pthread_mutex_unlock(&s->mu);
@@ -1072,6 +1125,7 @@ int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *
             } else {
                 memcpy(out->ids, e->ids, e->n_ids * sizeof *e->ids);
                 out->n_ids = e->n_ids;
+                out->part = e->part;
                 rc = 0;
             }
         }
@@ -1094,17 +1148,17 @@ int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *
     return rc;
 }
 
-int ds41_scheduler_import(ds41_scheduler *s, const uint8_t *kv, size_t kv_len, const int32_t *ids, size_t n,
-                          char entry_id[32], ds41_error *err) {
+int ds41_scheduler_import(ds41_scheduler *s, const ds41_sched_partition *part, const uint8_t *kv,
+                          size_t kv_len, const int32_t *ids, size_t n, char entry_id[32], ds41_error *err) {
     if (entry_id) entry_id[0] = 0;
-    if (!s || !kv || !ids || n == 0) return ds41_fail(err, "scheduler: bad import");
+    if (!s || !part || !kv || !ids || n == 0) return ds41_fail(err, "scheduler: bad import");
     if (!s->cfg.prefix_cache) return ds41_fail(err, "the prefix cache is disabled");
     pthread_mutex_lock(&s->mu);
     int rc = -1;
     if (s->stopping) {
         ds41_fail(err, "the scheduler is stopping");
     } else {
-        sched_job j = {.kind = JOB_IMPORT, .kv = kv, .kv_len = kv_len, .ids = ids, .n_ids = n};
+        sched_job j = {.kind = JOB_IMPORT, .kv = kv, .kv_len = kv_len, .part = part, .ids = ids, .n_ids = n};
         run_job_on_engine(s, &j);
         rc = j.rc;
         if (rc != 0 && err) *err = j.err;

@@ -24,11 +24,18 @@
  *     with the same conversation -- skips all but one token;
  *   - a finished request's sequence (prompt + answer), so the next turn of a conversation, whose
  *     prompt starts with the previous prompt and answer, skips them.
- * A new request forks the longest entry whose ids are a prefix of its prompt (and shorter than
- * it); usage reports those tokens as cached_tokens.  In the reference arithmetic a hit gives
- * exactly the tokens a miss gives (the forward pass does not depend on chunking).  Entries are
+ * A new request forks the longest entry of its own partition (below) whose ids are a prefix of its
+ * prompt (and shorter than it); usage reports those tokens as cached_tokens.  In the reference arithmetic a
+ * hit gives exactly the tokens a miss gives (the forward pass does not depend on chunking).  Entries are
  * bounded by prefix_cache_max_bytes (page bytes they reference) and DS41_SCHED_MAX_CACHE_ENTRIES,
  * and evicted LRU, also whenever live sequences need their pages.
+ *
+ * Partitions (issue 13).  Every request and every entry belongs to a partition
+ * (ds41_sched_partition): an entry is reused only by requests with the same partition key, in
+ * memory and through the disk tier, whose callbacks get the partition to record and match.  Were
+ * entries shared, cached_tokens (and the time to the first token) would tell one user whether
+ * another user sent a guessed prompt.  ds41d derives the key from the peer's uid and the request's
+ * cache_salt (ds41_sched_partition_make); the owner uid is kept for admin listings.
  *
  * Threads.  submit / cancel / stats / sessions may be called from any thread; sinks are called
  * on the engine thread only, one request's calls in order: any number of delta() calls, then
@@ -50,22 +57,39 @@
 #define DS41_SCHED_HIST_BUCKETS 10
 extern const unsigned ds41_sched_hist_bounds[DS41_SCHED_HIST_BUCKETS - 1]; /* 1 2 4 8 16 32 64 128 256 */
 
+/* Who may reuse a prefix-cache entry: requests whose key equals the entry's (see above). */
+#define DS41_SCHED_PARTITION_KEY_BYTES 32
+typedef struct ds41_sched_partition {
+    uint8_t key[DS41_SCHED_PARTITION_KEY_BYTES];
+    int64_t owner_uid; /* the uid of the peer that sent the request, -1 = unknown (no credentials) */
+} ds41_sched_partition;
+
+/* The partition of a request from uid (-1: a peer without credentials, e.g. TCP) with salt
+ * salt[0..salt_len) (NULL/0: none).  The key is SHA-256 over a domain tag, the uid -- or, with
+ * share_across_users, one tag for every user -- and the salt, each length-prefixed: different
+ * uids, or different salts, never share a key; with sharing on only the salt separates. */
+void ds41_sched_partition_make(int64_t uid, bool share_across_users, const char *salt, size_t salt_len,
+                               ds41_sched_partition *out);
+
 /* The disk tier of the prefix cache (optional; ds41d implements it with storage/snapshot_store.h).
  * Both callbacks run with no forward pass in flight (so they may allocate from and read the
  * pool) and must not call into the scheduler: restore on the engine thread WITHOUT the
  * scheduler's lock (a file read must not stall submit or stats), evicted with the lock held (keep
  * it short: copy, do not write).  Only used with prefix_cache on. */
 typedef struct ds41_sched_disk {
-    /* A prompt ids[0..n) missed the in-memory prefix cache: return a new sequence of `pool`
-     * holding the state after the longest stored proper prefix of it, with that prefix's length
-     * in *n_cached; NULL when there is none or it cannot be restored (the request is then
-     * prefilled as usual). */
-    ds41_kv_seq *(*restore)(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n, size_t *n_cached);
+    /* A prompt ids[0..n) of partition `part` missed the in-memory prefix cache: return a new
+     * sequence of `pool` holding the state after the longest proper prefix of it stored for the
+     * same partition key, with that prefix's length in *n_cached; NULL when there is none or it
+     * cannot be restored (the request is then prefilled as usual). */
+    ds41_kv_seq *(*restore)(void *ctx, ds41_kv_pool *pool, const ds41_sched_partition *part,
+                            const int32_t *ids, size_t n, size_t *n_cached);
     /* An entry the scheduler computed -- a prompt minus its last token, or a finished
      * conversation (prompt + answer) -- leaves the in-memory cache: evicted, or the scheduler is
      * being freed.  The disk tier may keep it.  (Entries that came from the disk tier or from
-     * ds41_scheduler_import are not handed back.)  seq and ids are borrowed. */
-    void (*evicted)(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n);
+     * ds41_scheduler_import are not handed back.)  seq, part and ids are borrowed; the disk tier
+     * must record the partition with it. */
+    void (*evicted)(void *ctx, const ds41_kv_seq *seq, const ds41_sched_partition *part, const int32_t *ids,
+                    size_t n);
     void *ctx;
 } ds41_sched_disk;
 
@@ -123,6 +147,11 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms);
  * On acceptance the sink may be called before this returns. */
 ds41_sched_status ds41_scheduler_submit(ds41_scheduler *s, ds41_generation *g, const ds41_sched_sink *sink,
                                         uint64_t *id, ds41_error *err);
+/* The same for a request of partition `part` (copied; ds41_scheduler_submit uses one fixed
+ * partition: an all-zero key, owner -1). */
+ds41_sched_status ds41_scheduler_submit_in(ds41_scheduler *s, const ds41_sched_partition *part,
+                                           ds41_generation *g, const ds41_sched_sink *sink, uint64_t *id,
+                                           ds41_error *err);
 
 /* Ask a request to end (client gone): done() with CANCELLED comes soon (at the next step), and
  * its KV pages are freed (not cached).  Unknown or finished ids are ignored. */
@@ -162,6 +191,7 @@ typedef struct ds41_sched_session {
     uint64_t kv_tokens;  /* tokens whose KV the sequence holds */
     uint64_t kv_pages, kv_bytes; /* pages referenced (shared ones included) and their bytes */
     int64_t created, last_used;  /* unix seconds */
+    int64_t owner_uid;           /* its partition's owner (-1 = unknown); for admins */
 } ds41_sched_session;
 
 /* Calls emit once per session (under the scheduler's lock: keep it short, do not call back). */
@@ -178,6 +208,7 @@ typedef struct ds41_sched_export {
     size_t n_ids;
     uint8_t *sampler;      /* running requests: the sampler state (ds41_sampler_snapshot bytes) */
     size_t sampler_len;
+    ds41_sched_partition part; /* the session's partition (a snapshot must keep it) */
 } ds41_sched_export;
 
 /* Copy the state of session `id` (see ds41_sched_session): a cache entry "c<n>" at once, a
@@ -189,12 +220,12 @@ int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *
 void ds41_sched_export_free(ds41_sched_export *x);
 
 /* Put a serialized sequence (ds41_kv_seq_deserialize bytes, borrowed) that consumed ids[0..n)
- * into the in-memory prefix cache (done by the engine thread between two steps; this call
- * waits).  *entry_id (may be NULL) receives the entry's session id ("c<n>").  Errors: the prefix
- * cache is off, the bytes are refused (engine/kv_cache.h), their token count is not n, the pool
- * is full, the scheduler is stopping. */
-int ds41_scheduler_import(ds41_scheduler *s, const uint8_t *kv, size_t kv_len, const int32_t *ids, size_t n,
-                          char entry_id[32], ds41_error *err);
+ * into the in-memory prefix cache as an entry of partition `part` (a snapshot's recorded one;
+ * done by the engine thread between two steps; this call waits).  *entry_id (may be NULL) receives the
+ * entry's session id ("c<n>").  Errors: the prefix cache is off, the bytes are refused (engine/kv_cache.h),
+ * their token count is not n, the pool is full, the scheduler is stopping. */
+int ds41_scheduler_import(ds41_scheduler *s, const ds41_sched_partition *part, const uint8_t *kv,
+                          size_t kv_len, const int32_t *ids, size_t n, char entry_id[32], ds41_error *err);
 
 /* Drop every prefix-cache entry (e.g. before unloading). */
 void ds41_scheduler_clear_cache(ds41_scheduler *s);

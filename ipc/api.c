@@ -10,6 +10,7 @@
 #include "ipc/api.h"
 #include "config/buf.h"
 #include "config/daemon_config.h"
+#include "config/sha256.h"
 
 #include <inttypes.h>
 #include <limits.h>
@@ -36,6 +37,7 @@ struct ds41_api {
     ds41_http_router router;
     atomic_uint_fast64_t next_id;
     uint32_t salt;
+    uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
 };
 
 /* ------------------------------------------------------------- utilities */
@@ -148,6 +150,7 @@ typedef struct gen_ctx {
     pthread_mutex_t mu;
     int refs;
     uint64_t id;
+    uint64_t shown_id; /* what response and tool-call ids show instead of the counter */
     uint32_t salt;
     char response_id[64];
     ds41_gen_accept accept;
@@ -391,7 +394,8 @@ static void tool_call_id(const gen_ctx *g, int index, const char *given, char ou
     if (given && *given && strlen(given) < 64 && ds41_utf8_valid(given, strlen(given), NULL))
         snprintf(out, 64, "%s", given);
     else
-        snprintf(out, 64, "call_%08" PRIx32 "%012" PRIx64 "%04x", g->salt, g->id, (unsigned)index);
+        snprintf(out, 64, "call_%08" PRIx32 "%012" PRIx64 "%04x", g->salt,
+                 g->shown_id & UINT64_C(0xFFFFFFFFFFFF), (unsigned)index);
 }
 
 static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
@@ -699,6 +703,18 @@ static json_t *build_completion_response(gen_ctx *g) {
 
 /* ------------------------------------------------------ generation route */
 
+/* The id a client sees for request `id`: a keyed hash, not the counter, so a local user cannot
+ * count from the ids of its own responses how many requests other users made meanwhile. */
+static uint64_t shown_id(const ds41_api *api, uint64_t id) {
+    uint8_t b[sizeof api->id_key + 8], h[32];
+    memcpy(b, api->id_key, sizeof api->id_key);
+    for (int i = 0; i < 8; i++) b[sizeof api->id_key + i] = (uint8_t)(id >> (8 * i));
+    ds41_sha256(b, sizeof b, h);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)h[i] << (8 * i);
+    return v;
+}
+
 static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_kind kind) {
     size_t len;
     const char *body = ds41_http_body(ex, &len);
@@ -722,8 +738,9 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     g->refs = 1;
     g->id = atomic_fetch_add(&api->next_id, 1);
     g->salt = api->salt;
+    g->shown_id = shown_id(api, g->id);
     snprintf(g->response_id, sizeof g->response_id, "%s-%08" PRIx32 "%016" PRIx64,
-             kind == DS41_GEN_CHAT ? "chatcmpl" : "cmpl", api->salt, g->id);
+             kind == DS41_GEN_CHAT ? "chatcmpl" : "cmpl", api->salt, g->shown_id);
     g->created = unix_now();
     g->kind = kind;
     g->stream = req.gen.stream;
@@ -755,6 +772,8 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     }
     req.gen.id = g->id;
     req.gen.response_id = g->response_id;
+    const ds41_http_peer *peer = ds41_http_peer_info(ex); /* the prefix-cache partition's owner */
+    req.gen.peer_uid = peer && peer->has_creds ? (int64_t)peer->uid : -1;
     g->refs = 2; /* handler + service */
     ds41_gen_sink sink = {.event = sink_event, .sink_ctx = g};
     rc = api->svc.submit(api->svc.ctx, &req.gen, &sink, &g->accept, &err);
@@ -1238,6 +1257,11 @@ typedef struct list_acc {
     bool oom;
 } list_acc;
 
+/* A partition owner's uid (admin listings), null when unknown (a peer without credentials). */
+static json_t *owner_json(int64_t uid) {
+    return uid >= 0 ? json_integer((json_int_t)uid) : json_null();
+}
+
 static void session_emit(void *accp, const ds41_svc_session *s) {
     list_acc *acc = accp;
     if (!s || !s->id || acc->oom) return;
@@ -1252,7 +1276,8 @@ static void session_emit(void *accp, const ds41_svc_session *s) {
               !ds41_json_set_new(o, "kv_pages", ju64(s->kv_pages)) &&
               !ds41_json_set_new(o, "kv_bytes", ju64(s->kv_bytes)) &&
               !ds41_json_set_new(o, "created", json_integer(s->created)) &&
-              !ds41_json_set_new(o, "last_used", json_integer(s->last_used));
+              !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
+              !ds41_json_set_new(o, "owner_uid", owner_json(s->owner_uid));
     if (!ok || json_array_append_new(acc->list, o)) {
         if (!ok) json_decref(o);
         acc->oom = true;
@@ -1336,7 +1361,9 @@ static void cache_emit(void *accp, const ds41_svc_cache *c) {
          !ds41_json_set_new(o, "pages_used", ju64(c->pages_used)) &&
          !ds41_json_set_new(o, "pages_free", ju64(c->pages_free)) &&
          !ds41_json_set_new(o, "bytes_per_token", jreal(c->bytes_per_token)) &&
-         !json_object_set(o, "tiers", tiers) && (!c->budgets || !ds41_json_set_str(o, "budgets", c->budgets));
+         !json_object_set(o, "tiers", tiers) &&
+         (!c->budgets || !ds41_json_set_str(o, "budgets", c->budgets)) &&
+         !ds41_json_set_new(o, "prefix_shared_across_users", json_boolean(c->prefix_shared_across_users));
     json_decref(tiers);
     if (!ok) {
         json_decref(o);
@@ -1370,10 +1397,12 @@ static void snapshot_emit(void *accp, const ds41_svc_snapshot *s) {
     if (!s || !s->id || acc->oom) return;
     json_t *o = json_object();
     bool ok = o && !ds41_json_set_str(o, "id", s->id) && !ds41_json_set_str(o, "model", s->model) &&
-              !ds41_json_set_new(o, "tokens", ju64(s->tokens)) && !ds41_json_set_new(o, "bytes", ju64(s->bytes)) &&
+              !ds41_json_set_new(o, "tokens", ju64(s->tokens)) &&
+              !ds41_json_set_new(o, "bytes", ju64(s->bytes)) &&
               !ds41_json_set_new(o, "created", json_integer(s->created)) &&
               !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
-              !ds41_json_set_new(o, "sampler_state", json_boolean(s->has_sampler));
+              !ds41_json_set_new(o, "sampler_state", json_boolean(s->has_sampler)) &&
+              !ds41_json_set_new(o, "owner_uid", owner_json(s->owner_uid));
     if (!ok || json_array_append_new(acc->list, o)) {
         if (!ok) json_decref(o);
         acc->oom = true;
@@ -1530,6 +1559,10 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
     atomic_init(&api->next_id, 1);
     if (getrandom(&api->salt, sizeof api->salt, GRND_NONBLOCK) != (ssize_t)sizeof api->salt)
         api->salt = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)api;
+    if (getrandom(api->id_key, sizeof api->id_key, GRND_NONBLOCK) != (ssize_t)sizeof api->id_key) {
+        uint64_t t = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)api ^ ((uint64_t)api->salt << 32);
+        memcpy(api->id_key, &t, sizeof t);
+    }
     const ds41_http_route routes[N_ROUTES] = {
         {"GET", "/health", DS41_AUTH_INFERENCE, false, "health", route_health},
         {"GET", "/v1/models", DS41_AUTH_INFERENCE, false, "models", route_models},

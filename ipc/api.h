@@ -24,15 +24,19 @@
  *   GET     /admin/sessions           A      {"object":"list","data":[{"id","model","state",
  *                                            "request_id","prompt_tokens","generated_tokens",
  *                                            "cached_tokens","kv_tokens","kv_pages","kv_bytes",
- *                                            "created","last_used"}]}
+ *                                            "created","last_used","owner_uid"}]} (owner_uid:
+ *                                            the peer uid of the prefix-cache partition, null
+ *                                            when unknown)
  *   DELETE  /admin/sessions/{id}      A      {"id":...,"deleted":true}; 404 when unknown
  *   GET     /admin/cache              A      {"page_tokens","page_bytes","pages_total","pages_used",
  *                                            "pages_free","bytes_per_token","tiers":[{"name",
  *                                            "used_bytes","capacity_bytes","hits","misses",
- *                                            "hit_rate"}],"budgets"} (budgets: the load-time
- *                                            budget decision line, when the service has one)
+ *                                            "hit_rate"}],"budgets","prefix_shared_across_users"}
+ *                                            (budgets: the load-time budget decision line, when
+ *                                            the service has one; prefix_shared_across_users:
+ *                                            whether users share cached prefixes)
  *   GET     /admin/snapshots          A      {"object":"list","data":[{"id","model","tokens","bytes",
- *                                            "created","last_used","sampler_state"}]} (session
+ *                                            "created","last_used","sampler_state","owner_uid"}]} (session
  *                                            snapshots on disk; id = "<model>:<40 hex digits>")
  *   POST    /admin/snapshots/save     A      {"session": session id} -> the snapshot object; 404
  *                                            unknown session, 409 snapshots off / nothing fed yet
@@ -83,6 +87,10 @@
  *     repetition_penalty (0,100], ignore_eos (bool), skip_special_tokens
  *     (bool, default true: the special tokens' text is left out of content
  *     and reasoning_content; false keeps it),
+ *   cache_salt (vLLM's: a string of 1..256 bytes; requests reuse each other's
+ *     cached prefixes only with the same salt -- and, unless the daemon shares
+ *     its cache across users, the same peer uid, which the ipc layer passes as
+ *     gen.peer_uid),
  *   ds41 test hook: ds41_forced_output (string; the service refuses it unless
  *     its configuration enables test hooks, see ds41_gen_request),
  *   accepted and ignored: store, metadata, service_tier, modalities (only
@@ -107,6 +115,7 @@
  * logprobs (integer 0..20: top alternatives per token), echo (string prompts
  * without logprobs), stop, presence_penalty, frequency_penalty, logit_bias,
  * seed, user, top_k, min_p, repetition_penalty, ignore_eos, skip_special_tokens,
+ * cache_salt,
  * ds41_forced_output.
  *
  * POST /tokenize: {"model"?, exactly one of "content" | "prompt" (text) |
@@ -202,6 +211,7 @@ typedef struct ds41_api_request {
     ds41_svc_logit_bias *logit_bias;
     char *user;
     char *forced_output;
+    char *cache_salt;
 } ds41_api_request;
 
 /* Parse and validate a /v1/chat/completions or /v1/completions body

@@ -15,6 +15,7 @@
 #define MAX_STOP 16
 #define MAX_STOP_BYTES 1024
 #define MAX_LOGIT_BIAS 1024
+#define MAX_CACHE_SALT_BYTES 256
 #define MAX_TOOLS 512
 #define MAX_TOOL_NAME 128
 
@@ -764,6 +765,22 @@ static int parse_logit_bias(const json_t *root, ds41_api_request *r, ds41_svc_er
     return 0;
 }
 
+/* cache_salt: the prefix-cache partition of the request within its peer's (issue 13). */
+static int parse_cache_salt(const json_t *root, ds41_api_request *r, ds41_svc_error *err) {
+    json_t *cs = get(root, "cache_salt");
+    if (!cs) return 0;
+    if (!json_is_string(cs)) return type_error(err, "cache_salt", "a string", cs);
+    size_t len = json_string_length(cs);
+    if (len == 0 || len > MAX_CACHE_SALT_BYTES)
+        return bad(err, "cache_salt", "invalid_value", "'cache_salt' must have 1..%d bytes",
+                   MAX_CACHE_SALT_BYTES);
+    if (memchr(json_string_value(cs), 0, len))
+        return bad(err, "cache_salt", "invalid_value", "'cache_salt' must not contain NUL");
+    if (dup_string(json_string_value(cs), &r->cache_salt, err)) return -1;
+    r->gen.cache_salt = r->cache_salt;
+    return 0;
+}
+
 static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error *err) {
     ds41_gen_request *g = &r->gen;
     const char *s;
@@ -813,13 +830,15 @@ static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error 
     if (ds41_api_get_string(root, NULL, "ds41_forced_output", false, &s, err) || dup_string(s, &r->forced_output, err))
         return -1;
     g->forced_output = r->forced_output;
-    if (parse_stop(root, r, err) || parse_logit_bias(root, r, err)) return -1;
+    if (parse_stop(root, r, err) || parse_logit_bias(root, r, err) || parse_cache_salt(root, r, err))
+        return -1;
     return 0;
 }
 
 static void request_init(ds41_api_request *r) {
     memset(r, 0, sizeof *r);
     r->gen.parallel_tool_calls = true;
+    r->gen.peer_uid = -1; /* the caller fills in the peer's credentials */
 }
 
 void ds41_api_request_free(ds41_api_request *r) {
@@ -837,6 +856,7 @@ void ds41_api_request_free(ds41_api_request *r) {
     free(r->logit_bias);
     free(r->user);
     free(r->forced_output);
+    free(r->cache_salt);
     memset(r, 0, sizeof *r);
 }
 
@@ -872,6 +892,7 @@ static const char *const chat_keys[] = {"messages",
                                         "ignore_eos",
                                         "skip_special_tokens",
                                         "ds41_forced_output",
+                                        "cache_salt",
                                         "store",
                                         "metadata",
                                         "service_tier",
@@ -1007,6 +1028,7 @@ static const char *const completion_keys[] = {"model",
                                               "ignore_eos",
                                               "skip_special_tokens",
                                               "ds41_forced_output",
+                                              "cache_salt",
                                               NULL};
 
 static int parse_token_ids(const json_t *arr, const char *path, ds41_api_request *r, ds41_svc_error *err) {

@@ -129,6 +129,7 @@ typedef struct ds41_svc_session {
     uint64_t kv_bytes;      /* bytes of those pages */
     int64_t created;        /* unix seconds */
     int64_t last_used;      /* unix seconds */
+    int64_t owner_uid;      /* uid of the peer whose request it is / made it; -1 = unknown */
 } ds41_svc_session;
 
 typedef void (*ds41_svc_session_emit)(void *acc, const ds41_svc_session *session);
@@ -163,6 +164,9 @@ typedef struct ds41_svc_cache {
     /* The memory budgets decided at load (engine/auto_budget.h: "budgets: auto -> experts ...
      * streamed with ... budget, ... (available ..., dense ..., KV ...)"), or NULL. */
     const char *budgets;
+    /* Whether prefix-cache entries (memory and disk) are shared between peers of different
+     * uids (the operator's choice; default not: each uid + cache_salt is its own partition). */
+    bool prefix_shared_across_users;
 } ds41_svc_cache;
 
 /* --------------------------------------------------------------- snapshots */
@@ -176,6 +180,7 @@ typedef struct ds41_svc_snapshot {
     int64_t created;   /* unix seconds */
     int64_t last_used; /* unix seconds */
     bool has_sampler;  /* saved from a running request: the sampler state is included */
+    int64_t owner_uid; /* uid of the peer whose request made it (its partition); -1 = unknown */
 } ds41_svc_snapshot;
 
 typedef void (*ds41_svc_snapshot_emit)(void *acc, const ds41_svc_snapshot *snapshot);
@@ -269,6 +274,13 @@ typedef struct ds41_gen_request {
     int top_logprobs; /* 0..20 alternatives per token */
     bool stream;      /* informational: the ipc layer handles the transport */
     const char *user; /* end-user id, opaque; may be NULL */
+
+    /* Prefix-cache partition (issue 13): the service may reuse cached state only between
+     * requests of the same peer uid (unless configured to share across users) and the same
+     * cache_salt.  peer_uid is the SO_PEERCRED uid, filled by the ipc layer (-1: a peer without
+     * credentials, e.g. TCP); cache_salt is the client's "cache_salt" (1..256 bytes) or NULL. */
+    int64_t peer_uid;
+    const char *cache_salt;
 } ds41_gen_request;
 
 typedef enum ds41_gen_event_type {

@@ -16,6 +16,7 @@
 #include <zstd.h>
 
 #define SNAP_MAGIC "DS41SNAP"
+#define HEAD_CHECK_AT 128 /* offset of head_check: it covers the bytes before it */
 
 /* ---- CRC-64/XZ ------------------------------------------------------------------------------- */
 
@@ -197,12 +198,14 @@ void ds41_snapshot_free(ds41_snapshot *s) {
     memset(s, 0, sizeof *s);
 }
 
-int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], const int32_t *ids,
-                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler,
-                        size_t sampler_len, const ds41_snapshot_write_opts *opts, uint64_t *file_bytes,
-                        ds41_error *err) {
+int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES],
+                        const ds41_snapshot_owner *owner, const int32_t *ids, size_t n_ids, const uint8_t *kv,
+                        size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                        const ds41_snapshot_write_opts *opts, uint64_t *file_bytes, ds41_error *err) {
     if (file_bytes) *file_bytes = 0;
-    if (!path || !model_id || !ids || !kv) return ds41_fail(err, "snapshot: missing argument");
+    if (!path || !model_id || !owner || !ids || !kv) return ds41_fail(err, "snapshot: missing argument");
+    if (owner->uid < -1 || owner->uid > UINT32_MAX)
+        return ds41_fail(err, "%s: owner uid %lld out of range", path, (long long)owner->uid);
     if (n_ids == 0 || n_ids > DS41_SNAPSHOT_MAX_IDS)
         return ds41_fail(err, "%s: %zu token ids (1..%u)", path, n_ids, DS41_SNAPSHOT_MAX_IDS);
     if (kv_len == 0) return ds41_fail(err, "%s: empty KV state", path);
@@ -255,10 +258,12 @@ int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_I
     put64(file + 64, sampler_len);
     put64(file + 72, z);
     put64(file + 80, (uint64_t)(int64_t)time(NULL));
+    memcpy(file + 88, owner->key, DS41_SNAPSHOT_KEY_BYTES);
+    put64(file + 120, (uint64_t)owner->uid);
     for (size_t i = 0; i < n_ids; i++) put32(file + DS41_SNAPSHOT_HEAD_BYTES + 4 * i, (uint32_t)ids[i]);
-    uint64_t hc = ds41_crc64(0, file, 88);
+    uint64_t hc = ds41_crc64(0, file, HEAD_CHECK_AT);
     hc = ds41_crc64(hc, file + DS41_SNAPSHOT_HEAD_BYTES, 4 * n_ids);
-    put64(file + 88, hc);
+    put64(file + HEAD_CHECK_AT, hc);
     const size_t total = head_and_ids + z + 8;
     put64(file + total - 8, ds41_crc64(0, file, total - 8));
 
@@ -317,14 +322,23 @@ int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_I
 static int parse_head(const uint8_t *h, uint64_t file_len, const char *label,
                       const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], ds41_snapshot *out,
                       uint64_t *payload_len, ds41_error *err) {
-    if (file_len < DS41_SNAPSHOT_HEAD_BYTES)
+    /* magic and version first (12 bytes): an older format's head is shorter */
+    if (file_len < 12)
         return ds41_fail(err, "%s: truncated (%llu bytes, the head alone is %d)", label,
                          (unsigned long long)file_len, DS41_SNAPSHOT_HEAD_BYTES);
     if (memcmp(h, SNAP_MAGIC, 8) != 0) return ds41_fail(err, "%s: not a ds41 snapshot (bad magic)", label);
     out->version = get32(h + 8);
+    if (out->version == 1)
+        return ds41_fail(err,
+                         "%s: format version 1 has no cache partition (written before issue 13: its owner is "
+                         "unknown), this build reads %u",
+                         label, DS41_SNAPSHOT_VERSION);
     if (out->version != DS41_SNAPSHOT_VERSION)
         return ds41_fail(err, "%s: format version %u, this build reads %u", label, out->version,
                          DS41_SNAPSHOT_VERSION);
+    if (file_len < DS41_SNAPSHOT_HEAD_BYTES)
+        return ds41_fail(err, "%s: truncated (%llu bytes, the head alone is %d)", label,
+                         (unsigned long long)file_len, DS41_SNAPSHOT_HEAD_BYTES);
     out->flags = get32(h + 12);
     if (out->flags & ~DS41_SNAPSHOT_FLAG_SAMPLER)
         return ds41_fail(err, "%s: unknown flags 0x%x", label, out->flags);
@@ -332,6 +346,10 @@ static int parse_head(const uint8_t *h, uint64_t file_len, const char *label,
     const uint64_t n_ids = get64(h + 48), kv_len = get64(h + 56), sampler_len = get64(h + 64);
     *payload_len = get64(h + 72);
     out->created = (int64_t)get64(h + 80);
+    memcpy(out->owner.key, h + 88, DS41_SNAPSHOT_KEY_BYTES);
+    out->owner.uid = (int64_t)get64(h + 120);
+    if (out->owner.uid < -1 || out->owner.uid > UINT32_MAX)
+        return ds41_fail(err, "%s: owner uid %lld out of range", label, (long long)out->owner.uid);
     if (n_ids == 0 || n_ids > DS41_SNAPSHOT_MAX_IDS)
         return ds41_fail(err, "%s: %llu token ids (1..%u)", label, (unsigned long long)n_ids,
                          DS41_SNAPSHOT_MAX_IDS);
@@ -360,9 +378,10 @@ static int parse_head(const uint8_t *h, uint64_t file_len, const char *label,
 
 /* head_check, then the ids (each must fit an int32). */
 static int parse_ids(const uint8_t *buf, const char *label, ds41_snapshot *out, ds41_error *err) {
-    uint64_t hc = ds41_crc64(0, buf, 88);
+    uint64_t hc = ds41_crc64(0, buf, HEAD_CHECK_AT);
     hc = ds41_crc64(hc, buf + DS41_SNAPSHOT_HEAD_BYTES, 4 * out->n_ids);
-    if (hc != get64(buf + 88)) return ds41_fail(err, "%s: head checksum mismatch (file corrupted)", label);
+    if (hc != get64(buf + HEAD_CHECK_AT))
+        return ds41_fail(err, "%s: head checksum mismatch (file corrupted)", label);
     out->ids = malloc(out->n_ids * sizeof *out->ids);
     if (!out->ids) return ds41_fail(err, "%s: out of memory", label);
     for (size_t i = 0; i < out->n_ids; i++) {
@@ -488,11 +507,17 @@ int ds41_snapshot_read_head(const char *path, const uint8_t model_id[DS41_SNAPSH
     int rc = 0;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
         rc = ds41_fail(err, "%s: not a regular file", path);
-    else if (pread(fd, head, sizeof head, 0) != (ssize_t)sizeof head)
-        rc = ds41_fail(err, "%s: truncated (%lld bytes, the head alone is %d)", path, (long long)st.st_size,
-                       DS41_SNAPSHOT_HEAD_BYTES);
-    else
-        rc = parse_head(head, (uint64_t)st.st_size, path, model_id, out, &payload_len, err);
+    else {
+        /* a shorter read is fine when the file is shorter: parse_head names an older version or
+         * the truncation, reading no byte past the file's length */
+        ssize_t got = pread(fd, head, sizeof head, 0);
+        uint64_t len = (uint64_t)st.st_size;
+        if (got < 0 || (uint64_t)got < (len < sizeof head ? len : sizeof head))
+            rc = ds41_fail(err, "%s: truncated (%lld bytes, the head alone is %d)", path,
+                           (long long)st.st_size, DS41_SNAPSHOT_HEAD_BYTES);
+        else
+            rc = parse_head(head, len, path, model_id, out, &payload_len, err);
+    }
     if (rc == 0) {
         size_t n = DS41_SNAPSHOT_HEAD_BYTES + 4 * out->n_ids;
         uint8_t *b = malloc(n);

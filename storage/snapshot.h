@@ -5,11 +5,11 @@
  * (engine/sampler.h: ds41_sampler_snapshot), for one model.  This module knows nothing of the
  * engine: the state is opaque bytes here.
  *
- * Format, version 1 (every integer little-endian):
+ * Format, version 2 (every integer little-endian):
  *
  *   offset  size  field
  *        0     8  magic "DS41SNAP"
- *        8     4  u32 format version (1)
+ *        8     4  u32 format version (2)
  *       12     4  u32 flags: bit 0 = a sampler state follows the KV state; other bits 0
  *       16    32  model identity (ds41_snapshot_model_id)
  *       48     8  u64 n_ids            token ids (1 .. DS41_SNAPSHOT_MAX_IDS)
@@ -17,8 +17,10 @@
  *       64     8  u64 sampler_len      raw bytes of the sampler state (0 unless flag bit 0)
  *       72     8  u64 payload_len      bytes of the zstd frame below
  *       80     8  i64 created          unix seconds
- *       88     8  u64 head_check       CRC-64/XZ of bytes 0..88 followed by the ids section
- *       96  4*n   ids                  u32 each
+ *       88    32  partition key        who may reuse the state (ds41_snapshot_owner.key)
+ *      120     8  i64 owner uid        the uid of the peer whose request made it, -1 = none
+ *      128     8  u64 head_check       CRC-64/XZ of bytes 0..128 followed by the ids section
+ *      136  4*n   ids                  u32 each
  *        .     .  payload              one zstd frame (content size recorded) of
  *                                      kv_len + sampler_len bytes: the KV state, then the sampler
  *    end-8     8  u64 file_check       CRC-64/XZ of every byte before it
@@ -26,7 +28,15 @@
  * The checksum is CRC-64/XZ (the ECMA-182 polynomial, reflected, init and xorout all ones; check
  * value 0x995DC9BBDF1939FA for "123456789"), computed by ds41_crc64.  head_check lets an index be
  * built from the head and ids alone; file_check covers the whole file.  The file length must be
- * exactly 96 + 4*n_ids + payload_len + 8.
+ * exactly 136 + 4*n_ids + payload_len + 8.
+ *
+ * The partition (version 2, issue 13): a prefix-cache entry may only be reused by requests of the
+ * same partition -- by default the peer's uid plus the request's cache_salt, hashed into the key
+ * by the daemon -- so one local user cannot learn from cached_tokens what another one sent.  The
+ * key is opaque here; the owner uid is kept for the admin listings.  Version 1 files (before
+ * partitions) are refused ("format version 1 has no cache partition ..."): their owner is
+ * unknown, so restoring them for anyone could leak another user's prompt; the store deletes
+ * them with that log line.
  *
  * Files are written atomically: a temporary file in the same directory (named
  * ".tmp-<name>-<pid>-<n>", exclusive create, mode 0640), written, fsync'd, renamed over the final
@@ -38,7 +48,7 @@
  * identity, every length against the file size and the caller's bound, both checksums, the zstd
  * frame (its recorded content size must equal kv_len + sampler_len, and decoding must give
  * exactly that many bytes).  Errors name the file: "SNAP: checksum mismatch (file corrupted)",
- * "SNAP: truncated (...)", "SNAP: format version 2, this build reads 1", "SNAP: made for another
+ * "SNAP: truncated (...)", "SNAP: format version 3, this build reads 2", "SNAP: made for another
  * model".
  *
  * Threads: no global state; functions may run concurrently on different files. */
@@ -52,9 +62,10 @@
 #include "config/error.h"
 #include "config/sha256.h" /* ds41_sha256 (snapshot ids) */
 
-#define DS41_SNAPSHOT_VERSION 1u
+#define DS41_SNAPSHOT_VERSION 2u
 #define DS41_SNAPSHOT_ID_BYTES 32
-#define DS41_SNAPSHOT_HEAD_BYTES 96
+#define DS41_SNAPSHOT_HEAD_BYTES 136
+#define DS41_SNAPSHOT_KEY_BYTES 32
 #define DS41_SNAPSHOT_MAX_IDS (1u << 24)
 #define DS41_SNAPSHOT_FLAG_SAMPLER 1u
 
@@ -68,11 +79,18 @@ uint64_t ds41_crc64(uint64_t crc, const void *data, size_t len);
  * Errors name the file that cannot be read. */
 int ds41_snapshot_model_id(const char *dir, uint8_t id[DS41_SNAPSHOT_ID_BYTES], ds41_error *err);
 
+/* The prefix-cache partition a snapshot belongs to (see above). */
+typedef struct ds41_snapshot_owner {
+    uint8_t key[DS41_SNAPSHOT_KEY_BYTES]; /* lookups match it exactly */
+    int64_t uid;                          /* the peer's uid, -1 = no credentials */
+} ds41_snapshot_owner;
+
 /* What a snapshot holds (ds41_snapshot_read / ds41_snapshot_parse).  Owned arrays. */
 typedef struct ds41_snapshot {
     uint32_t version, flags;
     uint8_t model_id[DS41_SNAPSHOT_ID_BYTES];
     int64_t created;
+    ds41_snapshot_owner owner;
     int32_t *ids; /* n_ids ids (each < 2^31) */
     size_t n_ids;
     uint8_t *kv; /* kv_len bytes (NULL when only the head was read) */
@@ -93,14 +111,15 @@ typedef struct ds41_snapshot_write_opts {
     unsigned test_delay_ms;
 } ds41_snapshot_write_opts;
 
-/* Write a snapshot to path atomically (see above).  ids[n_ids] (1..DS41_SNAPSHOT_MAX_IDS, each
+/* Write a snapshot of partition `owner` to path atomically (see above).  ids[n_ids]
+ * (1..DS41_SNAPSHOT_MAX_IDS, each
  * >= 0), kv[kv_len] (>= 1 byte), sampler[sampler_len] (NULL/0 = none).  opts may be NULL.
  * *file_bytes (may be NULL) receives the file's size.  Errors name the file (no space, rights);
  * no temporary file is left behind on error. */
-int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES], const int32_t *ids,
-                        size_t n_ids, const uint8_t *kv, size_t kv_len, const uint8_t *sampler,
-                        size_t sampler_len, const ds41_snapshot_write_opts *opts, uint64_t *file_bytes,
-                        ds41_error *err);
+int ds41_snapshot_write(const char *path, const uint8_t model_id[DS41_SNAPSHOT_ID_BYTES],
+                        const ds41_snapshot_owner *owner, const int32_t *ids, size_t n_ids, const uint8_t *kv,
+                        size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                        const ds41_snapshot_write_opts *opts, uint64_t *file_bytes, ds41_error *err);
 
 /* Verify and decode a whole snapshot held in memory, labelled `label` in errors.  model_id NULL =
  * any model.  max_raw bounds kv_len + sampler_len (what will be allocated).  On success *out

@@ -20,6 +20,7 @@ typedef struct entry {
 } store_entry;
 
 typedef struct wjob {
+    ds41_snapshot_owner owner;
     int32_t *ids;
     size_t n;
     uint8_t *kv;
@@ -60,13 +61,16 @@ static uint64_t max_raw_for(const ds41_snapshot_store *st, size_t n_ids) {
     return st->o.max_raw ? st->o.max_raw(st->o.max_raw_ctx, n_ids) : (1ull << 30) + (64ull << 20);
 }
 
-void ds41_snapshot_store_name(const int32_t *ids, size_t n, char name[DS41_SNAPSHOT_NAME_LEN + 1]) {
-    uint8_t *b = malloc(n ? 4 * n : 1);
+void ds41_snapshot_store_name(const ds41_snapshot_owner *owner, const int32_t *ids, size_t n,
+                              char name[DS41_SNAPSHOT_NAME_LEN + 1]) {
+    uint8_t *b = malloc(DS41_SNAPSHOT_KEY_BYTES + 4 * n);
     uint8_t h[32];
     if (b) {
+        memcpy(b, owner->key, DS41_SNAPSHOT_KEY_BYTES);
         for (size_t i = 0; i < n; i++)
-            for (int k = 0; k < 4; k++) b[4 * i + k] = (uint8_t)((uint32_t)ids[i] >> (8 * k));
-        ds41_sha256(b, 4 * n, h);
+            for (int k = 0; k < 4; k++)
+                b[DS41_SNAPSHOT_KEY_BYTES + 4 * i + k] = (uint8_t)((uint32_t)ids[i] >> (8 * k));
+        ds41_sha256(b, DS41_SNAPSHOT_KEY_BYTES + 4 * n, h);
         free(b);
     } else {
         memset(h, 0, sizeof h);
@@ -160,9 +164,9 @@ static int mkdir_p(const char *path) {
     return mkdir(buf, 0750) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-static void do_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv, size_t kv_len,
-                    const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *out, int *rc,
-                    ds41_error *err);
+static void do_save(ds41_snapshot_store *st, const ds41_snapshot_owner *owner, const int32_t *ids, size_t n,
+                    const uint8_t *kv, size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                    ds41_snapshot_entry *out, int *rc, ds41_error *err);
 
 static void *writer_main(void *p) {
     ds41_snapshot_store *st = p;
@@ -178,7 +182,7 @@ static void *writer_main(void *p) {
         pthread_mutex_unlock(&st->mu);
         int rc;
         ds41_error err = {{0}};
-        do_save(st, j->ids, j->n, j->kv, j->kv_len, NULL, 0, NULL, &rc, &err);
+        do_save(st, &j->owner, j->ids, j->n, j->kv, j->kv_len, NULL, 0, NULL, &rc, &err);
         if (rc != 0) slog(st, "snapshot save failed: %s", err.msg);
         free(j->ids);
         free(j->kv);
@@ -234,7 +238,7 @@ int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot
             continue;
         }
         char want[DS41_SNAPSHOT_NAME_LEN + 1];
-        ds41_snapshot_store_name(s.ids, s.n_ids, want);
+        ds41_snapshot_store_name(&s.owner, s.ids, s.n_ids, want);
         if (strcmp(want, name) != 0) {
             slog(st, "unreadable snapshot deleted: %s: its ids do not match its name", p);
             unlink(p);
@@ -245,6 +249,7 @@ int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot
         ds41_snapshot_entry info = {0};
         memcpy(info.name, name, sizeof info.name);
         info.n_ids = s.n_ids;
+        info.owner = s.owner;
         info.bytes = s.file_bytes;
         info.created = s.created;
         info.last_used = stat(p, &sb) == 0 ? (int64_t)sb.st_mtime : s.created;
@@ -298,13 +303,18 @@ void ds41_snapshot_store_free(ds41_snapshot_store *st) {
 
 /* ---- lookups, loads, saves ------------------------------------------------------------------- */
 
-size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const int32_t *ids, size_t n,
-                                 char name[DS41_SNAPSHOT_NAME_LEN + 1]) {
+static bool same_partition(const store_entry *e, const ds41_snapshot_owner *owner) {
+    return memcmp(e->info.owner.key, owner->key, DS41_SNAPSHOT_KEY_BYTES) == 0;
+}
+
+size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const ds41_snapshot_owner *owner,
+                                 const int32_t *ids, size_t n, char name[DS41_SNAPSHOT_NAME_LEN + 1]) {
     pthread_mutex_lock(&st->mu);
     size_t best = SIZE_MAX;
     for (size_t i = 0; i < st->n; i++) {
         const store_entry *e = &st->e[i];
         if (e->info.n_ids >= n || (best != SIZE_MAX && e->info.n_ids <= st->e[best].info.n_ids)) continue;
+        if (!same_partition(e, owner)) continue;
         if (memcmp(e->ids, ids, e->info.n_ids * sizeof *ids) == 0) best = i;
     }
     size_t len = 0;
@@ -320,12 +330,14 @@ size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const int32_t *ids, si
     return len;
 }
 
-bool ds41_snapshot_store_contains(ds41_snapshot_store *st, const int32_t *ids, size_t n) {
+bool ds41_snapshot_store_contains(ds41_snapshot_store *st, const ds41_snapshot_owner *owner,
+                                  const int32_t *ids, size_t n) {
     char name[DS41_SNAPSHOT_NAME_LEN + 1];
-    ds41_snapshot_store_name(ids, n, name);
+    ds41_snapshot_store_name(owner, ids, n, name);
     pthread_mutex_lock(&st->mu);
     size_t i = find(st, name);
-    bool yes = i != SIZE_MAX && st->e[i].info.n_ids == n && memcmp(st->e[i].ids, ids, n * sizeof *ids) == 0;
+    bool yes = i != SIZE_MAX && st->e[i].info.n_ids == n && same_partition(&st->e[i], owner) &&
+               memcmp(st->e[i].ids, ids, n * sizeof *ids) == 0;
     pthread_mutex_unlock(&st->mu);
     return yes;
 }
@@ -343,7 +355,7 @@ int ds41_snapshot_store_load(ds41_snapshot_store *st, const char *name, ds41_sna
     int rc = ds41_snapshot_read(p, st->o.model_id, max_raw_for(st, n_ids), out, &e);
     char want[DS41_SNAPSHOT_NAME_LEN + 1];
     if (rc == 0) {
-        ds41_snapshot_store_name(out->ids, out->n_ids, want);
+        ds41_snapshot_store_name(&out->owner, out->ids, out->n_ids, want);
         if (strcmp(want, name) != 0) {
             ds41_snapshot_free(out);
             rc = ds41_fail(&e, "%s: its ids do not match its name", p);
@@ -369,16 +381,17 @@ int ds41_snapshot_store_load(ds41_snapshot_store *st, const char *name, ds41_sna
     return 0;
 }
 
-static void do_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv, size_t kv_len,
-                    const uint8_t *sampler, size_t sampler_len, ds41_snapshot_entry *out, int *rc,
-                    ds41_error *err) {
+static void do_save(ds41_snapshot_store *st, const ds41_snapshot_owner *owner, const int32_t *ids, size_t n,
+                    const uint8_t *kv, size_t kv_len, const uint8_t *sampler, size_t sampler_len,
+                    ds41_snapshot_entry *out, int *rc, ds41_error *err) {
     ds41_snapshot_entry info = {0};
-    ds41_snapshot_store_name(ids, n, info.name);
+    ds41_snapshot_store_name(owner, ids, n, info.name);
+    info.owner = *owner;
     char p[PATH_MAX];
     path_of(st, info.name, p, sizeof p);
     uint64_t bytes = 0;
-    *rc = ds41_snapshot_write(p, st->o.model_id, ids, n, kv, kv_len, sampler, sampler_len, &st->o.write,
-                              &bytes, err);
+    *rc = ds41_snapshot_write(p, st->o.model_id, owner, ids, n, kv, kv_len, sampler, sampler_len,
+                              &st->o.write, &bytes, err);
     int32_t *copy = *rc == 0 ? malloc(n * sizeof *copy) : NULL;
     if (*rc == 0 && !copy) *rc = ds41_fail(err, "out of memory");
     pthread_mutex_lock(&st->mu);
@@ -400,22 +413,23 @@ static void do_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const
     pthread_mutex_unlock(&st->mu);
 }
 
-int ds41_snapshot_store_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv,
-                             size_t kv_len, const uint8_t *sampler, size_t sampler_len,
-                             ds41_snapshot_entry *entry, ds41_error *err) {
+int ds41_snapshot_store_save(ds41_snapshot_store *st, const ds41_snapshot_owner *owner, const int32_t *ids,
+                             size_t n, const uint8_t *kv, size_t kv_len, const uint8_t *sampler,
+                             size_t sampler_len, ds41_snapshot_entry *entry, ds41_error *err) {
     int rc;
-    do_save(st, ids, n, kv, kv_len, sampler, sampler_len, entry, &rc, err);
+    do_save(st, owner, ids, n, kv, kv_len, sampler, sampler_len, entry, &rc, err);
     return rc;
 }
 
-int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t n, uint8_t *kv,
-                                   size_t kv_len, ds41_error *err) {
+int ds41_snapshot_store_save_async(ds41_snapshot_store *st, const ds41_snapshot_owner *owner, int32_t *ids,
+                                   size_t n, uint8_t *kv, size_t kv_len, ds41_error *err) {
     wjob *j = calloc(1, sizeof *j);
     if (!j) {
         free(ids);
         free(kv);
         return ds41_fail(err, "out of memory");
     }
+    j->owner = *owner;
     j->ids = ids;
     j->n = n;
     j->kv = kv;

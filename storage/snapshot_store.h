@@ -2,13 +2,21 @@
  * prefix cache (issue 7, part 6).
  *
  * Files.  DIR/<name>.snap, the format of storage/snapshot.h; <name> is 40 lowercase hex digits,
- * the first 20 bytes of the SHA-256 of the snapshot's token ids (u32 little-endian each), so a
- * token sequence has exactly one file and saving it again replaces it.  Temporary files of
- * crashed writers (".tmp-*") are removed when the store opens.
+ * the first 20 bytes of the SHA-256 of the snapshot's partition key followed by its token ids (u32
+ * little-endian each), so a token sequence has exactly one file per partition and saving it again
+ * replaces it; the same ids of two partitions are two files.
+ *
+ * Partitions (issue 13).  Every snapshot belongs to the partition recorded in its file
+ * (ds41_snapshot_owner: the key the daemon derives from the peer's uid and cache_salt, and the
+ * owner uid).  A lookup names the partition and sees only that partition's snapshots, also after
+ * a restart, so one user's prompt is never restored for another (nor revealed by cached_tokens).
+ *
+ * Temporary files of crashed writers (".tmp-*") are removed when the store opens.
  *
  * Index.  An in-memory table of every valid snapshot's token ids, rebuilt when the store opens
  * from each file's head and ids (head_check verified; the payload is not read).  Files named like
- * snapshots that are not valid snapshot heads (truncated, corrupted, another format version) or
+ * snapshots that are not valid snapshot heads (truncated, corrupted, another format version --
+ * version 1 files, which predate partitions, among them) or
  * were made for another model (the model under this name was replaced) are logged and deleted:
  * they could never be restored.  ds41_snapshot_store_match picks the longest snapshot whose ids are a proper
  * prefix of a prompt (a linear scan: one comparison of at most the snapshot's length per snapshot). Loading
@@ -51,6 +59,7 @@ typedef struct ds41_snapshot_store_opts {
 typedef struct ds41_snapshot_entry {
     char name[DS41_SNAPSHOT_NAME_LEN + 1];
     size_t n_ids;
+    ds41_snapshot_owner owner;  /* its partition (key and owner uid) */
     uint64_t bytes;             /* file size */
     int64_t created, last_used; /* unix seconds */
     bool has_sampler;
@@ -70,31 +79,34 @@ int ds41_snapshot_store_open(const ds41_snapshot_store_opts *opts, ds41_snapshot
 /* Wait for queued writes, stop the writer, free.  NULL is fine. */
 void ds41_snapshot_store_free(ds41_snapshot_store *st);
 
-/* The name of ids[0..n) (40 hex digits + NUL). */
-void ds41_snapshot_store_name(const int32_t *ids, size_t n, char name[DS41_SNAPSHOT_NAME_LEN + 1]);
+/* The name of ids[0..n) in the partition of `owner` (its key; 40 hex digits + NUL). */
+void ds41_snapshot_store_name(const ds41_snapshot_owner *owner, const int32_t *ids, size_t n,
+                              char name[DS41_SNAPSHOT_NAME_LEN + 1]);
 
-/* The longest snapshot whose ids are a proper prefix of ids[0..n): its length (0 = none) and
- * name.  Counts a hit or a miss. */
-size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const int32_t *ids, size_t n,
-                                 char name[DS41_SNAPSHOT_NAME_LEN + 1]);
+/* The longest snapshot of owner's partition (the same key) whose ids are a proper prefix of
+ * ids[0..n): its length (0 = none) and name.  Counts a hit or a miss. */
+size_t ds41_snapshot_store_match(ds41_snapshot_store *st, const ds41_snapshot_owner *owner,
+                                 const int32_t *ids, size_t n, char name[DS41_SNAPSHOT_NAME_LEN + 1]);
 
-/* Whether a snapshot of exactly ids[0..n) is indexed. */
-bool ds41_snapshot_store_contains(ds41_snapshot_store *st, const int32_t *ids, size_t n);
+/* Whether a snapshot of exactly ids[0..n) is indexed in owner's partition. */
+bool ds41_snapshot_store_contains(ds41_snapshot_store *st, const ds41_snapshot_owner *owner,
+                                  const int32_t *ids, size_t n);
 
 /* Read and verify snapshot `name` (40 hex digits) into *out (ds41_snapshot_free).  It becomes
  * the most recently used.  Errors name the file; a file that fails verification is deleted
  * and leaves the index; an unknown or malformed name: "no snapshot NAME". */
 int ds41_snapshot_store_load(ds41_snapshot_store *st, const char *name, ds41_snapshot *out, ds41_error *err);
 
-/* Write a snapshot of ids[0..n) now (replacing one of the same ids), then apply the cap.  *entry
- * (may be NULL) describes it. */
-int ds41_snapshot_store_save(ds41_snapshot_store *st, const int32_t *ids, size_t n, const uint8_t *kv,
-                             size_t kv_len, const uint8_t *sampler, size_t sampler_len,
-                             ds41_snapshot_entry *entry, ds41_error *err);
+/* Write a snapshot of ids[0..n) in owner's partition now (replacing one of the same ids and
+ * partition), then apply the cap.  *entry (may be NULL) describes it. */
+int ds41_snapshot_store_save(ds41_snapshot_store *st, const ds41_snapshot_owner *owner, const int32_t *ids,
+                             size_t n, const uint8_t *kv, size_t kv_len, const uint8_t *sampler,
+                             size_t sampler_len, ds41_snapshot_entry *entry, ds41_error *err);
 
-/* Queue a save; ids and kv (malloc'd) are taken over, also on error (then freed). */
-int ds41_snapshot_store_save_async(ds41_snapshot_store *st, int32_t *ids, size_t n, uint8_t *kv,
-                                   size_t kv_len, ds41_error *err);
+/* Queue a save; ids and kv (malloc'd) are taken over, also on error (then freed); owner is
+ * copied. */
+int ds41_snapshot_store_save_async(ds41_snapshot_store *st, const ds41_snapshot_owner *owner, int32_t *ids,
+                                   size_t n, uint8_t *kv, size_t kv_len, ds41_error *err);
 /* Wait until every queued save is written (or failed). */
 void ds41_snapshot_store_flush(ds41_snapshot_store *st);
 

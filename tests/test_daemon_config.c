@@ -188,6 +188,7 @@ static const bad_case bad_cases[] = {
     {"limits.drain_timeout_s", V("3601", "1h"), NULL},
     {"prefix_cache.enabled", V("yes", "no", "null"), NULL},
     {"prefix_cache.max_bytes", V("-1", "1.1B", "many"), NULL},
+    {"prefix_cache.share_across_users", V("yes", "1", "null", "shared"), NULL},
     {"snapshots.enabled", V("yes", "1", "null"), NULL},
     {"snapshots.max_bytes", V("-1", "auto", "lots"), NULL},
     {"snapshots.test_save_delay_ms", V("600001", "-1", "5s"), NULL},

@@ -141,6 +141,12 @@ static void test_chat_parse_errors(void) {
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"seed\":\"1\"}", "seed", "invalid_type"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"model\":7}", "model", "invalid_type"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"\\u0000\"}]}", "", "invalid_json"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":5}", "cache_salt",
+         "invalid_type"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":\"\"}", "cache_salt",
+         "invalid_value"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":\"a\\u0000b\"}", "",
+         "invalid_json"},
     };
     size_t n = sizeof cases / sizeof cases[0];
     size_t failed_at = n;
@@ -225,6 +231,21 @@ static void test_chat_parse_full(void) {
                   !r.gen.has_seed && !r.gen.model && r.gen.thinking == DS41_THINKING_DEFAULT &&
                   r.gen.max_tokens == 0,
               "chat: null means not given");
+    if (rc == 0) ds41_api_request_free(&r);
+
+    /* cache_salt (issue 13): 1..256 bytes, kept; the peer uid is the caller's to fill (-1 until then) */
+    char salty[600];
+    snprintf(salty, sizeof salty,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":\"%0256d\"}", 7);
+    rc = ds41_api_parse_chat(salty, strlen(salty), &r, &err);
+    TAP_CHECK(rc == 0 && r.gen.cache_salt && strlen(r.gen.cache_salt) == 256 && r.gen.peer_uid == -1,
+              "chat: a 256-byte cache_salt is kept, peer_uid starts unknown (%s)", rc ? err.message : "ok");
+    if (rc == 0) ds41_api_request_free(&r);
+    snprintf(salty, sizeof salty,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":\"%0257d\"}", 7);
+    rc = ds41_api_parse_chat(salty, strlen(salty), &r, &err);
+    TAP_CHECK(rc == -1 && strcmp(err.param, "cache_salt") == 0 && strcmp(err.code, "invalid_value") == 0,
+              "chat: a 257-byte cache_salt is refused naming the field (%s)", err.message);
     if (rc == 0) ds41_api_request_free(&r);
 }
 
@@ -322,6 +343,7 @@ static void test_completion_parse(void) {
         {"{\"prompt\":\"a\",\"messages\":[]}", "messages", "unknown_field"},
         {"{\"prompt\":\"a\",\"logprobs\":true}", "logprobs", "invalid_type"},
         {"{\"prompt\":\"a\",\"logprobs\":2,\"echo\":true}", "echo", "unsupported_parameter"},
+        {"{\"prompt\":\"a\",\"cache_salt\":[\"x\"]}", "cache_salt", "invalid_type"},
     };
     size_t n = sizeof bad / sizeof bad[0], fail = n;
     char got[1024] = "";
@@ -416,6 +438,16 @@ static void test_chat_nonstream(void) {
                   jint(x.json, "usage.prompt_tokens_details.cached_tokens") == 2 &&
                   jint(x.json, "usage.completion_tokens_details.reasoning_tokens") == 0,
               "chat non-stream: usage with cached_tokens and reasoning_tokens");
+    /* issue 13: response ids must not count the requests other users made in between */
+    char id1[64] = "";
+    snprintf(id1, sizeof id1, "%s", x.json ? jstr(x.json, "id") : "");
+    resp_free(&x);
+    x = post("/v1/chat/completions", chat_body("\"model\":\"mock-model\""));
+    const char *id2 = x.json ? jstr(x.json, "id") : "";
+    bool ids_ok = strlen(id1) == 33 && strlen(id2) == 33 && strncmp(id1, id2, 17) == 0 &&
+                  strcmp(id1, id2) != 0 && strtoull(id2 + 17, NULL, 16) - strtoull(id1 + 17, NULL, 16) > 1000;
+    TAP_CHECK(ids_ok, "chat: response ids of consecutive requests are unique and not a counter (%s, %s)", id1,
+              id2);
     resp_free(&x);
 
     x = post("/v1/chat/completions", chat_body("\"thinking\":{\"type\":\"enabled\"}"));

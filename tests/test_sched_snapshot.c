@@ -76,8 +76,8 @@ static bool wait_for(rec *r, size_t deltas, int seconds) {
     return ok;
 }
 
-static int submit(ds41_scheduler *s, const int32_t *ids, size_t n, uint32_t max_tokens, rec *r,
-                  uint64_t *id) {
+static int submit_in(ds41_scheduler *s, const ds41_sched_partition *part, const int32_t *ids, size_t n,
+                     uint32_t max_tokens, rec *r, uint64_t *id) {
     ds41_generation_params p = ds41_generation_params_default();
     p.kind = DS41_GENERATION_IDS;
     uint32_t u[1024];
@@ -91,7 +91,15 @@ static int submit(ds41_scheduler *s, const int32_t *ids, size_t n, uint32_t max_
     ds41_error err;
     if (ds41_generation_new(TOK, &p, NV, &g, &err) != 0) return -1;
     ds41_sched_sink sink = {.delta = on_delta, .done = on_done, .ctx = r};
-    return ds41_scheduler_submit(s, g, &sink, id, &err) == DS41_SCHED_DONE ? 0 : -1;
+    return (part ? ds41_scheduler_submit_in(s, part, g, &sink, id, &err)
+                 : ds41_scheduler_submit(s, g, &sink, id, &err)) == DS41_SCHED_DONE
+               ? 0
+               : -1;
+}
+
+static int submit(ds41_scheduler *s, const int32_t *ids, size_t n, uint32_t max_tokens, rec *r,
+                  uint64_t *id) {
+    return submit_in(s, NULL, ids, n, max_tokens, r, id);
 }
 
 /* ---- a disk tier in memory -------------------------------------------------------------------- */
@@ -101,12 +109,16 @@ typedef struct mem_disk {
     size_t kv_len;
     int32_t ids[1024];
     size_t n_ids;
+    ds41_sched_partition part;         /* of the stored entry: a restore matches it, as the real store does */
+    ds41_sched_partition restore_part; /* what the last restore asked for */
     int evicted_calls, restore_calls;
 } mem_disk;
 
-static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, size_t n) {
+static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const ds41_sched_partition *part,
+                         const int32_t *ids, size_t n) {
     mem_disk *d = ctx;
     d->evicted_calls++;
+    d->part = *part;
     free(d->kv);
     d->kv_len = ds41_kv_seq_serialized_size(seq);
     d->kv = malloc(d->kv_len);
@@ -117,12 +129,15 @@ static void disk_evicted(void *ctx, const ds41_kv_seq *seq, const int32_t *ids, 
     memcpy(d->ids, ids, d->n_ids * sizeof *ids);
 }
 
-static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const int32_t *ids, size_t n,
-                                 size_t *n_cached) {
+static ds41_kv_seq *disk_restore(void *ctx, ds41_kv_pool *pool, const ds41_sched_partition *part,
+                                 const int32_t *ids, size_t n, size_t *n_cached) {
     mem_disk *d = ctx;
     d->restore_calls++;
+    d->restore_part = *part;
     *n_cached = 0;
-    if (!d->kv || d->n_ids >= n || memcmp(d->ids, ids, d->n_ids * sizeof *ids) != 0) return NULL;
+    if (!d->kv || d->n_ids >= n || memcmp(d->ids, ids, d->n_ids * sizeof *ids) != 0 ||
+        memcmp(d->part.key, part->key, sizeof part->key) != 0)
+        return NULL;
     ds41_kv_seq *seq = NULL;
     ds41_error err;
     if (ds41_kv_seq_deserialize(pool, d->kv, d->kv_len, &seq, &err) != 0) return NULL;
@@ -197,6 +212,55 @@ static void test_disk_tier(void) {
     free(d.kv);
 }
 
+/* Issue 13: the disk tier gets each entry's partition to record, and each restore the partition
+ * of the request that missed: another user's stored conversation is not restored for it. */
+static void test_disk_partitions(void) {
+    ds41_sched_partition pa, pb;
+    ds41_sched_partition_make(1000, false, NULL, 0, &pa);
+    ds41_sched_partition_make(1001, false, NULL, 0, &pb);
+    mem_disk d = {0};
+    ds41_sched_config c = config(&d);
+    ds41_scheduler *s = NULL;
+    ds41_error err = {{0}};
+    int32_t turn1[30];
+    for (int i = 0; i < 30; i++) turn1[i] = 11 + (i * 41) % 650;
+    rec r1;
+    rec_init(&r1);
+    uint64_t id;
+    if (ds41_scheduler_new(E, &c, &s, &err) != 0) return;
+    submit_in(s, &pa, turn1, 30, 4, &r1, &id);
+    wait_for(&r1, 0, 60);
+    ds41_scheduler_free(s, 1000);
+    TAP_CHECK(d.evicted_calls == 2 && memcmp(d.part.key, pa.key, sizeof pa.key) == 0 &&
+                  d.part.owner_uid == 1000,
+              "the disk tier gets the partition of the entries it stores (owner %lld)",
+              (long long)d.part.owner_uid);
+    int32_t turn2[64];
+    memcpy(turn2, d.ids, d.n_ids * sizeof *turn2);
+    size_t n2 = d.n_ids;
+    for (int i = 0; i < 6; i++) turn2[n2++] = 9 + i;
+    const size_t stored = d.n_ids;
+    d.restore_calls = 0;
+    rec rb, ra;
+    rec_init(&rb);
+    rec_init(&ra);
+    if (ds41_scheduler_new(E, &c, &s, &err) != 0) return;
+    submit_in(s, &pb, turn2, n2, 3, &rb, &id);
+    wait_for(&rb, 0, 60);
+    bool asked_b = memcmp(d.restore_part.key, pb.key, sizeof pb.key) == 0;
+    submit_in(s, &pa, turn2, n2, 3, &ra, &id);
+    wait_for(&ra, 0, 60);
+    bool asked_a = memcmp(d.restore_part.key, pa.key, sizeof pa.key) == 0;
+    ds41_scheduler_free(s, 1000);
+    TAP_CHECK(rb.n_done == 1 && rb.cached == 0 && asked_b,
+              "another uid's miss asks the disk tier for its own partition and gets nothing (cached %zu)",
+              rb.cached);
+    TAP_CHECK(ra.n_done == 1 && ra.cached == stored && asked_a && d.restore_calls == 2,
+              "the owner's miss is served from the disk tier (cached %zu of %zu; %d restores)", ra.cached, n2,
+              d.restore_calls);
+    free(d.kv);
+}
+
 static void test_export_import(void) {
     ds41_sched_config c = config(NULL);
     ds41_scheduler *s = NULL;
@@ -227,27 +291,37 @@ static void test_export_import(void) {
     ds41_scheduler_cancel(s, id);
     wait_for(&r, 0, 60);
     char cid[32] = "";
-    int irc = rc == 0 ? ds41_scheduler_import(s, kv, len, x.ids, x.n_ids, cid, &err) : -1;
+    int irc = rc == 0 ? ds41_scheduler_import(s, &x.part, kv, len, x.ids, x.n_ids, cid, &err) : -1;
     TAP_CHECK(irc == 0 && cid[0] == 'c', "import puts it into the prefix cache as %s (%s)", cid,
               irc ? err.msg : "ok");
     ds41_sched_export y;
     int erc = ds41_scheduler_export(s, cid, &y, &err);
-    TAP_CHECK(erc == 0 && y.n_ids == x.n_ids && !y.sampler && ds41_kv_seq_tokens(y.seq) == y.n_ids,
-              "export of a cache entry (%s)", erc ? err.msg : "ok");
+    TAP_CHECK(erc == 0 && y.n_ids == x.n_ids && !y.sampler && ds41_kv_seq_tokens(y.seq) == y.n_ids &&
+                  memcmp(y.part.key, x.part.key, sizeof x.part.key) == 0 &&
+                  y.part.owner_uid == x.part.owner_uid,
+              "export of a cache entry, with the partition it was imported into (%s)", erc ? err.msg : "ok");
     ds41_sched_export_free(&y);
-    TAP_CHECK(irc != 0 || ds41_scheduler_import(s, kv, len, x.ids, x.n_ids - 1, NULL, &err) == -1,
+    TAP_CHECK(irc != 0 || ds41_scheduler_import(s, &x.part, kv, len, x.ids, x.n_ids - 1, NULL, &err) == -1,
               "import refuses ids that do not match the state (%s)", err.msg);
     if (kv && len > 20) kv[20] ^= 1;
-    TAP_CHECK(!kv || ds41_scheduler_import(s, kv, len, x.ids, x.n_ids, NULL, &err) == -1,
+    TAP_CHECK(!kv || ds41_scheduler_import(s, &x.part, kv, len, x.ids, x.n_ids, NULL, &err) == -1,
               "import refuses a damaged state (%s)", err.msg);
     TAP_CHECK(ds41_scheduler_export(s, "r999999", &y, &err) == -1 && strstr(err.msg, "no session"),
               "export of an unknown session (%s)", err.msg);
     TAP_CHECK(ds41_scheduler_export(s, "x1", &y, &err) == -1, "export of a malformed id (%s)", err.msg);
-    /* a request that uses the imported entry */
+    /* a request that uses the imported entry -- only in the partition it was imported into */
     if (irc == 0) {
         int32_t more[400];
         memcpy(more, x.ids, x.n_ids * sizeof *more);
         more[x.n_ids] = 9;
+        ds41_sched_partition other;
+        ds41_sched_partition_make(4242, false, NULL, 0, &other);
+        rec o;
+        rec_init(&o);
+        submit_in(s, &other, more, x.n_ids + 1, 3, &o, &id);
+        wait_for(&o, 0, 60);
+        TAP_CHECK(o.n_done == 1 && o.cached == 0 && x.part.owner_uid == -1,
+                  "an imported entry is not reused by another partition (%zu cached)", o.cached);
         rec q;
         rec_init(&q);
         submit(s, more, x.n_ids + 1, 3, &q, &id);
@@ -279,6 +353,7 @@ int main(void) {
     if (TAP_CHECK(TOK != NULL, "tiny checkpoint, engine, tokenizer (%s)", TOK ? "ok" : err.msg)) {
         NV = (uint32_t)ds41_engine_config(E)->vocab_size;
         test_disk_tier();
+        test_disk_partitions();
         test_export_import();
     }
     ds41_tokenizer_free(TOK);

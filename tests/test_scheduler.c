@@ -360,6 +360,104 @@ static void test_prefix_cache(void) {
     rec_destroy(&r3);
 }
 
+/* Issue 13: the prefix cache must not tell one peer what another sent.  Requests of different
+ * partitions (peer uid, cache_salt) never reuse each other's entries; the same partition still
+ * hits exactly as before; with sharing on, only the salt separates. */
+typedef struct owner_acc {
+    int n_cached;
+    int64_t uids[32];
+} owner_acc;
+
+static void emit_owner(void *a, const ds41_sched_session *ss) {
+    owner_acc *acc = a;
+    if (strcmp(ss->state, "cached") == 0 && acc->n_cached < 32) acc->uids[acc->n_cached++] = ss->owner_uid;
+}
+
+static size_t run_in(ds41_scheduler *s, const ds41_sched_partition *part, const uint32_t *ids, size_t n,
+                     int32_t *tokens) {
+    rec r;
+    rec_init(&r);
+    ds41_sched_sink sk = sink_of(&r);
+    uint64_t id;
+    ds41_error err;
+    size_t cached = SIZE_MAX;
+    if (ds41_scheduler_submit_in(s, part, make_gen(ids, n, 21, 6), &sk, &id, &err) == DS41_SCHED_DONE &&
+        rec_wait_done(&r, 60) && r.status == DS41_SCHED_DONE)
+        cached = r.cached;
+    if (tokens) memcpy(tokens, r.tokens, 6 * sizeof *tokens);
+    rec_destroy(&r);
+    return cached;
+}
+
+static void test_prefix_partitions(void) {
+    ds41_sched_partition a, a_salt, b, none, sh_a, sh_b, sh_b_salt, x1, x2;
+    ds41_sched_partition_make(1000, false, NULL, 0, &a);
+    ds41_sched_partition_make(1000, false, "s1", 2, &a_salt);
+    ds41_sched_partition_make(1001, false, NULL, 0, &b);
+    ds41_sched_partition_make(-1, false, NULL, 0, &none);
+    ds41_sched_partition_make(1000, true, NULL, 0, &sh_a);
+    ds41_sched_partition_make(1001, true, NULL, 0, &sh_b);
+    ds41_sched_partition_make(1001, true, "s1", 2, &sh_b_salt);
+    ds41_sched_partition_make(1, false, "23", 2, &x1); /* "uid 1" + "23" vs "uid 12" + "3": length prefixes */
+    ds41_sched_partition_make(12, false, "3", 1, &x2);
+    const size_t kb = sizeof a.key;
+    TAP_CHECK(memcmp(a.key, b.key, kb) && memcmp(a.key, a_salt.key, kb) && memcmp(a.key, none.key, kb) &&
+                  memcmp(a.key, sh_a.key, kb) && !memcmp(sh_a.key, sh_b.key, kb) &&
+                  memcmp(sh_b.key, sh_b_salt.key, kb) && memcmp(x1.key, x2.key, kb) && a.owner_uid == 1000 &&
+                  sh_b.owner_uid == 1001 && none.owner_uid == -1,
+              "partition keys: one per uid and salt; with sharing one per salt; the owner uid kept");
+
+    ds41_sched_config cfg = base_config();
+    cfg.prefix_cache = true;
+    ds41_scheduler *s = NULL;
+    ds41_error err;
+    if (!TAP_CHECK(ds41_scheduler_new(E, &cfg, &s, &err) == 0, "scheduler (%s)", err.msg)) return;
+    const size_t np = 34; /* the issue's prompt: 33 of 34 tokens came from another user's entry */
+    const uint32_t *P = prompt_ids[5];
+    int32_t t_miss[6], t_hit[6];
+    size_t c_a = run_in(s, &a, P, np, t_miss);
+    size_t c_b = run_in(s, &b, P, np, NULL);
+    size_t c_none = run_in(s, &none, P, np, NULL);
+    size_t c_a2 = run_in(s, &a, P, np, t_hit);
+    TAP_CHECK(
+        c_a == 0 && c_b == 0 && c_none == 0 && c_a2 == np - 1,
+        "same prompt: another uid gets cached_tokens %zu, a peer without credentials %zu, the same uid %zu "
+        "of %zu",
+        c_b, c_none, c_a2, np);
+    TAP_CHECK(memcmp(t_miss, t_hit, sizeof t_miss) == 0,
+              "the hit in its own partition gives the tokens of the miss");
+    size_t c_as = run_in(s, &a_salt, P, np, NULL);
+    size_t c_as2 = run_in(s, &a_salt, P, np, NULL);
+    TAP_CHECK(c_as == 0 && c_as2 == np - 1, "same uid, another cache_salt: %zu, then %zu within that salt",
+              c_as, c_as2);
+    rec r;
+    rec_init(&r);
+    ds41_sched_sink sk = sink_of(&r);
+    uint64_t id;
+    ds41_scheduler_submit(s, make_gen(P, np, 21, 6), &sk, &id, &err);
+    rec_wait_done(&r, 60);
+    TAP_CHECK(r.n_done == 1 && r.cached == 0, "ds41_scheduler_submit's fixed partition is apart too (%zu)",
+              r.cached);
+    rec_destroy(&r);
+    size_t c_s1 = run_in(s, &sh_a, P, np, NULL);
+    size_t c_s2 = run_in(s, &sh_b, P, np, NULL);
+    size_t c_s3 = run_in(s, &sh_b_salt, P, np, NULL);
+    TAP_CHECK(c_s1 == 0 && c_s2 == np - 1 && c_s3 == 0,
+              "sharing across users: uid 1000 fills it (%zu), uid 1001 hits %zu of %zu, another salt %zu",
+              c_s1, c_s2, np, c_s3);
+    owner_acc acc = {0};
+    ds41_scheduler_sessions(s, emit_owner, &acc);
+    bool has_1000 = false, has_1001 = false, has_none = false;
+    for (int i = 0; i < acc.n_cached; i++) {
+        has_1000 |= acc.uids[i] == 1000;
+        has_1001 |= acc.uids[i] == 1001;
+        has_none |= acc.uids[i] == -1;
+    }
+    TAP_CHECK(has_1000 && has_1001 && has_none, "cache entries carry their owner uid (%d entries)",
+              acc.n_cached);
+    ds41_scheduler_free(s, 0);
+}
+
 static void test_cancel_and_limits(void) {
     ds41_sched_config cfg = base_config();
     cfg.max_sequences = 1;
@@ -481,6 +579,7 @@ int main(void) {
     test_concurrent();
     test_interleave();
     test_prefix_cache();
+    test_prefix_partitions();
     test_cancel_and_limits();
     test_stop();
     test_engram_streamed(dir);

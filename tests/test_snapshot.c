@@ -21,6 +21,9 @@
 
 static char ROOT[512];
 static uint8_t MODEL_A[32], MODEL_B[32];
+/* two prefix-cache partitions (issue 13): different keys, different owners */
+static ds41_snapshot_owner OWN_A = {.key = {0xA0, 1, 2, 3}, .uid = 1000},
+                           OWN_B = {.key = {0xB0, 1, 2, 3}, .uid = 1001};
 
 static uint8_t *slurp(const char *path, size_t *len) {
     *len = 0;
@@ -48,9 +51,9 @@ static uint64_t get64(const uint8_t *p) {
 /* Recompute both checksums (to reach the checks behind them). */
 static void fix_checks(uint8_t *b, size_t len) {
     uint64_t n_ids = get64(b + 48);
-    uint64_t hc = ds41_crc64(0, b, 88);
-    hc = ds41_crc64(hc, b + 96, 4 * n_ids);
-    put64(b + 88, hc);
+    uint64_t hc = ds41_crc64(0, b, 128);
+    hc = ds41_crc64(hc, b + DS41_SNAPSHOT_HEAD_BYTES, 4 * n_ids);
+    put64(b + 128, hc);
     put64(b + len - 8, ds41_crc64(0, b, len - 8));
 }
 
@@ -93,7 +96,8 @@ static void test_round_trip(void) {
     snprintf(path, sizeof path, "%s/one.snap", ROOT);
     ds41_error err = {{0}};
     uint64_t bytes = 0;
-    int rc = ds41_snapshot_write(path, MODEL_A, IDS, 300, KV, sizeof KV, SMP, sizeof SMP, NULL, &bytes, &err);
+    int rc = ds41_snapshot_write(path, MODEL_A, &OWN_A, IDS, 300, KV, sizeof KV, SMP, sizeof SMP, NULL,
+                                 &bytes, &err);
     struct stat st;
     TAP_CHECK(rc == 0 && stat(path, &st) == 0 && (uint64_t)st.st_size == bytes, "write (%llu bytes; %s)",
               (unsigned long long)bytes, rc ? err.msg : "ok");
@@ -106,6 +110,8 @@ static void test_round_trip(void) {
                   memcmp(s.sampler, SMP, sizeof SMP) == 0 && s.flags == DS41_SNAPSHOT_FLAG_SAMPLER &&
                   s.created > 0,
               "read gives back ids, KV state and sampler state (%s)", rc ? err.msg : "ok");
+    TAP_CHECK(rc == 0 && memcmp(s.owner.key, OWN_A.key, sizeof OWN_A.key) == 0 && s.owner.uid == 1000,
+              "read gives back the partition key and owner uid");
     ds41_snapshot_free(&s);
     rc = ds41_snapshot_read_head(path, MODEL_A, &s, &err);
     TAP_CHECK(rc == 0 && s.n_ids == 300 && memcmp(s.ids, IDS, sizeof IDS) == 0 && !s.kv &&
@@ -125,21 +131,21 @@ static void test_round_trip(void) {
     /* without a sampler */
     char p2[700];
     snprintf(p2, sizeof p2, "%s/two.snap", ROOT);
-    rc = ds41_snapshot_write(p2, MODEL_A, IDS, 1, KV, 10, NULL, 0, NULL, NULL, &err);
+    rc = ds41_snapshot_write(p2, MODEL_A, &OWN_A, IDS, 1, KV, 10, NULL, 0, NULL, NULL, &err);
     if (rc == 0) rc = ds41_snapshot_read(p2, NULL, 1 << 20, &s, &err);
     TAP_CHECK(rc == 0 && s.n_ids == 1 && s.kv_len == 10 && !s.sampler && s.flags == 0,
               "a snapshot without sampler state round-trips (%s)", rc ? err.msg : "ok");
     ds41_snapshot_free(&s);
     /* bad arguments */
     int32_t neg[2] = {1, -5};
-    TAP_CHECK(ds41_snapshot_write(p2, MODEL_A, neg, 2, KV, 10, NULL, 0, NULL, NULL, &err) == -1 &&
+    TAP_CHECK(ds41_snapshot_write(p2, MODEL_A, &OWN_A, neg, 2, KV, 10, NULL, 0, NULL, NULL, &err) == -1 &&
                   strstr(err.msg, "negative"),
               "negative ids are refused at write (%s)", err.msg);
-    TAP_CHECK(ds41_snapshot_write(p2, MODEL_A, IDS, 0, KV, 10, NULL, 0, NULL, NULL, &err) == -1,
+    TAP_CHECK(ds41_snapshot_write(p2, MODEL_A, &OWN_A, IDS, 0, KV, 10, NULL, 0, NULL, NULL, &err) == -1,
               "no ids is refused at write (%s)", err.msg);
     char p3[700];
     snprintf(p3, sizeof p3, "%s/missing-dir/x.snap", ROOT);
-    TAP_CHECK(ds41_snapshot_write(p3, MODEL_A, IDS, 3, KV, 10, NULL, 0, NULL, NULL, &err) == -1 &&
+    TAP_CHECK(ds41_snapshot_write(p3, MODEL_A, &OWN_A, IDS, 3, KV, 10, NULL, 0, NULL, NULL, &err) == -1 &&
                   strstr(err.msg, p3),
               "an unwritable place fails naming the file (%s)", err.msg);
     rc = ds41_snapshot_read(p3, MODEL_A, 1 << 20, &s, &err);
@@ -175,9 +181,9 @@ static void test_round_trip(void) {
     TAP_CHECK(refused(b, len + 1, MODEL_A, 1 << 20, "trailing data", msg, sizeof msg), "trailing data (%s)",
               msg);
     memcpy(b, file, len);
-    b[8] = 2;
+    b[8] = 3;
     fix_checks(b, len);
-    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "format version 2, this build reads 1", msg, sizeof msg),
+    TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "format version 3, this build reads 2", msg, sizeof msg),
               "another format version (%s)", msg);
     memcpy(b, file, len);
     b[12] = 4;
@@ -187,7 +193,7 @@ static void test_round_trip(void) {
     b[0] = 'X';
     TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "bad magic", msg, sizeof msg), "bad magic (%s)", msg);
     memcpy(b, file, len);
-    b[96 + 3] = 0x80; /* id 0 >= 2^31 */
+    b[DS41_SNAPSHOT_HEAD_BYTES + 3] = 0x80; /* id 0 >= 2^31 */
     fix_checks(b, len);
     TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "out of range", msg, sizeof msg), "an id beyond int32 (%s)",
               msg);
@@ -197,7 +203,7 @@ static void test_round_trip(void) {
     TAP_CHECK(refused(b, len, MODEL_A, 1 << 20, "does not declare", msg, sizeof msg),
               "lengths that disagree with the zstd frame (%s)", msg);
     memcpy(b, file, len);
-    b[96 + 4 * 300 + 60] ^=
+    b[DS41_SNAPSHOT_HEAD_BYTES + 4 * 300 + 60] ^=
         0x55; /* inside the zstd frame, checksums fixed: zstd must catch it or the sizes */
     fix_checks(b, len);
     {
@@ -220,11 +226,11 @@ static void test_atomic(void) {
     snprintf(path, sizeof path, "%s/victim.snap", dir);
     ds41_error err = {{0}};
     /* an old version of the file exists */
-    int rc = ds41_snapshot_write(path, MODEL_A, IDS, 10, KV, 100, NULL, 0, NULL, NULL, &err);
+    int rc = ds41_snapshot_write(path, MODEL_A, &OWN_A, IDS, 10, KV, 100, NULL, 0, NULL, NULL, &err);
     pid_t pid = fork();
     if (pid == 0) {
         ds41_snapshot_write_opts o = {.test_delay_ms = 5000};
-        ds41_snapshot_write(path, MODEL_A, IDS, 300, KV, sizeof KV, NULL, 0, &o, NULL, &err);
+        ds41_snapshot_write(path, MODEL_A, &OWN_A, IDS, 300, KV, sizeof KV, NULL, 0, &o, NULL, &err);
         _exit(0);
     }
     /* wait until the temporary file appears, then kill the writer mid-save */
@@ -301,19 +307,19 @@ static void test_store(void) {
     int rc = ds41_snapshot_store_open(&o, &st, &err);
     if (!TAP_CHECK(rc == 0, "store: opens (creating %s) (%s)", dir, rc ? err.msg : "ok")) return;
     ds41_snapshot_entry e100, e200;
-    rc = ds41_snapshot_store_save(st, IDS, 100, KV, 1000, NULL, 0, &e100, &err);
-    if (rc == 0) rc = ds41_snapshot_store_save(st, IDS, 200, KV, 2000, SMP, sizeof SMP, &e200, &err);
+    rc = ds41_snapshot_store_save(st, &OWN_A, IDS, 100, KV, 1000, NULL, 0, &e100, &err);
+    if (rc == 0) rc = ds41_snapshot_store_save(st, &OWN_A, IDS, 200, KV, 2000, SMP, sizeof SMP, &e200, &err);
     TAP_CHECK(rc == 0 && strlen(e100.name) == 40 && e200.has_sampler && e200.n_ids == 200,
               "store: two saves (%s)", rc ? err.msg : "ok");
     char name[41];
-    size_t m1 = ds41_snapshot_store_match(st, IDS, 250, name);
+    size_t m1 = ds41_snapshot_store_match(st, &OWN_A, IDS, 250, name);
     bool n1 = strcmp(name, e200.name) == 0;
-    size_t m2 = ds41_snapshot_store_match(st, IDS, 150, name);
-    size_t m3 = ds41_snapshot_store_match(st, IDS, 100, name);
+    size_t m2 = ds41_snapshot_store_match(st, &OWN_A, IDS, 150, name);
+    size_t m3 = ds41_snapshot_store_match(st, &OWN_A, IDS, 100, name);
     int32_t other[120];
     memcpy(other, IDS, sizeof other);
     other[50] ^= 1;
-    size_t m4 = ds41_snapshot_store_match(st, other, 120, name);
+    size_t m4 = ds41_snapshot_store_match(st, &OWN_A, other, 120, name);
     TAP_CHECK(m1 == 200 && n1 && m2 == 100 && m3 == 0 && m4 == 0,
               "store: match finds the longest proper prefix (%zu %zu %zu %zu)", m1, m2, m3, m4);
     ds41_snapshot s;
@@ -326,10 +332,11 @@ static void test_store(void) {
     uint8_t *kv = malloc(500);
     memcpy(ids, IDS, 50 * sizeof *ids);
     memcpy(kv, KV, 500);
-    rc = ds41_snapshot_store_save_async(st, ids, 50, kv, 500, &err);
+    rc = ds41_snapshot_store_save_async(st, &OWN_A, ids, 50, kv, 500, &err);
     ds41_snapshot_store_flush(st);
     ds41_snapshot_entry v[16];
-    TAP_CHECK(rc == 0 && count_entries(st, v) == 3 && ds41_snapshot_store_match(st, IDS, 60, name) == 50,
+    TAP_CHECK(rc == 0 && count_entries(st, v) == 3 &&
+                  ds41_snapshot_store_match(st, &OWN_A, IDS, 60, name) == 50,
               "store: an asynchronous save is indexed after flush");
     TAP_CHECK(ds41_snapshot_store_load(st, "../../etc/passwd", &s, &err) == -1 &&
                   strstr(err.msg, "no snapshot"),
@@ -342,12 +349,12 @@ static void test_store(void) {
     FILE *f = fopen(p, "w");
     if (f) fclose(f);
     char other_name[41];
-    ds41_snapshot_store_name(IDS, 7, other_name);
+    ds41_snapshot_store_name(&OWN_A, IDS, 7, other_name);
     snprintf(p, sizeof p, "%s/%s.snap", dir, other_name);
-    ds41_snapshot_write(p, MODEL_B, IDS, 7, KV, 10, NULL, 0, NULL, NULL, &err);
+    ds41_snapshot_write(p, MODEL_B, &OWN_A, IDS, 7, KV, 10, NULL, 0, NULL, NULL, &err);
     rc = ds41_snapshot_store_open(&o, &st, &err);
     size_t n_after = rc == 0 ? count_entries(st, v) : 0;
-    TAP_CHECK(rc == 0 && n_after == 3 && ds41_snapshot_store_match(st, IDS, 250, name) == 200,
+    TAP_CHECK(rc == 0 && n_after == 3 && ds41_snapshot_store_match(st, &OWN_A, IDS, 250, name) == 200,
               "store: reopening rebuilds the index from the files, skipping another model's (%zu entries)",
               n_after);
     snprintf(p, sizeof p, "%s/%s.snap", dir, other_name);
@@ -372,7 +379,7 @@ static void test_store(void) {
     rc = ds41_snapshot_store_load(st, e200.name, &s, &err);
     TAP_CHECK(
         rc == -1 && strstr(err.msg, p) && strstr(err.msg, "checksum") && stat(p, &sb) != 0 &&
-            ds41_snapshot_store_match(st, IDS, 250, name) == 100,
+            ds41_snapshot_store_match(st, &OWN_A, IDS, 250, name) == 100,
         "store: a corrupted snapshot is refused naming the file, deleted, and the next match falls back (%s)",
         err.msg);
     snprintf(p, sizeof p, "%s/%s.snap", dir, e100.name);
@@ -401,14 +408,14 @@ static void test_store(void) {
         x = x * 6364136223846793005u + 1442695040888963407u;
         noise[i] = (uint8_t)(x >> 56);
     }
-    ds41_snapshot_store_save(st, IDS, 10, noise, 1000, NULL, 0, &a, &err);
-    ds41_snapshot_store_save(st, IDS, 20, noise, 1000, NULL, 0, &b, &err);
+    ds41_snapshot_store_save(st, &OWN_A, IDS, 10, noise, 1000, NULL, 0, &a, &err);
+    ds41_snapshot_store_save(st, &OWN_A, IDS, 20, noise, 1000, NULL, 0, &b, &err);
     ds41_snapshot_store_load(st, a.name, &s, &err); /* a becomes the most recently used */
     ds41_snapshot_free(&s);
     sleep(1);
     ds41_snapshot_store_load(st, a.name, &s, &err);
     ds41_snapshot_free(&s);
-    ds41_snapshot_store_save(st, IDS, 30, noise, 1000, NULL, 0, &c, &err);
+    ds41_snapshot_store_save(st, &OWN_A, IDS, 30, noise, 1000, NULL, 0, &c, &err);
     size_t n = count_entries(st, v);
     bool has_a = false, has_b = false, has_c = false;
     for (size_t i = 0; i < n; i++) {
@@ -423,6 +430,104 @@ static void test_store(void) {
     TAP_CHECK(ds41_snapshot_store_remove(st, a.name, &err) == 0 &&
                   ds41_snapshot_store_remove(st, a.name, &err) == -1 && strstr(err.msg, "no snapshot"),
               "store: remove deletes once (%s)", err.msg);
+    ds41_snapshot_store_free(st);
+}
+
+/* ---- partitions (issue 13) -------------------------------------------------------------------- */
+
+static char LOGGED[2048];
+static void capture_log(void *ctx, const char *line) {
+    (void)ctx;
+    size_t n = strlen(LOGGED);
+    snprintf(LOGGED + n, sizeof LOGGED - n, "%s\n", line);
+}
+
+/* A file of format version 1 (before partitions): 96-byte head, ids, a payload, file_check. */
+static void write_v1(const char *path, const int32_t *ids, size_t n) {
+    size_t len = 96 + 4 * n + 20 + 8;
+    uint8_t *b = calloc(1, len);
+    memcpy(b, "DS41SNAP", 8);
+    b[8] = 1;
+    memcpy(b + 16, MODEL_A, 32);
+    put64(b + 48, n);
+    put64(b + 56, 20);
+    put64(b + 72, 20);
+    put64(b + 80, (uint64_t)time(NULL));
+    for (size_t i = 0; i < n; i++)
+        for (int k = 0; k < 4; k++) b[96 + 4 * i + k] = (uint8_t)((uint32_t)ids[i] >> (8 * k));
+    uint64_t hc = ds41_crc64(0, b, 88);
+    put64(b + 88, ds41_crc64(hc, b + 96, 4 * n));
+    put64(b + len - 8, ds41_crc64(0, b, len - 8));
+    FILE *f = fopen(path, "wb");
+    if (f) {
+        fwrite(b, 1, len, f);
+        fclose(f);
+    }
+    free(b);
+}
+
+static void test_partitions(void) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/store/parts", ROOT);
+    ds41_snapshot_store_opts o = {.dir = dir, .log = capture_log};
+    memcpy(o.model_id, MODEL_A, 32);
+    ds41_snapshot_store *st = NULL;
+    ds41_error err = {{0}};
+    if (!TAP_CHECK(ds41_snapshot_store_open(&o, &st, &err) == 0, "partitions: store opens (%s)", err.msg))
+        return;
+    ds41_snapshot_entry ea, eb;
+    int rc = ds41_snapshot_store_save(st, &OWN_A, IDS, 100, KV, 1000, NULL, 0, &ea, &err);
+    char name[41];
+    size_t mb = ds41_snapshot_store_match(st, &OWN_B, IDS, 150, name);
+    size_t ma = ds41_snapshot_store_match(st, &OWN_A, IDS, 150, name);
+    TAP_CHECK(rc == 0 && mb == 0 && ma == 100 && strcmp(name, ea.name) == 0,
+              "partitions: another partition's snapshot of the same prompt is not matched (B %zu, A %zu)", mb,
+              ma);
+    TAP_CHECK(ds41_snapshot_store_contains(st, &OWN_A, IDS, 100) &&
+                  !ds41_snapshot_store_contains(st, &OWN_B, IDS, 100),
+              "partitions: contains looks in the caller's partition only");
+    rc = ds41_snapshot_store_save(st, &OWN_B, IDS, 100, KV, 1000, NULL, 0, &eb, &err);
+    ds41_snapshot_entry v[16];
+    size_t n = count_entries(st, v);
+    bool owners = n == 2 && v[0].owner.uid + v[1].owner.uid == 2001;
+    TAP_CHECK(rc == 0 && strcmp(ea.name, eb.name) != 0 && owners,
+              "partitions: the same ids in two partitions are two files, listed with their owner uids");
+    ds41_snapshot_store_free(st);
+
+    /* a version-1 file (no partition) among them; then a restart */
+    int32_t old_ids[5] = {1, 2, 3, 4, 5};
+    char old_name[41], p[900];
+    ds41_snapshot_store_name(&OWN_A, old_ids, 5, old_name);
+    snprintf(p, sizeof p, "%s/%s.snap", dir, old_name);
+    write_v1(p, old_ids, 5);
+    ds41_snapshot s;
+    rc = ds41_snapshot_read_head(p, MODEL_A, &s, &err);
+    TAP_CHECK(rc == -1 && strstr(err.msg, p) && strstr(err.msg, "format version 1 has no cache partition"),
+              "partitions: a version-1 file is refused with a clear reason (%s)", err.msg);
+    LOGGED[0] = 0;
+    rc = ds41_snapshot_store_open(&o, &st, &err);
+    struct stat sb;
+    TAP_CHECK(rc == 0 && stat(p, &sb) != 0 && strstr(LOGGED, "format version 1 has no cache partition") &&
+                  strstr(LOGGED, old_name),
+              "partitions: reopening deletes the version-1 file with a log line naming it (%s)", LOGGED);
+    if (rc != 0) return;
+    ds41_snapshot_store_name(&OWN_A, IDS, 100, name);
+    n = count_entries(st, v);
+    ma = ds41_snapshot_store_match(st, &OWN_A, IDS, 150, name);
+    bool name_a = strcmp(name, ea.name) == 0;
+    mb = ds41_snapshot_store_match(st, &OWN_B, IDS, 150, name);
+    bool name_b = strcmp(name, eb.name) == 0;
+    ds41_snapshot_owner own_c = OWN_A; /* the same uid, another cache_salt */
+    own_c.key[31] ^= 1;
+    size_t mc = ds41_snapshot_store_match(st, &own_c, IDS, 150, name);
+    TAP_CHECK(
+        n == 2 && ma == 100 && name_a && mb == 100 && name_b && mc == 0,
+        "partitions: after a restart each partition matches only its own file, a third none (%zu %zu %zu)",
+        ma, mb, mc);
+    rc = ds41_snapshot_store_load(st, eb.name, &s, &err);
+    TAP_CHECK(rc == 0 && memcmp(s.owner.key, OWN_B.key, sizeof OWN_B.key) == 0 && s.owner.uid == 1001,
+              "partitions: a loaded snapshot carries its partition (%s)", rc ? err.msg : "ok");
+    ds41_snapshot_free(&s);
     ds41_snapshot_store_free(st);
 }
 
@@ -441,6 +546,7 @@ int main(void) {
     test_atomic();
     test_model_id();
     test_store();
+    test_partitions();
     tmpdir_remove(ROOT);
     return tap_done();
 }

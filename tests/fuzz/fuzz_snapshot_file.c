@@ -30,9 +30,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         uint64_t n_ids = 0;
         for (int i = 0; i < 8; i++) n_ids |= (uint64_t)b[48 + i] << (8 * i);
         if (n_ids <= (len - DS41_SNAPSHOT_HEAD_BYTES - 8) / 4) {
-            uint64_t hc = ds41_crc64(0, b, 88);
+            uint64_t hc = ds41_crc64(0, b, 128); /* head_check covers the head before it */
             hc = ds41_crc64(hc, b + DS41_SNAPSHOT_HEAD_BYTES, 4 * (size_t)n_ids);
-            put64(b + 88, hc);
+            put64(b + 128, hc);
         }
         put64(b + len - 8, ds41_crc64(0, b, len - 8));
     }
