@@ -111,9 +111,9 @@ import os, re, sys
 src, ckpt, helps = sys.argv[1], sys.argv[2], sys.argv[3:]
 EXT = r"(json|yaml|yml|md|py|h|c|sh|safetensors|conf|service|socket|txt)"
 BARE_EXT = r"(json|yaml|yml|md|py|h|c|sh|safetensors)"  # not .socket: listen.socket is a YAML key
-# a path with a slash ending in a file name, an absolute path, a bare file name: lower-case with a
+# a path with a slash ending in a file name, an absolute path (not ~/...: per user), a bare file name: lower-case with a
 # data extension (FILE.json, STREAMS.safetensors are placeholders) or any document or source file
-PATH = re.compile(r"(?<![\w./-])(/[\w.-]+(?:/[\w.-]+)*|[\w.-]+(?:/[\w.-]+)+\." + EXT + r"|[a-z0-9_][\w.-]*\." +
+PATH = re.compile(r"(?<![\w./~-])(/[\w.-]+(?:/[\w.-]+)*|[\w.-]+(?:/[\w.-]+)+\." + EXT + r"|[a-z0-9_][\w.-]*\." +
                   BARE_EXT + r"|[A-Za-z0-9_][\w.-]*\.(?:md|py|h|c|sh))(?![\w/])")
 packaging_meson = open(os.path.join(src, "packaging/meson.build")).read()
 tmpfiles = open(os.path.join(src, "packaging/tmpfiles.d/ds41d.conf")).read()
