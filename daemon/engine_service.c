@@ -1034,6 +1034,12 @@ static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
             ds41_svc_fail(err, DS41_SVC_KV_FULL, NULL, "%s", e.msg);
             err->retry_after_s = 5;
             break;
+        case DS41_SCHED_TOO_LARGE: /* waiting would not help: 400, not 503 + Retry-After */
+            ds41_svc_fail(
+                err, DS41_SVC_BAD_REQUEST, "max_tokens", "%s%s", e.msg,
+                req->max_tokens ? "" : "; the request gave no max_tokens, limits.max_tokens_default applied");
+            snprintf(err->code, sizeof err->code, "request_too_large_for_kv_pool");
+            break;
         case DS41_SCHED_STOPPING: ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "%s", e.msg); break;
         default: ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "%s", e.msg); break;
         }
