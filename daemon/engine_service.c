@@ -718,12 +718,23 @@ static model *acquire_model(ds41_engine_service *s, const char *name, ds41_svc_e
     const ds41_model_state state = effective_state(m, &lost);
     if (state != DS41_MODEL_READY) {
         const bool is_lost = state != m->state;
-        const char *what = is_lost                         ? "failed"
-                           : m->state == DS41_MODEL_LOADING ? "is loading"
-                           : m->state == DS41_MODEL_FAILED  ? "failed to load"
-                                                            : "is not loaded";
-        ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)", m->name, what,
-                      is_lost ? lost.msg : m->detail);
+        if (m->state == DS41_MODEL_UNLOADED) {
+            ds41_svc_fail(
+                err, DS41_SVC_UNAVAILABLE, "model",
+                "The model '%s' is configured but not loaded; load it with `ds41ctl models load %s` or "
+                "POST /admin/models/load {\"name\": \"%s\"}",
+                m->name, m->name, m->name);
+            snprintf(err->code, sizeof err->code, "model_not_loaded");
+        } else {
+            const char *what = is_lost                          ? "failed"
+                               : m->state == DS41_MODEL_LOADING ? "is loading"
+                                                                : "failed to load";
+            ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)%s%s%s", m->name, what,
+                          is_lost ? lost.msg : m->detail,
+                          m->state == DS41_MODEL_LOADING ? "" : "; load it again with `ds41ctl models load ",
+                          m->state == DS41_MODEL_LOADING ? "" : m->name,
+                          m->state == DS41_MODEL_LOADING ? "" : "`");
+        }
         err->retry_after_s = m->state == DS41_MODEL_LOADING ? 5 : 30;
         pthread_rwlock_unlock(&m->lock);
         return NULL;
@@ -1074,27 +1085,29 @@ static void svc_cancel(void *ctx, uint64_t request_id) {
 
 /* ---- other service functions ------------------------------------------------------------------ */
 
+/* Ready while at least one model serves (the body lists each model's state: ipc/api.c); else
+ * loading while one loads, else error, with the default model's state as the detail. */
 static void svc_health(void *ctx, ds41_svc_health *out) {
     ds41_engine_service *s = ctx;
     memset(out, 0, sizeof *out);
+    bool ready = false, loading = false;
     pthread_rwlock_rdlock(&s->cfg_lock);
-    model *m = find_model(s, NULL);
-    if (!m) {
-        out->state = DS41_HEALTH_ERROR;
-        snprintf(out->detail, sizeof out->detail, "no default model");
-    } else {
+    for (size_t i = 0; i < s->n_models && !ready; i++) {
+        model *m = s->models[i];
         pthread_rwlock_rdlock(&m->lock);
         ds41_error lost;
         const ds41_model_state state = effective_state(m, &lost);
-        out->state = state == DS41_MODEL_READY    ? DS41_HEALTH_OK
-                     : state == DS41_MODEL_FAILED ? DS41_HEALTH_ERROR
-                                                  : DS41_HEALTH_LOADING;
-        if (state != DS41_MODEL_READY)
+        ready = state == DS41_MODEL_READY;
+        loading |= state == DS41_MODEL_LOADING;
+        if (m->is_default || !out->detail[0])
             snprintf(out->detail, sizeof out->detail, "%.64s: %.180s", m->name,
                      state != m->state ? lost.msg : m->detail);
         pthread_rwlock_unlock(&m->lock);
     }
+    if (!s->n_models) snprintf(out->detail, sizeof out->detail, "no model is configured");
     pthread_rwlock_unlock(&s->cfg_lock);
+    out->state = ready ? DS41_HEALTH_OK : loading ? DS41_HEALTH_LOADING : DS41_HEALTH_ERROR;
+    if (ready) out->detail[0] = 0;
 }
 
 static int svc_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41_svc_error *err) {

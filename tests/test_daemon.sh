@@ -30,7 +30,8 @@ ok "ds41d starts, generates the embedded model and /health answers 200"
 check "the embedded checkpoint is in the state directory" test -f "$state/embedded/tiny-seed1/inference/config.json"
 check "the socket is mode 0660" test "$(stat -c %a "$sock")" = 660
 code=$(api GET /health)
-check "GET /health: {\"status\":\"ok\"}" test "$code $(cat "$work/body")" = '200 {"status":"ok"}'
+check "GET /health: status ok and the model's state" \
+    test "$code $(pyj '(o["status"], o["models"])')" = "200 ('ok', [{'id': 'ds41-tiny', 'state': 'ready'}])"
 code=$(api GET /v1/models)
 check "GET /v1/models lists ds41-tiny only (never the real model's name)" \
     test "$code $(pyj '[m["id"] for m in o["data"]]')" = '200 ["ds41-tiny"]'

@@ -108,8 +108,10 @@ check "the running request ends with an error event naming the shard (truncated 
     bash -c "[[ \"\$1\" == *$shard_name*'was truncated or became unreadable while mapped (SIGBUS at offset '*'): the model must be reloaded'* ]]" _ "$msg"
 check "ds41d is still running" kill -0 "$daemon_pid"
 code=$(api GET /health)
-check "/health answers 503 error, naming the shard" \
-    bash -c "test '$code $(pyj 'o["status"]')' = '503 error' && [[ \"\$1\" == *$shard_name* ]]" _ "$(pyj 'o["detail"]')"
+health=$(pyj '[(x["id"], x["state"]) for x in o["models"]]')
+check "/health answers 200 (other serves) and reports m failed, naming the shard" \
+    bash -c "test '$code $(pyj 'o["status"]')' = '200 ok' && test \"\$2\" = '[[\"m\", \"failed\"], [\"other\", \"ready\"]]' && [[ \"\$1\" == *$shard_name* ]]" \
+    _ "$(pyj '[x["error"] for x in o["models"] if x["id"] == "m"][0]')" "$health"
 code=$(api GET /v1/models)
 check "/v1/models answers 200 and lists only the model still working" \
     test "$code $(pyj '[m["id"] for m in o["data"]]')" = '200 ["other"]'
