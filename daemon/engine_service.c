@@ -2116,6 +2116,27 @@ ds41_model_state ds41_engine_service_default_state(ds41_engine_service *s, char 
     return st;
 }
 
+/* Free the pending swaps whose new directory failed to load (their loader thread cannot). */
+static void reap_failed_swaps(ds41_engine_service *s) {
+    model *failed[8];
+    size_t n = 0;
+    pthread_rwlock_wrlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_pending && n < 8;) {
+        model *m = s->pending[i];
+        pthread_rwlock_rdlock(&m->lock);
+        const bool dead = m->state == DS41_MODEL_FAILED;
+        pthread_rwlock_unlock(&m->lock);
+        if (dead) {
+            failed[n++] = m;
+            pending_remove(s, m);
+        } else {
+            i++;
+        }
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    for (size_t i = 0; i < n; i++) model_free(failed[i], 0);
+}
+
 /* A directory a reload may point a model at: a directory with a valid inference/config.json
  * (what every load reads first; a typo fails here, before anything running is touched). */
 static int check_model_dir(const char *path, ds41_error *err) {
@@ -2145,6 +2166,7 @@ int ds41_engine_service_reconfigure(ds41_engine_service *s, const ds41_daemon_co
     }
     /* Only this thread (SIGHUP) changes the model list, and not while a swap is pending, so the
      * plan made here still holds when it is applied below. */
+    reap_failed_swaps(s);
     pthread_rwlock_rdlock(&s->cfg_lock);
     char swapping[160] = "";
     if (s->n_pending) snprintf(swapping, sizeof swapping, "%s", s->pending[0]->name);
@@ -2262,27 +2284,6 @@ out:
     free(pend);
     free(gone);
     return applied ? 0 : -1;
-}
-
-/* Free the pending swaps whose new directory failed to load (their loader thread cannot). */
-static void reap_failed_swaps(ds41_engine_service *s) {
-    model *failed[8];
-    size_t n = 0;
-    pthread_rwlock_wrlock(&s->cfg_lock);
-    for (size_t i = 0; i < s->n_pending && n < 8;) {
-        model *m = s->pending[i];
-        pthread_rwlock_rdlock(&m->lock);
-        const bool dead = m->state == DS41_MODEL_FAILED;
-        pthread_rwlock_unlock(&m->lock);
-        if (dead) {
-            failed[n++] = m;
-            pending_remove(s, m);
-        } else {
-            i++;
-        }
-    }
-    pthread_rwlock_unlock(&s->cfg_lock);
-    for (size_t i = 0; i < n; i++) model_free(failed[i], 0);
 }
 
 void ds41_engine_service_tick(ds41_engine_service *s) {

@@ -156,6 +156,22 @@ check "the stream on the old directory completes (all $long tokens)" stream_ok "
 for i in $(seq 1 200); do grep -q "model m: $work/m unloaded" "$work/daemon.log" && break; sleep 0.05; done
 check "then the old directory is unloaded" grep -q "model m: $work/m unloaded" "$work/daemon.log"
 
+# ---- a new path that passes the check but fails to load: the old directory keeps serving ----------
+mkdir -p "$work/broken/inference"
+cp "$work/m2/inference/config.json" "$work/broken/inference/" # a config, no shards
+config "$work/d.yaml" "$work/broken" "  - name: third
+    path: $work/m"
+kill -HUP "$daemon_pid"
+for i in $(seq 1 200); do grep -q "the new path $work/broken failed to load" "$work/daemon.log" && break; sleep 0.05; done
+grep "broken" "$work/daemon.log" | sed 's/^/# daemon: /'
+check "a new path whose checkpoint fails to load: logged, the old directory keeps serving" \
+    bash -c "grep -q 'model m: the new path $work/broken failed to load: .*; $work/m2 keeps serving' '$work/daemon.log' &&
+             test \"\$(curl -s --unix-socket '$sock' -H 'Content-Type: application/json' -d '$req' http://ds41/v1/completions |
+                      $py -c 'import json,sys; print(json.load(sys.stdin)[\"choices\"][0][\"text\"])')\" = \"\$1\"" _ "$t_new"
+api GET /admin/models >/dev/null
+check "/admin/models still shows m ready at $work/m2" \
+    test "$(pyj '[(x["state"], x["path"]) for x in o["data"] if x["id"] == "m"]')" = "[[\"ready\", \"$work/m2\"]]"
+
 # ---- a removed model ------------------------------------------------------------------------------
 config "$work/d.yaml" "$work/m2"
 kill -HUP "$daemon_pid"
