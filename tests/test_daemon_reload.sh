@@ -65,6 +65,22 @@ check "a request for the unloaded default model names the load command" \
 "$ctl" --socket "$sock" models load m --wait >"$work/wait2.txt" 2>&1
 rc=$?
 check "models load m --wait: ready again (exit 0)" bash -c "test $rc = 0 && tail -1 '$work/wait2.txt' | grep -q '^m: ready'"
+stop_daemon
+check "the daemon exits cleanly" test "$daemon_status" = 0
+
+# ---- item 3: reloads, on a fresh daemon with both models loaded ----------------------------------
+mv "$work/daemon.log" "$work/daemon1.log"
+if ! start_daemon "$work/d.yaml"; then
+    notok "ds41d starts again"
+    finish
+    exit 0
+fi
+api POST /admin/models/load '{"name":"other"}' >/dev/null
+for i in $(seq 1 300); do
+    api GET /admin/models >/dev/null
+    [ "$(pyj '[x["state"] for x in o["data"]]')" = '["ready", "ready"]' ] && break
+    sleep 0.1
+done
 
 code=$(api POST /v1/completions "$req")
 want=$(pyj 'o["choices"][0]["text"]')
@@ -72,6 +88,11 @@ code2=$(api POST /v1/completions "$other_req")
 want_other=$(pyj 'o["choices"][0]["text"]')
 check "both models serve" test "$code $code2" = "200 200"
 
+# decoding: the number of sessions decoding now (nothing when the daemon does not answer)
+decoding() {
+    rm -f "$work/body"
+    [ "$(api GET /admin/sessions)" = 200 ] && pyj 'len([s for s in o["data"] if s["state"] == "decode"])'
+}
 # long_stream FILE: a streamed completion on m of $long tokens in the background (pid in $stream_pid),
 # returns once it is decoding.
 long=2000
@@ -82,8 +103,7 @@ long_stream() {
     stream_pid=$!
     local i
     for i in $(seq 1 200); do
-        api GET /admin/sessions >/dev/null
-        [ "$(pyj 'len([s for s in o["data"] if s["state"] == "decode"])')" = 1 ] && return 0
+        [ "$(decoding)" = 1 ] && return 0
         sleep 0.05
     done
     return 1
@@ -94,13 +114,8 @@ stream_ok() {
     test "$(pyj '(o["error"], o["finish_reason"], (o["usage"] or {}).get("completion_tokens"), o["done"])' "$1.json")" = \
         "(None, 'length', $long, True)"
 }
-# decoding: the number of sessions decoding now
-decoding() {
-    api GET /admin/sessions >/dev/null
-    pyj 'len([s for s in o["data"] if s["state"] == "decode"])'
-}
 
-# ---- item 3: a reload with a typo in the default model's path -----------------------------------
+# ---- a reload with a typo in the default model's path -------------------------------------------
 long_stream "$work/s1.sse"
 check "a long stream on m is decoding" test $? = 0
 config "$work/d.yaml" "$work/m-typo"
