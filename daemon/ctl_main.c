@@ -283,15 +283,23 @@ static int cmd_status(void) {
     return st == 200 ? 0 : 1;
 }
 
+/* POST /admin/models/ACTION {"name": NAME}: the answer, or NULL with the error printed. */
+static json_t *post_model_action(const char *action, const char *name) {
+    json_t *body = json_pack("{s:s}", "name", name);
+    char *b = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    char path[64];
+    snprintf(path, sizeof path, "/admin/models/%s", action);
+    json_t *j = call_json("POST", path, b, NULL, false);
+    free(b);
+    return j;
+}
+
 /* `models load NAME --wait`: ask for the load, then poll /admin/models and print each change of
  * the model's state and detail (what the daemon reports while loading) until it is ready (0) or
  * failed or gone (1). */
 static int models_load_wait(const char *name) {
-    json_t *body = json_pack("{s:s}", "name", name);
-    char *b = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
-    json_t *j = call_json("POST", "/admin/models/load", b, NULL, false);
-    free(b);
+    json_t *j = post_model_action("load", name);
     if (!j) return 1;
     json_decref(j);
     char last[600] = "";
@@ -370,13 +378,7 @@ static int cmd_models(int argc, char **argv) {
         (strcmp(argv[2], "--wait") == 0 || strcmp(argv[3], "--wait") == 0))
         return models_load_wait(strcmp(argv[2], "--wait") == 0 ? argv[3] : argv[2]);
     if ((strcmp(sub, "load") == 0 || strcmp(sub, "unload") == 0) && argc == 3) {
-        json_t *body = json_pack("{s:s}", "name", argv[2]);
-        char *b = json_dumps(body, JSON_COMPACT);
-        json_decref(body);
-        char path[64];
-        snprintf(path, sizeof path, "/admin/models/%s", sub);
-        json_t *j = call_json("POST", path, b, NULL, false);
-        free(b);
+        json_t *j = post_model_action(sub, argv[2]);
         if (!j) return 1;
         if (g_json)
             print_json(j);
