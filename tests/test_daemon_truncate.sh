@@ -131,11 +131,12 @@ code=$(api POST /v1/completions "$other_req")
 check "the other model keeps serving: same text as before" test "$code $(pyj 'o["choices"][0]["text"]')" = "200 $want_other"
 check "the daemon logged the failed step" grep -q "was truncated or became unreadable while mapped" "$work/daemon.log"
 
-# wait_ready: "yes" once /health answers 200 (within 30 s), else "no".
+# wait_ready: "yes" once /health says m is ready (within 30 s), else "no" (other serves all along,
+# so /health itself is 200 throughout).
 wait_ready() {
     local i
     for i in $(seq 1 300); do
-        if [ "$(api GET /health)" = 200 ]; then
+        if [ "$(api GET /health)" = 200 ] && [ "$(pyj '[x["state"] for x in o["models"] if x["id"] == "m"]')" = '["ready"]' ]; then
             echo yes
             return
         fi
