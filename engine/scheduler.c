@@ -914,6 +914,7 @@ ds41_sched_status ds41_scheduler_submit(ds41_scheduler *s, ds41_generation *g, c
     } else if (ds41_kv_pages_for_tokens(s->layout, worst_tokens(g)) > pages_max(s)) {
         /* checked before the queue: waiting would never help this one */
         status = DS41_SCHED_TOO_LARGE;
+        s->st.rejected_kv_full++; /* refused for its KV memory, as before, only up front now */
         const uint64_t worst = worst_tokens(g), max_tokens = ds41_generation_max_tokens(g),
                        ctx = ds41_generation_max_context(g);
         char what[160];
