@@ -499,7 +499,7 @@ static void test_pool_boundary(void) {
         ds41_sched_stats ss;
         ds41_scheduler_stats(s, &ss);
         TAP_CHECK(st == DS41_SCHED_TOO_LARGE && id == 0 && b.n_done == 0 && ss.queued == 0 &&
-                      strstr(err.msg, want) && strstr(err.msg, holds),
+                      ss.rejected_kv_full == 1 && strstr(err.msg, want) && strstr(err.msg, holds),
                   "prefix cache %s: one token more (max_tokens %u) is refused at submit with TOO_LARGE: %s",
                   pc ? "on" : "off", fit + 1, err.msg);
         ds41_scheduler_free(s, 0);
