@@ -2137,8 +2137,9 @@ static void reap_failed_swaps(ds41_engine_service *s) {
     for (size_t i = 0; i < n; i++) model_free(failed[i], 0);
 }
 
-/* A directory a reload may point a model at: a directory with a valid inference/config.json
- * (what every load reads first; a typo fails here, before anything running is touched). */
+/* A directory a reload may point a model at, checked before anything running is touched: a
+ * valid inference/config.json, a checkpoint whose index and shard headers open (no payload byte
+ * is read: storage/safetensors.h) and a tokenizer.json file. */
 static int check_model_dir(const char *path, ds41_error *err) {
     struct stat sb;
     if (stat(path, &sb) != 0) return ds41_fail(err, "%s: %s", path, strerror(errno));
@@ -2146,6 +2147,14 @@ static int check_model_dir(const char *path, ds41_error *err) {
     ds41_model_config mc;
     if (ds41_model_config_load(path, &mc, err) != 0) return -1;
     ds41_model_config_free(&mc);
+    ds41_checkpoint *ck = ds41_checkpoint_open(path, err);
+    if (!ck) return -1;
+    ds41_checkpoint_close(ck);
+    char tok[PATH_MAX];
+    if (snprintf(tok, sizeof tok, "%s/tokenizer.json", path) >= (int)sizeof tok)
+        return ds41_fail(err, "%s: path too long", path);
+    if (stat(tok, &sb) != 0) return ds41_fail(err, "%s: %s", tok, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return ds41_fail(err, "%s: not a file", tok);
     return 0;
 }
 

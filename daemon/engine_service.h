@@ -65,7 +65,8 @@ ds41_model_state ds41_engine_service_default_state(ds41_engine_service *s, char 
 
 /* SIGHUP: apply a new configuration, all or nothing.  First, with nothing running touched, the
  * directory of every added model and every changed models[].path must hold a valid
- * inference/config.json, and no earlier path change may still be loading; otherwise -1 with err
+ * inference/config.json, a checkpoint whose headers open and a tokenizer.json, and no earlier
+ * path change may still be loading; otherwise -1 with err
  * naming the key and path ("models.NAME.path changed from A to B: B: ...") and every model,
  * request and setting stays as it was.  Then only the changes apply, each logged: models whose
  * name and path are unchanged stay as they are; a changed path of a model that is loaded (or

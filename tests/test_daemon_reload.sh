@@ -171,9 +171,21 @@ check "the stream on the old directory completes (all $long tokens)" stream_ok "
 for i in $(seq 1 200); do grep -q "model m: $work/m unloaded" "$work/daemon.log" && break; sleep 0.05; done
 check "then the old directory is unloaded" grep -q "model m: $work/m unloaded" "$work/daemon.log"
 
-# ---- a new path that passes the check but fails to load: the old directory keeps serving ----------
-mkdir -p "$work/broken/inference"
-cp "$work/m2/inference/config.json" "$work/broken/inference/" # a config, no shards
+# ---- a directory with a config and no shards is refused up front ------------------------------------
+mkdir -p "$work/noshards/inference"
+cp "$work/m2/inference/config.json" "$work/noshards/inference/"
+config "$work/d.yaml" "$work/noshards" "  - name: third
+    path: $work/m"
+since=$(wc -l <"$work/daemon.log")
+kill -HUP "$daemon_pid"
+for i in $(seq 1 200); do grep -q 'reload: models.m.path changed from .* to .*/noshards' "$work/daemon.log" && break; sleep 0.05; done
+check "a new path with a config but no checkpoint: refused before anything changes, naming the key" \
+    bash -c "grep -q 'reload: models.m.path changed from $work/m2 to $work/noshards: $work/noshards: no checkpoint here: .*(keeping the running configuration' '$work/daemon.log' &&
+             ! tail -n +$((since + 1)) '$work/daemon.log' | grep -q 'reloading m\|unloaded'"
+
+# ---- a new path that passes the checks but fails to load: the old directory keeps serving ----------
+cp -r "$work/m2" "$work/broken"
+echo '{"not": "a tokenizer"}' >"$work/broken/tokenizer.json"
 config "$work/d.yaml" "$work/broken" "  - name: third
     path: $work/m"
 kill -HUP "$daemon_pid"
