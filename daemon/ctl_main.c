@@ -42,7 +42,8 @@ static void usage(FILE *f) {
             "Commands (admin: root or a member of the daemon's auth.admin_group):\n"
             "  status                       daemon state, model, load and memory\n"
             "  models ls                    configured and loaded models, bytes per tier\n"
-            "  models load NAME             load a configured model (admin)\n"
+            "  models load NAME [--wait]    load a configured model (admin); --wait prints its state\n"
+            "                               changes until it is ready (exit 1 if it fails)\n"
             "  models unload NAME           unload a model (admin)\n"
             "  ps [--all]                   live sessions with tokens and KV bytes; --all adds the\n"
             "                               prefix-cache entries (admin)\n"
@@ -303,6 +304,59 @@ static int cmd_status(void) {
     return st == 200 ? 0 : 1;
 }
 
+/* POST /admin/models/ACTION {"name": NAME}: the answer, or NULL with the error printed. */
+static json_t *post_model_action(const char *action, const char *name) {
+    json_t *body = json_pack("{s:s}", "name", name);
+    char *b = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    char path[64];
+    snprintf(path, sizeof path, "/admin/models/%s", action);
+    json_t *j = call_json("POST", path, b, NULL, false);
+    free(b);
+    return j;
+}
+
+/* `models load NAME --wait`: ask for the load, then poll /admin/models and print each change of
+ * the model's state and detail (what the daemon reports while loading) until it is ready (0) or
+ * failed or gone (1). */
+static int models_load_wait(const char *name) {
+    json_t *j = post_model_action("load", name);
+    if (!j) return 1;
+    json_decref(j);
+    char last[600] = "";
+    for (;;) {
+        json_t *list = call_json("GET", "/admin/models", NULL, NULL, false);
+        if (!list) return 1;
+        json_t *m = NULL, *x;
+        size_t i;
+        json_array_foreach(json_object_get(list, "data"), i, x) if (strcmp(jstr(x, "id"), name) == 0) m = x;
+        if (!m) {
+            json_decref(list);
+            return fail("%s: no longer configured", name);
+        }
+        const char *state = jstr(m, "state"), *detail = jstr(m, "detail");
+        const bool ready = strcmp(state, "ready") == 0, failed = strcmp(state, "failed") == 0,
+                   gone = strcmp(state, "unloaded") == 0;
+        char line[600];
+        snprintf(line, sizeof line, "%s: %s%s%s%s", name, state, detail[0] && !ready ? " (" : "",
+                 ready ? "" : detail, detail[0] && !ready ? ")" : "");
+        if (strcmp(line, last) != 0 && !(g_json && !ready)) {
+            if (g_json)
+                print_json(m);
+            else
+                puts(line);
+            fflush(stdout);
+            snprintf(last, sizeof last, "%s", line);
+        }
+        json_decref(list);
+        if (ready) return 0;
+        if (failed || gone)
+            return fail("%s: %s", name, failed ? "the load failed" : "unloaded while waiting");
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static int cmd_models(int argc, char **argv) {
     const char *sub = argc > 1 ? argv[1] : "ls";
     if (strcmp(sub, "ls") == 0) {
@@ -341,14 +395,11 @@ static int cmd_models(int argc, char **argv) {
         json_decref(j);
         return 0;
     }
+    if (strcmp(sub, "load") == 0 && argc == 4 &&
+        (strcmp(argv[2], "--wait") == 0 || strcmp(argv[3], "--wait") == 0))
+        return models_load_wait(strcmp(argv[2], "--wait") == 0 ? argv[3] : argv[2]);
     if ((strcmp(sub, "load") == 0 || strcmp(sub, "unload") == 0) && argc == 3) {
-        json_t *body = json_pack("{s:s}", "name", argv[2]);
-        char *b = json_dumps(body, JSON_COMPACT);
-        json_decref(body);
-        char path[64];
-        snprintf(path, sizeof path, "/admin/models/%s", sub);
-        json_t *j = call_json("POST", path, b, NULL, false);
-        free(b);
+        json_t *j = post_model_action(sub, argv[2]);
         if (!j) return 1;
         if (g_json)
             print_json(j);

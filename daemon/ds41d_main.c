@@ -234,6 +234,9 @@ int main(int argc, char **argv) {
     const double wd_every = wd_usec ? (double)wd_usec / 2e6 : 0;
     double last_wd = 0, last_tick = mono_s(), last_extend = 0;
     bool ready = false;
+    /* Once serving, nothing but SIGTERM/SIGINT ends the daemon: a default model that fails later
+     * (a reload, a lost shard) is logged once while the other models keep serving. */
+    bool served = false, failure_noted = false;
     unsigned drain_ms = cfg.limits.drain_timeout_s * 1000u;
     for (;;) {
         struct timespec wait = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
@@ -250,16 +253,23 @@ int main(int argc, char **argv) {
         char detail[256];
         ds41_model_state st = ds41_engine_service_default_state(svc, detail, sizeof detail);
         if (!ready && st == DS41_MODEL_READY) {
-            ready = true;
+            ready = served = true;
+            failure_noted = false;
             char line[320];
             snprintf(line, sizeof line, "serving on %s", ls[0].address[0] ? ls[0].address : "a passed socket");
             notify_or_log(ds41_sd_ready(line, &err), &err);
             ds41_log(DS41_LOG_INFO, "ready: %s", line);
-        } else if (!ready && st == DS41_MODEL_FAILED) {
+        } else if (!ready && st == DS41_MODEL_FAILED && !served) {
             ds41_log(DS41_LOG_ERROR, "the default model failed to load: %s", detail);
             notify_or_log(ds41_sd_status(&err, "failed: %s", detail), &err);
             goto out;
-        } else if (!ready && now - last_extend >= 20.0) {
+        } else if (!ready && st == DS41_MODEL_FAILED) {
+            if (!failure_noted)
+                ds41_log(DS41_LOG_ERROR,
+                         "the default model failed to load: %s (still serving the other models)", detail);
+            if (!failure_noted) notify_or_log(ds41_sd_status(&err, "default model failed: %s", detail), &err);
+            failure_noted = true;
+        } else if (!ready && !served && now - last_extend >= 20.0) {
             /* a long load keeps asking for more start time */
             notify_or_log(ds41_sd_extend_timeout(60ull * 1000000ull, &err), &err);
             last_extend = now;
@@ -268,11 +278,11 @@ int main(int argc, char **argv) {
             notify_or_log(ds41_sd_reloading(&err), &err);
             ds41_log(DS41_LOG_INFO, "SIGHUP: reloading the configuration");
             ds41_daemon_config ncfg;
-            const char *outcome = "configuration reloaded";
+            char outcome[200] = "configuration reloaded";
             bool nby_hand;
             if (load_config(&o, &ncfg, &nby_hand, &err) != 0) {
                 ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
-                outcome = "reload failed, configuration kept";
+                snprintf(outcome, sizeof outcome, "reload failed, configuration kept: %.150s", err.msg);
             } else {
                 if (strcmp(ncfg.listen.socket, cfg.listen.socket) != 0 ||
                     ncfg.listen.socket_mode != cfg.listen.socket_mode ||
@@ -287,8 +297,11 @@ int main(int argc, char **argv) {
                         ds41_log(DS41_LOG_ERROR, "reload: %s", err.msg);
                 }
                 if (ds41_engine_service_reconfigure(svc, &ncfg, &err) != 0) {
-                    ds41_log(DS41_LOG_ERROR, "reload: %s (keeping the running configuration)", err.msg);
-                    outcome = "reload failed, configuration kept";
+                    ds41_log(
+                        DS41_LOG_ERROR,
+                        "reload: %s (keeping the running configuration: every model, request and socket)",
+                        err.msg);
+                    snprintf(outcome, sizeof outcome, "reload failed, configuration kept: %.150s", err.msg);
                     ds41_daemon_config_free(&ncfg);
                 } else {
                     ds41_log_set_level(ncfg.log.level);
@@ -300,12 +313,17 @@ int main(int argc, char **argv) {
             }
             st = ds41_engine_service_default_state(svc, detail, sizeof detail);
             ready = st == DS41_MODEL_READY;
-            char line[128];
-            snprintf(line, sizeof line, "serving (%s)", outcome);
+            failure_noted = false;
+            char line[256];
             if (ready)
+                snprintf(line, sizeof line, "serving (%s)", outcome);
+            else
+                snprintf(line, sizeof line, "%s; loading the default model", outcome);
+            /* READY=1 ends the reload for systemd whatever its outcome: the daemon serves on */
+            if (served)
                 notify_or_log(ds41_sd_ready(line, &err), &err);
             else
-                notify_or_log(ds41_sd_status(&err, "%s; loading the default model", outcome), &err);
+                notify_or_log(ds41_sd_status(&err, "%s", line), &err);
         } else if (sig == SIGTERM || sig == SIGINT) {
             ds41_log(DS41_LOG_INFO, "%s: stopping (drain up to %u s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                      drain_ms / 1000);

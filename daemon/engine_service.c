@@ -46,6 +46,7 @@ typedef struct settings {
     uint64_t expert_cache_bytes;
     uint64_t engram_cache_bytes; /* Engram row tier budget, 0 = tables resident */
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
+    uint32_t drain_ms; /* limits.drain_timeout_s: what a replaced model's requests get to end */
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes;
     bool prefix_share; /* prefix_cache.share_across_users */
@@ -120,6 +121,7 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->max_tokens_default = cfg->limits.max_tokens_default;
     st->max_context = cfg->limits.max_context;
     st->request_timeout_s = cfg->limits.request_timeout_s;
+    st->drain_ms = cfg->limits.drain_timeout_s * 1000u;
     st->prefix_cache = cfg->prefix_cache.enabled;
     st->prefix_cache_max_bytes = cfg->prefix_cache.max_bytes;
     st->prefix_share = cfg->prefix_cache.share_across_users;
@@ -170,6 +172,10 @@ typedef struct model {
     pthread_mutex_t loader_mu;
     bool loader_started; /* a loader thread exists and has not been joined */
     pthread_t loader;
+    /* A reload changed the path of a loaded model: this one loads the new directory outside the
+     * model list while `replaces` (the running one) keeps serving, and takes its place once
+     * READY (swap_in).  NULL otherwise.  Under the service's cfg_lock. */
+    struct model *replaces;
 } model;
 
 typedef struct job job;
@@ -179,10 +185,12 @@ struct ds41_engine_service {
     ds41_engine_service_progress progress;
     void *progress_ctx;
 
-    pthread_rwlock_t cfg_lock; /* settings and the model list */
+    pthread_rwlock_t cfg_lock; /* settings, the model list and the pending swaps */
     settings st;
     model **models;
     size_t n_models;
+    model **pending; /* models loading for a path change (model.replaces), not in the list yet */
+    size_t n_pending;
 
     pthread_mutex_t jobs_mu;
     job *jobs;
@@ -543,6 +551,60 @@ static void open_store(model *m, const settings *st, ds41_engine *engine) {
     ds41_log(DS41_LOG_INFO, "model %s: %llu session snapshot(s) in %s", m->name, (unsigned long long)ss.entries, dir);
 }
 
+/* Remove m from the pending swaps (cfg_lock held for writing). */
+static void pending_remove(ds41_engine_service *s, const model *m) {
+    for (size_t i = 0; i < s->n_pending; i++)
+        if (s->pending[i] == m) {
+            s->pending[i] = s->pending[--s->n_pending];
+            return;
+        }
+}
+
+/* A replaced model no request can find any more: the calls that found it before the swap end
+ * first (its write lock), its running requests get drain_ms to finish -- cancellable meanwhile:
+ * m->sched stays set while the scheduler drains -- then it unloads. */
+static void model_retire(model *m, unsigned drain_ms) {
+    model_join_loader(m);
+    pthread_rwlock_wrlock(&m->lock);
+    ds41_scheduler *sched = m->sched;
+    pthread_rwlock_unlock(&m->lock);
+    ds41_scheduler_free(sched, drain_ms);
+    pthread_rwlock_wrlock(&m->lock);
+    m->sched = NULL;
+    pthread_rwlock_unlock(&m->lock);
+    model_free(m, 0);
+}
+
+/* Loader thread of a model loaded for a path change, now READY: it takes the place of the model
+ * it replaces (new requests reach it from now on); the old one serves its running requests to
+ * their end (limits.drain_timeout_s at most) and unloads. */
+static void swap_in(model *m) {
+    ds41_engine_service *s = m->svc;
+    pthread_rwlock_wrlock(&s->cfg_lock);
+    model *old = m->replaces;
+    bool found = false;
+    for (size_t i = 0; i < s->n_models && !found; i++) {
+        if (s->models[i] != old) continue;
+        s->models[i] = m;
+        m->is_default = old->is_default;
+        found = true;
+    }
+    if (found) { /* else it stays pending: ds41_engine_service_free frees it */
+        pending_remove(s, m);
+        m->replaces = NULL;
+    }
+    const unsigned drain_ms = s->st.drain_ms;
+    pthread_rwlock_unlock(&s->cfg_lock);
+    if (!found) return;
+    char old_path[PATH_MAX];
+    snprintf(old_path, sizeof old_path, "%s", old->path);
+    ds41_log(DS41_LOG_INFO,
+             "model %s now serves %s (was %s); the old directory unloads once its requests end", m->name,
+             m->path, old_path);
+    model_retire(old, drain_ms);
+    ds41_log(DS41_LOG_INFO, "model %s: %s unloaded", m->name, old_path);
+}
+
 typedef struct load_arg {
     model *m;
     settings st; /* a copy of what loading needs */
@@ -639,6 +701,7 @@ static void *loader_main(void *p) {
     progress(s, m, DS41_MODEL_READY, "ready");
     settings_free(&a->st);
     free(a);
+    if (m->replaces) swap_in(m);
     return NULL;
 fail:
     ds41_scheduler_free(sched, 0);
@@ -653,7 +716,11 @@ fail:
     m->state = DS41_MODEL_FAILED;
     snprintf(m->detail, sizeof m->detail, "%.250s", err.msg);
     pthread_rwlock_unlock(&m->lock);
-    ds41_log(DS41_LOG_ERROR, "model %s: %s", m->name, err.msg);
+    if (m->replaces) /* reaped by ds41_engine_service_tick */
+        ds41_log(DS41_LOG_ERROR, "model %s: the new path %s failed to load: %s; %s keeps serving", m->name,
+                 m->path, err.msg, m->replaces->path);
+    else
+        ds41_log(DS41_LOG_ERROR, "model %s: %s", m->name, err.msg);
     progress(s, m, DS41_MODEL_FAILED, err.msg);
     settings_free(&a->st);
     free(a);
@@ -742,12 +809,23 @@ static model *acquire_model(ds41_engine_service *s, const char *name, ds41_svc_e
     const ds41_model_state state = effective_state(m, &lost);
     if (state != DS41_MODEL_READY) {
         const bool is_lost = state != m->state;
-        const char *what = is_lost                         ? "failed"
-                           : m->state == DS41_MODEL_LOADING ? "is loading"
-                           : m->state == DS41_MODEL_FAILED  ? "failed to load"
-                                                            : "is not loaded";
-        ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)", m->name, what,
-                      is_lost ? lost.msg : m->detail);
+        if (m->state == DS41_MODEL_UNLOADED) {
+            ds41_svc_fail(
+                err, DS41_SVC_UNAVAILABLE, "model",
+                "The model '%s' is configured but not loaded; load it with `ds41ctl models load %s` or "
+                "POST /admin/models/load {\"name\": \"%s\"}",
+                m->name, m->name, m->name);
+            snprintf(err->code, sizeof err->code, "model_not_loaded");
+        } else {
+            const char *what = is_lost                          ? "failed"
+                               : m->state == DS41_MODEL_LOADING ? "is loading"
+                                                                : "failed to load";
+            ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "The model '%s' %s (%s)%s%s%s", m->name, what,
+                          is_lost ? lost.msg : m->detail,
+                          m->state == DS41_MODEL_LOADING ? "" : "; load it again with `ds41ctl models load ",
+                          m->state == DS41_MODEL_LOADING ? "" : m->name,
+                          m->state == DS41_MODEL_LOADING ? "" : "`");
+        }
         err->retry_after_s = m->state == DS41_MODEL_LOADING ? 5 : 30;
         pthread_rwlock_unlock(&m->lock);
         return NULL;
@@ -1062,6 +1140,12 @@ static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
             ds41_svc_fail(err, DS41_SVC_KV_FULL, NULL, "%s", e.msg);
             err->retry_after_s = 5;
             break;
+        case DS41_SCHED_TOO_LARGE: /* waiting would not help: 400, not 503 + Retry-After */
+            ds41_svc_fail(
+                err, DS41_SVC_BAD_REQUEST, "max_tokens", "%s%s", e.msg,
+                req->max_tokens ? "" : "; the request gave no max_tokens, limits.max_tokens_default applied");
+            snprintf(err->code, sizeof err->code, "request_too_large_for_kv_pool");
+            break;
         case DS41_SCHED_STOPPING: ds41_svc_fail(err, DS41_SVC_UNAVAILABLE, NULL, "%s", e.msg); break;
         default: ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "%s", e.msg); break;
         }
@@ -1096,27 +1180,29 @@ static void svc_cancel(void *ctx, uint64_t request_id) {
 
 /* ---- other service functions ------------------------------------------------------------------ */
 
+/* Ready while at least one model serves (the body lists each model's state: ipc/api.c); else
+ * loading while one loads, else error, with the default model's state as the detail. */
 static void svc_health(void *ctx, ds41_svc_health *out) {
     ds41_engine_service *s = ctx;
     memset(out, 0, sizeof *out);
+    bool ready = false, loading = false;
     pthread_rwlock_rdlock(&s->cfg_lock);
-    model *m = find_model(s, NULL);
-    if (!m) {
-        out->state = DS41_HEALTH_ERROR;
-        snprintf(out->detail, sizeof out->detail, "no default model");
-    } else {
+    for (size_t i = 0; i < s->n_models && !ready; i++) {
+        model *m = s->models[i];
         pthread_rwlock_rdlock(&m->lock);
         ds41_error lost;
         const ds41_model_state state = effective_state(m, &lost);
-        out->state = state == DS41_MODEL_READY    ? DS41_HEALTH_OK
-                     : state == DS41_MODEL_FAILED ? DS41_HEALTH_ERROR
-                                                  : DS41_HEALTH_LOADING;
-        if (state != DS41_MODEL_READY)
+        ready = state == DS41_MODEL_READY;
+        loading |= state == DS41_MODEL_LOADING;
+        if (m->is_default || !out->detail[0])
             snprintf(out->detail, sizeof out->detail, "%.64s: %.180s", m->name,
                      state != m->state ? lost.msg : m->detail);
         pthread_rwlock_unlock(&m->lock);
     }
+    if (!s->n_models) snprintf(out->detail, sizeof out->detail, "no model is configured");
     pthread_rwlock_unlock(&s->cfg_lock);
+    out->state = ready ? DS41_HEALTH_OK : loading ? DS41_HEALTH_LOADING : DS41_HEALTH_ERROR;
+    if (ready) out->detail[0] = 0;
 }
 
 static int svc_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41_svc_error *err) {
@@ -2073,74 +2159,191 @@ ds41_model_state ds41_engine_service_default_state(ds41_engine_service *s, char 
     return st;
 }
 
+/* Free the pending swaps whose new directory failed to load (their loader thread cannot). */
+static void reap_failed_swaps(ds41_engine_service *s) {
+    model *failed[8];
+    size_t n = 0;
+    pthread_rwlock_wrlock(&s->cfg_lock);
+    for (size_t i = 0; i < s->n_pending && n < 8;) {
+        model *m = s->pending[i];
+        pthread_rwlock_rdlock(&m->lock);
+        const bool dead = m->state == DS41_MODEL_FAILED;
+        pthread_rwlock_unlock(&m->lock);
+        if (dead) {
+            failed[n++] = m;
+            pending_remove(s, m);
+        } else {
+            i++;
+        }
+    }
+    pthread_rwlock_unlock(&s->cfg_lock);
+    for (size_t i = 0; i < n; i++) model_free(failed[i], 0);
+}
+
+/* A directory a reload may point a model at, checked before anything running is touched: a
+ * valid inference/config.json, a checkpoint whose index and shard headers open (no payload byte
+ * is read: storage/safetensors.h) and a tokenizer.json file. */
+static int check_model_dir(const char *path, ds41_error *err) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) return ds41_fail(err, "%s: %s", path, strerror(errno));
+    if (!S_ISDIR(sb.st_mode)) return ds41_fail(err, "%s: not a directory", path);
+    ds41_model_config mc;
+    if (ds41_model_config_load(path, &mc, err) != 0) return -1;
+    ds41_model_config_free(&mc);
+    ds41_checkpoint *ck = ds41_checkpoint_open(path, err);
+    if (!ck) return -1;
+    ds41_checkpoint_close(ck);
+    char tok[PATH_MAX];
+    if (snprintf(tok, sizeof tok, "%s/tokenizer.json", path) >= (int)sizeof tok)
+        return ds41_fail(err, "%s: path too long", path);
+    if (stat(tok, &sb) != 0) return ds41_fail(err, "%s: %s", tok, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return ds41_fail(err, "%s: not a file", tok);
+    return 0;
+}
+
 int ds41_engine_service_reconfigure(ds41_engine_service *s, const ds41_daemon_config *cfg, ds41_error *err) {
     settings st;
     if (settings_from(cfg, &st, err) != 0) return -1;
-    model **nm = calloc(st.n_models, sizeof *nm);
-    if (!nm) {
-        settings_free(&st);
-        return ds41_fail(err, "out of memory");
+    const size_t n = st.n_models;
+    /* per new entry: the running model of that name and kind (NULL: added), and a new model
+     * object when the entry is added or its path changed */
+    model **prev = calloc(n ? n : 1, sizeof *prev), **fresh = calloc(n ? n : 1, sizeof *fresh);
+    model **list = calloc(n ? n : 1, sizeof *list), **pend = calloc(n ? n : 1, sizeof *pend);
+    model **gone = NULL;
+    size_t n_gone = 0;
+    bool applied = false;
+    if (!prev || !fresh || !list || !pend) {
+        ds41_fail(err, "out of memory");
+        goto out;
     }
+    /* Only this thread (SIGHUP) changes the model list, and not while a swap is pending, so the
+     * plan made here still holds when it is applied below. */
+    reap_failed_swaps(s);
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    char swapping[160] = "";
+    if (s->n_pending) snprintf(swapping, sizeof swapping, "%s", s->pending[0]->name);
+    for (size_t i = 0; i < n; i++)
+        for (size_t k = 0; k < s->n_models && !prev[i]; k++)
+            if (strcmp(s->models[k]->name, st.models[i].name) == 0 && s->models[k]->embedded == st.embedded)
+                prev[i] = s->models[k];
+    const size_t n_old = s->n_models;
+    pthread_rwlock_unlock(&s->cfg_lock);
+    if (swapping[0]) {
+        ds41_fail(
+            err,
+            "model %s is still loading its new path (an earlier reload); send SIGHUP again once it serves",
+            swapping);
+        goto out;
+    }
+    /* Check every new or changed directory before anything running is touched. */
+    for (size_t i = 0; i < n; i++) {
+        const model_setting *ms = &st.models[i];
+        if (prev[i] && strcmp(prev[i]->path, ms->path) == 0) continue;
+        if (!st.embedded && check_model_dir(ms->path, err) != 0) {
+            if (prev[i])
+                ds41_error_prefix(err, "models.%s.path changed from %s to %s", ms->name, prev[i]->path,
+                                  ms->path);
+            else
+                ds41_error_prefix(err, "models.%s.path (a new model)", ms->name);
+            goto out;
+        }
+        if (!(fresh[i] = model_new(s, ms, st.embedded))) {
+            ds41_fail(err, "out of memory");
+            goto out;
+        }
+    }
+    if (!(gone = calloc(n_old + n + 1, sizeof *gone))) {
+        ds41_fail(err, "out of memory");
+        goto out;
+    }
+
     pthread_rwlock_wrlock(&s->cfg_lock);
-    /* keep the models whose name, path and kind are unchanged */
-    bool *kept = calloc(s->n_models ? s->n_models : 1, sizeof *kept);
-    size_t n = 0;
-    bool ok = kept != NULL;
-    for (size_t i = 0; ok && i < st.n_models; i++) {
-        model *found = NULL;
-        for (size_t k = 0; k < s->n_models && !found; k++) {
-            model *m = s->models[k];
-            if (!kept[k] && strcmp(m->name, st.models[i].name) == 0 && strcmp(m->path, st.models[i].path) == 0 &&
-                m->embedded == st.embedded) {
-                found = m;
-                kept[k] = true;
+    size_t n_pend = 0;
+    for (size_t i = 0; i < n; i++) {
+        const model_setting *ms = &st.models[i];
+        if (!fresh[i]) {
+            list[i] = prev[i];
+        } else if (!prev[i]) {
+            list[i] = fresh[i];
+            ds41_log(DS41_LOG_INFO, "reload: model %s added (%s)", ms->name, ms->path);
+        } else {
+            pthread_rwlock_rdlock(&prev[i]->lock);
+            const bool serving = prev[i]->state == DS41_MODEL_READY || prev[i]->state == DS41_MODEL_LOADING;
+            pthread_rwlock_unlock(&prev[i]->lock);
+            if (serving) { /* the old directory serves until the new one is ready (swap_in) */
+                list[i] = prev[i];
+                fresh[i]->replaces = prev[i];
+                pend[n_pend++] = fresh[i];
+                ds41_log(
+                    DS41_LOG_INFO,
+                    "reload: models.%s.path changed from %s to %s: reloading %s (the old directory serves "
+                    "until the new one is ready)",
+                    ms->name, prev[i]->path, ms->path, ms->name);
+            } else {
+                list[i] = fresh[i];
+                gone[n_gone++] = prev[i];
+                ds41_log(DS41_LOG_INFO, "reload: models.%s.path changed from %s to %s (%s was not loaded)",
+                         ms->name, prev[i]->path, ms->path, ms->name);
             }
         }
-        if (!found) found = model_new(s, &st.models[i], st.embedded);
-        if (!found) {
-            ok = false;
-            break;
-        }
-        found->is_default = st.models[i].is_default;
-        nm[n++] = found;
+        list[i]->is_default = ms->is_default;
+        if (fresh[i]) fresh[i]->is_default = ms->is_default;
     }
-    if (!ok) {
-        for (size_t i = 0; i < n; i++) {
-            bool old = false;
-            for (size_t k = 0; k < s->n_models; k++) old |= s->models[k] == nm[i];
-            if (!old) model_free(nm[i], 0);
+    for (size_t k = 0; k < s->n_models; k++) {
+        bool kept = false;
+        for (size_t i = 0; i < n && !kept; i++) kept = prev[i] == s->models[k];
+        if (!kept) {
+            gone[n_gone++] = s->models[k];
+            ds41_log(DS41_LOG_INFO, "reload: model %s removed from the configuration: unloading",
+                     s->models[k]->name);
         }
-        for (size_t k = 0; k < s->n_models; k++) s->models[k]->is_default = false;
-        pthread_rwlock_unlock(&s->cfg_lock);
-        free(kept);
-        free(nm);
-        settings_free(&st);
-        return ds41_fail(err, "out of memory");
     }
-    model **old = s->models;
-    size_t n_old = s->n_models;
+    model *old_def = find_model(s, NULL);
+    char old_def_name[160];
+    snprintf(old_def_name, sizeof old_def_name, "%s", old_def ? old_def->name : "");
     settings_free(&s->st);
     s->st = st;
-    s->models = nm;
+    memset(&st, 0, sizeof st);
+    free(s->models);
+    s->models = list;
     s->n_models = n;
+    list = NULL;
+    free(s->pending);
+    s->pending = pend;
+    s->n_pending = n_pend;
+    pend = NULL;
     model *def = find_model(s, NULL);
-    if (def) model_start_load(s, def, err);
+    if (def && strcmp(def->name, old_def_name) != 0)
+        ds41_log(DS41_LOG_INFO, "reload: the default model is now %s (was %s)", def->name,
+                 old_def_name[0] ? old_def_name : "none");
+    ds41_error lerr = {{0}};
+    if (def && model_start_load(s, def, &lerr) != 0)
+        ds41_log(DS41_LOG_ERROR, "model %s: %s", def->name, lerr.msg);
+    for (size_t i = 0; i < s->n_pending; i++)
+        if (model_start_load(s, s->pending[i], &lerr) != 0)
+            ds41_log(DS41_LOG_ERROR, "model %s: %s", s->pending[i]->name, lerr.msg);
     pthread_rwlock_unlock(&s->cfg_lock);
+    applied = true;
     /* unload the models that are gone (no new request can reach them now) */
-    for (size_t k = 0; k < n_old; k++) {
-        if (kept[k]) continue;
-        ds41_log(DS41_LOG_INFO, "model %s removed from the configuration: unloading", old[k]->name);
-        model_free(old[k], 0);
-    }
-    free(kept);
-    free(old);
-    return 0;
+    for (size_t k = 0; k < n_gone; k++) model_free(gone[k], 0);
+out:
+    if (!applied)
+        for (size_t i = 0; i < n; i++) model_free(fresh ? fresh[i] : NULL, 0);
+    settings_free(&st);
+    free(prev);
+    free(fresh);
+    free(list);
+    free(pend);
+    free(gone);
+    return applied ? 0 : -1;
 }
 
 void ds41_engine_service_tick(ds41_engine_service *s) {
     pthread_rwlock_rdlock(&s->cfg_lock);
     uint32_t limit = s->st.request_timeout_s;
+    const bool swaps = s->n_pending > 0;
     pthread_rwlock_unlock(&s->cfg_lock);
+    if (swaps) reap_failed_swaps(s);
     if (!limit) return;
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
@@ -2157,6 +2360,16 @@ void ds41_engine_service_tick(ds41_engine_service *s) {
 
 void ds41_engine_service_free(ds41_engine_service *s, unsigned drain_ms) {
     if (!s) return;
+    /* pending swaps first: a load that finishes swaps in (its loader retires the old model) */
+    pthread_rwlock_rdlock(&s->cfg_lock);
+    size_t n_pend = s->n_pending;
+    model **pend = n_pend ? malloc(n_pend * sizeof *pend) : NULL;
+    if (pend) memcpy(pend, s->pending, n_pend * sizeof *pend);
+    pthread_rwlock_unlock(&s->cfg_lock);
+    for (size_t i = 0; pend && i < n_pend; i++) model_join_loader(pend[i]);
+    free(pend);
+    for (size_t i = 0; i < s->n_pending; i++) model_free(s->pending[i], 0); /* failed to load */
+    free(s->pending);
     for (size_t i = 0; i < s->n_models; i++) model_free(s->models[i], drain_ms);
     free(s->models);
     settings_free(&s->st);

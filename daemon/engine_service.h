@@ -9,8 +9,9 @@
  * renamed into place, so an interrupted generation never leaves a half-written checkpoint -- and
  * served under embedded_model.name.  A model is loaded in a background thread
  * (ds41_engine_service_load); requests for it are refused with 503 + Retry-After until it is
- * READY.  Admin loads name a configured model, or a path that must resolve (realpath) to a
- * configured model's directory: no other path is ever opened for a client (403).
+ * READY (a model that is not loaded: 503 model_not_loaded, naming the command that loads it).
+ * Health is ready while at least one model is.  Admin loads name a configured model, or a path that must
+ * resolve (realpath) to a configured model's directory: no other path is ever opened for a client (403).
  *
  * Requests.  Chat: messages through the V4.1 chat encoding; thinking per request ("thinking",
  * "reasoning_effort"), default chat mode; tool_choice "none" leaves the tools out and does not
@@ -62,9 +63,20 @@ int ds41_engine_service_load(ds41_engine_service *s, const char *name, ds41_erro
 /* The default model's state (READY once it serves). */
 ds41_model_state ds41_engine_service_default_state(ds41_engine_service *s, char *detail, size_t detail_size);
 
-/* SIGHUP: apply a new configuration.  Models whose name and path are unchanged stay loaded;
- * removed ones are unloaded; a changed default is loaded (in the background).  Limits, log and
- * cache settings apply to requests from now on; engine settings apply to models loaded later. */
+/* SIGHUP: apply a new configuration, all or nothing.  First, with nothing running touched, the
+ * directory of every added model and every changed models[].path must hold a valid
+ * inference/config.json, a checkpoint whose headers open and a tokenizer.json, and no earlier
+ * path change may still be loading; otherwise -1 with err
+ * naming the key and path ("models.NAME.path changed from A to B: B: ...") and every model,
+ * request and setting stays as it was.  Then only the changes apply, each logged: models whose
+ * name and path are unchanged stay as they are; a changed path of a model that is loaded (or
+ * loading) loads the new directory beside it, and once that is READY it takes the model's place
+ * while the old one finishes its running requests (limits.drain_timeout_s at most) and unloads --
+ * if the new directory fails to load, the old one keeps serving and the failure is logged; a
+ * changed path of a model that is not loaded just replaces it; added models are configured (the
+ * default one is loaded); removed models are unloaded (their running requests are cancelled).
+ * Limits, log and cache settings apply to requests from now on; engine settings apply to models
+ * loaded later. */
 int ds41_engine_service_reconfigure(ds41_engine_service *s, const ds41_daemon_config *cfg, ds41_error *err);
 
 /* Periodic housekeeping (about once a second): cancel requests past limits.request_timeout_s. */

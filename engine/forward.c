@@ -442,19 +442,10 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
         if (ds41_kv_seq_tokens(items[i].seq) > UINT64_MAX / 4 - items[i].n_ids)
             return ds41_fail(err, "forward: item %zu: position overflow", i);
 
-    /* Pages the batch may take: new pages per source, plus one per source
-     * whose last page is partly filled (a copy-on-write copy if shared). */
-    const ds41_kv_layout *l = ds41_kv_pool_layout(pool);
+    /* Pages the batch takes: new pages per source, plus a copy of each
+     * shared, partly filled last page it appends to (copy on write). */
     uint64_t need = 0;
-    for (size_t i = 0; i < n_items; i++) {
-        const uint64_t p0 = ds41_kv_seq_tokens(items[i].seq), p1 = p0 + items[i].n_ids;
-        for (int s = 0; s < l->n_sources; s++) {
-            const uint64_t r = (uint64_t)l->source_ratio[s], epp = l->entries_per_page;
-            const uint64_t e0 = p0 / r, e1 = p1 / r;
-            need += (e1 + epp - 1) / epp - (e0 + epp - 1) / epp;
-            if (e1 > e0 && e0 % epp != 0) need++;
-        }
-    }
+    for (size_t i = 0; i < n_items; i++) need += ds41_kv_seq_pages_to_grow(items[i].seq, items[i].n_ids);
     ds41_kv_pool_stats st;
     ds41_kv_pool_get_stats(pool, &st);
     if (st.pages_max && need > st.pages_max - st.pages_in_use)

@@ -1191,6 +1191,12 @@ size_t ds41_generation_prompt_tokens(const ds41_generation *g) { return g->n_pro
 size_t ds41_generation_completion_tokens(const ds41_generation *g) { return g->n_tokens - g->n_prompt; }
 size_t ds41_generation_reasoning_tokens(const ds41_generation *g) { return g->n_reasoning; }
 size_t ds41_generation_cached_tokens(const ds41_generation *g) { return g->n_cached; }
+uint32_t ds41_generation_max_tokens(const ds41_generation *g) {
+    return g->max_tokens;
+}
+uint32_t ds41_generation_max_context(const ds41_generation *g) {
+    return g->max_context;
+}
 
 const char *ds41_generation_prompt_text(const ds41_generation *g, size_t *len) {
     if (len) *len = g->prompt_text_len;

@@ -254,6 +254,9 @@ size_t ds41_generation_prompt_tokens(const ds41_generation *g);
 size_t ds41_generation_completion_tokens(const ds41_generation *g); /* generated, a final EOS included */
 size_t ds41_generation_reasoning_tokens(const ds41_generation *g);
 size_t ds41_generation_cached_tokens(const ds41_generation *g);
+/* The limits it was made with (0 = none): generated tokens, prompt + generated tokens. */
+uint32_t ds41_generation_max_tokens(const ds41_generation *g);
+uint32_t ds41_generation_max_context(const ds41_generation *g);
 
 /* The rendered prompt text (CHAT and RAW; "" for IDS), NUL-terminated. */
 const char *ds41_generation_prompt_text(const ds41_generation *g, size_t *len);

@@ -427,6 +427,30 @@ uint64_t ds41_kv_seq_page_bytes(const ds41_kv_seq *s) {
     return ds41_kv_seq_pages(s) * s->pool->layout.page_bytes;
 }
 
+uint64_t ds41_kv_pages_for_tokens(const ds41_kv_layout *l, uint64_t tokens) {
+    uint64_t n = 0;
+    for (int src = 0; src < l->n_sources; src++) {
+        const uint64_t entries = tokens / (uint64_t)l->source_ratio[src];
+        n += (entries + l->entries_per_page - 1) / l->entries_per_page;
+    }
+    return n;
+}
+
+uint64_t ds41_kv_seq_pages_to_grow(const ds41_kv_seq *s, uint64_t n_tokens) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    const uint64_t epp = l->entries_per_page, p1 = s->tokens + n_tokens;
+    uint64_t need = 0;
+    for (int src = 0; src < l->n_sources; src++) {
+        const page_table *t = &s->src[src];
+        const uint64_t e0 = t->n_entries, e1 = p1 / (uint64_t)l->source_ratio[src];
+        if (e1 <= e0) continue;
+        need += (e1 + epp - 1) / epp - (e0 + epp - 1) / epp;
+        /* the first append to a partly filled page shared with a fork copies it */
+        if (e0 % epp != 0 && t->n_pages && page_refcount(s->pool, t->pages[t->n_pages - 1]) > 1) need++;
+    }
+    return need;
+}
+
 uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *s) {
     const ds41_kv_layout *l = &s->pool->layout;
     return (uint64_t)l->n_rings * l->window * l->ring_row_bytes + s->carry_floats * sizeof(float) +

@@ -146,6 +146,12 @@ ds41_engram_history *ds41_kv_seq_engram(ds41_kv_seq *seq);
 /* Pages the sequence references (shared pages included) and their bytes. */
 uint64_t ds41_kv_seq_pages(const ds41_kv_seq *seq);
 uint64_t ds41_kv_seq_page_bytes(const ds41_kv_seq *seq);
+/* Pages a sequence of this layout references once it has consumed `tokens` tokens, sharing
+ * none: the most a request that consumes that many tokens ever takes from the pool. */
+uint64_t ds41_kv_pages_for_tokens(const ds41_kv_layout *l, uint64_t tokens);
+/* Pages the pool must give the sequence for it to consume n_tokens more: fresh pages, plus a
+ * copy of each partly filled last page it shares with a fork and appends to (copy on write). */
+uint64_t ds41_kv_seq_pages_to_grow(const ds41_kv_seq *seq, uint64_t n_tokens);
 /* Fixed per-sequence state: rings + carries + history. */
 uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *seq);
 

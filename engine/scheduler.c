@@ -166,6 +166,29 @@ static uint64_t pages_max(ds41_scheduler *s) {
     return ps.pages_max ? ps.pages_max : UINT64_MAX;
 }
 
+/* The most tokens a generation's sequence ever consumes: every token but the last one (prompt +
+ * max_tokens, clipped to the context); with neither limit, the prompt and one more. */
+static uint64_t worst_tokens(const ds41_generation *g) {
+    const uint64_t n_prompt = ds41_generation_prompt_tokens(g), max_tokens = ds41_generation_max_tokens(g),
+                   max_context = ds41_generation_max_context(g);
+    uint64_t total = max_tokens ? n_prompt + max_tokens : UINT64_MAX;
+    if (max_context && max_context < total) total = max_context;
+    return total == UINT64_MAX ? n_prompt + 1 : total - 1;
+}
+
+/* The most tokens a sequence holding at most `pages` pages can consume. */
+static uint64_t tokens_in_pages(const ds41_kv_layout *l, uint64_t pages) {
+    uint64_t lo = 0, hi = 1ull << 40;
+    while (lo < hi) {
+        const uint64_t mid = lo + (hi - lo + 1) / 2;
+        if (ds41_kv_pages_for_tokens(l, mid) <= pages)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 /* ---- prefix cache (callers hold mu) ---------------------------------------------------------- */
 
 static void cache_drop(ds41_scheduler *s, size_t i) {
@@ -489,7 +512,7 @@ static size_t plan_batch(ds41_scheduler *s) {
             s->item_n[n_items] = 1;
             n_items++;
             tokens++;
-            need += pages_for(s->layout, ds41_kv_seq_tokens(r->seq), 1);
+            need += ds41_kv_seq_pages_to_grow(r->seq, 1);
         }
         /* prefill, oldest admission first */
         for (;;) {
@@ -517,7 +540,7 @@ static size_t plan_batch(ds41_scheduler *s) {
             s->item_n[n_items] = k;
             n_items++;
             tokens += k;
-            need += pages_for(s->layout, ds41_kv_seq_tokens(pick->seq), k);
+            need += ds41_kv_seq_pages_to_grow(pick->seq, k);
         }
         if (n_items == 0 || need <= pages_free(s)) return n_items;
         if (cache_evict_one(s, SIZE_MAX)) continue;
@@ -939,12 +962,33 @@ ds41_sched_status ds41_scheduler_submit_in(ds41_scheduler *s, const ds41_sched_p
     if (s->stopping) {
         status = DS41_SCHED_STOPPING;
         ds41_fail(err, "the server is stopping");
-    } else if (pages_for(s->layout, 0, n_prompt + 1) > pages_max(s)) {
+    } else if (ds41_kv_pages_for_tokens(s->layout, worst_tokens(g)) > pages_max(s)) {
         /* checked before the queue: waiting would never help this one */
-        status = DS41_SCHED_KV_FULL;
-        s->st.rejected_kv_full++;
-        ds41_fail(err, "the KV cache (%llu pages) cannot hold a prompt of %zu tokens", (unsigned long long)pages_max(s),
-                  n_prompt);
+        status = DS41_SCHED_TOO_LARGE;
+        s->st.rejected_kv_full++; /* refused for its KV memory, as before, only up front now */
+        const uint64_t worst = worst_tokens(g), max_tokens = ds41_generation_max_tokens(g),
+                       ctx = ds41_generation_max_context(g);
+        char what[160];
+        if (ctx && !max_tokens)
+            snprintf(what, sizeof what,
+                     "a prompt of %zu tokens without max_tokens (up to the context of %llu tokens)", n_prompt,
+                     (unsigned long long)ctx);
+        else if (ctx && ctx < n_prompt + max_tokens)
+            snprintf(what, sizeof what,
+                     "a prompt of %zu tokens + max_tokens %llu (clipped to the context of %llu tokens)",
+                     n_prompt, (unsigned long long)max_tokens, (unsigned long long)ctx);
+        else if (max_tokens)
+            snprintf(what, sizeof what, "a prompt of %zu tokens + max_tokens %llu", n_prompt,
+                     (unsigned long long)max_tokens);
+        else
+            snprintf(what, sizeof what, "a prompt of %zu tokens", n_prompt);
+        ds41_fail(
+            err,
+            "the request can never fit in the KV pool: %s needs the KV of %llu tokens (%llu pages of %u "
+            "bytes), the whole pool holds %llu pages (%llu tokens)",
+            what, (unsigned long long)worst, (unsigned long long)ds41_kv_pages_for_tokens(s->layout, worst),
+            s->layout->page_bytes, (unsigned long long)pages_max(s),
+            (unsigned long long)tokens_in_pages(s->layout, pages_max(s)));
     } else if (s->n_queued >= s->cfg.max_queue) {
         status = DS41_SCHED_QUEUE_FULL;
         s->st.rejected_queue_full++;

@@ -114,10 +114,12 @@ typedef struct ds41_sched_config {
 typedef enum ds41_sched_status {
     DS41_SCHED_DONE = 0,   /* the generation finished (see its finish reason) */
     DS41_SCHED_CANCELLED,  /* ds41_scheduler_cancel, or the scheduler stopped */
-    DS41_SCHED_KV_FULL,    /* preempted: the KV pool could not hold it (at submit: can never fit) */
+    DS41_SCHED_KV_FULL,    /* preempted: the KV pool could not hold it */
     DS41_SCHED_QUEUE_FULL, /* submit only: max_queue requests wait already */
     DS41_SCHED_STOPPING,   /* submit only: the scheduler is stopping */
     DS41_SCHED_ERROR,      /* the forward pass or sampling failed (message says why) */
+    DS41_SCHED_TOO_LARGE,  /* submit only: even the whole KV pool cannot hold the request's worst case
+                              (prompt + max_tokens, clipped to the context); the message names the sizes */
 } ds41_sched_status;
 
 typedef struct ds41_sched_sink {
@@ -142,8 +144,9 @@ int ds41_scheduler_new(ds41_engine *engine, const ds41_sched_config *cfg, ds41_s
 void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms);
 
 /* Queue a generation (ownership passes to the scheduler, also on failure: it is freed then).
- * Returns 0 and the request id (> 0) in *id, or a refusal status (QUEUE_FULL, KV_FULL: the
- * prompt can never fit the pool, STOPPING) with err filled; then no sink call ever happens.
+ * Returns 0 and the request id (> 0) in *id, or a refusal status (QUEUE_FULL, TOO_LARGE: the
+ * request's worst case can never fit the whole pool, STOPPING) with err filled; then no sink call
+ * ever happens.  A request that fits the pool but not the pages free now waits in the queue.
  * On acceptance the sink may be called before this returns. */
 ds41_sched_status ds41_scheduler_submit(ds41_scheduler *s, ds41_generation *g, const ds41_sched_sink *sink,
                                         uint64_t *id, ds41_error *err);

@@ -857,22 +857,42 @@ static void route_completions(ds41_http_exchange *ex, void *ctx) {
 
 /* ============================================================ other routes */
 
+static const char *model_state_name(ds41_model_state s);
+
+/* /health's "models": every configured model with its state (and why, unless ready). */
+static void health_model_emit(void *acc, const ds41_svc_model *m) {
+    json_t *list = acc, *o = json_object();
+    if (!m || !m->id || !o) {
+        json_decref(o);
+        return;
+    }
+    ds41_json_set_str(o, "id", m->id);
+    ds41_json_set_str(o, "state", model_state_name(m->state));
+    if (m->state != DS41_MODEL_READY && m->detail && m->detail[0])
+        ds41_json_set_str(o, m->state == DS41_MODEL_FAILED ? "error" : "detail", m->detail);
+    json_array_append_new(list, o);
+}
+
 static void route_health(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
     ds41_svc_health h = {0};
     api->svc.health(api->svc.ctx, &h);
     h.detail[sizeof h.detail - 1] = 0;
-    if (h.state == DS41_HEALTH_OK) {
-        respond_json(ex, 200, json_pack("{s:s}", "status", "ok"));
-        return;
-    }
     json_t *o = json_object();
     if (o) {
-        ds41_json_set_str(o, "status", h.state == DS41_HEALTH_LOADING ? "loading" : "error");
-        ds41_json_set_str(o, "detail", h.detail);
+        ds41_json_set_str(o, "status",
+                          h.state == DS41_HEALTH_OK        ? "ok"
+                          : h.state == DS41_HEALTH_LOADING ? "loading"
+                                                           : "error");
+        if (h.state != DS41_HEALTH_OK) ds41_json_set_str(o, "detail", h.detail);
+        json_t *models = api->svc.list_models ? json_array() : NULL;
+        ds41_svc_error err = {0};
+        if (models && api->svc.list_models(api->svc.ctx, health_model_emit, models, &err) == 0)
+            json_object_set(o, "models", models);
+        json_decref(models);
     }
     if (h.state == DS41_HEALTH_LOADING) ds41_http_add_header(ex, "Retry-After", "5");
-    respond_json(ex, 503, o);
+    respond_json(ex, h.state == DS41_HEALTH_OK ? 200 : 503, o);
 }
 
 static const char *model_state_name(ds41_model_state s) {

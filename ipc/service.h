@@ -70,8 +70,9 @@ const char *ds41_svc_status_code(ds41_svc_status status);
 
 /* ------------------------------------------------------------------ health */
 
+/* GET /health also lists every model of list_models (id, state, detail) in "models". */
 typedef enum ds41_health_state {
-    DS41_HEALTH_OK = 0,  /* GET /health -> 200 {"status":"ok"} */
+    DS41_HEALTH_OK = 0,  /* GET /health -> 200 {"status":"ok"}: at least one model serves */
     DS41_HEALTH_LOADING, /* 503 {"status":"loading","detail":...} + Retry-After */
     DS41_HEALTH_ERROR,   /* 503 {"status":"error","detail":...} */
 } ds41_health_state;

@@ -30,7 +30,8 @@ ok "ds41d starts, generates the embedded model and /health answers 200"
 check "the embedded checkpoint is in the state directory" test -f "$state/embedded/tiny-seed1/inference/config.json"
 check "the socket is mode 0660" test "$(stat -c %a "$sock")" = 660
 code=$(api GET /health)
-check "GET /health: {\"status\":\"ok\"}" test "$code $(cat "$work/body")" = '200 {"status":"ok"}'
+check "GET /health: status ok and the model's state" \
+    test "$code $(pyj '(o["status"], o["models"])')" = "200 ('ok', [{'id': 'ds41-tiny', 'state': 'ready'}])"
 code=$(api GET /v1/models)
 check "GET /v1/models lists ds41-tiny only (never the real model's name)" \
     test "$code $(pyj '[m["id"] for m in o["data"]]')" = '200 ["ds41-tiny"]'
@@ -187,7 +188,25 @@ if start_daemon "$work/nohook.yaml"; then
     code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"x"}],"ds41_forced_output":"hi"}')
     check "without engine.test_forced_output the hook is a 400 naming it (the model was not regenerated)" \
         bash -c "test '$code $(pyj 'o["error"]["param"]')' = '400 ds41_forced_output' && ! grep -q 'generated the embedded model' '$work/daemon.log'"
-    long='{"messages":[{"role":"user","content":"a long story"}],"max_tokens":100000,"ignore_eos":true,"stream":true}'
+    # prompt + max_tokens beyond the whole KV pool: refused up front (400), not 503 kv_full forever
+    code=$(curl -s -D "$work/h400" -o "$work/body" -w '%{http_code}' --unix-socket "$sock" \
+        -d '{"prompt":[7,7,7,7,7,7,7,7,7,7],"max_tokens":100000}' http://ds41/v1/completions)
+    msg=$(pyj 'o["error"]["message"]')
+    note "HTTP $code: $msg"
+    check "prompt + max_tokens beyond the whole KV pool (384 KiB): 400 request_too_large_for_kv_pool naming the sizes, no Retry-After" \
+        bash -c "test '$code $(pyj 'o["error"]["code"] + "/" + o["error"]["param"]')' = '400 request_too_large_for_kv_pool/max_tokens' &&
+                 [[ \"\$1\" == *'a prompt of 10 tokens + max_tokens 100000 (clipped to the context of 4096 tokens) needs the KV of 4095 tokens'*'the whole pool holds '*' pages ('*' tokens)'* ]] &&
+                 ! grep -qi '^Retry-After' '$work/h400'" _ "$msg"
+    # the tokens the pool holds, from the message: at that exact boundary a request is served to its end
+    pool_tokens=$(sed -n 's/.*the whole pool holds [0-9]* pages (\([0-9]*\) tokens).*/\1/p' <<<"$msg")
+    fit=$((pool_tokens - 10 + 1))
+    code=$(api POST /v1/completions "{\"prompt\":[7,7,7,7,7,7,7,7,7,8],\"max_tokens\":$fit,\"ignore_eos\":true}")
+    check "prompt 10 + max_tokens $fit needs exactly the $pool_tokens tokens the pool holds: served to its last token" \
+        test "$code $(pyj '(o["choices"][0]["finish_reason"], o["usage"]["completion_tokens"])')" = "200 ('length', $fit)"
+    code=$(api POST /v1/completions "{\"prompt\":[7,7,7,7,7,7,7,7,7,9],\"max_tokens\":$((fit + 1)),\"ignore_eos\":true}")
+    check "one token more (max_tokens $((fit + 1))): 400 request_too_large_for_kv_pool" \
+        test "$code $(pyj 'o["error"]["code"]')" = "400 request_too_large_for_kv_pool"
+    long="{\"messages\":[{\"role\":\"user\",\"content\":\"a long story\"}],\"max_tokens\":$((pool_tokens / 2)),\"ignore_eos\":true,\"stream\":true}"
     curl -sN --unix-socket "$sock" -d "$long" http://ds41/v1/chat/completions >/dev/null &
     run_pid=$!
     for i in $(seq 1 100); do
@@ -216,8 +235,9 @@ if start_daemon "$work/nohook.yaml"; then
     big=$("$py" -c 'print(",".join(["7"] * 4000))')
     code=$(curl -s -D "$work/h503" -o "$work/body" -w '%{http_code}' --unix-socket "$sock" \
         -d "{\"prompt\":[$big],\"max_tokens\":1}" http://ds41/v1/completions)
-    check "a prompt the KV cache (384 KiB) can never hold: 503 with Retry-After" \
-        bash -c "test '$code $(pyj 'o["error"]["code"]')' = '503 kv_full' && grep -qi '^Retry-After: [0-9]' '$work/h503'"
+    check "a prompt the KV cache (384 KiB) can never hold: 400 naming its 4000 tokens, no Retry-After" \
+        bash -c "test '$code $(pyj 'o["error"]["code"]')' = '400 request_too_large_for_kv_pool' &&
+                 grep -q 'a prompt of 4000 tokens' '$work/body' && ! grep -qi '^Retry-After' '$work/h503'"
     curl -s --unix-socket "$sock" http://ds41/metrics >"$work/metrics2.txt"
     check "memory.engram_cache_bytes 4KiB: the Engram rows are streamed, /metrics shows the tier's reads" \
         "$py" -c '
@@ -234,9 +254,9 @@ assert re.search(r"^ds41_tier_read_latency_seconds\{model=\"ds41-tiny\",tier=\"e
     sed -i 's/^  max_queue: 1/  max_queue: 1\n  request_timeout_s: 1/' "$work/nohook.yaml"
     kill -HUP "$daemon_pid"
     for i in $(seq 1 100); do grep -q 'configuration reloaded' "$work/daemon.log" && break; sleep 0.05; done
-    code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"z"}],"max_tokens":1000000,"ignore_eos":true}')
+    code=$(api POST /v1/chat/completions "{\"messages\":[{\"role\":\"user\",\"content\":\"z\"}],\"max_tokens\":$((pool_tokens - 100)),\"ignore_eos\":true}")
     check "after SIGHUP with limits.request_timeout_s 1, a longer request ends with finish_reason length" \
-        test "$code $(pyj '(o["choices"][0]["finish_reason"], 0 < o["usage"]["completion_tokens"] < 1000000)')" = "200 ('length', True)"
+        test "$code $(pyj '(o["choices"][0]["finish_reason"], 0 < o["usage"]["completion_tokens"] < '$((pool_tokens - 100))')')" = "200 ('length', True)"
     stop_daemon TERM
     check "that daemon exits 0 too" test "$daemon_status" = 0
 else

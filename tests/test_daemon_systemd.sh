@@ -70,7 +70,7 @@ for i in $(seq 1 100); do [ "$(grep -c '^READY=1' "$work/notify.log")" -ge 3 ] &
 code=$(api POST /v1/chat/completions '{"messages":[{"role":"user","content":"Hi"}],"ignore_eos":true}')
 check "SIGHUP with an invalid file: the error is logged with its position, the running configuration kept" \
     bash -c "test '$code $(pyj 'o["usage"]["completion_tokens"]')' = '200 3' &&
-             grep -q 'READY=1|STATUS=serving (reload failed, configuration kept)' '$work/notify.log' &&
+             grep -q 'READY=1|STATUS=serving (reload failed, configuration kept: .*ds41d.yaml:2:' '$work/notify.log' &&
              grep -q 'reload: .*ds41d.yaml:2:.*limits.max_tokens_default.*keeping the running configuration' '$work/daemon.log'"
 
 # SIGTERM while a stream runs: it is drained to its end, then exit 0

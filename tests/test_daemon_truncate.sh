@@ -108,8 +108,10 @@ check "the running request ends with an error event naming the shard (truncated 
     bash -c "[[ \"\$1\" == *$shard_name*'was truncated or became unreadable while mapped (SIGBUS at offset '*'): the model must be reloaded'* ]]" _ "$msg"
 check "ds41d is still running" kill -0 "$daemon_pid"
 code=$(api GET /health)
-check "/health answers 503 error, naming the shard" \
-    bash -c "test '$code $(pyj 'o["status"]')' = '503 error' && [[ \"\$1\" == *$shard_name* ]]" _ "$(pyj 'o["detail"]')"
+health=$(pyj '[(x["id"], x["state"]) for x in o["models"]]')
+check "/health answers 200 (other serves) and reports m failed, naming the shard" \
+    bash -c "test '$code $(pyj 'o["status"]')' = '200 ok' && test \"\$2\" = '[[\"m\", \"failed\"], [\"other\", \"ready\"]]' && [[ \"\$1\" == *$shard_name* ]]" \
+    _ "$(pyj '[x["error"] for x in o["models"] if x["id"] == "m"][0]')" "$health"
 code=$(api GET /v1/models)
 check "/v1/models answers 200 and lists only the model still working" \
     test "$code $(pyj '[m["id"] for m in o["data"]]')" = '200 ["other"]'
@@ -129,11 +131,12 @@ code=$(api POST /v1/completions "$other_req")
 check "the other model keeps serving: same text as before" test "$code $(pyj 'o["choices"][0]["text"]')" = "200 $want_other"
 check "the daemon logged the failed step" grep -q "was truncated or became unreadable while mapped" "$work/daemon.log"
 
-# wait_ready: "yes" once /health answers 200 (within 30 s), else "no".
+# wait_ready: "yes" once /health says m is ready (within 30 s), else "no" (other serves all along,
+# so /health itself is 200 throughout).
 wait_ready() {
     local i
     for i in $(seq 1 300); do
-        if [ "$(api GET /health)" = 200 ]; then
+        if [ "$(api GET /health)" = 200 ] && [ "$(pyj '[x["state"] for x in o["models"] if x["id"] == "m"]')" = '["ready"]' ]; then
             echo yes
             return
         fi

@@ -392,13 +392,20 @@ static void test_health_models(void) {
     TAP_CHECK(x.r.status == 200 && x.json && strcmp(jstr(x.json, "status"), "ok") == 0 &&
                   strcmp(x.r.content_type, "application/json") == 0,
               "GET /health -> 200 {\"status\":\"ok\"}");
+    TAP_CHECK(x.json && json_array_size(jpath(x.json, "models")) == 2 &&
+                  strcmp(jstr(x.json, "models[0].id"), "mock-model") == 0 &&
+                  strcmp(jstr(x.json, "models[0].state"), "ready") == 0 &&
+                  !jpath(x.json, "models[0].detail") && strcmp(jstr(x.json, "models[1].id"), "other") == 0 &&
+                  strcmp(jstr(x.json, "models[1].state"), "unloaded") == 0 &&
+                  strcmp(jstr(x.json, "models[1].detail"), "not loaded") == 0 && !jpath(x.json, "detail"),
+              "GET /health lists every configured model with its state (and why, unless ready)");
     resp_free(&x);
     mock_service_set_health(mock, DS41_HEALTH_LOADING, "loading shard 17/48");
     x = call("GET", "/health", DS41_AUTH_INFERENCE, NULL, NULL);
     TAP_CHECK(x.r.status == 503 && x.json && strcmp(jstr(x.json, "status"), "loading") == 0 &&
                   strcmp(jstr(x.json, "detail"), "loading shard 17/48") == 0 &&
-                  has_header(&x, "Retry-After: 5"),
-              "GET /health while loading -> 503 with detail and Retry-After");
+                  has_header(&x, "Retry-After: 5") && json_array_size(jpath(x.json, "models")) == 2,
+              "GET /health while loading -> 503 with detail, Retry-After and the models");
     resp_free(&x);
     mock_service_set_health(mock, DS41_HEALTH_OK, NULL);
 

@@ -458,6 +458,18 @@ static void test_prefix_partitions(void) {
     ds41_scheduler_free(s, 0);
 }
 
+/* The most tokens a sequence of the test model consumes in `pages` pages (the KV cache's own page
+ * accounting: ds41_kv_pages_for_tokens). */
+static uint64_t pool_tokens(uint64_t pages) {
+    ds41_error err;
+    ds41_kv_pool *probe = ds41_engine_new_pool(E, 0, 0, &err);
+    const ds41_kv_layout *l = ds41_kv_pool_layout(probe);
+    uint64_t t = 0;
+    while (ds41_kv_pages_for_tokens(l, t + 1) <= pages) t++;
+    ds41_kv_pool_free(probe);
+    return t;
+}
+
 static void test_cancel_and_limits(void) {
     ds41_sched_config cfg = base_config();
     cfg.max_sequences = 1;
@@ -505,18 +517,25 @@ static void test_cancel_and_limits(void) {
     cfg.admit_reserve_tokens = 8;
     ds41_scheduler_new(E, &cfg, &s, &err);
     st_c = ds41_scheduler_submit(s, make_gen(prompt_ids[6], 300, 1, 5), &sc, &idc, &err);
-    TAP_CHECK(st_c == DS41_SCHED_KV_FULL && strstr(err.msg, "KV cache"), "a prompt the KV budget can never hold: KV_FULL (%s)",
-              err.msg);
+    TAP_CHECK(st_c == DS41_SCHED_TOO_LARGE && strstr(err.msg, "prompt of 300 tokens + max_tokens 5") &&
+                  strstr(err.msg, "whole pool holds 4 pages"),
+              "a prompt the KV budget can never hold: TOO_LARGE naming the sizes (%s)", err.msg);
 
-    /* memory pressure: two growing sequences in a pool for about one -> one is preempted */
+    /* memory pressure: two growing sequences, each fitting the pool alone -> one is preempted */
+    const uint32_t fill = (uint32_t)(pool_tokens(4) - 20 + 1); /* max_tokens that fills the pool from 20 */
     rec p1, p2;
     rec_init(&p1);
     rec_init(&p2);
     ds41_sched_sink s1 = sink_of(&p1), s2 = sink_of(&p2);
-    ds41_scheduler_submit(s, make_gen(prompt_ids[7], 20, 1, 400), &s1, &ida, &err);
-    ds41_scheduler_submit(s, make_gen(prompt_ids[8], 20, 2, 400), &s2, &idb, &err);
+    ds41_scheduler_submit(s, make_gen(prompt_ids[7], 20, 1, fill), &s1, &ida, &err);
+    ds41_scheduler_submit(s, make_gen(prompt_ids[8], 20, 2, fill), &s2, &idb, &err);
     bool both = rec_wait_done(&p1, 120) && rec_wait_done(&p2, 120);
-    ds41_scheduler_stats(s, &st);
+    /* the survivor's pages go back after its done() */
+    for (int i = 0; i < 2000; i++) {
+        ds41_scheduler_stats(s, &st);
+        if (st.kv_pages_in_use == 0) break;
+        usleep(1000);
+    }
     TAP_CHECK(both && (p1.status == DS41_SCHED_KV_FULL || p2.status == DS41_SCHED_KV_FULL) &&
                   st.preemptions + st.requests_kv_full >= 1 && st.kv_pages_in_use == 0,
               "KV pressure preempts sequences (KV_FULL, newest first) instead of failing the step (%s / %s)", p1.message, p2.message);
@@ -526,6 +545,65 @@ static void test_cancel_and_limits(void) {
     rec_destroy(&a);
     rec_destroy(&b);
     rec_destroy(&c);
+}
+
+/* The up-front check at its exact boundary: a request whose prompt + max_tokens needs exactly the
+ * whole pool is admitted and runs to its last token without preemption (with and without the
+ * prefix cache, whose snapshot shares the partly filled pages the request then appends to); one
+ * token more is refused at submit with TOO_LARGE naming the sizes, never queued. */
+static void test_pool_boundary(void) {
+    ds41_error err;
+    ds41_kv_pool *probe = ds41_engine_new_pool(E, 0, 0, &err);
+    const uint64_t page = ds41_kv_pool_layout(probe)->page_bytes;
+    ds41_kv_pool_free(probe);
+    const uint64_t pages = 3, tokens = pool_tokens(pages);
+    const size_t n_prompt = 10;
+    /* the sequence consumes every token but the last sampled one: prompt + max_tokens - 1 */
+    const uint32_t fit = (uint32_t)(tokens - n_prompt + 1);
+    for (int pc = 0; pc < 2; pc++) {
+        ds41_sched_config cfg = base_config();
+        cfg.kv_budget_bytes = page * pages;
+        cfg.admit_reserve_tokens = 4;
+        cfg.prefix_cache = pc == 1;
+        ds41_scheduler *s = NULL;
+        if (!TAP_CHECK(ds41_scheduler_new(E, &cfg, &s, &err) == 0, "scheduler with a %llu-page pool",
+                       (unsigned long long)pages))
+            return;
+        rec a;
+        rec_init(&a);
+        ds41_sched_sink sa = sink_of(&a);
+        uint64_t id = 0;
+        ds41_sched_status st =
+            ds41_scheduler_submit(s, make_gen(prompt_ids[9], n_prompt, 3, fit), &sa, &id, &err);
+        bool done = st == DS41_SCHED_DONE && rec_wait_done(&a, 120);
+        TAP_CHECK(
+            done && a.status == DS41_SCHED_DONE && a.completion == fit && strcmp(a.finish, "length") == 0,
+            "prefix cache %s: prompt %zu + max_tokens %u needs exactly the %llu-page pool (%llu tokens): "
+            "admitted, all %u tokens generated (%zu, %s%s%s)",
+            pc ? "on" : "off", n_prompt, fit, (unsigned long long)pages, (unsigned long long)tokens, fit,
+            a.completion, a.finish, a.message[0] ? ": " : "", a.message);
+        rec b;
+        rec_init(&b);
+        ds41_sched_sink sb = sink_of(&b);
+        err.msg[0] = 0;
+        st = ds41_scheduler_submit(s, make_gen(prompt_ids[9], n_prompt, 3, fit + 1), &sb, &id, &err);
+        char want[96];
+        snprintf(want, sizeof want, "a prompt of %zu tokens + max_tokens %u needs the KV of %llu tokens",
+                 n_prompt, fit + 1, (unsigned long long)tokens + 1);
+        char holds[64];
+        snprintf(holds, sizeof holds, "the whole pool holds %llu pages (%llu tokens)",
+                 (unsigned long long)pages, (unsigned long long)tokens);
+        usleep(20000);
+        ds41_sched_stats ss;
+        ds41_scheduler_stats(s, &ss);
+        TAP_CHECK(st == DS41_SCHED_TOO_LARGE && id == 0 && b.n_done == 0 && ss.queued == 0 &&
+                      ss.rejected_kv_full == 1 && strstr(err.msg, want) && strstr(err.msg, holds),
+                  "prefix cache %s: one token more (max_tokens %u) is refused at submit with TOO_LARGE: %s",
+                  pc ? "on" : "off", fit + 1, err.msg);
+        ds41_scheduler_free(s, 0);
+        rec_destroy(&a);
+        rec_destroy(&b);
+    }
 }
 
 static void test_stop(void) {
@@ -581,6 +659,7 @@ int main(void) {
     test_prefix_cache();
     test_prefix_partitions();
     test_cancel_and_limits();
+    test_pool_boundary();
     test_stop();
     test_engram_streamed(dir);
     ds41_tokenizer_free(TOK);
