@@ -30,6 +30,41 @@
  * This is checked layer by layer against the numpy reference
  * (tests/reference/test_layer_check.py).
  *
+ * Decisions (REFERENCE §10.1 decision contract) and their score error.  The
+ * fast path makes three kinds: the index top-k, the candidate blocks and the
+ * routed experts.  A decision may differ from the reference's (and from
+ * another level's) only where the scores it compares differ by no more than
+ * the documented error below; tests/reference/test_simd_diff.py checks it.
+ *  - Index scores and candidate block scores: error 0.  Every input of an
+ *    index score is computed with the reference's arithmetic: the linears
+ *    of the indexer's path (wq_a of an index source, idx_wq_b,
+ *    weights_proj, the compressor's wkv and wgate, idx_wk) take
+ *    DS41_OUT_BF16_EXACT / DS41_OUT_F32_EXACT (engine/ops.h: per 32-block
+ *    exact code sums and the reference's fp32 block chain for FP8, the
+ *    exact sum rounded once for BF16), and the norms, pooling, rope, FP4
+ *    QDQ and the score's head sum are the reductions above.  This matters
+ *    because the index query and key pass through FP4 (e2m1: one mantissa
+ *    bit) after those linears: an fp32-ordered accumulation that lands one
+ *    bf16 ulp away flips an FP4 code and moves a score by ~10%, swapping
+ *    top-k entries far from any tie (tests/data/regress-simd-indexer).  So
+ *    index selections and candidate blocks equal the reference's given the
+ *    same block inputs (the one exception: a double sum of n exact terms is
+ *    off by at most n * 2^-53 of its terms' magnitude, which changes the
+ *    fp32 result only within that distance of a rounding boundary).
+ *    Cost: those linears run at double-precision dot speed; they are
+ *    about 0.7% of a token's multiply-adds at the release shape (114M of
+ *    15.7G).
+ *  - Routed experts: the gate logits z are an fp32 accumulation of K = dim
+ *    exact products in the level's order, so |dz| <= g_K * A with
+ *    g_K = K u / (1 - K u), u = 2^-24 and A = sum_i |x_i w_i|; the input x
+ *    is an RMSNorm output, so A <= (1 + 2^-8) * max|ffn_norm| * sqrt(dim) *
+ *    ||w_e||_2.  The selection score sqrt(softplus(z / gate_temp)) + bias
+ *    has slope at most 0.32 in z, so its error is at most
+ *      e_route = 0.5 * g_K * A / |gate_temp| + 2^-22 * (|score| + |bias| + 1)
+ *    (the last term covers the roundings of softplus, sqrt and the bias
+ *    add).  Two routings may differ only between experts whose scores are
+ *    within the sum of both sides' e_route.
+ *
  * Batch and chunk invariance, the rule every kernel follows: the value of an
  * output element is a function of its own inputs only, computed by the same
  * sequence of floating-point operations whatever the number of rows M of the
