@@ -461,7 +461,10 @@ static void fast_linear_exact(fast_ctx *c, const ds41_linear *w, const float *x,
     j.av = av;
     j.as = as;
     ds41_threadpool_run(c->pool, N, 1 + 32768 / (M * K + 1), xlin_task, &j);
-    PROF_END(c, w->kind == DS41_LINEAR_FP8 ? P_LINEAR_FP8 : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4 : P_LINEAR_BF16,
+    PROF_END(c,
+             w->kind == DS41_LINEAR_FP8   ? P_LINEAR_FP8
+             : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4
+                                          : P_LINEAR_BF16,
              linear_weight_bytes(w));
 }
 
@@ -481,7 +484,8 @@ static void fast_linear_batch(const ds41_ops *self, size_t n, const ds41_linear 
                               const float *const *xs, const size_t *Ms, float *const *ys,
                               ds41_linear_out out) {
     if (out == DS41_OUT_BF16_EXACT || out == DS41_OUT_F32_EXACT) {
-        for (size_t i = 0; i < n; i++) fast_linear_exact(ctx_of(self), ws[i], xs[i], Ms[i], ys[i], out == DS41_OUT_BF16_EXACT);
+        for (size_t i = 0; i < n; i++)
+            fast_linear_exact(ctx_of(self), ws[i], xs[i], Ms[i], ys[i], out == DS41_OUT_BF16_EXACT);
         return;
     }
     run_linears(ctx_of(self), n, ws, xs, Ms, ys, out, P_LINEAR_BATCH);
