@@ -260,6 +260,12 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
             uint8_t *allow = b->cand + r * b->cand_stride;
             for (size_t i = 0; i < take; i++)
                 if (!(bscore[border[i]] == -INFINITY)) allow[border[i]] = 1;
+            if (b->hooks && b->hooks->decision) {
+                size_t n_kept = 0;
+                for (size_t blk = 0; blk < nb; blk++)
+                    if (allow[blk]) border[n_kept++] = (int32_t)blk;
+                ds41__report_decision(b, DS41_DECISION_CAND, L, r, border, n_kept, bscore, nb);
+            }
         }
         if (role->candidate_user) {
             const uint8_t *allow = b->cand + r * b->cand_stride;
@@ -274,6 +280,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
         memcpy(list, order, k * sizeof *list);
         qsort(list, k, sizeof *list, cmp_i32);
         b->idx_count[L][r] = (uint32_t)k;
+        ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, k, score, reach);
     }
 out:
     free(q);
@@ -362,6 +369,8 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         if (role->ratio > 0) {
             const int32_t *list = lists + r * (size_t)c->index_topk;
             for (uint32_t j = 0; j < counts[r]; j++) crows[rows.n_comp++] = ds41_kv_seq_entry(seq, src, (uint64_t)list[j]);
+            /* (An index source reported its list with its scores.) */
+            if (!role->index_source) ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, counts[r], NULL, 0);
         }
         ops->sparse_attn(ops, q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows, o + r * H * hd);
         for (size_t h = 0; h < H; h++)

@@ -638,6 +638,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
     b.items = items;
     b.n_items = n_items;
     b.rope_layer = -1;
+    b.hooks = hooks;
     for (size_t i = 0; i < n_items; i++) b.M += items[i].n_ids;
     const size_t M = b.M;
     size_t n_logit_rows = 0;
@@ -697,6 +698,11 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         const ds41_layer_weights *lw = &e->w.layers[L];
         report(hooks, &b, DS41_STREAM_H, L, h, hc * D);
         report(hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
+        if (hooks && hooks->feed)
+            for (size_t r = 0; r < M; r++) {
+                const size_t it = b.row_item[r];
+                hooks->feed(hooks->ctx, L, it, r - b.item_row0[it], h + r * hc * D, pre_mix + r * hc);
+            }
         if (e->ecache) {
             /* Keep the requested rows flowing: reap what arrived, issue what waits. */
             ds41_error perr;
