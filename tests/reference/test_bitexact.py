@@ -66,7 +66,7 @@ def run(cmd):
 
 
 def read_safetensors(path):
-    """name -> numpy array (F32 / I64), from a single-file safetensors."""
+    """name -> numpy array (F32 / I64 / I32), from a single-file safetensors."""
     with open(path, 'rb') as f:
         data = f.read()
     (n,) = struct.unpack('<Q', data[:8])
@@ -76,20 +76,27 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == '__metadata__':
             continue
-        dt = {'F32': np.float32, 'I64': np.int64}[t['dtype']]
+        dt = {'F32': np.float32, 'I64': np.int64, 'I32': np.int32}[t['dtype']]
         b, e = t['data_offsets']
         out[name] = np.frombuffer(data[base + b:base + e], dtype=dt).reshape(t['shape'])
     return out
 
 
 def dump_order(keys, n_layers):
-    """Keys in forward order: for each part, per layer h, pre, attn, ffn; then h.n, logits."""
+    """Keys in forward order: for each part, per layer h, pre, index/candidate decisions, attn,
+    expert decisions, ffn; then h.n, logits."""
     parts = ['prefill'] + sorted({k.split('.')[0] + '.' + k.split('.')[1] for k in keys if k.startswith('decode.')},
                                  key=lambda p: int(p.split('.')[1]))
     order = ['ids']
     for p in parts:
         for layer in range(n_layers):
-            order += [f'{p}.h.{layer}', f'{p}.pre.{layer}', f'{p}.attn.{layer}', f'{p}.ffn.{layer}']
+            order += [f'{p}.h.{layer}', f'{p}.pre.{layer}']
+            # the decisions (present for the layers that make them) before the branch outputs
+            order += [k for k in (f'{p}.index_sel.{layer}', f'{p}.index_score.{layer}', f'{p}.cand.{layer}',
+                                  f'{p}.cand_score.{layer}') if k in keys]
+            order += [f'{p}.attn.{layer}']
+            order += [k for k in (f'{p}.experts.{layer}', f'{p}.expert_score.{layer}') if k in keys]
+            order += [f'{p}.ffn.{layer}']
         order += [f'{p}.h.{n_layers}', f'{p}.logits']
     return order + ['decode_ids']  # greedy tokens follow from the logits: report the stream first
 
