@@ -54,16 +54,21 @@
  *    Cost: those linears run at double-precision dot speed; they are
  *    about 0.7% of a token's multiply-adds at the release shape (114M of
  *    15.7G).
- *  - Routed experts: the gate logits z are an fp32 accumulation of K = dim
- *    exact products in the level's order, so |dz| <= g_K * A with
- *    g_K = K u / (1 - K u), u = 2^-24 and A = sum_i |x_i w_i|; the input x
- *    is an RMSNorm output, so A <= (1 + 2^-8) * max|ffn_norm| * sqrt(dim) *
- *    ||w_e||_2.  The selection score sqrt(softplus(z / gate_temp)) + bias
- *    has slope at most 0.32 in z, so its error is at most
- *      e_route = 0.5 * g_K * A / |gate_temp| + 2^-22 * (|score| + |bias| + 1)
- *    (the last term covers the roundings of softplus, sqrt and the bias
- *    add).  Two routings may differ only between experts whose scores are
- *    within the sum of both sides' e_route.
+ *  - Routed experts: error e_route = 2^-8 * (1 + |s|) of each selection
+ *    score s = sqrt(softplus(z / gate_temp)) + bias, given the same block
+ *    input (tests/reference/ds41_ref.py route_error_bound).  Two sources:
+ *    the gate's own fp32 accumulation of K = dim products (|dz| <= g_K * A,
+ *    g_K = K 2^-24 / (1 - K 2^-24), A = sum_i |x_i w_i|; the score's slope
+ *    in z is at most 0.32), and, much larger, the FFN input itself: it
+ *    carries the block's attention output, whose bf16 values differ from
+ *    the reference's by the linears' tolerated accumulation order.  The
+ *    bound is not derived a priori but measured: over the differential
+ *    sweeps (test_simd_diff.py) the largest score difference between two
+ *    levels is about a tenth of the two levels' e_route together.  Routings
+ *    may differ only between experts whose scores are within that sum (and
+ *    against the reference, within the one e_route).  The gate stays a fast
+ *    fp32 linear: most of e_route comes from the FFN input, which an exact
+ *    gate would not remove.
  *
  * Batch and chunk invariance, the rule every kernel follows: the value of an
  * output element is a function of its own inputs only, computed by the same
