@@ -60,8 +60,8 @@ static void usage(FILE *f) {
 /* One decision kind of one layer over a part's rows (allocated when the
  * layer first reports it). */
 typedef struct dec_arr {
-    int32_t *sel;       /* [S][w_sel], -1 padded */
-    float *score;       /* [S][w_score], NaN padded */
+    int32_t *sel; /* [S][w_sel], -1 padded */
+    float *score; /* [S][w_score], NaN padded */
     size_t w_sel, w_score;
     size_t n_score_max; /* the widest score row reported (the tensor's width) */
 } dec_arr;
@@ -72,12 +72,12 @@ static const char *const dec_score_name[N_DECISIONS] = {"index_score", "cand_sco
 
 typedef struct part {
     size_t S;
-    size_t pos_last; /* absolute position of the part's last row */
-    float *h;        /* [n_layers+1][S][hc*dim] */
-    float *pre;      /* [n_layers][S][hc] */
-    float *attn;     /* [n_layers][S][dim] */
-    float *ffn;      /* [n_layers][S][dim] */
-    float *logits;   /* [S][vocab] */
+    size_t pos_last;           /* absolute position of the part's last row */
+    float *h;                  /* [n_layers+1][S][hc*dim] */
+    float *pre;                /* [n_layers][S][hc] */
+    float *attn;               /* [n_layers][S][dim] */
+    float *ffn;                /* [n_layers][S][dim] */
+    float *logits;             /* [S][vocab] */
     dec_arr *dec[N_DECISIONS]; /* [n_layers] each */
     /* --replay: the source dump's streams fed into each block ([n_layers]) */
     const float **feed_h, **feed_pre;
@@ -195,7 +195,8 @@ static void pack_scores(part *p, size_t n_layers) {
             dec_arr *d = &p->dec[k][l];
             if (!d->sel || d->n_score_max == d->w_score) continue;
             for (size_t s = 0; s < p->S; s++)
-                memmove(d->score + s * d->n_score_max, d->score + s * d->w_score, d->n_score_max * sizeof *d->score);
+                memmove(d->score + s * d->n_score_max, d->score + s * d->w_score,
+                        d->n_score_max * sizeof *d->score);
             d->w_score = d->n_score_max;
         }
 }
@@ -391,8 +392,8 @@ static const ds41_tensor *replay_find(const replay *r, const char *name) {
 
 /* The payload of tensor `name` with dtype dt and shape d0 x d1 x d2 (d2 = 0: 2-d, d1 = 0: 1-d,
  * d0 = SIZE_MAX: any first dimension, returned in *n0). */
-static const void *replay_tensor(const replay *r, const char *path, const char *name, ds41_dtype dt, size_t d0,
-                                 size_t d1, size_t d2, size_t *n0, ds41_error *err) {
+static const void *replay_tensor(const replay *r, const char *path, const char *name, ds41_dtype dt,
+                                 size_t d0, size_t d1, size_t d2, size_t *n0, ds41_error *err) {
     const ds41_tensor *t = replay_find(r, name);
     const int nd = d2 ? 3 : d1 ? 2 : 1;
     if (!t) {
@@ -441,8 +442,8 @@ static void replay_close(replay *r) {
 }
 
 /* Point part p (named name) at the dump's streams of every block. */
-static int replay_part(const replay *r, const char *path, const ds41_model_config *c, const char *name, part *p,
-                       ds41_error *err) {
+static int replay_part(const replay *r, const char *path, const ds41_model_config *c, const char *name,
+                       part *p, ds41_error *err) {
     const size_t L = (size_t)c->n_layers, hc = (size_t)c->hc_mult, D = (size_t)c->dim;
     p->feed_h = calloc(L + 1, sizeof *p->feed_h);
     p->feed_pre = calloc(L + 1, sizeof *p->feed_pre);
@@ -534,7 +535,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (replay_path && (!dump || decode_given)) {
-        fprintf(stderr, "ds41-eval: --replay needs --dump and takes the ids and decode steps from the dump\n");
+        fprintf(stderr,
+                "ds41-eval: --replay needs --dump and takes the ids and decode steps from the dump\n");
         return 2;
     }
     int32_t *ids = NULL;
@@ -547,7 +549,8 @@ int main(int argc, char **argv) {
         const int64_t *rids = NULL;
         if (replay_open(&rp, replay_path, &rerr) != 0 ||
             !(rids = replay_tensor(&rp, replay_path, "ids", DS41_I64, SIZE_MAX, 0, 0, &S, &rerr)) ||
-            !(replay_dec = replay_tensor(&rp, replay_path, "decode_ids", DS41_I64, SIZE_MAX, 0, 0, &K, &rerr))) {
+            !(replay_dec =
+                  replay_tensor(&rp, replay_path, "decode_ids", DS41_I64, SIZE_MAX, 0, 0, &K, &rerr))) {
             fprintf(stderr, "ds41-eval: --replay: %s\n", rerr.msg);
             replay_close(&rp);
             return 2;
@@ -557,7 +560,8 @@ int main(int argc, char **argv) {
             replay_close(&rp);
             return 1;
         }
-        for (size_t i = 0; i < S; i++) ids[i] = rids[i] < INT32_MIN || rids[i] > INT32_MAX ? -1 : (int32_t)rids[i];
+        for (size_t i = 0; i < S; i++)
+            ids[i] = rids[i] < INT32_MIN || rids[i] > INT32_MAX ? -1 : (int32_t)rids[i];
         for (size_t k = 0; k < K; k++)
             if (replay_dec[k] < INT32_MIN || replay_dec[k] > INT32_MAX) {
                 fprintf(stderr, "ds41-eval: --replay: %s: decode_ids[%zu] is out of range\n", replay_path, k);
@@ -612,7 +616,8 @@ int main(int argc, char **argv) {
         const ds41_cpu_level got = ds41_backend_cpu_level(ds41_engine_backend(e));
         if (got != eo.cpu.level)
             fprintf(stderr, "ds41-eval: --cpu %s: this machine has no %s; running at %s\n",
-                    ds41_cpu_level_name(eo.cpu.level), ds41_cpu_level_name(eo.cpu.level), ds41_cpu_level_name(got));
+                    ds41_cpu_level_name(eo.cpu.level), ds41_cpu_level_name(eo.cpu.level),
+                    ds41_cpu_level_name(got));
     }
     const ds41_model_config *cfg = ds41_engine_config(e);
     const size_t V = (size_t)cfg->vocab_size;
@@ -676,7 +681,8 @@ int main(int argc, char **argv) {
     for (size_t k = 0; k < K; k++) {
         dec[k] = replay_dec ? (int32_t)replay_dec[k] : ds41_argmax(last, V);
         if (dec[k] < 0 || (int64_t)dec[k] >= cfg->vocab_size) {
-            ds41_fail(&err, "--replay: %s: decode_ids[%zu] = %d is outside the vocabulary", replay_path, k, dec[k]);
+            ds41_fail(&err, "--replay: %s: decode_ids[%zu] = %d is outside the vocabulary", replay_path, k,
+                      dec[k]);
             goto fail;
         }
         if (ds41_engine_prefetch(e, seq, dec[k], &err) != 0) goto fail;

@@ -370,7 +370,8 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
             const int32_t *list = lists + r * (size_t)c->index_topk;
             for (uint32_t j = 0; j < counts[r]; j++) crows[rows.n_comp++] = ds41_kv_seq_entry(seq, src, (uint64_t)list[j]);
             /* (An index source reported its list with its scores.) */
-            if (!role->index_source) ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, counts[r], NULL, 0);
+            if (!role->index_source)
+                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, counts[r], NULL, 0);
         }
         ops->sparse_attn(ops, q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows, o + r * H * hd);
         for (size_t h = 0; h < H; h++)

@@ -222,8 +222,8 @@ typedef struct ds41_fwd_hooks {
     void (*stream)(void *ctx, ds41_stream_kind kind, int layer, size_t item, size_t row, const float *data,
                    size_t n);
     void *ctx;
-    void (*decision)(void *ctx, ds41_decision_kind kind, int layer, size_t item, size_t row, const int32_t *sel,
-                     size_t n_sel, const float *score, size_t n_score);
+    void (*decision)(void *ctx, ds41_decision_kind kind, int layer, size_t item, size_t row,
+                     const int32_t *sel, size_t n_sel, const float *score, size_t n_score);
     /* Teacher forcing (may be NULL; layer-local checks, ds41-eval
      * --replay): called for every row at the start of every block, after the
      * H and PRE reports, with the row's stream h [hc][dim] and pre-mix [hc]

@@ -76,7 +76,8 @@ typedef struct fwd_batch {
 
 /* Report a decision of row r to the batch's hook, if it has one. */
 static inline void ds41__report_decision(const fwd_batch *b, ds41_decision_kind kind, int layer, size_t r,
-                                         const int32_t *sel, size_t n_sel, const float *score, size_t n_score) {
+                                         const int32_t *sel, size_t n_sel, const float *score,
+                                         size_t n_score) {
     if (!b->hooks || !b->hooks->decision) return;
     const size_t it = b->row_item[r];
     b->hooks->decision(b->hooks->ctx, kind, layer, it, r - b->item_row0[it], sel, n_sel, score, n_score);

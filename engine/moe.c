@@ -218,8 +218,10 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
         /* The selection scores the router ranked (ops.h router). */
         for (size_t r = 0; r < M; r++) {
             float *sc = logits + r * (size_t)E;
-            for (int ex = 0; ex < E; ex++) sc[ex] = ds41_rm_sqrt(ds41_rm_softplus(sc[ex])) + lw->gate_bias[ex];
-            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k, sc, (size_t)E);
+            for (int ex = 0; ex < E; ex++)
+                sc[ex] = ds41_rm_sqrt(ds41_rm_softplus(sc[ex])) + lw->gate_bias[ex];
+            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k, sc,
+                                  (size_t)E);
         }
     }
 
