@@ -340,7 +340,7 @@ def main():
         if not os.path.exists(exe):
             print(f"1..0 # SKIP {exe} not built")
             return 0
-    n_ck = int(os.environ.get('DS41_SIMD_DIFF_N', '0')) or (200 if LONG else 6 if SANITIZED else 36)
+    n_ck = int(os.environ.get('DS41_SIMD_DIFF_N', '0')) or (120 if LONG else 6 if SANITIZED else 36)
     seed = 20261205 + (7 if LONG else 0)
     rnd = random.Random(seed)
     tmp = tempfile.mkdtemp(prefix='ds41-simddiff-')
@@ -395,26 +395,35 @@ def main():
                 '\n'.join(problems[:12] + ([f"... {len(problems) - 12} more"] if len(problems) > 12 else [])) +
                 f"\nsets: {json.dumps(sets)}")
             shutil.rmtree(ck.path, ignore_errors=True)
+            if (i + 1) % 25 == 0 and i + 1 < n_ck:
+                note('so far: ' + figures(fig, levels_seen, t0))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    note(figures(fig, levels_seen, t0))
     d = fig.dec
-    total = sum(v['compared'] for v in d.values())
-    within = sum(v['within'] for v in d.values())
     viol = sum(v['violations'] for v in d.values())
-    note(f"figures: {fig.checkpoints} checkpoints x {len(levels_seen)} level(s) ({', '.join(sorted(levels_seen))}) = "
-         f"{fig.runs} comparisons, {fig.positions} positions; decisions compared {total} (index top-k "
-         f"{d['index']['compared']}, candidate blocks {d['cand']['compared']}, routed experts "
-         f"{d['experts']['compared']}); differing from scalar: {within} within the documented margin, {viol} "
-         f"outside; index/candidate score mismatches {fig.score_mismatch['index'] + fig.score_mismatch['cand']}; "
-         f"expert score deltas at most {fig.expert_err_max:.3f} of the documented bound "
-         f"({fig.score_mismatch['experts_beyond_bound']} beyond); rows excused from the arithmetic tolerance for an "
-         f"admissible routing difference {fig.rows_excused}; worst block output / logits row error {fig.worst:.2e} "
-         f"({fig.worst_at}), worst branch {fig.worst_branch:.2e} ({fig.worst_branch_at}); {time.time() - t0:.0f} s")
+    within = sum(v['within'] for v in d.values())
     tap(viol == 0 and fig.score_mismatch['index'] == 0 and fig.score_mismatch['cand'] == 0 and
         fig.score_mismatch['experts_beyond_bound'] == 0,
         f"decision contract over the sweep: {viol} decisions outside the documented margin, {within} within")
     print(f"1..{n_tests}")
     return 1 if n_failed else 0
+
+
+def figures(fig, levels_seen, t0):
+    d = fig.dec
+    total = sum(v['compared'] for v in d.values())
+    within = sum(v['within'] for v in d.values())
+    viol = sum(v['violations'] for v in d.values())
+    return (f"figures: {fig.checkpoints} checkpoints x {len(levels_seen)} level(s) ({', '.join(sorted(levels_seen))}) = "
+            f"{fig.runs} comparisons, {fig.positions} positions; decisions compared {total} (index top-k "
+            f"{d['index']['compared']}, candidate blocks {d['cand']['compared']}, routed experts "
+            f"{d['experts']['compared']}); differing from scalar: {within} within the documented margin, {viol} "
+            f"outside; index/candidate score mismatches {fig.score_mismatch['index'] + fig.score_mismatch['cand']}; "
+            f"expert score deltas at most {fig.expert_err_max:.3f} of the documented bound "
+            f"({fig.score_mismatch['experts_beyond_bound']} beyond); rows excused from the arithmetic tolerance for an "
+            f"admissible routing difference {fig.rows_excused}; worst block output / logits row error {fig.worst:.2e} "
+            f"({fig.worst_at}), worst branch {fig.worst_branch:.2e} ({fig.worst_branch_at}); {time.time() - t0:.0f} s")
 
 
 if __name__ == '__main__':
