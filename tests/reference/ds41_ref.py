@@ -1785,6 +1785,17 @@ def compare_decisions(kind, L, part, s, cand, own, stats, examples):
                          'candidate': c, 'reference_margin': m})
 
 
+def row_rel_error(got, ref):
+    """Per row (first axis): max |got - ref| / max |ref| (0 for two zero rows, inf for a non-zero
+    difference against a zero row)."""
+    got = got.reshape(got.shape[0], -1).astype(np.float64)
+    ref = ref.reshape(ref.shape[0], -1).astype(np.float64)
+    num = np.max(np.abs(got - ref), axis=1)
+    den = np.max(np.abs(ref), axis=1)
+    with np.errstate(divide='ignore', invalid='ignore'):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
+
+
 def layer_check(model, dump_path):
     """Recompute every block from the dumped input stream (and pre-mix) of every part and compare
     with the dumped outputs.  Returns the report dict.
@@ -1812,13 +1823,7 @@ def layer_check(model, dump_path):
     logit_rows = []
 
     def rowrel(got, ref):
-        got = got.reshape(got.shape[0], -1).astype(np.float64)
-        ref = ref.reshape(ref.shape[0], -1).astype(np.float64)
-        num = np.max(np.abs(got - ref), axis=1)
-        den = np.max(np.abs(ref), axis=1)
-        with np.errstate(divide='ignore', invalid='ignore'):
-            r = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
-        return r.tolist()
+        return row_rel_error(got, ref).tolist()
 
     plan = [('prefill', ids)] + [(f'decode.{k}', [t]) for k, t in enumerate(dec)]
     for pname, toks in plan:

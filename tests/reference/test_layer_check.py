@@ -29,10 +29,11 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+
+from tap_out import note, plan, run, tap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.environ.get('DS41_BUILD_DIR', os.path.join(HERE, '..', '..', 'build'))
@@ -43,32 +44,6 @@ GEN = os.path.join(HERE, 'gen_ckpt.py')
 PY = sys.executable
 LONG = os.environ.get('DS41_LONG_TESTS') == '1'
 
-n_tests = 0
-n_failed = 0
-
-
-def tap(ok, desc, diag=None):
-    global n_tests, n_failed
-    n_tests += 1
-    print(f"{'ok' if ok else 'not ok'} {n_tests} - {desc}")
-    if not ok:
-        n_failed += 1
-        for line in str(diag or '').splitlines():
-            print(f"# {line}")
-    sys.stdout.flush()
-    return ok
-
-
-def note(msg):
-    print(f"# {msg}")
-    sys.stdout.flush()
-
-
-def run(cmd, env=None, check=True):
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if check and p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {p.returncode}: {p.stderr.strip()[-2000:]}")
-    return p
 
 
 def make_prompt(vocab, n, seed):
@@ -212,8 +187,7 @@ def main():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     note(f"{time.time() - t0:.0f} s")
-    print(f"1..{n_tests}")
-    return 1 if n_failed else 0
+    return plan()
 
 
 if __name__ == '__main__':

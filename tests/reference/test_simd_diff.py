@@ -33,7 +33,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ds41_ref as R  # noqa: E402
 
+from tap_out import note, plan, run, tap  # noqa: E402
+from test_layer_check import Ckpt  # noqa: E402
+
 BUILD = os.environ.get('DS41_BUILD_DIR', os.path.join(HERE, '..', '..', 'build'))
 MKMODEL = os.path.join(BUILD, 'daemon', 'ds41-mkmodel')
 EVAL = os.path.join(BUILD, 'daemon', 'ds41-eval')
@@ -53,32 +55,6 @@ LONG = os.environ.get('DS41_LONG_TESTS') == '1'
 SANITIZED = os.environ.get('DS41_SANITIZED') == '1'
 LEVELS = ('avx2', 'avx512', 'amx')
 
-n_tests = 0
-n_failed = 0
-
-
-def tap(ok, desc, diag=None):
-    global n_tests, n_failed
-    n_tests += 1
-    print(f"{'ok' if ok else 'not ok'} {n_tests} - {desc}")
-    if not ok:
-        n_failed += 1
-        for line in str(diag or '').splitlines():
-            print(f"# {line}")
-    sys.stdout.flush()
-    return ok
-
-
-def note(msg):
-    print(f"# {msg}")
-    sys.stdout.flush()
-
-
-def run(cmd, check=True):
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if check and p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {p.returncode}: {p.stderr.strip()[-2000:]}")
-    return p
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -121,17 +97,6 @@ def random_sets(rnd):
     return s
 
 
-class Ckpt:
-    def __init__(self, path, label):
-        self.path = path
-        self.label = label
-        with open(os.path.join(path, 'inference', 'config.json')) as f:
-            self.cfg = json.load(f)
-
-    def route_err(self, L, score):
-        return R.route_error_bound(score)
-
-
 def make_ckpt(tmp, i, rnd):
     d = os.path.join(tmp, f'ck{i}')
     if i % 6 == 5:
@@ -169,15 +134,6 @@ def make_prompt(rnd, cfg):
 def load(path):
     f = R.SafetensorsFile(path)
     return {k: f.array(k) for k in f.tensors}
-
-
-def rowrel(got, ref):
-    got = got.reshape(got.shape[0], -1).astype(np.float64)
-    ref = ref.reshape(ref.shape[0], -1).astype(np.float64)
-    num = np.max(np.abs(got - ref), axis=1)
-    den = np.max(np.abs(ref), axis=1)
-    with np.errstate(divide='ignore', invalid='ignore'):
-        return np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
 
 
 class Figures:
@@ -226,7 +182,7 @@ def compare(ck, S, X, level, fig, problems):
                 for r in range(rows):
                     st['compared'] += 1
                     if kind == 'experts':
-                        err = ck.route_err(L, sa[r]) + ck.route_err(L, sb[r])
+                        err = R.route_error_bound(sa[r]) + R.route_error_bound(sb[r])
                         ratio = np.max(np.abs(sa[r].astype(np.float64) - sb[r]) / err)
                         fig.expert_err_max = max(fig.expert_err_max, float(ratio))
                         if ratio > 1:
@@ -246,7 +202,7 @@ def compare(ck, S, X, level, fig, problems):
                     if kind == 'experts':
                         # admissible iff X's ranking fits scores within both levels' errors of the
                         # scalar level's (each level within e_route of the exact scores)
-                        err = ck.route_err(L, sa[r]) + ck.route_err(L, sb[r])
+                        err = R.route_error_bound(sa[r]) + R.route_error_bound(sb[r])
                         ok = R.ranking_admissible([int(v) for v in b[r] if v >= 0], sa[r].astype(np.float64),
                                                   err)
                     if ok:
@@ -259,13 +215,13 @@ def compare(ck, S, X, level, fig, problems):
                                         f"{b[r].tolist()} ({level}); scalar margin {m}")
             fig.rows_excused += int(excused.sum())
             # arithmetic of the block
-            for name, got, ref in ((f'out', X[f'{p}.h.{L + 1}'], S[f'{p}.h.{L + 1}']),
-                                   (f'attn', X[f'{p}.attn.{L}'], S[f'{p}.attn.{L}']),
-                                   (f'ffn', X[f'{p}.ffn.{L}'], S[f'{p}.ffn.{L}'])) + \
-                    (((f'pre', X[f'{p}.pre.{L + 1}'], S[f'{p}.pre.{L + 1}']),) if L + 1 < n else ()):
-                rel = rowrel(got, ref)[~excused]
+            for name, got, ref in (('out', X[f'{p}.h.{L + 1}'], S[f'{p}.h.{L + 1}']),
+                                   ('attn', X[f'{p}.attn.{L}'], S[f'{p}.attn.{L}']),
+                                   ('ffn', X[f'{p}.ffn.{L}'], S[f'{p}.ffn.{L}'])) + \
+                    ((('pre', X[f'{p}.pre.{L + 1}'], S[f'{p}.pre.{L + 1}']),) if L + 1 < n else ()):
+                rel = R.row_rel_error(got, ref)[~excused]
                 per_layer_rel.setdefault((L, name), []).extend(rel.tolist())
-        rel = rowrel(X[f'{p}.logits'], S[f'{p}.logits'])
+        rel = R.row_rel_error(X[f'{p}.logits'], S[f'{p}.logits'])
         per_layer_rel.setdefault((n, 'logits'), []).extend(rel.tolist())
     for (L, name), v in per_layer_rel.items():
         if not v:
@@ -288,10 +244,8 @@ def teeth(ck, sd, S, level, tmp):
     far below the routing boundary is a violation, one within the margin is not."""
     xd = os.path.join(tmp, 'teeth.dump')
     env = dict(os.environ, DS41_FAST_BREAK='index_bf16')
-    p = subprocess.run([EVAL, '--model', ck.path, '--replay', sd, '--dump', xd, '--out', os.path.join(tmp, 't.json'),
-                        '--cpu', level], capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"ds41-eval (DS41_FAST_BREAK) exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    run([EVAL, '--model', ck.path, '--replay', sd, '--dump', xd, '--out', os.path.join(tmp, 't.json'), '--cpu', level],
+        env=env)
     f, probs = Figures(), []
     compare(ck, S, load(xd), level, f, probs)
     tap(f.score_mismatch['index'] > 0,
@@ -300,7 +254,7 @@ def teeth(ck, sd, S, level, tmp):
     # (2) on the scalar dump against itself, with one routing changed
     X = {k: v.copy() for k, v in S.items()}
     sel, sc = X['prefill.experts.0'], S['prefill.expert_score.0'].astype(np.float64)
-    far = near = None
+    far = None
     for r in range(sel.shape[0]):
         order = np.argsort(-sc[r], kind='stable')
         k = int(np.sum(sel[r] >= 0))
@@ -362,8 +316,7 @@ def main():
         note(f"levels compared with scalar: {', '.join(levels) or 'none'}; {n_ck} checkpoints, seed {seed}")
         if not levels:
             tap(True, "differential sweep # SKIP the host has only the scalar level")
-            print(f"1..{n_tests}")
-            return 0
+            return plan()
         for i in range(n_ck):
             ck, sets = make_ckpt(tmp, i, rnd)
             ids = make_prompt(rnd, ck.cfg)
@@ -406,8 +359,7 @@ def main():
     tap(viol == 0 and fig.score_mismatch['index'] == 0 and fig.score_mismatch['cand'] == 0 and
         fig.score_mismatch['experts_beyond_bound'] == 0,
         f"decision contract over the sweep: {viol} decisions outside the documented margin, {within} within")
-    print(f"1..{n_tests}")
-    return 1 if n_failed else 0
+    return plan()
 
 
 def figures(fig, levels_seen, t0):
