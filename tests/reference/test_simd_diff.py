@@ -289,6 +289,33 @@ def teeth(ck, sd, S, level, tmp):
             f"({f.dec['experts']['within']} within, {f.dec['experts']['violations']} violations)", probs)
 
 
+def replay_errors(ck, sd, tmp):
+    """--replay reads an untrusted file: a missing or misshapen tensor, a file that is not a dump,
+    and a missing --dump are refused with exit 2 naming what is wrong."""
+    f = R.SafetensorsFile(sd)
+    L = ck.cfg['n_layers'] // 2
+    keep = [(k, f.tensors[k][0], f.array(k)) for k in f.tensors if k != f'prefill.h.{L}']
+    bad = os.path.join(tmp, 'bad.dump')
+    R.write_safetensors(bad, keep)
+    base = [EVAL, '--model', ck.path, '--out', os.path.join(tmp, 'r.json')]
+    p = run(base + ['--replay', bad, '--dump', os.path.join(tmp, 'r.dump')], check=False)
+    tap(p.returncode == 2 and f'prefill.h.{L}' in p.stderr and 'missing' in p.stderr,
+        "ds41-eval --replay of a dump without one block's stream: exit 2 naming the tensor", p.stderr)
+    short = [(k, dt, a[:, :1] if k == f'prefill.pre.{L}' else a) for k, dt, a in
+             ((k, f.tensors[k][0], f.array(k)) for k in f.tensors)]
+    R.write_safetensors(bad, short)
+    p = run(base + ['--replay', bad, '--dump', os.path.join(tmp, 'r.dump')], check=False)
+    tap(p.returncode == 2 and f'prefill.pre.{L}' in p.stderr and 'shape' in p.stderr,
+        "ds41-eval --replay of a dump with a misshapen pre-mix: exit 2 naming the tensor", p.stderr)
+    with open(bad, 'wb') as fh:
+        fh.write(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a":1}')
+    p = run(base + ['--replay', bad, '--dump', os.path.join(tmp, 'r.dump')], check=False)
+    tap(p.returncode == 2 and bad in p.stderr, "ds41-eval --replay of a file that is not a dump: exit 2 naming it",
+        p.stderr)
+    p = run(base + ['--replay', sd], check=False)
+    tap(p.returncode == 2 and '--dump' in p.stderr, "ds41-eval --replay without --dump: exit 2", p.stderr)
+
+
 def main():
     for exe in (MKMODEL, EVAL):
         if not os.path.exists(exe):
@@ -339,6 +366,7 @@ def main():
                 levels_seen.add(lv)
             if i == 0:
                 teeth(ck, sd, S, levels[0], tmp)
+                replay_errors(ck, sd, tmp)
             fig.checkpoints += 1
             what = (f"{ck.label} #{i} ({len(ids)} tokens{', chunks of %d' % chunk if chunk else ''}, {decode} decode "
                     f"steps; window {ck.cfg['window_size']}, index_topk {ck.cfg['index_topk']}, index "
