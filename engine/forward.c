@@ -559,7 +559,12 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
         e->ops->fp8_rows(e->ops, lw->eng_table, lw->eng_table_scale, ids, M * ncols, ehd, rows);
     }
     free(ids);
-    e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, DS41_OUT_BF16);
+    /* At a layer that computes index keys or index scores the Engram output
+     * is one of the indexer's inputs: the reference's accumulation there
+     * (DS41_OUT_BF16_EXACT, engine/ops.h). */
+    const ds41_layer_role *role = &e->cfg.roles[L];
+    const int feeds_indexer = role->ratio > 0 && (role->kv_source || role->index_source);
+    e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, feeds_indexer ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
     e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
     free(rows);
     free(kv);

@@ -39,7 +39,8 @@ typedef enum ds41_linear_out {
     /* The same outputs with the reference's accumulation (§10.2-10.3) on
      * every backend, for the linears whose outputs reach a decision through
      * a coarse quantizer: the indexer's inputs (wq_a of an index source,
-     * idx_wq_b, weights_proj, the compressor, idx_wk).  One bf16 ulp there
+     * idx_wq_b, weights_proj, the compressor, idx_wk, the Engram wkv of a
+     * KV or index source).  One bf16 ulp there
      * flips an FP4 code of an index query or key, which moves an index score
      * by several percent and swaps top-k entries that are far from a tie
      * (engine/ops_fast.h, "Decisions"). */

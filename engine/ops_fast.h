@@ -38,7 +38,9 @@
  *  - Index scores and candidate block scores: error 0.  Every input of an
  *    index score is computed with the reference's arithmetic: the linears
  *    of the indexer's path (wq_a of an index source, idx_wq_b,
- *    weights_proj, the compressor's wkv and wgate, idx_wk) take
+ *    weights_proj, the compressor's wkv and wgate, idx_wk, and the Engram
+ *    wkv of an Engram layer that is a KV or index source: its output is
+ *    part of the block's input there) take
  *    DS41_OUT_BF16_EXACT / DS41_OUT_F32_EXACT (engine/ops.h: per 32-block
  *    exact code sums and the reference's fp32 block chain for FP8, the
  *    exact sum rounded once for BF16), and the norms, pooling, rope, FP4
@@ -52,8 +54,8 @@
  *    off by at most n * 2^-53 of its terms' magnitude, which changes the
  *    fp32 result only within that distance of a rounding boundary).
  *    Cost: those linears run at double-precision dot speed; they are
- *    about 0.7% of a token's multiply-adds at the release shape (114M of
- *    15.7G).
+ *    about 1% of a token's multiply-adds at the release shape (114M of
+ *    15.7G, plus layer 14's Engram wkv).
  *  - Routed experts: error e_route = 2^-8 * (1 + |s|) of each selection
  *    score s = sqrt(softplus(z / gate_temp)) + bias, given the same block
  *    input (tests/reference/ds41_ref.py route_error_bound).  Two sources:

@@ -26,7 +26,8 @@ by decode steps (sometimes prefilled in chunks):
 Figures printed at the end: checkpoints, levels, positions, decisions compared, differences within
 the documented margin, violations.  Environment: DS41_BUILD_DIR; DS41_LONG_TESTS=1 for the long
 sweep (more checkpoints, longer prompts); DS41_SANITIZED=1 scales the short one down;
-DS41_SIMD_DIFF_N overrides the checkpoint count.
+DS41_SIMD_DIFF_N overrides the checkpoint count; DS41_SIMD_DIFF_ONLY=i,j reruns only checkpoints
+#i, #j of the same sequence (the others are generated, not run).
 """
 
 import json
@@ -321,6 +322,8 @@ def main():
         if not os.path.exists(exe):
             print(f"1..0 # SKIP {exe} not built")
             return 0
+    # DS41_SIMD_DIFF_ONLY=i,j: rerun only those checkpoints of the sweep (the same random sequence)
+    only = {int(v) for v in os.environ.get('DS41_SIMD_DIFF_ONLY', '').split(',') if v.strip()}
     n_ck = int(os.environ.get('DS41_SIMD_DIFF_N', '0')) or (120 if LONG else 6 if SANITIZED else 36)
     seed = 20261205 + (7 if LONG else 0)
     rnd = random.Random(seed)
@@ -349,6 +352,9 @@ def main():
             ids = make_prompt(rnd, ck.cfg)
             decode = rnd.randrange(2, 9 if LONG else 6)
             chunk = rnd.choice([None, None, 1, 5, 16])
+            if only and i not in only:
+                shutil.rmtree(ck.path, ignore_errors=True)
+                continue
             sd = os.path.join(tmp, 's.dump')
             cmd = [EVAL, '--model', ck.path, '--ids', ','.join(map(str, ids)), '--decode', str(decode),
                    '--dump', sd, '--out', os.path.join(tmp, 's.json'), '--cpu', 'scalar']
@@ -364,7 +370,7 @@ def main():
                 compare(ck, S, load(xd), lv, fig, problems)
                 fig.runs += 1
                 levels_seen.add(lv)
-            if i == 0:
+            if i == 0 and not only:
                 teeth(ck, sd, S, levels[0], tmp)
                 replay_errors(ck, sd, tmp)
             fig.checkpoints += 1
