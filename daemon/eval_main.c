@@ -5,6 +5,7 @@
  * the same bytes in the reference mode). */
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
+#include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/threadpool.h"
 #include "storage/safetensors.h"
@@ -22,7 +23,7 @@ static void usage(FILE *f) {
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "                 [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE] [--config ds41d.yaml]\n"
-            "                 [--no-predict]\n"
+            "                 [--no-predict] [--replay DUMP.safetensors]\n"
             "       ds41-eval --version\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
@@ -39,7 +40,12 @@ static void usage(FILE *f) {
             "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"
             "covering the tables: resident); each greedy token's rows are prefetched before its\n"
             "step.  The logits are the same either way.\n"
-            "--dump writes the section 10.1 stream dump.\n"
+            "--dump writes the section 10.1 stream dump, with the decisions (index top-k,\n"
+            "candidate blocks, routed experts) and the scores they were made from.\n"
+            "--replay DUMP (with --dump, without --ids/--decode) replays a dump teacher-forced:\n"
+            "its ids and decode_ids are fed, and every block L starts from the dump's h.L and\n"
+            "pre.L, so the new dump's h.L+1, attn.L, ffn.L and decisions are block L's work on\n"
+            "the same inputs (a layer-local comparison of two levels or backends).\n"
             "--expert-cache-bytes SIZE (e.g. 1GiB, as in ds41d.yaml) streams the routed experts\n"
             "through a slot pool of that size (io_uring, O_DIRECT) when they do not all fit;\n"
             "--config FILE takes memory.expert_cache_bytes and engram_cache_bytes from a ds41d\n"
@@ -53,24 +59,45 @@ static void usage(FILE *f) {
 
 /* ---- stream collection for --dump ---------------------------------------------- */
 
+/* One decision kind of one layer over a part's rows (allocated when the
+ * layer first reports it). */
+typedef struct dec_arr {
+    int32_t *sel; /* [S][w_sel], -1 padded */
+    float *score; /* [S][w_score], NaN padded */
+    size_t w_sel, w_score;
+    size_t n_score_max; /* the widest score row reported (the tensor's width) */
+} dec_arr;
+
+#define N_DECISIONS 3 /* ds41_decision_kind */
+static const char *const dec_sel_name[N_DECISIONS] = {"index_sel", "cand", "experts"};
+static const char *const dec_score_name[N_DECISIONS] = {"index_score", "cand_score", "expert_score"};
+
 typedef struct part {
     size_t S;
-    float *h;      /* [n_layers+1][S][hc*dim] */
-    float *pre;    /* [n_layers][S][hc] */
-    float *attn;   /* [n_layers][S][dim] */
-    float *ffn;    /* [n_layers][S][dim] */
-    float *logits; /* [S][vocab] */
+    size_t pos_last;           /* absolute position of the part's last row */
+    float *h;                  /* [n_layers+1][S][hc*dim] */
+    float *pre;                /* [n_layers][S][hc] */
+    float *attn;               /* [n_layers][S][dim] */
+    float *ffn;                /* [n_layers][S][dim] */
+    float *logits;             /* [S][vocab] */
+    dec_arr *dec[N_DECISIONS]; /* [n_layers] each */
+    /* --replay: the source dump's streams fed into each block ([n_layers]) */
+    const float **feed_h, **feed_pre;
 } part;
 
 typedef struct collector {
     const ds41_model_config *cfg;
     part *cur;
     size_t row_off; /* position of the current chunk's first row inside the part */
+    int oom;        /* a decision array could not be allocated */
 } collector;
 
-static int part_alloc(part *p, const ds41_model_config *c, size_t S) {
+static int part_alloc(part *p, const ds41_model_config *c, size_t S, size_t pos_last) {
     const size_t L = (size_t)c->n_layers, hc = (size_t)c->hc_mult, D = (size_t)c->dim, V = (size_t)c->vocab_size;
     p->S = S;
+    p->pos_last = pos_last;
+    for (int k = 0; k < N_DECISIONS; k++)
+        if (!(p->dec[k] = calloc(L + 1, sizeof *p->dec[k]))) return -1;
     p->h = calloc((L + 1) * S * hc * D, sizeof(float));
     p->pre = calloc(L * S * hc + 1, sizeof(float));
     p->attn = calloc(L * S * D + 1, sizeof(float));
@@ -79,7 +106,16 @@ static int part_alloc(part *p, const ds41_model_config *c, size_t S) {
     return p->h && p->pre && p->attn && p->ffn && p->logits ? 0 : -1;
 }
 
-static void part_free(part *p) {
+static void part_free(part *p, size_t n_layers) {
+    for (int k = 0; k < N_DECISIONS; k++) {
+        for (size_t l = 0; p->dec[k] && l < n_layers; l++) {
+            free(p->dec[k][l].sel);
+            free(p->dec[k][l].score);
+        }
+        free(p->dec[k]);
+    }
+    free(p->feed_h);
+    free(p->feed_pre);
     free(p->h);
     free(p->pre);
     free(p->attn);
@@ -103,6 +139,68 @@ static void collect(void *ctx, ds41_stream_kind kind, int layer, size_t item, si
     case DS41_STREAM_LOGITS: dst = p->logits + s * n; break;
     }
     memcpy(dst, data, n * sizeof *data);
+}
+
+static void collect_decision(void *ctx, ds41_decision_kind kind, int layer, size_t item, size_t row,
+                             const int32_t *sel, size_t n_sel, const float *score, size_t n_score) {
+    collector *col = ctx;
+    part *p = col->cur;
+    (void)item;
+    if (!p || (int)kind < 0 || kind >= N_DECISIONS || layer < 0 || layer >= col->cfg->n_layers) return;
+    const ds41_model_config *c = col->cfg;
+    dec_arr *d = &p->dec[kind][layer];
+    if (!d->sel) {
+        /* Widths: the most picks a row can have; the most scores (reach
+         * positions or blocks <= positions, or experts). */
+        d->w_sel = (size_t)(kind == DS41_DECISION_INDEX  ? c->index_topk
+                            : kind == DS41_DECISION_CAND ? c->candidate_topk_blocks
+                                                         : c->n_activated_experts);
+        d->w_score = kind == DS41_DECISION_EXPERTS ? (size_t)c->n_routed_experts : p->pos_last + 1;
+        if (d->w_sel == 0) d->w_sel = 1;
+        d->sel = malloc(p->S * d->w_sel * sizeof *d->sel);
+        d->score = malloc(p->S * d->w_score * sizeof *d->score);
+        if (!d->sel || !d->score) {
+            free(d->sel);
+            free(d->score);
+            d->sel = NULL;
+            d->score = NULL;
+            col->oom = 1;
+            return;
+        }
+        for (size_t i = 0; i < p->S * d->w_sel; i++) d->sel[i] = -1;
+        for (size_t i = 0; i < p->S * d->w_score; i++) d->score[i] = __builtin_nanf("");
+    }
+    const size_t s = col->row_off + row;
+    if (s >= p->S) return;
+    if (n_sel > d->w_sel) n_sel = d->w_sel;
+    if (n_score > d->w_score) n_score = d->w_score;
+    memcpy(d->sel + s * d->w_sel, sel, n_sel * sizeof *sel);
+    if (n_score) memcpy(d->score + s * d->w_score, score, n_score * sizeof *score);
+    if (n_score > d->n_score_max) d->n_score_max = n_score;
+}
+
+/* Teacher forcing from the --replay source (feed_h/feed_pre of the part). */
+static void feed_row(void *ctx, int layer, size_t item, size_t row, float *h, float *pre) {
+    collector *col = ctx;
+    const part *p = col->cur;
+    (void)item;
+    if (!p || !p->feed_h || layer < 0 || layer >= col->cfg->n_layers) return;
+    const size_t hc = (size_t)col->cfg->hc_mult, D = (size_t)col->cfg->dim, s = col->row_off + row;
+    memcpy(h, p->feed_h[layer] + s * hc * D, hc * D * sizeof *h);
+    memcpy(pre, p->feed_pre[layer] + s * hc, hc * sizeof *pre);
+}
+
+/* The score arrays as [S][n_score_max] (rows packed in place). */
+static void pack_scores(part *p, size_t n_layers) {
+    for (int k = 0; k < N_DECISIONS; k++)
+        for (size_t l = 0; l < n_layers; l++) {
+            dec_arr *d = &p->dec[k][l];
+            if (!d->sel || d->n_score_max == d->w_score) continue;
+            for (size_t s = 0; s < p->S; s++)
+                memmove(d->score + s * d->n_score_max, d->score + s * d->w_score,
+                        d->n_score_max * sizeof *d->score);
+            d->w_score = d->n_score_max;
+        }
 }
 
 /* Declare (write == 0) or write (write == 1) the tensors of one part. */
@@ -133,6 +231,21 @@ static int dump_part(ds41_st_writer *w, int write, const ds41_model_config *c, c
                   : ds41_st_writer_declare(w, key, DS41_F32, 2, sd, err))
             return -1;
     }
+    for (int k = 0; k < N_DECISIONS; k++)
+        for (int64_t l = 0; l < L; l++) {
+            const dec_arr *d = &p->dec[k][l];
+            if (!d->sel) continue;
+            const int64_t ss[2] = {S, (int64_t)d->w_sel}, sc[2] = {S, (int64_t)d->w_score};
+            snprintf(key, sizeof key, "%s.%s.%lld", name, dec_sel_name[k], (long long)l);
+            if (write ? ds41_st_writer_write(w, key, d->sel, (size_t)S * d->w_sel * sizeof *d->sel, err)
+                      : ds41_st_writer_declare(w, key, DS41_I32, 2, ss, err))
+                return -1;
+            if (d->w_score == 0) continue;
+            snprintf(key, sizeof key, "%s.%s.%lld", name, dec_score_name[k], (long long)l);
+            if (write ? ds41_st_writer_write(w, key, d->score, (size_t)S * d->w_score * sizeof *d->score, err)
+                      : ds41_st_writer_declare(w, key, DS41_F32, 2, sc, err))
+                return -1;
+        }
     snprintf(key, sizeof key, "%s.logits", name);
     const int64_t sv[2] = {S, V};
     return write ? ds41_st_writer_write(w, key, p->logits, (size_t)(S * V) * sizeof(float), err)
@@ -265,6 +378,88 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n) {
     return 0;
 }
 
+/* ---- --replay: a dump read back --------------------------------------------------------- */
+
+typedef struct replay {
+    uint8_t *file;
+    size_t size;
+    ds41_st_header hdr;
+} replay;
+
+static const ds41_tensor *replay_find(const replay *r, const char *name) {
+    for (size_t i = 0; i < r->hdr.tensor_count; i++)
+        if (strcmp(r->hdr.tensors[i].name, name) == 0) return &r->hdr.tensors[i];
+    return NULL;
+}
+
+/* The payload of tensor `name` with dtype dt and shape d0 x d1 x d2 (d2 = 0: 2-d, d1 = 0: 1-d,
+ * d0 = SIZE_MAX: any first dimension, returned in *n0). */
+static const void *replay_tensor(const replay *r, const char *path, const char *name, ds41_dtype dt,
+                                 size_t d0, size_t d1, size_t d2, size_t *n0, ds41_error *err) {
+    const ds41_tensor *t = replay_find(r, name);
+    const int nd = d2 ? 3 : d1 ? 2 : 1;
+    if (!t) {
+        ds41_fail(err, "%s: tensor '%s' is missing", path, name);
+        return NULL;
+    }
+    if (t->dtype != dt || t->ndim != nd || (d0 != SIZE_MAX && (uint64_t)t->shape[0] != d0) ||
+        (nd > 1 && (uint64_t)t->shape[1] != d1) || (nd > 2 && (uint64_t)t->shape[2] != d2)) {
+        ds41_fail(err, "%s: tensor '%s' has the wrong dtype or shape for this model", path, name);
+        return NULL;
+    }
+    if (t->file_offset % ds41_dtype_size(dt) != 0) {
+        ds41_fail(err, "%s: tensor '%s' is not aligned to its element size", path, name);
+        return NULL;
+    }
+    if (n0) *n0 = (size_t)t->shape[0];
+    return r->file + t->file_offset;
+}
+
+static int replay_open(replay *r, const char *path, ds41_error *err) {
+    memset(r, 0, sizeof *r);
+    FILE *f = fopen(path, "rb");
+    if (!f) return ds41_fail(err, "%s: %s", path, strerror(errno));
+    int rc = -1;
+    if (fseek(f, 0, SEEK_END) != 0) goto out;
+    long sz = ftell(f);
+    if (sz < 8 || fseek(f, 0, SEEK_SET) != 0) {
+        ds41_fail(err, "%s: not a safetensors dump", path);
+        goto out;
+    }
+    r->size = (size_t)sz;
+    r->file = malloc(r->size);
+    if (!r->file || fread(r->file, 1, r->size, f) != r->size) {
+        ds41_fail(err, "%s: cannot read the dump", path);
+        goto out;
+    }
+    rc = ds41_st_parse_header(r->file, r->size, r->size, path, &r->hdr, err);
+out:
+    fclose(f);
+    return rc;
+}
+
+static void replay_close(replay *r) {
+    ds41_st_header_free(&r->hdr);
+    free(r->file);
+}
+
+/* Point part p (named name) at the dump's streams of every block. */
+static int replay_part(const replay *r, const char *path, const ds41_model_config *c, const char *name,
+                       part *p, ds41_error *err) {
+    const size_t L = (size_t)c->n_layers, hc = (size_t)c->hc_mult, D = (size_t)c->dim;
+    p->feed_h = calloc(L + 1, sizeof *p->feed_h);
+    p->feed_pre = calloc(L + 1, sizeof *p->feed_pre);
+    if (!p->feed_h || !p->feed_pre) return ds41_fail(err, "out of memory");
+    char key[128];
+    for (size_t l = 0; l < L; l++) {
+        snprintf(key, sizeof key, "%s.h.%zu", name, l);
+        if (!(p->feed_h[l] = replay_tensor(r, path, key, DS41_F32, p->S, hc, D, NULL, err))) return -1;
+        snprintf(key, sizeof key, "%s.pre.%zu", name, l);
+        if (!(p->feed_pre[l] = replay_tensor(r, path, key, DS41_F32, p->S, hc, 0, NULL, err))) return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
         {"model", required_argument, NULL, 'm'},
@@ -280,10 +475,12 @@ int main(int argc, char **argv) {
         {"cpu", required_argument, NULL, 'L'},
         {"pin", no_argument, NULL, 'P'},
         {"no-predict", no_argument, NULL, 'N'},
+        {"replay", required_argument, NULL, 'R'},
         DS41_BUDGET_LONGOPTS,
         {NULL, 0, NULL, 0},
     };
-    const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL;
+    const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL, *replay_path = NULL;
+    int decode_given = 0;
     size_t chunk = 0, K = 0;
     ds41_engine_opts eo = {.reference = false};
     ds41_budget_flags budgets = {.tool = "ds41-eval"};
@@ -303,6 +500,7 @@ int main(int argc, char **argv) {
             }
             break;
         case 'k':
+            decode_given = 1;
             if (parse_size(optarg, &K) != 0) {
                 fprintf(stderr, "ds41-eval: --decode: expected a non-negative integer, got '%s'\n", optarg);
                 return 2;
@@ -334,6 +532,7 @@ int main(int argc, char **argv) {
             }
             break;
         case 'd': dump = optarg; break;
+        case 'R': replay_path = optarg; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;
         case 'V':
@@ -342,13 +541,52 @@ int main(int argc, char **argv) {
         default: usage(stderr); return 2;
         }
     }
-    if (optind != argc || !model || !ids_arg || !out) {
+    if (optind != argc || !model || !out || (!ids_arg) == !replay_path) {
         usage(stderr);
+        return 2;
+    }
+    if (replay_path && (!dump || decode_given)) {
+        fprintf(stderr,
+                "ds41-eval: --replay needs --dump and takes the ids and decode steps from the dump\n");
         return 2;
     }
     int32_t *ids = NULL;
     size_t S = 0;
-    if (parse_ids(ids_arg, &ids, &S) != 0 || S == 0) {
+    replay rp;
+    memset(&rp, 0, sizeof rp);
+    const int64_t *replay_dec = NULL;
+    if (replay_path) {
+        ds41_error rerr = {{0}};
+        const int64_t *rids = NULL;
+        if (replay_open(&rp, replay_path, &rerr) != 0 ||
+            !(rids = replay_tensor(&rp, replay_path, "ids", DS41_I64, SIZE_MAX, 0, 0, &S, &rerr)) ||
+            !(replay_dec =
+                  replay_tensor(&rp, replay_path, "decode_ids", DS41_I64, SIZE_MAX, 0, 0, &K, &rerr))) {
+            fprintf(stderr, "ds41-eval: --replay: %s\n", rerr.msg);
+            replay_close(&rp);
+            return 2;
+        }
+        ids = malloc((S ? S : 1) * sizeof *ids);
+        if (!ids) {
+            replay_close(&rp);
+            return 1;
+        }
+        for (size_t i = 0; i < S; i++)
+            ids[i] = rids[i] < INT32_MIN || rids[i] > INT32_MAX ? -1 : (int32_t)rids[i];
+        for (size_t k = 0; k < K; k++)
+            if (replay_dec[k] < INT32_MIN || replay_dec[k] > INT32_MAX) {
+                fprintf(stderr, "ds41-eval: --replay: %s: decode_ids[%zu] is out of range\n", replay_path, k);
+                replay_close(&rp);
+                free(ids);
+                return 2;
+            }
+        if (S == 0) {
+            fprintf(stderr, "ds41-eval: --replay: %s: the dump has no ids\n", replay_path);
+            replay_close(&rp);
+            free(ids);
+            return 2;
+        }
+    } else if (parse_ids(ids_arg, &ids, &S) != 0 || S == 0) {
         fprintf(stderr, "ds41-eval: --ids: expected comma-separated integers, got '%s'\n", ids_arg);
         return 2;
     }
@@ -359,6 +597,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ds41-eval: at most %zu prompt ids and %zu decode steps\n", (size_t)1 << 24,
                 (size_t)1 << 20);
         free(ids);
+        replay_close(&rp);
         return 2;
     }
 
@@ -373,13 +612,23 @@ int main(int argc, char **argv) {
     ds41_budget_run run = {.kv_tokens = (uint64_t)S + K, .batch = 1};
     if (ds41_budget_flags_apply(&budgets, model, &run, &eo, NULL, 0) != 0) {
         free(ids);
+        replay_close(&rp);
         return 2;
     }
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-eval: %s\n", err.msg);
         free(ids);
+        replay_close(&rp);
         return 2;
+    }
+    if (!eo.reference && eo.cpu.level != DS41_CPU_AUTO) {
+        /* A cap above the machine is lowered: say so (tests skip such levels). */
+        const ds41_cpu_level got = ds41_backend_cpu_level(ds41_engine_backend(e));
+        if (got != eo.cpu.level)
+            fprintf(stderr, "ds41-eval: --cpu %s: this machine has no %s; running at %s\n",
+                    ds41_cpu_level_name(eo.cpu.level), ds41_cpu_level_name(eo.cpu.level),
+                    ds41_cpu_level_name(got));
     }
     const ds41_model_config *cfg = ds41_engine_config(e);
     const size_t V = (size_t)cfg->vocab_size;
@@ -408,13 +657,28 @@ int main(int argc, char **argv) {
         goto fail;
     }
     collector col = {.cfg = cfg};
-    ds41_fwd_hooks hooks = {.stream = collect, .ctx = &col};
+    ds41_fwd_hooks hooks = {
+        .stream = collect, .ctx = &col, .decision = collect_decision, .feed = replay_path ? feed_row : NULL};
     if (dump) {
         parts = calloc(K + 1, sizeof *parts);
         if (!parts) goto oom;
-        if (part_alloc(&parts[0], cfg, S) != 0) goto oom;
+        if (part_alloc(&parts[0], cfg, S, S - 1) != 0) goto oom;
         for (size_t k = 1; k <= K; k++)
-            if (part_alloc(&parts[k], cfg, 1) != 0) goto oom;
+            if (part_alloc(&parts[k], cfg, 1, S + k - 1) != 0) goto oom;
+    }
+    if (replay_path) {
+        char name[32];
+        for (size_t k = 0; k <= K; k++) {
+            if (k == 0)
+                snprintf(name, sizeof name, "prefill");
+            else
+                snprintf(name, sizeof name, "decode.%zu", k - 1);
+            if (replay_part(&rp, replay_path, cfg, name, &parts[k], &err) != 0) {
+                fprintf(stderr, "ds41-eval: --replay: %s\n", err.msg);
+                status = 2;
+                goto done;
+            }
+        }
     }
 
     for (size_t off = 0; off < S; off += chunk) {
@@ -426,7 +690,12 @@ int main(int argc, char **argv) {
     }
     const float *last = pre_logits + (S - 1) * V;
     for (size_t k = 0; k < K; k++) {
-        dec[k] = ds41_argmax(last, V);
+        dec[k] = replay_dec ? (int32_t)replay_dec[k] : ds41_argmax(last, V);
+        if (dec[k] < 0 || (int64_t)dec[k] >= cfg->vocab_size) {
+            ds41_fail(&err, "--replay: %s: decode_ids[%zu] = %d is outside the vocabulary", replay_path, k,
+                      dec[k]);
+            goto fail;
+        }
         if (ds41_engine_prefetch(e, seq, dec[k], &err) != 0) goto fail;
         ds41_fwd_item item = {.seq = seq, .ids = &dec[k], .n_ids = 1, .logits = dec_logits + k * V};
         col.cur = dump ? &parts[k + 1] : NULL;
@@ -434,8 +703,10 @@ int main(int argc, char **argv) {
         if (ds41_forward(e, &item, 1, dump ? &hooks : NULL, &err) != 0) goto fail;
         last = dec_logits + k * V;
     }
+    if (col.oom) goto oom;
     if (write_json(out, ids, S, pre_logits, dec, dec_logits, K, V, &err) != 0) goto fail;
     if (dump) {
+        for (size_t k = 0; k <= K; k++) pack_scores(&parts[k], (size_t)cfg->n_layers);
         int64_t *ids64 = malloc(S * sizeof *ids64), *dec64 = malloc((K ? K : 1) * sizeof *dec64);
         if (!ids64 || !dec64) {
             free(ids64);
@@ -458,7 +729,7 @@ fail:
     status = 1;
 done:
     if (parts)
-        for (size_t k = 0; k <= K; k++) part_free(&parts[k]);
+        for (size_t k = 0; k <= K; k++) part_free(&parts[k], (size_t)cfg->n_layers);
     free(parts);
     free(pre_logits);
     free(dec_logits);
@@ -467,5 +738,6 @@ done:
     ds41_kv_pool_free(pool);
     ds41_engine_free(e);
     free(ids);
+    replay_close(&rp);
     return status;
 }

@@ -54,7 +54,7 @@ static int emit_entry(ds41_engine *e, int L, ds41_kv_seq *seq, int src, uint64_t
         free(cs);
         return ds41_fail(err, "forward: out of memory");
     }
-    ops->linear(ops, &lw->idx_wk, latent, 1, key_raw, DS41_OUT_BF16);
+    ops->linear(ops, &lw->idx_wk, latent, 1, key_raw, DS41_OUT_BF16_EXACT);
     ops->rmsnorm(ops, lw->idx_k_norm, key_raw, 1, ihd, e->norm_eps, key);
     ds41_rope_cos_sin(e->rope_freqs[L], rd / 2, group * (uint64_t)ratio, cs);
     ops->rope(ops, key + ihd - (size_t)rd, rd / 2, cs, 0);
@@ -86,7 +86,7 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
             free(lat);
             return ds41_fail(err, "forward: out of memory");
         }
-        ops->linear(ops, &lw->cmp_wkv, xn, M, raw, DS41_OUT_BF16);
+        ops->linear(ops, &lw->cmp_wkv, xn, M, raw, DS41_OUT_BF16_EXACT);
         ops->rmsnorm(ops, lw->cmp_norm, raw, M, hd, e->norm_eps, lat);
         for (size_t r = 0; r < M && rc == 0; r++)
             rc = emit_entry(e, L, b->items[b->row_item[r]].seq, src, b->row_pos[r], lat + r * hd, err);
@@ -106,8 +106,8 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
-    ops->linear(ops, &lw->cmp_wkv, xn, M, kv, DS41_OUT_F32);
-    ops->linear(ops, &lw->cmp_wgate, xn, M, sc, DS41_OUT_F32);
+    ops->linear(ops, &lw->cmp_wkv, xn, M, kv, DS41_OUT_F32_EXACT);
+    ops->linear(ops, &lw->cmp_wgate, xn, M, sc, DS41_OUT_F32_EXACT);
     for (size_t r = 0; r < M && rc == 0; r++) {
         ds41_kv_seq *seq = b->items[b->row_item[r]].seq;
         float *ckv = ds41_kv_carry_kv(seq, src);
@@ -226,8 +226,8 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
 
     /* Query side: q = wq_b(qr), rope at the query position, FP4 1x32 QDQ;
      * w = bf16(weights_proj(x) * scale). */
-    ops->linear(ops, &lw->idx_wq_b, qr, M, q, DS41_OUT_BF16);
-    ops->linear(ops, &lw->idx_weights_proj, xn, M, w, DS41_OUT_BF16);
+    ops->linear(ops, &lw->idx_wq_b, qr, M, q, DS41_OUT_BF16_EXACT);
+    ops->linear(ops, &lw->idx_weights_proj, xn, M, w, DS41_OUT_BF16_EXACT);
     for (size_t r = 0; r < M; r++) {
         for (int h = 0; h < nh; h++)
             ops->rope(ops, q + r * qw + (size_t)h * (size_t)ihd + (size_t)(ihd - rd), rd / 2,
@@ -260,6 +260,12 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
             uint8_t *allow = b->cand + r * b->cand_stride;
             for (size_t i = 0; i < take; i++)
                 if (!(bscore[border[i]] == -INFINITY)) allow[border[i]] = 1;
+            if (b->hooks && b->hooks->decision) {
+                size_t n_kept = 0;
+                for (size_t blk = 0; blk < nb; blk++)
+                    if (allow[blk]) border[n_kept++] = (int32_t)blk;
+                ds41__report_decision(b, DS41_DECISION_CAND, L, r, border, n_kept, bscore, nb);
+            }
         }
         if (role->candidate_user) {
             const uint8_t *allow = b->cand + r * b->cand_stride;
@@ -274,6 +280,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
         memcpy(list, order, k * sizeof *list);
         qsort(list, k, sizeof *list, cmp_i32);
         b->idx_count[L][r] = (uint32_t)k;
+        ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, k, score, reach);
     }
 out:
     free(q);
@@ -320,8 +327,11 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         goto out;
     }
 
-    /* q: low-rank path with q_norm, rope on each head's last rd features. */
-    ops->linear(ops, &lw->wq_a, xn, M, qa, DS41_OUT_BF16);
+    /* q: low-rank path with q_norm, rope on each head's last rd features.
+     * An index source's indexer reads qr too: there wq_a takes the
+     * reference's accumulation (DS41_OUT_BF16_EXACT, engine/ops.h). */
+    ops->linear(ops, &lw->wq_a, xn, M, qa,
+                role->ratio > 0 && role->index_source ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
     ops->rmsnorm(ops, lw->q_norm, qa, M, qlr, e->norm_eps, qr);
     ops->linear(ops, &lw->wq_b, qr, M, q, DS41_OUT_BF16);
     for (size_t r = 0; r < M; r++)
@@ -359,6 +369,9 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         if (role->ratio > 0) {
             const int32_t *list = lists + r * (size_t)c->index_topk;
             for (uint32_t j = 0; j < counts[r]; j++) crows[rows.n_comp++] = ds41_kv_seq_entry(seq, src, (uint64_t)list[j]);
+            /* (An index source reported its list with its scores.) */
+            if (!role->index_source)
+                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, counts[r], NULL, 0);
         }
         ops->sparse_attn(ops, q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows, o + r * H * hd);
         for (size_t h = 0; h < H; h++)

@@ -550,7 +550,12 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
         e->ops->fp8_rows(e->ops, lw->eng_table, lw->eng_table_scale, ids, M * ncols, ehd, rows);
     }
     free(ids);
-    e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, DS41_OUT_BF16);
+    /* At a layer that computes index keys or index scores the Engram output
+     * is one of the indexer's inputs: the reference's accumulation there
+     * (DS41_OUT_BF16_EXACT, engine/ops.h). */
+    const ds41_layer_role *role = &e->cfg.roles[L];
+    const int feeds_indexer = role->ratio > 0 && (role->kv_source || role->index_source);
+    e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, feeds_indexer ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
     e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
     free(rows);
     free(kv);
@@ -629,6 +634,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
     b.items = items;
     b.n_items = n_items;
     b.rope_layer = -1;
+    b.hooks = hooks;
     for (size_t i = 0; i < n_items; i++) b.M += items[i].n_ids;
     const size_t M = b.M;
     size_t n_logit_rows = 0;
@@ -688,6 +694,11 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         const ds41_layer_weights *lw = &e->w.layers[L];
         report(hooks, &b, DS41_STREAM_H, L, h, hc * D);
         report(hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
+        if (hooks && hooks->feed)
+            for (size_t r = 0; r < M; r++) {
+                const size_t it = b.row_item[r];
+                hooks->feed(hooks->ctx, L, it, r - b.item_row0[it], h + r * hc * D, pre_mix + r * hc);
+            }
         if (e->ecache) {
             /* Keep the requested rows flowing: reap what arrived, issue what waits. */
             ds41_error perr;

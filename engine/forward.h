@@ -194,14 +194,43 @@ typedef enum ds41_stream_kind {
     DS41_STREAM_LOGITS, /* [vocab] logits of the position (P.logits), layer = -1 */
 } ds41_stream_kind;
 
+/* Decisions reported to a hook (REFERENCE §10.1 names in brackets), with
+ * the scores they were made from. */
+typedef enum ds41_decision_kind {
+    /* Every layer with a compressed part: the compressed entries its
+     * attention reads, ascending (P.index_sel.L).  An index source also
+     * gives its index scores over the reachable positions 0..reach-1 after
+     * the candidate mask (-inf outside it); a reader layer gives none. */
+    DS41_DECISION_INDEX = 0,
+    /* The candidate source: the blocks it keeps, ascending (P.cand.L); the
+     * scores are every block's max score, the newest block pinned to +inf. */
+    DS41_DECISION_CAND,
+    /* Every MoE layer: the routed experts in routing order (P.experts.L);
+     * the scores are the selection scores sqrt(softplus(z)) + bias of every
+     * expert. */
+    DS41_DECISION_EXPERTS,
+} ds41_decision_kind;
+
 /* Optional observer: called for every row (token) of the batch, in layer
  * order, with the values as fp32 (valid only during the call).  item and
  * row identify the token (row = index inside the item's chunk).  LOGITS is
- * reported for the rows whose logits are computed (see ds41_fwd_item). */
+ * reported for the rows whose logits are computed (see ds41_fwd_item).
+ * decision (may be NULL) is called for every row and decision of the
+ * layers that make it, sel[0..n_sel) and score[0..n_score) valid only
+ * during the call (score NULL when n_score is 0). */
 typedef struct ds41_fwd_hooks {
     void (*stream)(void *ctx, ds41_stream_kind kind, int layer, size_t item, size_t row, const float *data,
                    size_t n);
     void *ctx;
+    void (*decision)(void *ctx, ds41_decision_kind kind, int layer, size_t item, size_t row,
+                     const int32_t *sel, size_t n_sel, const float *score, size_t n_score);
+    /* Teacher forcing (may be NULL; layer-local checks, ds41-eval
+     * --replay): called for every row at the start of every block, after the
+     * H and PRE reports, with the row's stream h [hc][dim] and pre-mix [hc]
+     * entering the block, which it may overwrite.  The block then computes
+     * from the values it leaves (so what H/PRE report for block L+1 is block
+     * L's output from the fed input). */
+    void (*feed)(void *ctx, int layer, size_t item, size_t row, float *h, float *pre);
 } ds41_fwd_hooks;
 
 /* Run the forward pass on a batch: every item's chunk is appended to its

@@ -71,7 +71,17 @@ typedef struct fwd_batch {
     /* Candidate blocks published by the candidate source: [M][cand_stride] flags */
     uint8_t *cand;
     size_t cand_stride;
+    const ds41_fwd_hooks *hooks; /* NULL or the caller's observer (decisions are reported to it) */
 } fwd_batch;
+
+/* Report a decision of row r to the batch's hook, if it has one. */
+static inline void ds41__report_decision(const fwd_batch *b, ds41_decision_kind kind, int layer, size_t r,
+                                         const int32_t *sel, size_t n_sel, const float *score,
+                                         size_t n_score) {
+    if (!b->hooks || !b->hooks->decision) return;
+    const size_t it = b->row_item[r];
+    b->hooks->decision(b->hooks->ctx, kind, layer, it, r - b->item_row0[it], sel, n_sel, score, n_score);
+}
 
 /* Attention sub-layer of layer L on xn [M][dim] (normed input): writes
  * out [M][dim]; updates the batch sequences' rings and (kv sources) their

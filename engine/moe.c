@@ -13,6 +13,7 @@
 #include "engine/forward_internal.h"
 
 #include "engine/quant.h"
+#include "engine/refmath.h"
 
 #include <stdbool.h>
 #include <stdlib.h>
@@ -213,6 +214,16 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     if (e->gate_temp != 1.0f)
         for (size_t i = 0; i < M * (size_t)E; i++) logits[i] = logits[i] / e->gate_temp;
     ops->router(ops, logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
+    if (b->hooks && b->hooks->decision) {
+        /* The selection scores the router ranked (ops.h router). */
+        for (size_t r = 0; r < M; r++) {
+            float *sc = logits + r * (size_t)E;
+            for (int ex = 0; ex < E; ex++)
+                sc[ex] = ds41_rm_sqrt(ds41_rm_softplus(sc[ex])) + lw->gate_bias[ex];
+            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k, sc,
+                                  (size_t)E);
+        }
+    }
 
     /* Gather: expert by expert in increasing id, its tokens in row order. */
     for (size_t i = 0; i < total; i++) count[sel[i]]++;

@@ -36,7 +36,22 @@
 typedef enum ds41_linear_out {
     DS41_OUT_BF16 = 0, /* bf16(acc): every FP8/FP4 linear and bf16 nn.Linear */
     DS41_OUT_F32 = 1,  /* fp32 acc (fp32-parameter matmuls: gate, head, ratio-2 compressor); BF16 weights only */
+    /* The same outputs with the reference's accumulation (§10.2-10.3) on
+     * every backend, for the linears whose outputs reach a decision through
+     * a coarse quantizer: the indexer's inputs (wq_a of an index source,
+     * idx_wq_b, weights_proj, the compressor, idx_wk, the Engram wkv of a
+     * KV or index source).  One bf16 ulp there
+     * flips an FP4 code of an index query or key, which moves an index score
+     * by several percent and swaps top-k entries that are far from a tie
+     * (engine/ops_fast.h, "Decisions"). */
+    DS41_OUT_BF16_EXACT = 2,
+    DS41_OUT_F32_EXACT = 3,
 } ds41_linear_out;
+
+/* The output rounds to bf16 (DS41_OUT_BF16 or DS41_OUT_BF16_EXACT). */
+static inline int ds41_linear_out_bf16(ds41_linear_out out) {
+    return out == DS41_OUT_BF16 || out == DS41_OUT_BF16_EXACT;
+}
 
 /* The rows a sparse attention call attends, in the canonical order of
  * REFERENCE §10.7: window rows by ascending position, then compressed rows

@@ -327,7 +327,7 @@ static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, con
                  .xs = xs,
                  .Ms = Ms,
                  .ys = ys,
-                 .out_bf16 = out == DS41_OUT_BF16,
+                 .out_bf16 = ds41_linear_out_bf16(out),
                  .act = act,
                  .pack_start = starts,
                  .task_start = starts + n + 1};
@@ -379,8 +379,101 @@ static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, con
     PROF_END(c, prof_kind, bytes);
 }
 
+/* ---- exact linears (DS41_OUT_*_EXACT: the indexer's inputs) ------------------------------- */
+
+/* The reference's arithmetic (§10.2-10.3, engine/ops_ref.c), split over
+ * output columns.  FP8 / FP4: per 32-wide K block the sum of the code
+ * products (multiples of 2^-18 below 2^18, so 32 of them are exact in
+ * double in any order: the level's dot gives the one exact value), rounded
+ * to fp32, times fp32(a_scale * b_scale), added to an fp32 accumulator in
+ * block order.  BF16: ds41_xdot_f32_bf16, the exact sum rounded once.  So
+ * the result is the reference's bit for bit at every level. */
+typedef struct xlin_job {
+    fast_ctx *c;
+    const ds41_linear *w;
+    const float *x;  /* BF16: the input rows */
+    const float *av; /* FP8 / FP4: [M][K] activation code values (unscaled) */
+    const float *as; /* [M][nkb] activation block scales */
+    size_t M, K, nkb;
+    float *y;
+    int out_bf16;
+} xlin_job;
+
+static void xlin_task(void *p, size_t b, size_t e, int th) {
+    xlin_job *j = p;
+    const ds41_linear *w = j->w;
+    const size_t K = j->K, N = (size_t)w->n, nkb = j->nkb;
+    for (size_t n = b; n < e; n++) {
+        if (w->kind == DS41_LINEAR_BF16) {
+            for (size_t m = 0; m < j->M; m++) {
+                const float v = ds41_xdot_f32_bf16(j->x + m * K, w->bf16 + n * K, K);
+                j->y[m * N + n] = j->out_bf16 ? fast_bf16_round(v) : v;
+            }
+            continue;
+        }
+        float *wv = j->c->scratch[th].p, *ws = wv + K;
+        const int fp4 = w->kind == DS41_LINEAR_FP4;
+        const uint8_t *q = w->q + n * fast_row_bytes(w);
+        for (size_t k = 0; k < K; k++)
+            wv[k] = fp4 ? ds41_e2m1_table[(q[k / 2] >> ((k & 1) * 4)) & 15] : ds41_e4m3_table[q[k]];
+        const uint8_t *srow = w->scale + (fp4 ? n : n / 32) * (size_t)w->scale_cols;
+        for (size_t kb = 0; kb < nkb; kb++) ws[kb] = fast_ue8m0(srow[kb]);
+        for (size_t m = 0; m < j->M; m++) {
+            const float *a = j->av + m * K, *sa = j->as + m * nkb;
+            float acc = 0.0f;
+            for (size_t kb = 0; kb < nkb; kb++) {
+                const size_t k0 = kb * 32, len = K - k0 < 32 ? K - k0 : 32;
+                const float pf = (float)j->c->k->dot(a + k0, wv + k0, len);
+                const float sc = sa[kb] * ws[kb];
+                const float t = pf * sc;
+                acc = acc + t;
+            }
+            j->y[m * N + n] = fast_bf16_round(acc);
+        }
+    }
+}
+
+static void fast_linear_exact(fast_ctx *c, const ds41_linear *w, const float *x, size_t M, float *y,
+                              int out_bf16) {
+    PROF_BEGIN(c);
+    const size_t N = (size_t)w->n, K = (size_t)w->k, nkb = (K + 31) / 32;
+    if (M == 0 || N == 0) return;
+    if (K == 0 || w->kind == DS41_LINEAR_NONE) {
+        memset(y, 0, M * N * sizeof *y);
+        return;
+    }
+    c->st.flops += 2 * (uint64_t)M * N * K;
+    c->st.weight_bytes += linear_weight_bytes(w);
+    xlin_job j = {.c = c, .w = w, .x = x, .M = M, .K = K, .nkb = nkb, .y = y, .out_bf16 = out_bf16};
+    float *av = NULL, *as = NULL;
+    if (w->kind != DS41_LINEAR_BF16) {
+        /* The activations' act_quant, once per row (as ds41_act_quant). */
+        av = ensure(&c->work2, (M * K + M * nkb) * sizeof *av + M * (K + nkb));
+        as = av + M * K;
+        uint8_t *codes = (uint8_t *)(as + M * nkb), *sb = codes + K;
+        for (size_t m = 0; m < M; m++) {
+            ds41_act_quant(x + m * K, K, codes, sb);
+            for (size_t k = 0; k < K; k++) av[m * K + k] = ds41_e4m3_table[codes[k]];
+            for (size_t kb = 0; kb < nkb; kb++) as[m * nkb + kb] = fast_ue8m0(sb[kb]);
+        }
+        ensure_scratch(c, (K + nkb) * sizeof(float));
+    }
+    j.av = av;
+    j.as = as;
+    ds41_threadpool_run(c->pool, N, 1 + 32768 / (M * K + 1), xlin_task, &j);
+    PROF_END(c,
+             w->kind == DS41_LINEAR_FP8   ? P_LINEAR_FP8
+             : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4
+                                          : P_LINEAR_BF16,
+             linear_weight_bytes(w));
+}
+
 static void fast_linear(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y,
                         ds41_linear_out out) {
+    if (out == DS41_OUT_BF16_EXACT || out == DS41_OUT_F32_EXACT) {
+        fast_linear_exact(ctx_of(self), w, x, M, y, out == DS41_OUT_BF16_EXACT);
+        return;
+    }
     const int kind = w->kind == DS41_LINEAR_FP8   ? P_LINEAR_FP8
                      : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4
                                                   : P_LINEAR_BF16;
@@ -390,6 +483,11 @@ static void fast_linear(const ds41_ops *self, const ds41_linear *w, const float 
 static void fast_linear_batch(const ds41_ops *self, size_t n, const ds41_linear *const *ws,
                               const float *const *xs, const size_t *Ms, float *const *ys,
                               ds41_linear_out out) {
+    if (out == DS41_OUT_BF16_EXACT || out == DS41_OUT_F32_EXACT) {
+        for (size_t i = 0; i < n; i++)
+            fast_linear_exact(ctx_of(self), ws[i], xs[i], Ms[i], ys[i], out == DS41_OUT_BF16_EXACT);
+        return;
+    }
     run_linears(ctx_of(self), n, ws, xs, Ms, ys, out, P_LINEAR_BATCH);
 }
 

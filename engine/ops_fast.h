@@ -30,6 +30,48 @@
  * This is checked layer by layer against the numpy reference
  * (tests/reference/test_layer_check.py).
  *
+ * Decisions (REFERENCE §10.1 decision contract) and their score error.  The
+ * fast path makes three kinds: the index top-k, the candidate blocks and the
+ * routed experts.  A decision may differ from the reference's (and from
+ * another level's) only where the scores it compares differ by no more than
+ * the documented error below; tests/reference/test_simd_diff.py checks it.
+ *  - Index scores and candidate block scores: error 0.  Every input of an
+ *    index score is computed with the reference's arithmetic: the linears
+ *    of the indexer's path (wq_a of an index source, idx_wq_b,
+ *    weights_proj, the compressor's wkv and wgate, idx_wk, and the Engram
+ *    wkv of an Engram layer that is a KV or index source: its output is
+ *    part of the block's input there) take
+ *    DS41_OUT_BF16_EXACT / DS41_OUT_F32_EXACT (engine/ops.h: per 32-block
+ *    exact code sums and the reference's fp32 block chain for FP8, the
+ *    exact sum rounded once for BF16), and the norms, pooling, rope, FP4
+ *    QDQ and the score's head sum are the reductions above.  This matters
+ *    because the index query and key pass through FP4 (e2m1: one mantissa
+ *    bit) after those linears: an fp32-ordered accumulation that lands one
+ *    bf16 ulp away flips an FP4 code and moves a score by ~10%, swapping
+ *    top-k entries far from any tie (tests/data/regress-simd-indexer).  So
+ *    index selections and candidate blocks equal the reference's given the
+ *    same block inputs (the one exception: a double sum of n exact terms is
+ *    off by at most n * 2^-53 of its terms' magnitude, which changes the
+ *    fp32 result only within that distance of a rounding boundary).
+ *    Cost: those linears run at double-precision dot speed; they are
+ *    about 1% of a token's multiply-adds at the release shape (114M of
+ *    15.7G, plus layer 14's Engram wkv).
+ *  - Routed experts: error e_route = 2^-8 * (1 + |s|) of each selection
+ *    score s = sqrt(softplus(z / gate_temp)) + bias, given the same block
+ *    input (tests/reference/ds41_ref.py route_error_bound).  Two sources:
+ *    the gate's own fp32 accumulation of K = dim products (|dz| <= g_K * A,
+ *    g_K = K 2^-24 / (1 - K 2^-24), A = sum_i |x_i w_i|; the score's slope
+ *    in z is at most 0.32), and, much larger, the FFN input itself: it
+ *    carries the block's attention output, whose bf16 values differ from
+ *    the reference's by the linears' tolerated accumulation order.  The
+ *    bound is not derived a priori but measured: over the differential
+ *    sweeps (test_simd_diff.py) the largest score difference between two
+ *    levels is about a tenth of the two levels' e_route together.  Routings
+ *    may differ only between experts whose scores are within that sum (and
+ *    against the reference, within the one e_route).  The gate stays a fast
+ *    fp32 linear: most of e_route comes from the FFN input, which an exact
+ *    gate would not remove.
+ *
  * Batch and chunk invariance, the rule every kernel follows: the value of an
  * output element is a function of its own inputs only, computed by the same
  * sequence of floating-point operations whatever the number of rows M of the

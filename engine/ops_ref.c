@@ -93,7 +93,7 @@ static void ref_linear(const ds41_ops *self, const ds41_linear *w, const float *
     for (size_t m = 0; m < M; m++)
         for (size_t n = 0; n < N; n++) {
             float v = ds41_xdot_f32_bf16(x + m * K, w->bf16 + n * K, K);
-            y[m * N + n] = out == DS41_OUT_BF16 ? ds41_bf16_round(v) : v;
+            y[m * N + n] = ds41_linear_out_bf16(out) ? ds41_bf16_round(v) : v;
         }
 }
 

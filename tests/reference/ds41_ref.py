@@ -634,12 +634,29 @@ def topk_lowest_index(scores, k):
     return np.argsort(-np.asarray(scores, np.float32), axis=-1, kind='stable')[..., :k]
 
 
-def candidate_mask(row, topk_blocks, block):
-    """select_candidate_blocks for one query (REFERENCE.md 2.11): row = index scores over the
-    query's reachable positions [0, compress_len)."""
+def record(ctx, kind, L, s, sel, score, err=None):
+    """Keep decision `kind` of layer L, row s of the chunk (layer-local check)."""
+    if getattr(ctx, 'dec', None) is None:
+        return
+    ctx.dec.setdefault((kind, L), {})[s] = (np.asarray(sel, np.int64), None if score is None else
+                                            np.asarray(score, np.float32), err)
+
+
+def forced_rows(ctx, kind, L):
+    """The candidate's decisions of layer L forced into the reference, per row (or None)."""
+    f = getattr(ctx, 'force', None)
+    if not f or (kind, L) not in f:
+        return None
+    return [np.asarray([v for v in row if v >= 0], np.int64) for row in f[(kind, L)]]
+
+
+def candidate_blocks(row, topk_blocks, block):
+    """select_candidate_blocks for one query (REFERENCE.md 2.11) as (kept blocks ascending, block
+    scores with the newest block pinned to +inf): row = index scores over the query's reachable
+    positions [0, compress_len)."""
     T = len(row)
     if T == 0:
-        return np.zeros(0, bool)
+        return np.zeros(0, np.int64), np.zeros(0, np.float32)
     nb = -(-T // block)
     pad = np.full(nb * block, -np.inf, np.float32)
     pad[:T] = row
@@ -647,10 +664,20 @@ def candidate_mask(row, topk_blocks, block):
     bs[(T - 1) // block] = np.inf
     pick = topk_lowest_index(bs, min(topk_blocks, nb))
     pick = pick[bs[pick] > -np.inf]
-    m = np.zeros(nb * block, bool)
-    for b in pick:
-        m[b * block:(b + 1) * block] = True
+    return np.sort(pick), bs
+
+
+def blocks_to_mask(blocks, block, T):
+    m = np.zeros(max(T, 1) + block, bool)
+    for b in blocks:
+        m[int(b) * block:(int(b) + 1) * block] = True
     return m[:T]
+
+
+def candidate_mask(row, topk_blocks, block):
+    """The candidate blocks of one query expanded to its reachable positions (bool [T])."""
+    pick, _ = candidate_blocks(row, topk_blocks, block)
+    return blocks_to_mask(pick, block, len(row))
 
 
 # ================================================================================================
@@ -1423,7 +1450,9 @@ class Model:
                 continue
             row = I[s, :Ta].copy()
             if L == cfg.cand_src:
-                ctx.cand[s] = candidate_mask(row, cfg.cand_topk_blocks, cfg.cand_block)
+                blocks, bs = candidate_blocks(row, cfg.cand_topk_blocks, cfg.cand_block)
+                ctx.cand[s] = blocks_to_mask(blocks, cfg.cand_block, Ta)
+                record(ctx, 'cand', L, s, blocks, bs)
             if L in cfg.cand_users:
                 m = ctx.cand[s]
                 if len(m) != Ta:
@@ -1439,6 +1468,7 @@ class Model:
                     self.stats['index_ties'] += 1
             self.stats['neg_inf_picks'] += int(np.isneginf(row[sel]).sum())
             lists[s] = np.sort(sel)
+            record(ctx, 'index', L, s, lists[s], row)
         return lists
 
     # ---------------------------------------------------------------------------------------------
@@ -1460,7 +1490,16 @@ class Model:
                 self.compress(L, st, x, pos)
             if L in cfg.index_sources:
                 ctx.idx[L] = self.indexer(L, st, ctx, x, qr, pos)
+                ctx.idx_own[L] = ctx.idx[L]
+                forced = forced_rows(ctx, 'index', L)
+                if forced is not None:
+                    # The candidate's selections (layer-local check, REFERENCE.md 10.1): the
+                    # arithmetic is compared with the candidate's decisions.
+                    ctx.idx[L] = forced
             lists = ctx.idx[cfg.idx_src[L]]
+            if L not in cfg.index_sources:
+                for s_ in range(S):
+                    record(ctx, 'index', L, s_, ctx.idx_own[cfg.idx_src[L]][s_], None)
             ckv = st.ckv[src]
         win = st.win[L]
         W = cfg.window
@@ -1496,7 +1535,7 @@ class Model:
             h = route_w[:, None] * h
         return qlinear(bf16(h), ew.w2)
 
-    def moe(self, w, x):
+    def moe(self, w, x, L=None, ctx=None):
         cfg = self.cfg
         S = x.shape[0]
         # REFERENCE §2.6 Gate: scores = fp32(x) @ fp32(W)^T / gate_temp.  (Was: gate_temp assumed
@@ -1508,6 +1547,13 @@ class Model:
         biased = sc + w.gate_bias
         k = cfg.topk_experts
         sel = topk_lowest_index(biased, k)                                 # [S, k], top-k order
+        if ctx is not None and getattr(ctx, 'dec', None) is not None:
+            eps = route_error_bound(biased)
+            for s in range(S):
+                record(ctx, 'experts', L, s, sel[s], biased[s], eps[s])
+        forced = forced_rows(ctx, 'experts', L) if ctx is not None else None
+        if forced is not None:
+            sel = np.array([np.asarray(f, np.int64) for f in forced])
         rw = np.take_along_axis(sc, sel, axis=1)
         if k > 1:
             rw = rw / (seqsum(rw, axis=1) + f32(1e-20))[:, None]
@@ -1533,7 +1579,7 @@ class Model:
         ha = self.attention(L, st, ctx, rmsnorm(hc_pre(x, pre_mix), w.attn_norm, cfg.eps), pos)
         x = hc_post(ha, x, a_post, a_comb)
         f_pre, f_post, f_comb = self.hc_mixes(x, w.hc_ffn)
-        hf = self.moe(w, rmsnorm(hc_pre(x, a_pre), w.ffn_norm, cfg.eps))
+        hf = self.moe(w, rmsnorm(hc_pre(x, a_pre), w.ffn_norm, cfg.eps), L, ctx)
         x = hc_post(hf, x, f_post, f_comb)
         return x, f_pre, ha, hf
 
@@ -1567,7 +1613,10 @@ class Model:
         pre[:, 0] = 1.0
         ctx = _Obj()
         ctx.idx = {}
+        ctx.idx_own = {}
         ctx.cand = None
+        ctx.dec = {} if rec is not None else None
+        ctx.force = override.get('force') if override is not None else None
 
         def put(name, arr):
             if rec is not None:
@@ -1590,6 +1639,8 @@ class Model:
         if override is not None:
             x = np.asarray(override['h'][cfg.n_layers], np.float32)
         put(f'h.{cfg.n_layers}', x)
+        if rec is not None:
+            rec.setdefault('decisions', []).append(ctx.dec)
         h = rmsnorm(hc_pre(x, pre), self.norm, cfg.eps)
         logits = xdot(h, self.head)
         put('logits', logits)
@@ -1633,7 +1684,40 @@ def run_ids(model, ids, chunk=None, decode=0, want_dump=False):
                     [f'attn.{L}' for L in range(n)] + [f'ffn.{L}' for L in range(n)] + ['logits']
             for nm in names:
                 dump.append((f'{pname}.{nm}', 'F32', np.concatenate(r[nm]).astype('<f4')))
+            dump += decision_tensors(model.cfg, pname, r['decisions'], [len(c) for c in r['logits']])
     return prefill, greedy, dump
+
+
+def decision_tensors(cfg, pname, chunks, chunk_rows):
+    """The decisions of one dump part (REFERENCE.md 10.1, the layout ds41-eval writes): per layer
+    that makes them, <kind>.L I32 [S, width] (-1 padded) and, where scores exist, the score rows
+    F32 [S, widest row] (NaN padded).  chunks: each chunk's ctx.dec; chunk_rows: their sizes."""
+    S = sum(chunk_rows)
+    widths = {'index': cfg.index_topk, 'cand': cfg.cand_topk_blocks, 'experts': cfg.topk_experts}
+    names = {'index': ('index_sel', 'index_score'), 'cand': ('cand', 'cand_score'),
+             'experts': ('experts', 'expert_score')}
+    out = []
+    for kind in ('index', 'cand', 'experts'):
+        for L in range(cfg.n_layers):
+            rows = {}
+            off = 0
+            for dec, nrow in zip(chunks, chunk_rows):
+                for srow, v in (dec or {}).get((kind, L), {}).items():
+                    rows[off + srow] = v
+                off += nrow
+            if not rows and not any((kind, L) in (dec or {}) for dec in chunks):
+                continue
+            sel = np.full((S, max(widths[kind], 1)), -1, '<i4')
+            wsc = max([len(v[1]) for v in rows.values() if v[1] is not None] + [0])
+            sc = np.full((S, wsc), np.nan, '<f4')
+            for srow, (sl, score, _err) in rows.items():
+                sel[srow, :len(sl)] = sl
+                if score is not None:
+                    sc[srow, :len(score)] = score
+            out.append((f'{pname}.{names[kind][0]}.{L}', 'I32', sel))
+            if wsc:
+                out.append((f'{pname}.{names[kind][1]}.{L}', 'F32', sc))
+    return out
 
 
 def fmt_floats(v):
@@ -1648,9 +1732,79 @@ def result_json(ids, prefill, greedy):
     return ''.join(parts)
 
 
+# The fast path's documented error of a routing selection score (engine/ops_fast.h, "Decisions").
+ROUTE_ERROR_REL = 2.0 ** -8
+
+
+def route_error_bound(score):
+    """Documented error of each selection score sqrt(softplus(z)) + bias of the fast path, given
+    the same block input: ROUTE_ERROR_REL * (1 + |score|)."""
+    return ROUTE_ERROR_REL * (1.0 + np.abs(np.asarray(score, np.float64)))
+
+
+def ranking_admissible(order, scores, err):
+    """Whether `order` (expert ids in routing order) is a top-k output of some score vector within
+    err[e] of `scores` (REFERENCE.md 10.1): every id it ranks above another, and every id it keeps
+    over one it drops, may not trail it by more than the two errors."""
+    order = [int(v) for v in order]
+    kept = set(order)
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            if scores[b] - scores[a] > err[a] + err[b]:
+                return False
+        for e in range(len(scores)):
+            if e not in kept and scores[e] - scores[a] > err[a] + err[e]:
+                return False
+    return True
+
+
+def boundary_margin(scores, k):
+    """The gap between the k-th and (k+1)-th highest scores (inf when there is no (k+1)-th)."""
+    v = np.sort(np.asarray(scores, np.float64)[np.isfinite(scores) | np.isinf(scores)])[::-1]
+    return float(v[k - 1] - v[k]) if 0 < k < len(v) else float('inf')
+
+
+def compare_decisions(kind, L, part, s, cand, own, stats, examples):
+    """One row's decision of the candidate (dump) against the reference's own on the same inputs.
+    Index and candidate-block scores have no documented error on the fast path (engine/ops_fast.h):
+    any difference is a violation.  Expert choices may differ within the route error
+    (route_error_bound): the candidate's ranking must fit scores within it of the reference's."""
+    st = stats.setdefault(kind, {'compared': 0, 'differ': 0, 'admissible': 0, 'violations': 0})
+    ref_sel, ref_score, ref_err = own
+    c = [int(v) for v in cand if v >= 0]
+    st['compared'] += 1
+    same = c == [int(v) for v in ref_sel]
+    if same:
+        return
+    st['differ'] += 1
+    ok = kind == 'experts' and ranking_admissible(c, ref_score, ref_err)
+    st['admissible' if ok else 'violations'] += 1
+    if not ok and len(examples) < 10:
+        m = boundary_margin(ref_score, len(ref_sel)) if ref_score is not None else None
+        examples.append({'part': part, 'layer': L, 'row': s, 'kind': kind, 'reference': [int(v) for v in ref_sel],
+                         'candidate': c, 'reference_margin': m})
+
+
+def row_rel_error(got, ref):
+    """Per row (first axis): max |got - ref| / max |ref| (0 for two zero rows, inf for a non-zero
+    difference against a zero row)."""
+    got = got.reshape(got.shape[0], -1).astype(np.float64)
+    ref = ref.reshape(ref.shape[0], -1).astype(np.float64)
+    num = np.max(np.abs(got - ref), axis=1)
+    den = np.max(np.abs(ref), axis=1)
+    with np.errstate(divide='ignore', invalid='ignore'):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
+
+
 def layer_check(model, dump_path):
     """Recompute every block from the dumped input stream (and pre-mix) of every part and compare
-    with the dumped outputs.  Returns the report dict."""
+    with the dumped outputs.  Returns the report dict.
+
+    When the dump has the decisions (REFERENCE.md 10.1: index_sel, cand, experts), the candidate's
+    index selections and routed experts are forced into the reference, so the arithmetic is
+    compared on the same decisions, and each decision is compared with the reference's own made
+    from the same inputs (report 'decisions': per kind compared / differ / admissible /
+    violations; a violation fails the check)."""
     f = SafetensorsFile(dump_path)
     cfg = model.cfg
     n = cfg.n_layers
@@ -1663,18 +1817,13 @@ def layer_check(model, dump_path):
     ids = [int(v) for v in get('ids')]
     dec = [int(v) for v in get('decode_ids')] if 'decode_ids' in f.tensors else []
     st = model.new_state()
-    report = {'layers': [], 'parts': []}
+    report = {'layers': [], 'parts': [], 'decisions_present': False}
+    dstats, dexamples = {}, []
     per_layer = {L: {'out': [], 'attn': [], 'ffn': [], 'pre': []} for L in range(n)}
     logit_rows = []
 
     def rowrel(got, ref):
-        got = got.reshape(got.shape[0], -1).astype(np.float64)
-        ref = ref.reshape(ref.shape[0], -1).astype(np.float64)
-        num = np.max(np.abs(got - ref), axis=1)
-        den = np.max(np.abs(ref), axis=1)
-        with np.errstate(divide='ignore', invalid='ignore'):
-            r = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
-        return r.tolist()
+        return row_rel_error(got, ref).tolist()
 
     plan = [('prefill', ids)] + [(f'decode.{k}', [t]) for k, t in enumerate(dec)]
     for pname, toks in plan:
@@ -1685,7 +1834,25 @@ def layer_check(model, dump_path):
             if hs[L].shape != (S, cfg.hc, cfg.dim):
                 raise RefError(f"{dump_path}: {pname}.h.{L} has shape {hs[L].shape}, expected {(S, cfg.hc, cfg.dim)}")
         rec = {}
-        logits = model.forward(st, toks, rec=rec, override={'h': hs, 'pre': pres})
+        force = {}
+        for L in range(n):
+            if L in cfg.index_sources and f'{pname}.index_sel.{L}' in f.tensors:
+                force[('index', L)] = get(f'{pname}.index_sel.{L}')
+            if f'{pname}.experts.{L}' in f.tensors:
+                force[('experts', L)] = get(f'{pname}.experts.{L}')
+        logits = model.forward(st, toks, rec=rec, override={'h': hs, 'pre': pres, 'force': force})
+        own = rec['decisions'][0]
+        for kind, tname in (('index', 'index_sel'), ('cand', 'cand'), ('experts', 'experts')):
+            for L in range(n):
+                key = f'{pname}.{tname}.{L}'
+                if key not in f.tensors:
+                    continue
+                report['decisions_present'] = True
+                got = get(key)
+                mine = own.get((kind, L), {})
+                for srow in range(S):
+                    ref = mine.get(srow, (np.zeros(0, np.int64), None, None))
+                    compare_decisions(kind, L, pname, srow, got[srow], ref, dstats, dexamples)
         for L in range(n):
             per_layer[L]['out'] += rowrel(rec[f'out.{L}'][0], hs[L + 1])
             per_layer[L]['attn'] += rowrel(rec[f'attn.{L}'][0], get(f'{pname}.attn.{L}'))
@@ -1705,6 +1872,9 @@ def layer_check(model, dump_path):
         ok = ok and ent['pass']
         report['layers'].append(ent)
     report['logits'] = {'max': float(np.max(logit_rows)), 'median': float(np.median(logit_rows))}
+    report['decisions'] = dstats
+    report['decision_violations'] = dexamples
+    ok = ok and all(v['violations'] == 0 for v in dstats.values())
     report['pass'] = ok
     return report
 

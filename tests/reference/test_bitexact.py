@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from tap_out import note, plan, run, tap
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.environ.get('DS41_BUILD_DIR', os.path.join(HERE, '..', '..', 'build'))
 MKMODEL = os.path.join(BUILD, 'daemon', 'ds41-mkmodel')
@@ -36,37 +38,11 @@ GEN = os.path.join(HERE, 'gen_ckpt.py')
 PY = sys.executable
 LONG = os.environ.get('DS41_LONG_TESTS') == '1'
 
-n_tests = 0
-n_failed = 0
 floats_compared = 0
 
 
-def tap(ok, desc, diag=None):
-    global n_tests, n_failed
-    n_tests += 1
-    print(f"{'ok' if ok else 'not ok'} {n_tests} - {desc}")
-    if not ok:
-        n_failed += 1
-        for line in str(diag or '').splitlines():
-            print(f"# {line}")
-    sys.stdout.flush()
-    return ok
-
-
-def note(msg):
-    print(f"# {msg}")
-    sys.stdout.flush()
-
-
-def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {p.returncode}: {p.stderr.strip()[-2000:]}")
-    return p
-
-
 def read_safetensors(path):
-    """name -> numpy array (F32 / I64), from a single-file safetensors."""
+    """name -> numpy array (F32 / I64 / I32), from a single-file safetensors."""
     with open(path, 'rb') as f:
         data = f.read()
     (n,) = struct.unpack('<Q', data[:8])
@@ -76,20 +52,27 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == '__metadata__':
             continue
-        dt = {'F32': np.float32, 'I64': np.int64}[t['dtype']]
+        dt = {'F32': np.float32, 'I64': np.int64, 'I32': np.int32}[t['dtype']]
         b, e = t['data_offsets']
         out[name] = np.frombuffer(data[base + b:base + e], dtype=dt).reshape(t['shape'])
     return out
 
 
 def dump_order(keys, n_layers):
-    """Keys in forward order: for each part, per layer h, pre, attn, ffn; then h.n, logits."""
+    """Keys in forward order: for each part, per layer h, pre, index/candidate decisions, attn,
+    expert decisions, ffn; then h.n, logits."""
     parts = ['prefill'] + sorted({k.split('.')[0] + '.' + k.split('.')[1] for k in keys if k.startswith('decode.')},
                                  key=lambda p: int(p.split('.')[1]))
     order = ['ids']
     for p in parts:
         for layer in range(n_layers):
-            order += [f'{p}.h.{layer}', f'{p}.pre.{layer}', f'{p}.attn.{layer}', f'{p}.ffn.{layer}']
+            order += [f'{p}.h.{layer}', f'{p}.pre.{layer}']
+            # the decisions (present for the layers that make them) before the branch outputs
+            order += [k for k in (f'{p}.index_sel.{layer}', f'{p}.index_score.{layer}', f'{p}.cand.{layer}',
+                                  f'{p}.cand_score.{layer}') if k in keys]
+            order += [f'{p}.attn.{layer}']
+            order += [k for k in (f'{p}.experts.{layer}', f'{p}.expert_score.{layer}') if k in keys]
+            order += [f'{p}.ffn.{layer}']
         order += [f'{p}.h.{n_layers}', f'{p}.logits']
     return order + ['decode_ids']  # greedy tokens follow from the logits: report the stream first
 
@@ -284,8 +267,7 @@ def main():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     note(f"{floats_compared} float32 logits compared bit for bit in {time.time() - t_start:.0f} s")
-    print(f"1..{n_tests}")
-    return 1 if n_failed else 0
+    return plan()
 
 
 if __name__ == '__main__':

@@ -603,10 +603,20 @@ def test_cli(ck, model):
                'prefill.pre.0': ('F32', [S, hc]), f'prefill.attn.{n - 1}': ('F32', [S, D]),
                'prefill.ffn.3': ('F32', [S, D]), 'prefill.logits': ('F32', [S, model.cfg.vocab]),
                'decode.2.h.0': ('F32', [1, hc, D]), 'decode.0.logits': ('F32', [1, model.cfg.vocab])}
+        c = model.cfg
+        src = c.index_sources[0]
+        shp.update({'prefill.experts.0': ('I32', [S, c.topk_experts]),
+                    'prefill.expert_score.0': ('F32', [S, c.n_experts]),
+                    f'prefill.index_sel.{src}': ('I32', [S, c.index_topk]),
+                    f'decode.1.index_sel.{src}': ('I32', [1, c.index_topk])})
         bad = [(k, f.tensors.get(k, (None, None))[:2], v) for k, v in shp.items() if f.tensors.get(k, (None, None))[:2] != v]
-        T.ok(not bad and len(f.tensors) == 2 + 4 * (4 * n + 2), "dump: names, dtypes and shapes of section 10.1", bad)
+        decisions = ('.index_sel.', '.index_score.', '.cand.', '.cand_score.', '.experts.', '.expert_score.')
+        streams = [k for k in f.tensors if not any(d in k for d in decisions)]
+        T.ok(not bad and len(streams) == 2 + 4 * (4 * n + 2) and
+             sum('.experts.' in k for k in f.tensors) == 4 * n,
+             "dump: names, dtypes and shapes of section 10.1 (streams and decisions)", bad)
         lib = {name: arr for name, _, arr in dmp}
-        same = all(np.array_equal(f.array(k), lib[k]) for k in f.tensors)
+        same = all(np.array_equal(f.array(k), lib[k], equal_nan=True) for k in f.tensors)
         T.ok(same and same_bits(f.array('prefill.logits'), pre) and
              same_bits(f.array('prefill.pre.0'), np.tile(np.float32([1, 0, 0, 0]), (S, 1))) and
              list(f.array('decode_ids')) == [g[0] for g in greedy],
@@ -626,7 +636,7 @@ def test_cli(ck, model):
         for k, dt, a in tens:
             if k == 'prefill.h.5':
                 a = (a * np.float32(1.1)).astype(np.float32)
-            bad_t.append((k, dt, a.astype('<f4') if dt == 'F32' else a.astype('<i8')))
+            bad_t.append((k, dt, a.astype({'F32': '<f4', 'I32': '<i4'}.get(dt, '<i8'))))
         dump2 = os.path.join(tmp, 'd2.safetensors')
         R.write_safetensors(dump2, bad_t)
         p = subprocess.run([sys.executable, os.path.join(HERE, 'ds41_ref.py'), '--model', ck,
