@@ -193,7 +193,9 @@ static int oom(ds41_error *err) { return ds41_fail(err, "out of memory"); }
 /* ---- special tokens out of the returned text (skip_special) -------------------------------------- */
 
 /* The decoded text of every added token of the vocabulary (V4.1 marks only a few "special", but
- * every added token is a control token: <｜Assistant｜>, <think>, ｜DSML｜, <｜safety｜>...). */
+ * every added token is a control token: <｜Assistant｜>, <think>, <｜safety｜>...), except the
+ * DSML marker: a tool-call block that stays content (tool_choice none, or a block that does not
+ * parse) is markup the client may read, and without its markers it would be "< calls>..." garbage. */
 static int specials_init(ds41_generation *g) {
     const ds41_vocab *v = ds41_tokenizer_vocab(g->tok);
     size_t n = ds41_vocab_n_added(v);
@@ -203,6 +205,7 @@ static int specials_init(ds41_generation *g) {
         size_t len = 0;
         const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, ds41_vocab_added_at(v, i)->id, &len);
         if (!b || !len) continue;
+        if (len == strlen(DS41_CHAT_DSML) && memcmp(b, DS41_CHAT_DSML, len) == 0) continue;
         g->specials[g->n_specials++] = (special_text){(const char *)b, len};
         g->special_first[b[0] >> 3] |= (uint8_t)(1u << (b[0] & 7));
     }

@@ -965,6 +965,21 @@ static void test_special_tokens(void) {
               r.result_content ? r.result_content : "");
     run_free(&r);
     free(forced);
+
+    /* the DSML marker is markup, not a control token: a block left as text keeps it whole */
+    const char *const dsml_pieces[] = {"a<｜DSML｜ calls>", "<think>", "</｜DSML｜ calls>"};
+    forced = concat_encoded(dsml_pieces, sizeof dsml_pieces / sizeof *dsml_pieces, &nf);
+    p.forced_ids = forced;
+    p.n_forced = nf;
+    p.max_tokens = (uint32_t)nf;
+    r = run_gen(&p, &o);
+    TAP_CHECK(r.rc == 0 && r.result_content &&
+                  strcmp(r.result_content, "a<｜DSML｜ calls></｜DSML｜ calls>") == 0 &&
+                  streamed_equals_result(&r),
+              "skip_special keeps the DSML marker of a block left as text ('%s')",
+              r.result_content ? r.result_content : "");
+    run_free(&r);
+    free(forced);
     json_decref(msgs);
 }
 
