@@ -1,0 +1,165 @@
+/* Both sides of every security comparison of the HTTP layer (issue 19): the
+ * peer classification (uid 0, the admin gid as primary or supplementary group,
+ * gids and uids just below, at and just above it) and the request body limit
+ * at exactly the limit and one byte past it, over the real server on a Unix
+ * socket with the mock service.  The existing tests sat on one side only (a
+ * socket gid below the admin gid, a body far over the limit), so `==` -> `>=`
+ * on the admin gid and an off-by-one in the limit passed them. */
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon/listen.h"
+#include "ipc/api.h"
+#include "ipc/http_server.h"
+#include "tests/ipc_mock_service.h"
+#include "tests/tap.h"
+
+#define ADMIN 45672u
+#define LIMIT 4096
+
+static const char *cls_name(ds41_auth_class c) {
+    return c == DS41_AUTH_ADMIN ? "admin" : c == DS41_AUTH_INFERENCE ? "inference" : "other";
+}
+
+static void test_classify(void) {
+    /* uid: 0 is admin whatever its groups; 1 and every other uid are not. */
+    TAP_CHECK(ds41_http_classify(0, 100, NULL, 0, true, ADMIN) == DS41_AUTH_ADMIN &&
+                  ds41_http_classify(0, 100, NULL, 0, false, ADMIN) == DS41_AUTH_ADMIN,
+              "uid 0 is admin with or without an admin group");
+    bool ok = true;
+    uid_t bad_uid = 0;
+    for (uid_t u = 1; u < 3 && ok; u++) {
+        ok = ds41_http_classify(u, 100, NULL, 0, true, ADMIN) == DS41_AUTH_INFERENCE;
+        if (!ok) bad_uid = u;
+    }
+    TAP_CHECK(ok, "uids 1 and 2 without the admin group are inference peers (first wrong: %u)", (unsigned)bad_uid);
+
+    /* Primary gid: below, at and above the admin gid, and the extremes. */
+    const gid_t gids[] = {0, 1, ADMIN - 2, ADMIN - 1, ADMIN, ADMIN + 1, ADMIN + 2, 65534, (gid_t)-2};
+    for (size_t i = 0; i < sizeof gids / sizeof gids[0]; i++) {
+        ds41_auth_class want = gids[i] == ADMIN ? DS41_AUTH_ADMIN : DS41_AUTH_INFERENCE;
+        ds41_auth_class got = ds41_http_classify(1000, gids[i], NULL, 0, true, ADMIN);
+        TAP_CHECK(got == want, "primary gid %u with admin gid %u: %s (got %s)", (unsigned)gids[i], ADMIN,
+                  cls_name(want), cls_name(got));
+    }
+    /* Supplementary groups: the same gids as the only extra group. */
+    for (size_t i = 0; i < sizeof gids / sizeof gids[0]; i++) {
+        ds41_auth_class want = gids[i] == ADMIN ? DS41_AUTH_ADMIN : DS41_AUTH_INFERENCE;
+        ds41_auth_class got = ds41_http_classify(1000, 100, &gids[i], 1, true, ADMIN);
+        TAP_CHECK(got == want, "supplementary gid %u with admin gid %u: %s (got %s)", (unsigned)gids[i], ADMIN,
+                  cls_name(want), cls_name(got));
+    }
+    const gid_t around[] = {ADMIN - 1, ADMIN + 1, ADMIN + 7};
+    TAP_CHECK(ds41_http_classify(1000, ADMIN + 1, around, 3, true, ADMIN) == DS41_AUTH_INFERENCE,
+              "groups on both sides of the admin gid, none equal: inference");
+    const gid_t last[] = {ADMIN - 1, ADMIN + 1, ADMIN};
+    TAP_CHECK(ds41_http_classify(1000, 100, last, 3, true, ADMIN) == DS41_AUTH_ADMIN,
+              "the admin gid as the last of several supplementary groups: admin");
+    TAP_CHECK(ds41_http_classify(1000, ADMIN, NULL, 0, false, ADMIN) == DS41_AUTH_INFERENCE &&
+                  ds41_http_classify(1000, ADMIN + 1, NULL, 0, false, ADMIN) == DS41_AUTH_INFERENCE,
+              "without a configured admin group no non-root peer is admin");
+}
+
+/* ---- the body limit over the socket ---------------------------------------------------------- */
+
+static char sock_path[108];
+
+static int status_of(size_t body_len) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock_path);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    /* A valid chat request padded with spaces (JSON whitespace) to body_len bytes. */
+    const char *json = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    size_t jl = strlen(json);
+    char *body = malloc(body_len + 1);
+    memcpy(body, json, jl);
+    memset(body + jl, ' ', body_len - jl);
+    char head[256];
+    int hl = snprintf(head, sizeof head,
+                      "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Connection: close\r\nContent-Length: %zu\r\n\r\n",
+                      body_len);
+    int status = -1;
+    if (write(fd, head, (size_t)hl) == hl) {
+        /* The server may answer 413 before reading the body: ignore a failed write then. */
+        size_t off = 0;
+        while (off < body_len) {
+            ssize_t w = send(fd, body + off, body_len - off, MSG_NOSIGNAL);
+            if (w <= 0) break;
+            off += (size_t)w;
+        }
+        char buf[64] = {0};
+        size_t got = 0;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        while (got < 12 && poll(&p, 1, 10000) == 1) {
+            ssize_t r = read(fd, buf + got, sizeof buf - 1 - got);
+            if (r <= 0) break;
+            got += (size_t)r;
+        }
+        if (got >= 12 && strncmp(buf, "HTTP/1.1 ", 9) == 0) status = atoi(buf + 9);
+    }
+    free(body);
+    close(fd);
+    return status;
+}
+
+static void test_body_limit(void) {
+    char dir[] = "/tmp/ds41-authlim-XXXXXX";
+    ds41_error err = {0};
+    if (!mkdtemp(dir)) {
+        TAP_CHECK(0, "mkdtemp: %s", strerror(errno));
+        return;
+    }
+    snprintf(sock_path, sizeof sock_path, "%s/s", dir);
+    ds41_listener l = {.fd = -1};
+    mock_service *mock = mock_service_new(false);
+    ds41_http_metrics *metrics = ds41_http_metrics_new();
+    ds41_api_options opts = {.max_body_bytes = LIMIT};
+    ds41_api *api = NULL;
+    ds41_http_server *server = NULL;
+    if (ds41_listen_unix(sock_path, 0600, NULL, 16, &l, &err) != 0 || !mock || !metrics ||
+        ds41_api_new(mock_service_iface(mock), metrics, &opts, &api, &err) != 0) {
+        TAP_CHECK(0, "setup: %s", err.msg);
+        goto out;
+    }
+    ds41_http_listener ls[1] = {{.fd = l.fd}};
+    ds41_http_config cfg = {.listeners = ls,
+                            .n_listeners = 1,
+                            .max_connections = 16,
+                            .request_timeout_ms = 10000,
+                            .idle_timeout_s = 10,
+                            .sse_keepalive_ms = 1000,
+                            .max_stream_buffer = 256 << 10};
+    if (ds41_http_server_start(&cfg, ds41_api_router(api), &server, &err) != 0) {
+        TAP_CHECK(0, "server start: %s", err.msg);
+        goto out;
+    }
+    int at = status_of(LIMIT), below = status_of(LIMIT - 1), past = status_of(LIMIT + 1);
+    TAP_CHECK(at == 200 && below == 200, "a body of exactly max_body_bytes (%d) and one byte less is served (%d, %d)",
+              LIMIT, at, below);
+    TAP_CHECK(past == 413, "a body one byte over max_body_bytes is refused with 413 (got %d)", past);
+    ds41_http_server_stop(server, 5000);
+out:
+    ds41_listener_close(&l);
+    unlink(sock_path);
+    rmdir(dir);
+    if (api) ds41_api_free(api);
+    if (mock) mock_service_free(mock);
+    if (metrics) ds41_http_metrics_free(metrics);
+}
+
+int main(void) {
+    test_classify();
+    test_body_limit();
+    return tap_done();
+}
