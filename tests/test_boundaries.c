@@ -1,0 +1,315 @@
+/* Inputs exactly at thresholds and ties of the numeric kernels (issue 19).
+ *
+ * Each check sits ON a boundary that the older tests only approached from
+ * either side, and each was written against a mutant of tests/mutation that
+ * survived them: the exact accumulator's sticky bit from the fourth limb
+ * down, a mean's division remainder at a tie, half of the smallest subnormal,
+ * the fast path's zero rule and its error bound, softplus around its switch to
+ * the linear branch, the YaRN ramp's upper clamp, and a NaN in a later row of
+ * an FP8 weight block. */
+#include "config/model_config.h"
+#include "engine/kv_cache.h"
+#include "engine/ops.h"
+#include "engine/quant.h"
+#include "engine/sampler.h"
+#include "engine/refmath.h"
+#include "tests/tap.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static uint32_t bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static int same(float a, float b) {
+    return bits(a) == bits(b);
+}
+
+static float exact_sum(const double *t, size_t n) {
+    ds41_xacc a;
+    ds41_xacc_init(&a);
+    for (size_t i = 0; i < n; i++) ds41_xacc_add(&a, t[i]);
+    return ds41_xacc_round(&a);
+}
+
+static void test_exact_sum(void) {
+    /* 1 + 2^-24 is the tie between 1 and 1 + 2^-23; a residual of 2^-100 lies three 32-bit
+     * limbs below the top one (not in the 64 bits read from the top three) and must still
+     * break the tie upward through the sticky bit. */
+    const double s1[] = {1.0, 0x1p-24, 0x1p-100};
+    const double s2[] = {1.0, 0x1p-24, 0x1p-1000};
+    TAP_CHECK(same(exact_sum(s1, 3), 1.0f + 0x1p-23f) && same(exact_sum(s2, 3), 1.0f + 0x1p-23f),
+              "a residual in the fourth limb below the top, or far below, breaks a tie upward");
+    /* Exactly half of the smallest subnormal is a tie: to the even 0 (+0, positive sum). */
+    const double h[] = {0x1p-150};
+    const double hn[] = {-0x1p-150};
+    TAP_CHECK(same(exact_sum(h, 1), 0.0f) && same(exact_sum(hn, 1), -0.0f),
+              "exactly half the smallest subnormal rounds to the even zero, keeping the sign");
+    /* A mean whose quotient is an exact fp32 tie and whose division leaves a remainder:
+     * (3 (2^23 + 0.5) + 2^-38) / 3 = 2^23 + 0.5 + 2^-38/3, above the tie: up.  The sum fits
+     * 63 bits, so only the remainder (not the sticky bit of the sum) can tell. */
+    ds41_xacc a;
+    ds41_xacc_init(&a);
+    ds41_xacc_add(&a, 3.0 * (0x1p23 + 0.5));
+    ds41_xacc_add(&a, 0x1p-38);
+    const float m = ds41_xacc_round_div(&a, 3);
+    ds41_xacc_init(&a);
+    ds41_xacc_add(&a, 3.0 * (0x1p23 + 0.5));
+    const float t = ds41_xacc_round_div(&a, 3);
+    TAP_CHECK(same(m, 8388609.0f) && same(t, 8388608.0f),
+              "a mean just above a tie only by its division remainder rounds up (%.1f), the exact tie to even "
+              "(%.1f)",
+              (double)m, (double)t);
+}
+
+static void test_fast_path(void) {
+    /* The terms are exact doubles whose exact sum is 0: the result is +0, although the fast
+     * path's interval [-2^-1074, 2^-1074] rounds to -0 and +0 at its ends (equal floats). */
+    const double z[] = {0x1p-1074, -0x1p-1074};
+    TAP_CHECK(same(ds41_xsum_f64(z, 2), 0.0f), "an exact zero from tiny opposite terms is +0 on the fast path too");
+    /* Sixteen additions at 2^20 each round up by ~2^-33 (more than 2^-52 of the absolute sum
+     * 2^21), so the double sum lies 2^-29 above the exact one, across the fp32 tie
+     * T = 1 + 2^-24: the exact sum is T - 2^-30 (-> 1), the double sum T + 2^-30.  The fast
+     * path must use the (n + 2)-term error bound to see that and fall back. */
+    double t[20];
+    size_t n = 0;
+    t[n++] = 0x1p20;
+    for (int i = 0; i < 16; i++) t[n++] = 0x1p-33 + 0x1p-60;
+    t[n++] = -0x1p20;
+    t[n++] = 1.0 + 0x1p-24 + 0x1p-30 - 0x1p-28;
+    const float exact = exact_sum(t, n), fast = ds41_xsum_f64(t, n);
+    TAP_CHECK(same(exact, 1.0f) && same(fast, 1.0f),
+              "a double sum that crossed an fp32 tie by accumulated rounding falls back to the exact sum (%a, %a)",
+              (double)exact, (double)fast);
+}
+
+static void test_softplus(void) {
+    /* softplus(x) = log1p(exp(x)) until that equals x in fp32; from x = 20 on, x.  Every
+     * 1/16 step from 0 to 20 and the switch point itself. */
+    int ok = 1;
+    float bad = 0;
+    for (int i = 0; i <= 20 * 16 && ok; i++) {
+        const float x = (float)i / 16.0f;
+        ok = same(ds41_rm_softplus(x), (float)log1p(exp((double)x)));
+        if (!ok) bad = x;
+    }
+    TAP_CHECK(ok, "softplus = log1p(exp(x)) on [0, 20] in steps of 1/16 (first bad %g)", (double)bad);
+    TAP_CHECK(same(ds41_rm_softplus(20.0f), 20.0f) && same(ds41_rm_softplus(nextafterf(20.0f, 30.0f)),
+                                                           nextafterf(20.0f, 30.0f)),
+              "softplus at and just above the switch point 20 is x");
+}
+
+static void test_yarn_clamp(void) {
+    /* rd 8, base 10, orig 1000, beta 32 / 0.001: low = floor(2.79) = 2, high = ceil(20.8) = 21,
+     * clamped to rd - 1 = 7, so the ramp at pair 3 is (3 - 2) / 5. */
+    float f[4], plain[4];
+    ds41_rope_freqs(8, 10.0, 0, 4.0, 32.0, 0.001, plain);
+    ds41_rope_freqs(8, 10.0, 1000, 4.0, 32.0, 0.001, f);
+    const float ramp = (float)(3.0 - 2.0) / 5.0f, smooth = 1.0f - ramp;
+    const float want = (plain[3] / 4.0f) * (1.0f - smooth) + plain[3] * smooth;
+    TAP_CHECK(same(f[3], want) && same(f[0], plain[0]) && same(f[2], plain[2]),
+              "YaRN: a ramp end past the last dimension is clamped to rd - 1 (pair 3: %a, want %a)", (double)f[3],
+              (double)want);
+}
+
+static void test_fp8_weight_nan(void) {
+    /* torch's amax propagates NaN: a NaN anywhere in a 128x128 block, also in a row after
+     * the largest value, makes the block's scale NaN. */
+    enum { N = 128, K = 128 };
+    static float w[N * K];
+    static uint8_t q[N * K];
+    uint8_t scale[1] = {0};
+    for (size_t i = 0; i < N * K; i++) w[i] = 0.5f;
+    w[0] = 3.0f;
+    w[5 * K + 7] = NAN;
+    ds41_quant_fp8_weight(w, N, K, q, scale);
+    TAP_CHECK(scale[0] == DS41_UE8M0_NAN, "FP8 weight block: a NaN in a later row gives the NaN scale (got 0x%02x)",
+              scale[0]);
+}
+
+static void test_router_two(void) {
+    /* The release routes 6 experts and the presets 2: k = 2 (not only k = 1 and 3) is
+     * normalised: w = s / (s0 + s1 + 1e-20) * route_scale. */
+    const ds41_ops *ops = &ds41_ops_reference;
+    enum { E = 5 };
+    const float logits[E] = {0.25f, 1.5f, -0.5f, 2.5f, 1.0f}, bias[E] = {0};
+    int32_t sel[2];
+    float w[2];
+    ops->router(ops, logits, bias, 1, E, 2, 2.5f, sel, w);
+    const float s3 = ds41_rm_sqrt(ds41_rm_softplus(2.5f)), s1 = ds41_rm_sqrt(ds41_rm_softplus(1.5f));
+    const float d = (s3 + s1) + 1e-20f;
+    TAP_CHECK(sel[0] == 3 && sel[1] == 1 && same(w[0], (s3 / d) * 2.5f) && same(w[1], (s1 / d) * 2.5f),
+              "router with k = 2: weights normalised over the two, times route_scale");
+}
+
+static void test_swiglu_low_gate(void) {
+    /* The gate is clamped from above only: a gate far below -limit stays as it is. */
+    const ds41_ops *ops = &ds41_ops_reference;
+    const float g[2] = {-12.0f, -10.5f}, u[2] = {1.0f, -2.0f};
+    float h[2];
+    ops->swiglu(ops, g, u, 1, 2, 7.0f, NULL, h);
+    TAP_CHECK(same(h[0], ds41_bf16_round(ds41_rm_silu(-12.0f) * 1.0f)) &&
+                  same(h[1], ds41_bf16_round(ds41_rm_silu(-10.5f) * -2.0f)),
+              "swiglu: a gate below -limit is not clamped (limit 7, gates -12 and -10.5)");
+}
+
+/* Column normalisation of the Sinkhorn step, in the reference's order. */
+static void col_norm(float *c, int hc, float eps) {
+    for (int j = 0; j < hc; j++) {
+        float s = c[j];
+        for (int i = 1; i < hc; i++) s = s + c[i * hc + j];
+        const float d = s + eps;
+        for (int i = 0; i < hc; i++) c[i * hc + j] = c[i * hc + j] / d;
+    }
+}
+
+static void row_norm(float *c, int hc, float eps) {
+    for (int i = 0; i < hc; i++) {
+        float s = c[i * hc];
+        for (int j = 1; j < hc; j++) s = s + c[i * hc + j];
+        const float d = s + eps;
+        for (int j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / d;
+    }
+}
+
+static void test_sinkhorn_order(void) {
+    /* After the row softmax (+ eps) the first iteration normalises columns only; each later
+     * one rows, then columns.  Checked relationally: iters = 1 and 2 against iters = 0
+     * followed by those steps. */
+    enum { HC = 4 };
+    float mix[(2 + HC) * HC], scale[3] = {0.7f, 1.3f, 0.9f}, base[(2 + HC) * HC];
+    for (int i = 0; i < (2 + HC) * HC; i++) {
+        mix[i] = (float)((i * 37) % 17) / 8.0f - 1.0f;
+        base[i] = (float)((i * 11) % 7) / 16.0f;
+    }
+    const float eps = 1e-3f;
+    float pre[HC], post[HC], c0[HC * HC], c1[HC * HC], c2[HC * HC];
+    ds41_rm_hc_sinkhorn(mix, scale, base, HC, 0, eps, pre, post, c0);
+    ds41_rm_hc_sinkhorn(mix, scale, base, HC, 1, eps, pre, post, c1);
+    ds41_rm_hc_sinkhorn(mix, scale, base, HC, 2, eps, pre, post, c2);
+    float w1[HC * HC], w2[HC * HC];
+    memcpy(w1, c0, sizeof w1);
+    col_norm(w1, HC, eps);
+    memcpy(w2, w1, sizeof w2);
+    row_norm(w2, HC, eps);
+    col_norm(w2, HC, eps);
+    TAP_CHECK(!memcmp(c1, w1, sizeof w1) && !memcmp(c2, w2, sizeof w2),
+              "Sinkhorn: iteration 1 normalises columns only, later ones rows then columns");
+}
+
+static void test_kv_budget_and_fork(void) {
+    ds41_model_config cfg;
+    ds41_error err;
+    if (!TAP_CHECK(ds41_model_config_load("tests/data/config/release", &cfg, &err) == 0, "release config")) return;
+    /* A budget of 63 pages, one below the pool's 64-page growth chunk: exactly 63 pages of
+     * 64 entries fit, the next entry is refused (the chunk is cut to the budget). */
+    ds41_kv_pool *pool = ds41_kv_pool_new(&cfg, 63ull * 64 * 356, 64, &err);
+    ds41_kv_seq *s = pool ? ds41_kv_seq_new(pool, &err) : NULL;
+    float lat[512] = {0.5f}, key[128] = {0.25f};
+    int filled = s != NULL;
+    for (int i = 0; filled && i < 63 * 64; i++) filled = ds41_kv_seq_append(s, 0, lat, key, &err) == 0;
+    const int refused = s && ds41_kv_seq_append(s, 0, lat, key, &err) != 0;
+    ds41_kv_pool_stats st = {0};
+    if (pool) ds41_kv_pool_get_stats(pool, &st);
+    TAP_CHECK(filled && refused && st.pages_allocated == 63,
+              "KV budget of 63 pages (below one growth chunk): 63 pages fill, the next entry is refused (%llu "
+              "allocated)",
+              (unsigned long long)st.pages_allocated);
+    /* A fork has its parent's token count. */
+    ds41_kv_seq_set_tokens(s, 4032);
+    ds41_kv_seq *f = s ? ds41_kv_seq_fork(s, &err) : NULL;
+    TAP_CHECK(f && ds41_kv_seq_tokens(f) == 4032 && ds41_kv_seq_entries(f, 0) == 63 * 64,
+              "a fork keeps the parent's token count and entries");
+    ds41_kv_seq_free(f);
+    ds41_kv_seq_free(s);
+    ds41_kv_pool_free(pool);
+    ds41_model_config_free(&cfg);
+}
+
+/* Distinct tokens drawn in 400 draws from logits l[n] under p. */
+static int distinct_draws(const ds41_sampler_params *p, const float *l, uint32_t n, uint32_t *seen_mask) {
+    ds41_error err = {{0}};
+    ds41_sampler *s = NULL;
+    ds41_sampler_scratch *sc = NULL;
+    *seen_mask = 0;
+    if (ds41_sampler_new(&s, p, n, &err) != 0 || ds41_sampler_scratch_new(&sc, n, &err) != 0) {
+        TAP_NOTE("sampler: %s", err.msg);
+        ds41_sampler_free(s);
+        ds41_sampler_scratch_free(sc);
+        return -1;
+    }
+    for (int i = 0; i < 400; i++) {
+        ds41_sample_result r;
+        if (ds41_sampler_sample(s, sc, l, n, &r, &err) != 0 || r.token >= 32) {
+            *seen_mask = UINT32_MAX;
+            break;
+        }
+        *seen_mask |= 1u << r.token;
+    }
+    ds41_sampler_free(s);
+    ds41_sampler_scratch_free(sc);
+    return __builtin_popcount(*seen_mask);
+}
+
+static void test_top_p_tie(void) {
+    /* Four equal logits: each token has exactly a quarter of the mass.  top_p 0.5 is reached
+     * exactly by the first two (ties: lower id first), so only tokens 0 and 1 may be drawn;
+     * top_p 0.75 exactly by three. */
+    const float l[4] = {1.5f, 1.5f, 1.5f, 1.5f};
+    ds41_sampler_params p = ds41_sampler_params_default();
+    p.seed = 12345;
+    p.has_seed = 1;
+    uint32_t mask;
+    p.top_p = 0.5f;
+    const int two = distinct_draws(&p, l, 4, &mask);
+    const uint32_t mask2 = mask;
+    p.top_p = 0.75f;
+    const int three = distinct_draws(&p, l, 4, &mask);
+    TAP_CHECK(two == 2 && mask2 == 0x3 && three == 3 && mask == 0x7,
+              "top_p at an exact tie keeps the smallest prefix reaching it: 0.5 of 4 equal tokens -> {0, 1} "
+              "(mask 0x%x), 0.75 -> {0, 1, 2} (mask 0x%x)",
+              mask2, mask);
+}
+
+static void test_min_p_at_threshold(void) {
+    /* min_p = 1 keeps exactly the tokens whose weight equals the largest (W >= 2^42): the two
+     * equal top logits, not the third.  PROCESSED logprobs list only kept tokens. */
+    const float l[3] = {2.0f, 2.0f, 0.0f};
+    ds41_sampler_params p = ds41_sampler_params_default();
+    p.seed = 7;
+    p.has_seed = 1;
+    p.min_p = 1.0f;
+    p.logprobs = 1;
+    p.top_logprobs = 3;
+    p.logprobs_mode = DS41_LOGPROBS_PROCESSED;
+    ds41_error err = {{0}};
+    ds41_sampler *s = NULL;
+    ds41_sampler_scratch *sc = NULL;
+    ds41_sample_result r = {0};
+    const int ok = ds41_sampler_new(&s, &p, 3, &err) == 0 && ds41_sampler_scratch_new(&sc, 3, &err) == 0 &&
+                   ds41_sampler_sample(s, sc, l, 3, &r, &err) == 0;
+    TAP_CHECK(ok && r.n_top == 2 && r.token < 2 && r.top[0].token == 0 && r.top[1].token == 1,
+              "min_p = 1: the tokens exactly at min_p * p_max are kept, the others dropped (%u listed%s%s)",
+              ok ? (unsigned)r.n_top : 0u, ok ? "" : ": ", ok ? "" : err.msg);
+    ds41_sampler_free(s);
+    ds41_sampler_scratch_free(sc);
+}
+
+int main(void) {
+    test_top_p_tie();
+    test_min_p_at_threshold();
+    test_kv_budget_and_fork();
+    test_router_two();
+    test_swiglu_low_gate();
+    test_sinkhorn_order();
+    test_exact_sum();
+    test_fast_path();
+    test_softplus();
+    test_yarn_clamp();
+    test_fp8_weight_nan();
+    return tap_done();
+}
