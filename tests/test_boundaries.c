@@ -12,6 +12,7 @@
 #include "engine/ops.h"
 #include "engine/quant.h"
 #include "engine/sampler.h"
+#include "engine/stop.h"
 #include "engine/refmath.h"
 #include "tests/tap.h"
 
@@ -299,7 +300,86 @@ static void test_min_p_at_threshold(void) {
     ds41_sampler_scratch_free(sc);
 }
 
+static void test_raw_logprob_tail(void) {
+    /* RAW logprobs over a vocabulary that is not a multiple of the 4-lane sum: the last
+     * token (the largest logit) belongs in the log-sum-exp. */
+    const float l[5] = {0.0f, -1.0f, 0.5f, -2.0f, 3.0f};
+    ds41_sampler_params p = ds41_sampler_params_default();
+    p.seed = 3;
+    p.has_seed = 1;
+    p.logprobs = 1;
+    ds41_error err = {{0}};
+    ds41_sampler *s = NULL;
+    ds41_sampler_scratch *sc = NULL;
+    ds41_sample_result r = {0};
+    const int ok = ds41_sampler_new(&s, &p, 5, &err) == 0 && ds41_sampler_scratch_new(&sc, 5, &err) == 0 &&
+                   ds41_sampler_sample(s, sc, l, 5, &r, &err) == 0;
+    double sum = 0;
+    for (int i = 0; i < 5; i++) sum += exp((double)l[i] - 3.0);
+    const double want = (double)l[ok ? r.token : 0] - (3.0 + log(sum));
+    TAP_CHECK(ok && fabs((double)r.logprob - want) < 1e-5,
+              "RAW logprob over 5 logits includes the last one in the normaliser (%g, want %g)", (double)r.logprob,
+              want);
+    ds41_sampler_free(s);
+    ds41_sampler_scratch_free(sc);
+}
+
+/* Feeds the pieces; returns the emitted text (static) and whether a stop happened. */
+static const char *stop_run(const char *stop, const char *const *pieces, size_t n, int *stopped) {
+    static char out[256];
+    size_t o = 0;
+    ds41_error err = {{0}};
+    ds41_stop_matcher *m = NULL;
+    const size_t len = strlen(stop);
+    *stopped = -1;
+    if (ds41_stop_matcher_new(&m, &stop, &len, 1, &err) != 0) return "";
+    ds41_stop_output so;
+    for (size_t i = 0; i < n; i++) {
+        if (ds41_stop_matcher_feed(m, pieces[i], strlen(pieces[i]), &so, &err) != 0) break;
+        if (o + so.len < sizeof out) memcpy(out + o, so.text, so.len), o += so.len;
+        *stopped = so.stopped;
+    }
+    out[o] = 0;
+    ds41_stop_matcher_free(m);
+    return out;
+}
+
+static void test_stop_edges(void) {
+    /* "aaabb" is not in "aaabaabb", but a prefix table that falls back one level only finds
+     * it there. */
+    int stopped;
+    const char *const t1[] = {"aaab", "aabb"};
+    const char *o1 = stop_run("aaabb", t1, 2, &stopped);
+    TAP_CHECK(stopped == 0 && strcmp(o1, "aaabaabb") == 0,
+              "stop string aaabb is not found in aaabaabb (KMP fallback through two levels; emitted '%s')", o1);
+    /* A piece ending inside a 4-byte character led by F4 (U+100000..U+10FFFF) holds the
+     * partial character back; the next piece completes it. */
+    const char *const t2[] = {"a\xF4\x8F\xBF"};
+    const char *o2 = stop_run("zz", t2, 1, &stopped);
+    const int held = strcmp(o2, "a") == 0;
+    const char *const t3[] = {"a\xF4\x8F\xBF", "\xBF" "b"};
+    const char *o3 = stop_run("zz", t3, 2, &stopped);
+    TAP_CHECK(held && strcmp(o3, "a\xF4\x8F\xBF\xBF" "b") == 0,
+              "a partial U+10FFFF (lead byte F4) at a piece's end is held back until complete");
+}
+
+static void test_top_k_one(void) {
+    /* top_k = 1 keeps only the largest logit, whatever the temperature. */
+    const float l[4] = {0.0f, 1.0f, 0.5f, 0.75f};
+    ds41_sampler_params p = ds41_sampler_params_default();
+    p.seed = 99;
+    p.has_seed = 1;
+    p.temperature = 2.0f;
+    p.top_k = 1;
+    uint32_t mask;
+    const int n = distinct_draws(&p, l, 4, &mask);
+    TAP_CHECK(n == 1 && mask == 0x2, "top_k = 1 draws only the argmax (mask 0x%x)", mask);
+}
+
 int main(void) {
+    test_top_k_one();
+    test_raw_logprob_tail();
+    test_stop_edges();
     test_top_p_tie();
     test_min_p_at_threshold();
     test_kv_budget_and_fork();

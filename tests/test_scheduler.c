@@ -422,6 +422,12 @@ static void test_cancel_and_limits(void) {
     TAP_CHECK(both && (p1.status == DS41_SCHED_KV_FULL || p2.status == DS41_SCHED_KV_FULL) &&
                   st.preemptions + st.requests_kv_full >= 1 && st.kv_pages_in_use == 0,
               "KV pressure preempts sequences (KV_FULL, newest first) instead of failing the step (%s / %s)", p1.message, p2.message);
+    /* The exact victim (issue 19): while both run, the second request (admitted later) is
+     * preempted; the first goes on alone and generates more before it too runs out of pages.
+     * The check above accepted either order. */
+    TAP_CHECK(both && p2.status == DS41_SCHED_KV_FULL && p2.completion < p1.completion,
+              "KV pressure preempts the newest admission first (second after %zu tokens, first after %zu)",
+              p2.completion, p1.completion);
     ds41_scheduler_free(s, 0);
     rec_destroy(&p1);
     rec_destroy(&p2);
