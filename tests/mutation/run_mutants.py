@@ -241,6 +241,8 @@ def main():
     t0 = time.monotonic()
     n = sync_tree(source, tree)
     meson_setup(tree, builddir)
+    # Regenerate the build files first if a meson.build changed (introspection reads them).
+    run(["ninja", "-C", builddir, "build.ninja"], builddir)
     log("# copy %s (%d files refreshed), build %s" % (tree, n, builddir))
 
     all_tests = sorted({t for m in sel for t in m.tests})
