@@ -4,7 +4,9 @@
  * at exactly the limit and one byte past it, over the real server on a Unix
  * socket with the mock service.  The existing tests sat on one side only (a
  * socket gid below the admin gid, a body far over the limit), so `==` -> `>=`
- * on the admin gid and an off-by-one in the limit passed them. */
+ * on the admin gid and an off-by-one in the limit passed them.  Also the admin
+ * API's length limits at exactly the limit and one past, and its control
+ * character check at U+001F, through ds41_http_dispatch_memory(). */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -18,6 +20,7 @@
 #include "ipc/api.h"
 #include "ipc/http_server.h"
 #include "tests/ipc_mock_service.h"
+#include "tests/ipc_test_util.h"
 #include "tests/tap.h"
 
 #define ADMIN 45672u
@@ -158,8 +161,100 @@ out:
     if (metrics) ds41_http_metrics_free(metrics);
 }
 
+/* Status of an admin POST through the router in memory; 400 answers must name `param`. */
+static int admin_post(ds41_api *api, const char *path, const char *body, const char *param) {
+    ds41_http_memory_response r = {0};
+    ds41_error err = {0};
+    if (ds41_http_dispatch_memory(ds41_api_router(api), "POST", path, DS41_AUTH_ADMIN, "application/json", body,
+                                  strlen(body), 5000, &r, &err) != 0)
+        return -1;
+    int status = r.status;
+    if (status == 400) {
+        json_t *j = r.body ? json_loadb(r.body, r.body_len, 0, NULL) : NULL;
+        if (!is_error_shape(j, "invalid_request_error", NULL, param)) status = -400;
+        json_decref(j);
+    }
+    ds41_http_memory_response_free(&r);
+    return status;
+}
+
+/* {"KEY": "<prefix><n - strlen(prefix) times c>"} */
+static char *body_of(const char *key, const char *prefix, size_t n, char c) {
+    char *v = malloc(n + 1);
+    size_t pl = strlen(prefix);
+    memcpy(v, prefix, pl);
+    memset(v + pl, c, n - pl);
+    v[n] = 0;
+    char *b = malloc(n + 64);
+    snprintf(b, n + 64, "{\"%s\":\"%s\"}", key, v);
+    free(v);
+    return b;
+}
+
+/* The mock has no snapshots: an unknown id is all the limit checks need behind them. */
+static int no_snapshot(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
+                       uint64_t *tokens, ds41_svc_error *err) {
+    (void)ctx;
+    (void)session_id;
+    (void)session_id_size;
+    (void)tokens;
+    return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "id", "no snapshot '%.20s'", snapshot_id);
+}
+
+static void test_api_limits(void) {
+    mock_service *mock = mock_service_new(false);
+    ds41_api_options opts = {.max_body_bytes = 65536};
+    ds41_api *api = NULL;
+    ds41_error err = {0};
+    ds41_service svc = {0};
+    if (mock) {
+        svc = *mock_service_iface(mock);
+        svc.restore_snapshot = no_snapshot;
+    }
+    if (!mock || ds41_api_new(&svc, NULL, &opts, &api, &err) != 0) {
+        TAP_CHECK(0, "api setup: %s", err.msg);
+        mock_service_free(mock);
+        return;
+    }
+    /* A model path of 4095 bytes fits PATH_MAX with its NUL; 4096 does not. */
+    char *p4095 = body_of("path", "/models/", 4095, 'a'), *p4096 = body_of("path", "/models/", 4096, 'a');
+    const int s4095 = admin_post(api, "/admin/models/load", p4095, "path"),
+              s4096 = admin_post(api, "/admin/models/load", p4096, "path");
+    TAP_CHECK(s4095 != 400 && s4095 != -400 && s4096 == 400,
+              "model load: a 4095-byte path passes the API's check (%d), 4096 bytes -> 400 naming path (%d)", s4095,
+              s4096);
+    free(p4095);
+    free(p4096);
+    /* Control characters: U+001F is one, U+0020 is not. */
+    const int c1f = admin_post(api, "/admin/models/load", "{\"path\":\"/models/a\\u001fb\"}", "path"),
+              c20 = admin_post(api, "/admin/models/load", "{\"path\":\"/models/a b\"}", "path");
+    TAP_CHECK(c1f == 400 && c20 != 400 && c20 != -400,
+              "model load: a path with U+001F -> 400 (%d), with a space it passes the check (%d)", c1f, c20);
+    /* Model names: 1..256 bytes. */
+    char *n256 = body_of("name", "", 256, 'm'), *n257 = body_of("name", "", 257, 'm');
+    const int s256 = admin_post(api, "/admin/models/load", n256, "name"),
+              s257 = admin_post(api, "/admin/models/load", n257, "name");
+    TAP_CHECK(s256 != 400 && s256 != -400 && s257 == 400,
+              "model load: a 256-byte name passes the API's check (%d), 257 bytes -> 400 naming name (%d)", s256, s257);
+    free(n256);
+    free(n257);
+    /* Snapshot ids: 1..200 bytes. */
+    char *i200 = body_of("id", "", 200, 'f'), *i201 = body_of("id", "", 201, 'f');
+    const int e0 = admin_post(api, "/admin/snapshots/restore", "{\"id\":\"\"}", "id"),
+              s200 = admin_post(api, "/admin/snapshots/restore", i200, "id"),
+              s201 = admin_post(api, "/admin/snapshots/restore", i201, "id");
+    TAP_CHECK(e0 == 400 && s200 != 400 && s200 != -400 && s201 == 400,
+              "snapshot restore: an empty id -> 400 (%d), 200 bytes pass the check (%d), 201 -> 400 (%d)", e0, s200,
+              s201);
+    free(i200);
+    free(i201);
+    ds41_api_free(api);
+    mock_service_free(mock);
+}
+
 int main(void) {
     test_classify();
+    test_api_limits();
     test_body_limit();
     return tap_done();
 }
