@@ -7,9 +7,11 @@
  * the fast path's zero rule and its error bound, softplus around its switch to
  * the linear branch, the YaRN ramp's upper clamp, and a NaN in a later row of
  * an FP8 weight block. */
+#include "config/buf.h"
 #include "config/model_config.h"
 #include "engine/kv_cache.h"
 #include "engine/ops.h"
+#include "engine/pyjson.h"
 #include "engine/quant.h"
 #include "engine/sampler.h"
 #include "engine/stop.h"
@@ -376,7 +378,48 @@ static void test_top_k_one(void) {
     TAP_CHECK(n == 1 && mask == 0x2, "top_k = 1 draws only the argmax (mask 0x%x)", mask);
 }
 
+static int repr_is(double x, const char *want) {
+    ds41_buf b = {0};
+    ds41_py_float_repr(x, &b);
+    const int ok = b.data && b.len == strlen(want) && memcmp(b.data, want, b.len) == 0;
+    if (!ok) TAP_NOTE("repr(%.17g) = '%.*s', want '%s'", x, (int)b.len, b.data ? b.data : "", want);
+    ds41_buf_free(&b);
+    return ok;
+}
+
+/* json.loads: 1 = parsed (text of a string/int in *text if given), 0 = Python would raise. */
+static int py_loads(const char *s, size_t n, char *text, size_t text_cap) {
+    ds41_py *v = NULL;
+    bool is_json = false;
+    ds41_error err = {{0}};
+    if (ds41_py_loads(s, n, &v, &is_json, &err) != 0) return -1;
+    if (v && text && v->text) snprintf(text, text_cap, "%s", v->text);
+    ds41_py_free(v);
+    return is_json ? 1 : 0;
+}
+
+static void test_pyjson_edges(void) {
+    /* Python's float repr switches to an exponent below 1e-4 and from 1e16 on. */
+    TAP_CHECK(repr_is(1e-05, "1e-05") && repr_is(0.0001, "0.0001") && repr_is(1e15, "1000000000000000.0") &&
+                  repr_is(1e16, "1e+16"),
+              "float repr at both exponent switch points: 1e-05, 0.0001, 1000000000000000.0, 1e+16");
+    /* A surrogate pair whose low half is U+DFFF combines to U+1F7FF. */
+    char t[64] = "";
+    const char *pair = "\"\\ud83d\\udfff\"";
+    TAP_CHECK(py_loads(pair, strlen(pair), t, sizeof t) == 1 && strcmp(t, "\xF0\x9F\x9F\xBF") == 0,
+              "json.loads combines \\ud83d\\udfff (low surrogate U+DFFF) into U+1F7FF");
+    /* Raw control characters: U+001F is refused like U+0000, U+0020 is text. */
+    TAP_CHECK(py_loads("\"a\x1f" "b\"", 5, NULL, 0) == 0 && py_loads("\"a b\"", 5, NULL, 0) == 1,
+              "json.loads refuses a raw U+001F in a string and accepts a space");
+    /* int(): 4300 digits are the limit, inclusive. */
+    static char digits[4302];
+    memset(digits, '7', 4301);
+    TAP_CHECK(py_loads(digits, 4300, NULL, 0) == 1 && py_loads(digits, 4301, NULL, 0) == 0,
+              "json.loads accepts a 4300-digit integer and refuses 4301 digits (Python's limit)");
+}
+
 int main(void) {
+    test_pyjson_edges();
     test_top_k_one();
     test_raw_logprob_tail();
     test_stop_edges();
