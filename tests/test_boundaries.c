@@ -279,11 +279,13 @@ static void test_top_p_tie(void) {
               mask2, mask);
 }
 
-static void test_min_p_at_threshold(void) {
+static void min_p_case(float top_p) {
     /* min_p = 1 keeps exactly the tokens whose weight equals the largest (W >= 2^42): the two
-     * equal top logits, not the third.  PROCESSED logprobs list only kept tokens. */
+     * equal top logits, not the third.  PROCESSED logprobs list only kept tokens.  With top_p
+     * < 1 the nucleus comes first and min_p then cuts the kept set (another code path). */
     const float l[3] = {2.0f, 2.0f, 0.0f};
     ds41_sampler_params p = ds41_sampler_params_default();
+    p.top_p = top_p;
     p.seed = 7;
     p.has_seed = 1;
     p.min_p = 1.0f;
@@ -297,10 +299,15 @@ static void test_min_p_at_threshold(void) {
     const int ok = ds41_sampler_new(&s, &p, 3, &err) == 0 && ds41_sampler_scratch_new(&sc, 3, &err) == 0 &&
                    ds41_sampler_sample(s, sc, l, 3, &r, &err) == 0;
     TAP_CHECK(ok && r.n_top == 2 && r.token < 2 && r.top[0].token == 0 && r.top[1].token == 1,
-              "min_p = 1: the tokens exactly at min_p * p_max are kept, the others dropped (%u listed%s%s)",
-              ok ? (unsigned)r.n_top : 0u, ok ? "" : ": ", ok ? "" : err.msg);
+              "min_p = 1, top_p %g: the tokens exactly at min_p * p_max are kept, the others dropped (%u listed%s%s)",
+              (double)top_p, ok ? (unsigned)r.n_top : 0u, ok ? "" : ": ", ok ? "" : err.msg);
     ds41_sampler_free(s);
     ds41_sampler_scratch_free(sc);
+}
+
+static void test_min_p_at_threshold(void) {
+    min_p_case(1.0f);
+    min_p_case(0.999f);
 }
 
 static void test_raw_logprob_tail(void) {
