@@ -8,7 +8,10 @@
  * Unicode, White_Space is exactly the space, line and paragraph separators
  * (Zs, Zl, Zp) plus the controls U+0009..U+000D and U+0085.  Both users of the
  * class are compared with it for every code point: the regex translation of
- * \s (the pre-tokenizer) and the lstrip/rstrip of added tokens. */
+ * \s (the pre-tokenizer) and the lstrip/rstrip of added tokens.  Likewise the
+ * word class of single_word added tokens (Rust regex \w: Alphabetic, marks,
+ * Nd, Pc and the join controls), from the generated Alphabetic and category
+ * tables, which also exercises the binary search over those tables. */
 #include "engine/synth_tokenizer.h"
 #include "engine/tokenizer.h"
 #include "engine/unicode_tables.h"
@@ -201,6 +204,93 @@ static void test_strip_class(const bool *ws) {
     ds41_vocab_free(v);
 }
 
+static void reference_word(bool *word) {
+    memset(word, 0, CP_LIMIT * sizeof *word);
+    for (size_t i = 0; i < ds41_unicode_alphabetic_n_ranges; i++)
+        for (uint32_t c = ds41_unicode_alphabetic_ranges[i].first; c <= ds41_unicode_alphabetic_ranges[i].last; c++)
+            word[c] = true;
+    for (size_t i = 0; i < ds41_unicode_gc_n_ranges; i++) {
+        const uint32_t g = ds41_unicode_gc_ranges[i].value;
+        if (g == DS41_GC_MN || g == DS41_GC_MC || g == DS41_GC_ME || g == DS41_GC_ND || g == DS41_GC_PC)
+            for (uint32_t c = ds41_unicode_gc_ranges[i].first; c <= ds41_unicode_gc_ranges[i].last; c++)
+                word[c] = true;
+    }
+    word[0x200C] = word[0x200D] = true;
+}
+
+static void test_word_class(void) {
+    ds41_error e = {{0}};
+    size_t len;
+    char *js = ds41_synth_tokenizer_json(2000, 7, &len, &e);
+    json_t *root = js ? json_loadb(js, len, 0, NULL) : NULL;
+    free(js);
+    ds41_tokenizer *t = NULL;
+    ds41_vocab *v = NULL;
+    if (root) {
+        json_t *added = json_object_get(root, "added_tokens");
+        json_array_append_new(added, json_pack("{s:i,s:s,s:b,s:b,s:b,s:b,s:b}", "id", 2000, "content", "<|n|>",
+                                               "single_word", 0, "lstrip", 0, "rstrip", 0, "normalized", 0, "special",
+                                               0));
+        json_array_append_new(added, json_pack("{s:i,s:s,s:b,s:b,s:b,s:b,s:b}", "id", 2001, "content", "qzq",
+                                               "single_word", 1, "lstrip", 0, "rstrip", 0, "normalized", 0, "special",
+                                               0));
+        char *out = json_dumps(root, JSON_COMPACT);
+        json_decref(root);
+        v = out ? ds41_vocab_parse(out, strlen(out), "word.json", &e) : NULL;
+        free(out);
+        t = v ? ds41_tokenizer_new(v, &e) : NULL;
+    }
+    if (!TAP_CHECK(t != NULL, "single_word tokenizer builds%s%s", t ? "" : ": ", t ? "" : e.msg)) {
+        ds41_vocab_free(v);
+        return;
+    }
+    bool *word = malloc(CP_LIMIT * sizeof *word);
+    reference_word(word);
+    /* "<|n|>qzq" + c per code point: qzq (single_word) is matched exactly when c is not a word
+     * character (its left neighbour '>' never is). */
+    static char text[BATCH * 16];
+    uint32_t cps[BATCH];
+    ds41_token_ids ids = {0};
+    uint32_t bad = CP_LIMIT;
+    bool broken = false;
+    for (uint32_t c0 = 0; c0 < CP_LIMIT && bad == CP_LIMIT && !broken; c0 += BATCH) {
+        size_t n = 0, k = 0;
+        for (uint32_t c = c0; c < c0 + BATCH && c < CP_LIMIT; c++) {
+            if (is_surrogate(c) || c == 0) continue;
+            cps[k++] = c;
+            memcpy(text + n, "<|n|>qzq", 8);
+            n += 8;
+            n += put_utf8(text + n, c);
+        }
+        ids.n = 0;
+        if (ds41_tokenizer_encode(t, text, n, &ids, &e) != 0) {
+            broken = true;
+            break;
+        }
+        size_t at = 0;
+        for (size_t i = 0; i < k && bad == CP_LIMIT; i++) {
+            if (at >= ids.n || ids.ids[at] != 2000) {
+                broken = true;
+                bad = cps[i];
+                break;
+            }
+            size_t j = at + 1;
+            while (j < ids.n && ids.ids[j] != 2000) j++;
+            const bool matched = j > at + 1 && ids.ids[at + 1] == 2001;
+            if (matched == word[cps[i]]) bad = cps[i];
+            at = j;
+        }
+    }
+    TAP_CHECK(bad == CP_LIMIT && !broken,
+              "single_word tokens see a word character exactly when Rust's \\w does (Alphabetic | M | Nd | Pc | "
+              "join controls), over all code points (first difference: U+%04X%s)",
+              bad, broken ? ", unexpected ids" : "");
+    free(word);
+    ds41_token_ids_free(&ids);
+    ds41_tokenizer_free(t);
+    ds41_vocab_free(v);
+}
+
 int main(void) {
     bool *ws = malloc(CP_LIMIT * sizeof *ws);
     if (!ws) return 1;
@@ -208,5 +298,6 @@ int main(void) {
     test_regex_class(ws);
     test_strip_class(ws);
     free(ws);
+    test_word_class();
     return tap_done();
 }
