@@ -15,6 +15,7 @@
 #include "engine/quant.h"
 #include "engine/sampler.h"
 #include "engine/stop.h"
+#include "storage/safetensors.h"
 #include "engine/refmath.h"
 #include "tests/tap.h"
 
@@ -426,7 +427,35 @@ static void test_pyjson_edges(void) {
               "json.loads accepts a 4300-digit integer and refuses 4301 digits (Python's limit)");
 }
 
+/* Parses a one-tensor header; returns 0 or -1 with the message in msg. */
+static int st_header(const char *json, uint64_t data_bytes, char *msg, size_t cap) {
+    uint8_t buf[512];
+    const size_t jl = strlen(json);
+    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)((uint64_t)jl >> (8 * i));
+    memcpy(buf + 8, json, jl);
+    ds41_st_header h;
+    ds41_error e = {{0}};
+    const int rc = ds41_st_parse_header(buf, 8 + jl, 8 + jl + data_bytes, "mem.safetensors", &h, &e);
+    snprintf(msg, cap, "%s", rc ? e.msg : "");
+    ds41_st_header_free(&h);
+    return rc;
+}
+
+static void test_safetensors_offsets(void) {
+    char m[sizeof(ds41_error)];
+    /* data_offsets [5, 4): the end is one before the begin (named as such, not as a size). */
+    const int r1 = st_header("{\"t\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[5,4]}}", 16, m, sizeof m);
+    TAP_CHECK(r1 != 0 && strstr(m, "end before they begin"), "safetensors: data_offsets [5, 4) -> '%s'", m);
+    /* A span of 12 bytes for a shape of 8 (F32 [2]): refused, as is 4. */
+    const int r2 = st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,12]}}", 16, m, sizeof m);
+    const int r3 = st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", 16, m, sizeof m);
+    const int r4 = st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 16, m, sizeof m);
+    TAP_CHECK(r2 != 0 && r3 != 0 && r4 == 0,
+              "safetensors: a span one element longer or shorter than the shape is refused, the exact one accepted");
+}
+
 int main(void) {
+    test_safetensors_offsets();
     test_pyjson_edges();
     test_top_k_one();
     test_raw_logprob_tail();
