@@ -16,10 +16,15 @@
 #include "engine/sampler.h"
 #include "engine/stop.h"
 #include "storage/safetensors.h"
+#include "storage/snapshot.h"
+#include "storage/snapshot_store.h"
 #include "engine/refmath.h"
 #include "tests/tap.h"
 
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -454,7 +459,93 @@ static void test_safetensors_offsets(void) {
               "safetensors: a span one element longer or shorter than the shape is refused, the exact one accepted");
 }
 
+static void rm_dir_files(const char *dir) {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) TAP_NOTE("could not remove %s", dir);
+}
+
+static void test_snapshot_edges(void) {
+    char root[] = "/tmp/ds41-bound-XXXXXX";
+    if (!mkdtemp(root)) return;
+    static uint8_t noise[1500];
+    uint64_t x = 7;
+    for (size_t i = 0; i < sizeof noise; i++) {
+        x = x * 6364136223846793005u + 1442695040888963407u;
+        noise[i] = (uint8_t)(x >> 56);
+    }
+    int32_t ids[40];
+    for (int i = 0; i < 40; i++) ids[i] = 100 + i;
+    const uint8_t model[DS41_SNAPSHOT_ID_BYTES] = {4, 5, 6};
+    ds41_error err = {{0}};
+
+    /* A head that claims zero token ids is refused for that reason. */
+    char path[700];
+    snprintf(path, sizeof path, "%s/z.snap", root);
+    uint64_t bytes = 0;
+    uint8_t *buf = NULL;
+    if (ds41_snapshot_write(path, model, ids, 3, noise, 100, NULL, 0, NULL, &bytes, &err) == 0 &&
+        (buf = malloc(bytes)) != NULL) {
+        FILE *f = fopen(path, "rb");
+        const size_t got = f ? fread(buf, 1, bytes, f) : 0;
+        if (f) fclose(f);
+        memset(buf + 48, 0, 8); /* n_ids */
+        ds41_snapshot snap;
+        const int rc = got == bytes ? ds41_snapshot_parse(buf, bytes, "z.snap", NULL, 1u << 20, &snap, &err) : 0;
+        TAP_CHECK(rc == -1 && strstr(err.msg, "0 token ids"), "snapshot: a head with 0 token ids is refused as such (%s)",
+                  err.msg);
+        free(buf);
+    }
+
+    /* The store's byte cap: exactly at the cap nothing is evicted; one snapshot larger than the
+     * cap is kept (never the one just saved); over the cap the older goes. */
+    char d1[700], d2[700];
+    snprintf(d1, sizeof d1, "%s/probe", root);
+    snprintf(d2, sizeof d2, "%s/capped", root);
+    ds41_snapshot_store_opts o = {0};
+    memcpy(o.model_id, model, sizeof model);
+    o.dir = d1;
+    ds41_snapshot_store *st = NULL;
+    ds41_snapshot_entry e1 = {0}, e2 = {0};
+    if (ds41_snapshot_store_open(&o, &st, &err) != 0) {
+        TAP_CHECK(0, "store open: %s", err.msg);
+        rm_dir_files(root);
+        return;
+    }
+    ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+    ds41_snapshot_store_free(st);
+    const uint64_t one = e1.bytes;
+    o.dir = d2;
+    o.max_bytes = one;
+    ds41_snapshot_store_stats ss = {0};
+    if (one && ds41_snapshot_store_open(&o, &st, &err) == 0) {
+        ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+        ds41_snapshot_store_get_stats(st, &ss);
+        TAP_CHECK(e1.bytes == one && ss.bytes == one && ss.evictions == 0 && ds41_snapshot_store_contains(st, ids, 10),
+                  "snapshot store: a total exactly at max_bytes (%llu) evicts nothing (%llu evictions)",
+                  (unsigned long long)one, (unsigned long long)ss.evictions);
+        ds41_snapshot_store_save(st, ids, 20, noise, 1000, NULL, 0, &e2, &err);
+        ds41_snapshot_store_get_stats(st, &ss);
+        TAP_CHECK(ss.evictions == 1 && !ds41_snapshot_store_contains(st, ids, 10) &&
+                      ds41_snapshot_store_contains(st, ids, 20),
+                  "snapshot store: over max_bytes the older snapshot is evicted, the new one stays");
+        ds41_snapshot_store_free(st);
+    }
+    snprintf(d2, sizeof d2, "%s/tiny", root);
+    o.dir = d2;
+    o.max_bytes = one / 2;
+    if (one && ds41_snapshot_store_open(&o, &st, &err) == 0) {
+        ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+        ds41_snapshot_store_get_stats(st, &ss);
+        TAP_CHECK(ds41_snapshot_store_contains(st, ids, 10) && ss.evictions == 0,
+                  "snapshot store: a snapshot larger than max_bytes is kept when it is the one just saved");
+        ds41_snapshot_store_free(st);
+    }
+    rm_dir_files(root);
+}
+
 int main(void) {
+    test_snapshot_edges();
     test_safetensors_offsets();
     test_pyjson_edges();
     test_top_k_one();
