@@ -458,6 +458,71 @@ static void test_stop(void) {
     for (int i = 0; i < N; i++) rec_destroy(&r[i]);
 }
 
+/* The admission limit at its exact edge (issue 19): the longest prompt a 4-page pool accepts
+ * must still have room for one generated token, so it completes one; a prompt one token longer
+ * is refused at once.  Found by bisection over the submission's immediate answer.  The prompt
+ * is prefilled in one chunk: with smaller chunks the step planner also reserves a copy-on-write
+ * page whenever a chunk starts inside a page, which admission does not count (a prompt at the
+ * edge is then preempted after 0 tokens; reported with issue 19, not changed here). */
+static void test_kv_admission_edge(void) {
+    ds41_sched_config cfg = base_config();
+    cfg.prefill_chunk = 512;
+    cfg.max_batch_tokens = 512;
+    ds41_error err;
+    ds41_kv_pool *probe = ds41_engine_new_pool(E, 0, 0, &err);
+    const uint64_t page = probe ? ds41_kv_pool_layout(probe)->page_bytes : 0;
+    ds41_kv_pool_free(probe);
+    cfg.kv_budget_bytes = page * 4;
+    ds41_scheduler *s = NULL;
+    if (!page || ds41_scheduler_new(E, &cfg, &s, &err) != 0) {
+        TAP_CHECK(0, "scheduler with a 4-page pool: %s", err.msg);
+        return;
+    }
+    size_t lo = 1, hi = 300; /* lo accepted, hi refused (checked below) */
+    bool edges_ok = true;
+    for (int probe_hi = 1; probe_hi >= 0; probe_hi--) {
+        const size_t n = probe_hi ? hi : lo;
+        uint64_t id = 0;
+        rec r;
+        rec_init(&r);
+        ds41_sched_sink sk = sink_of(&r);
+        ds41_sched_status st = ds41_scheduler_submit(s, make_gen(prompt_ids[9], n, 1, 1), &sk, &id, &err);
+        if (st != DS41_SCHED_KV_FULL) rec_wait_done(&r, 120);
+        edges_ok &= probe_hi ? st == DS41_SCHED_KV_FULL : st != DS41_SCHED_KV_FULL;
+        rec_destroy(&r);
+    }
+    while (edges_ok && hi - lo > 1) {
+        const size_t mid = lo + (hi - lo) / 2;
+        uint64_t id = 0;
+        rec r;
+        rec_init(&r);
+        ds41_sched_sink sk = sink_of(&r);
+        ds41_sched_status st = ds41_scheduler_submit(s, make_gen(prompt_ids[9], mid, 1, 1), &sk, &id, &err);
+        if (st == DS41_SCHED_KV_FULL) {
+            hi = mid;
+        } else {
+            rec_wait_done(&r, 120);
+            lo = mid;
+        }
+        rec_destroy(&r);
+    }
+    /* A fresh scheduler, so that nothing else holds pages. */
+    ds41_scheduler_free(s, 0);
+    s = NULL;
+    if (ds41_scheduler_new(E, &cfg, &s, &err) != 0) return;
+    uint64_t id = 0;
+    rec r;
+    rec_init(&r);
+    ds41_sched_sink sk = sink_of(&r);
+    ds41_sched_status st = ds41_scheduler_submit(s, make_gen(prompt_ids[9], lo, 1, 1), &sk, &id, &err);
+    const bool done = st != DS41_SCHED_KV_FULL && rec_wait_done(&r, 120);
+    TAP_CHECK(edges_ok && done && r.status != DS41_SCHED_KV_FULL && r.completion == 1,
+              "the longest prompt a 4-page pool admits (%zu tokens; %zu refused at once) still generates its token (%s)",
+              lo, hi, r.status == DS41_SCHED_KV_FULL ? r.message : "ok");
+    rec_destroy(&r);
+    ds41_scheduler_free(s, 0);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -488,6 +553,7 @@ int main(void) {
     test_interleave();
     test_prefix_cache();
     test_cancel_and_limits();
+    test_kv_admission_edge();
     test_stop();
     test_engram_streamed(dir);
     ds41_tokenizer_free(TOK);
