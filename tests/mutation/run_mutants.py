@@ -174,8 +174,12 @@ def compile_targets(builddir, targets, timeout):
     return run(cmd, builddir, timeout)
 
 
-def run_tests(builddir, tests, timeout):
+def run_tests(builddir, tests, timeout, multiplier=None):
     cmd = ["meson", "test", "-C", builddir, "--no-rebuild", "--print-errorlogs"]
+    if multiplier:
+        # A mutant that makes a test hang (a pin never released) is killed by meson's own
+        # per-test timeout; scale it down so such a mutant costs minutes, not ten.
+        cmd += ["--timeout-multiplier", str(multiplier)]
     if tests:
         cmd += tests
     rc, out, dt = run(cmd, builddir, timeout)
@@ -200,6 +204,8 @@ def main():
     ap.add_argument("--suite", action="store_true",
                     help="run the whole default meson suite for each mutant instead of its tests (slow)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant's tests (default 900)")
+    ap.add_argument("--timeout-multiplier", type=float, default=0.25,
+                    help="meson test's per-test timeout multiplier for mutants (default 0.25; a hang is a kill)")
     ap.add_argument("--check", action="store_true", help="only check the list (stale fragments), build nothing")
     ap.add_argument("--baseline", action="store_true",
                     help="first run the selected mutants' tests on the unmutated copy (they must pass)")
@@ -283,7 +289,7 @@ def main():
                 err = [l for l in out.splitlines() if "error" in l]
                 detail = err[0] if err else "build failed"
             else:
-                rc, out, _ = run_tests(builddir, None if a.suite else m.tests, a.timeout)
+                rc, out, _ = run_tests(builddir, None if a.suite else m.tests, a.timeout, a.timeout_multiplier)
                 if rc is None:
                     status, detail = "killed", "timeout"
                 elif rc != 0:
