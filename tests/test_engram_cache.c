@@ -283,6 +283,45 @@ int main(void) {
             TAP_CHECK(res == 0, "with O_DIRECT the tables' mapped pages stay out of memory (%zu resident)", res);
         }
     }
+    /* ---- the exact LRU victim and the p99 rank (issue 19): fill the 100 entries with rows
+     * 0..99 of table 0, touch row 0, bring in one new row: row 1 (least recently used) goes,
+     * row 0 stays.  With fewer than 100 reads, p99 is the bucket of the slowest read. */
+    {
+        ds41_engram_cache_unpin_all(c);
+        int64_t fill[100], one;
+        for (int k = 0; k < 100; k++) fill[k] = k;
+        int ok = gather_rows(c, 0, fill, 100, &err);
+        ds41_engram_cache_unpin_all(c);
+        one = 0;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_unpin_all(c);
+        one = 100;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_unpin_all(c);
+        ds41_engram_cache_reset_stats(c);
+        one = 0;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_stats st;
+        ds41_engram_cache_get_stats(c, &st);
+        const int zero_hit = st.hits == 1;
+        ds41_engram_cache_unpin_all(c);
+        ds41_engram_cache_reset_stats(c);
+        one = 1;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_get_stats(c, &st);
+        TAP_CHECK(ok && zero_hit && st.misses == 1,
+                  "LRU: after touching row 0, a new row evicts row 1 (the least recently used), not row 0");
+        ds41_engram_cache_unpin_all(c);
+        ds41_engram_cache_reset_stats(c);
+        int64_t ten[10];
+        for (int k = 0; k < 10; k++) ten[k] = 200 + 7 * k;
+        ok = gather_rows(c, 0, ten, 10, &err);
+        ds41_engram_cache_get_stats(c, &st);
+        TAP_CHECK(ok && st.rows_read == 10 && st.latency_p99_ns >= st.latency_max_ns,
+                  "p99 of 10 reads is the bucket of the slowest (%llu ns >= max %llu ns)",
+                  (unsigned long long)st.latency_p99_ns, (unsigned long long)st.latency_max_ns);
+        ds41_engram_cache_unpin_all(c);
+    }
     ds41_engram_cache_free(c);
 
     /* ---- no entries at all */
