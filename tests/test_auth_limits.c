@@ -151,6 +151,24 @@ static void test_body_limit(void) {
     TAP_CHECK(at == 200 && below == 200, "a body of exactly max_body_bytes (%d) and one byte less is served (%d, %d)",
               LIMIT, at, below);
     TAP_CHECK(past == 413, "a body one byte over max_body_bytes is refused with 413 (got %d)", past);
+    /* Content-Length one over the limit is refused from the head alone: 413 instead of
+     * "100 Continue", before any body byte is sent. */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock_path);
+    char first[32] = {0};
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+        char head[256];
+        int hl = snprintf(head, sizeof head,
+                          "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          "Expect: 100-continue\r\nContent-Length: %d\r\n\r\n",
+                          LIMIT + 1);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (write(fd, head, (size_t)hl) == hl && poll(&p, 1, 10000) == 1 && read(fd, first, 12) < 0) first[0] = 0;
+    }
+    if (fd >= 0) close(fd);
+    TAP_CHECK(strncmp(first, "HTTP/1.1 413", 12) == 0,
+              "Content-Length of max_body_bytes + 1 with Expect: 100-continue -> 413 at once (got '%.12s')", first);
     ds41_http_server_stop(server, 5000);
 out:
     ds41_listener_close(&l);

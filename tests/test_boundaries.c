@@ -8,6 +8,7 @@
  * the linear branch, the YaRN ramp's upper clamp, and a NaN in a later row of
  * an FP8 weight block. */
 #include "config/buf.h"
+#include "config/daemon_config.h"
 #include "config/model_config.h"
 #include "engine/kv_cache.h"
 #include "engine/ops.h"
@@ -544,7 +545,30 @@ static void test_snapshot_edges(void) {
     rm_dir_files(root);
 }
 
+static void test_config_utf8_edges(void) {
+    /* Command-line overrides are checked as strict UTF-8: overlong forms (C0 AF = '/', E0 80 AF,
+     * F0 80 80 AF) and surrogates are refused, the shortest forms around them accepted. */
+    ds41_daemon_config cfg;
+    ds41_error err = {{0}};
+    if (ds41_daemon_config_defaults(&cfg, &err) != 0) {
+        TAP_CHECK(0, "daemon config defaults: %s", err.msg);
+        return;
+    }
+    static const char *const bad[] = {"/run/\xC0\xAF.sock", "/run/\xE0\x80\xAF.sock", "/run/\xF0\x80\x80\xAF.sock",
+                                      "/run/\xED\xA0\x80.sock"};
+    static const char *const good[] = {"/run/\xC2\x80.sock", "/run/\xE0\xA0\x80.sock", "/run/\xF0\x90\x80\x80.sock"};
+    int refused = 0, accepted = 0;
+    for (size_t i = 0; i < 4; i++) refused += ds41_daemon_config_set(&cfg, "listen.socket", bad[i], &err) == -1;
+    for (size_t i = 0; i < 3; i++) accepted += ds41_daemon_config_set(&cfg, "listen.socket", good[i], &err) == 0;
+    TAP_CHECK(refused == 4 && accepted == 3,
+              "overrides: overlong UTF-8 forms and a surrogate are refused (%d of 4), the shortest forms at each "
+              "length's lower edge accepted (%d of 3)",
+              refused, accepted);
+    ds41_daemon_config_free(&cfg);
+}
+
 int main(void) {
+    test_config_utf8_edges();
     test_snapshot_edges();
     test_safetensors_offsets();
     test_pyjson_edges();
