@@ -567,7 +567,41 @@ static void test_config_utf8_edges(void) {
     ds41_daemon_config_free(&cfg);
 }
 
+/* Loads the release config, applies key = value and finalizes; 0 or -1 with err. */
+static int release_with(const char *key, const char *value, ds41_error *err) {
+    ds41_model_config cfg;
+    if (ds41_model_config_load("tests/data/config/release", &cfg, err) != 0) return -2;
+    int rc = ds41_model_config_set(&cfg, key, value, err);
+    if (rc == 0) rc = ds41_model_config_finalize(&cfg, err);
+    ds41_model_config_free(&cfg);
+    return rc;
+}
+
+static void test_model_config_edges(void) {
+    ds41_error e1 = {{0}}, e2 = {{0}};
+    int a = release_with("dspark_block_size", "4096", &e1), b = release_with("dspark_block_size", "4097", &e2);
+    TAP_CHECK(a == 0 && b == -1 && strstr(e2.msg, "dspark_block_size"),
+              "config.json: an integer at its maximum (dspark_block_size 4096) is accepted, one past refused (%s)",
+              e2.msg);
+    a = release_with("kv_source_layers", "[2, 8, 8, 14, 20]", &e1);
+    TAP_CHECK(a == -1 && strstr(e1.msg, "sorted and unique"), "config.json: a repeated source layer is refused (%s)",
+              e1.msg);
+    ds41_model_config cfg;
+    char routed[32] = "", plus1[32] = "";
+    if (ds41_model_config_load("tests/data/config/release", &cfg, &e1) == 0) {
+        snprintf(routed, sizeof routed, "%lld", (long long)cfg.n_routed_experts);
+        snprintf(plus1, sizeof plus1, "%lld", (long long)cfg.n_routed_experts + 1);
+        ds41_model_config_free(&cfg);
+    }
+    a = release_with("n_activated_experts", routed, &e1);
+    b = release_with("n_activated_experts", plus1, &e2);
+    TAP_CHECK(a == 0 && b == -1 && strstr(e2.msg, "n_activated_experts"),
+              "config.json: routing all %s experts is accepted, one more refused (%s%s)", routed, a ? e1.msg : "",
+              e2.msg);
+}
+
 int main(void) {
+    test_model_config_edges();
     test_config_utf8_edges();
     test_snapshot_edges();
     test_safetensors_offsets();
