@@ -458,6 +458,35 @@ static void test_stop(void) {
     for (int i = 0; i < N; i++) rec_destroy(&r[i]);
 }
 
+/* Prefill order (issue 19): with room for one chunk per step, two long prompts admitted
+ * together are prefilled oldest first, so the first has its first token before the second
+ * has any. */
+static void test_prefill_order(void) {
+    ds41_sched_config cfg = base_config();
+    cfg.prefill_chunk = 16;
+    cfg.max_batch_tokens = 16;
+    ds41_scheduler *s = NULL;
+    ds41_error err;
+    if (ds41_scheduler_new(E, &cfg, &s, &err) != 0) return;
+    rec a, b;
+    rec_init(&a);
+    rec_init(&b);
+    a.watch = &b;
+    b.watch = &a;
+    ds41_sched_sink sa = sink_of(&a), sb = sink_of(&b);
+    uint64_t ida, idb;
+    ds41_scheduler_submit(s, make_gen(prompt_ids[10], 160, 1, 2), &sa, &ida, &err);
+    ds41_scheduler_submit(s, make_gen(prompt_ids[11], 160, 2, 2), &sb, &idb, &err);
+    const bool ok = rec_wait_done(&a, 120) && rec_wait_done(&b, 120);
+    TAP_CHECK(ok && a.n_tokens == 2 && a.watch_deltas_at_first == 0 && b.watch_deltas_at_first >= 1,
+              "two 160-token prompts with one 16-token chunk per step: the older is prefilled first (the newer had "
+              "%zu tokens at the older's first, the older %zu at the newer's first)",
+              a.watch_deltas_at_first, b.watch_deltas_at_first);
+    ds41_scheduler_free(s, 0);
+    rec_destroy(&a);
+    rec_destroy(&b);
+}
+
 /* The admission limit at its exact edge (issue 19): the longest prompt a 4-page pool accepts
  * must still have room for one generated token, so it completes one; a prompt one token longer
  * is refused at once.  Found by bisection over the submission's immediate answer.  The prompt
@@ -554,6 +583,7 @@ int main(void) {
     test_prefix_cache();
     test_cancel_and_limits();
     test_kv_admission_edge();
+    test_prefill_order();
     test_stop();
     test_engram_streamed(dir);
     ds41_tokenizer_free(TOK);
