@@ -20,6 +20,7 @@
 #include "storage/snapshot.h"
 #include "storage/snapshot_store.h"
 #include "engine/refmath.h"
+#include "tests/float_bits.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -29,35 +30,19 @@
 #include <stdint.h>
 #include <string.h>
 
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
 
-static int same(float a, float b) {
-    return bits(a) == bits(b);
-}
-
-static float exact_sum(const double *t, size_t n) {
-    ds41_xacc a;
-    ds41_xacc_init(&a);
-    for (size_t i = 0; i < n; i++) ds41_xacc_add(&a, t[i]);
-    return ds41_xacc_round(&a);
-}
-
-static void test_exact_sum(void) {
+static void test_sum_of(void) {
     /* 1 + 2^-24 is the tie between 1 and 1 + 2^-23; a residual of 2^-100 lies three 32-bit
      * limbs below the top one (not in the 64 bits read from the top three) and must still
      * break the tie upward through the sticky bit. */
     const double s1[] = {1.0, 0x1p-24, 0x1p-100};
     const double s2[] = {1.0, 0x1p-24, 0x1p-1000};
-    TAP_CHECK(same(exact_sum(s1, 3), 1.0f + 0x1p-23f) && same(exact_sum(s2, 3), 1.0f + 0x1p-23f),
+    TAP_CHECK(same(sum_of(s1, 3), 1.0f + 0x1p-23f) && same(sum_of(s2, 3), 1.0f + 0x1p-23f),
               "a residual in the fourth limb below the top, or far below, breaks a tie upward");
     /* Exactly half of the smallest subnormal is a tie: to the even 0 (+0, positive sum). */
     const double h[] = {0x1p-150};
     const double hn[] = {-0x1p-150};
-    TAP_CHECK(same(exact_sum(h, 1), 0.0f) && same(exact_sum(hn, 1), -0.0f),
+    TAP_CHECK(same(sum_of(h, 1), 0.0f) && same(sum_of(hn, 1), -0.0f),
               "exactly half the smallest subnormal rounds to the even zero, keeping the sign");
     /* A mean whose quotient is an exact fp32 tie and whose division leaves a remainder:
      * (3 (2^23 + 0.5) + 2^-38) / 3 = 2^23 + 0.5 + 2^-38/3, above the tie: up.  The sum fits
@@ -91,7 +76,7 @@ static void test_fast_path(void) {
     for (int i = 0; i < 16; i++) t[n++] = 0x1p-33 + 0x1p-60;
     t[n++] = -0x1p20;
     t[n++] = 1.0 + 0x1p-24 + 0x1p-30 - 0x1p-28;
-    const float exact = exact_sum(t, n), fast = ds41_xsum_f64(t, n);
+    const float exact = sum_of(t, n), fast = ds41_xsum_f64(t, n);
     TAP_CHECK(same(exact, 1.0f) && same(fast, 1.0f),
               "a double sum that crossed an fp32 tie by accumulated rounding falls back to the exact sum (%a, %a)",
               (double)exact, (double)fast);
@@ -615,7 +600,7 @@ int main(void) {
     test_router_two();
     test_swiglu_low_gate();
     test_sinkhorn_order();
-    test_exact_sum();
+    test_sum_of();
     test_fast_path();
     test_softplus();
     test_yarn_clamp();
