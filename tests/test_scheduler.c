@@ -458,6 +458,42 @@ static void test_stop(void) {
     for (int i = 0; i < N; i++) rec_destroy(&r[i]);
 }
 
+/* The prefix snapshot at its edge (issue 19): a prompt exactly two tokens longer than its
+ * cached prefix still leaves a snapshot at its last-but-one token, so the same prompt again
+ * finds one token more cached. */
+static void test_snapshot_due_edge(void) {
+    ds41_sched_config cfg = base_config();
+    cfg.prefix_cache = true;
+    ds41_scheduler *s = NULL;
+    ds41_error err;
+    if (ds41_scheduler_new(E, &cfg, &s, &err) != 0) return;
+    const size_t m = 30;
+    uint32_t b[64];
+    memcpy(b, prompt_ids[12], (m - 1) * sizeof *b); /* the first m - 1 tokens of A */
+    b[m - 1] = 7;
+    b[m] = 11; /* B = A's snapshot prefix + 2 tokens: m + 1 tokens, m - 1 cached */
+    rec ra, rb, rc;
+    rec_init(&ra);
+    rec_init(&rb);
+    rec_init(&rc);
+    ds41_sched_sink sa = sink_of(&ra), sb = sink_of(&rb), sc = sink_of(&rc);
+    uint64_t id;
+    ds41_scheduler_submit(s, make_gen(prompt_ids[12], m, 3, 2), &sa, &id, &err);
+    const bool a_done = rec_wait_done(&ra, 60);
+    ds41_scheduler_submit(s, make_gen(b, m + 1, 4, 2), &sb, &id, &err);
+    const bool b_done = rec_wait_done(&rb, 60);
+    ds41_scheduler_submit(s, make_gen(b, m + 1, 5, 2), &sc, &id, &err);
+    const bool c_done = rec_wait_done(&rc, 60);
+    TAP_CHECK(a_done && b_done && c_done && rb.cached == m - 1 && rc.cached == m,
+              "a prompt two tokens past its cached prefix (%zu of %zu cached) leaves a snapshot of all but its last "
+              "token (the same prompt again: %zu cached)",
+              rb.cached, m + 1, rc.cached);
+    ds41_scheduler_free(s, 0);
+    rec_destroy(&ra);
+    rec_destroy(&rb);
+    rec_destroy(&rc);
+}
+
 /* Prefill order (issue 19): with room for one chunk per step, two long prompts admitted
  * together are prefilled oldest first, so the first has its first token before the second
  * has any. */
@@ -577,6 +613,7 @@ int main(void) {
     test_cancel_and_limits();
     test_kv_admission_edge();
     test_prefill_order();
+    test_snapshot_due_edge();
     test_stop();
     test_engram_streamed(dir);
     ds41_tokenizer_free(TOK);
