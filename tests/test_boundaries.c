@@ -483,8 +483,9 @@ static void test_snapshot_edges(void) {
         free(buf);
     }
 
-    /* The store's byte cap: exactly at the cap nothing is evicted; one snapshot larger than the
-     * cap is kept (never the one just saved); over the cap the older goes. */
+    /* The store's byte cap: two snapshots exactly filling the cap stay; a third evicts the least
+     * recently used; one snapshot larger than the cap is kept (never the one just saved).  The
+     * snapshots have the same number of ids and the same state, so the same file size. */
     char d1[700], d2[700];
     snprintf(d1, sizeof d1, "%s/probe", root);
     snprintf(d2, sizeof d2, "%s/capped", root);
@@ -502,19 +503,21 @@ static void test_snapshot_edges(void) {
     ds41_snapshot_store_free(st);
     const uint64_t one = e1.bytes;
     o.dir = d2;
-    o.max_bytes = one;
+    o.max_bytes = 2 * one;
     ds41_snapshot_store_stats ss = {0};
     if (one && ds41_snapshot_store_open(&o, &st, &err) == 0) {
         ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+        ds41_snapshot_store_save(st, ids + 10, 10, noise, 1000, NULL, 0, &e2, &err);
         ds41_snapshot_store_get_stats(st, &ss);
-        TAP_CHECK(e1.bytes == one && ss.bytes == one && ss.evictions == 0 && ds41_snapshot_store_contains(st, ids, 10),
-                  "snapshot store: a total exactly at max_bytes (%llu) evicts nothing (%llu evictions)",
-                  (unsigned long long)one, (unsigned long long)ss.evictions);
-        ds41_snapshot_store_save(st, ids, 20, noise, 1000, NULL, 0, &e2, &err);
+        TAP_CHECK(e1.bytes == one && e2.bytes == one && ss.bytes == 2 * one && ss.evictions == 0 &&
+                      ds41_snapshot_store_contains(st, ids, 10) && ds41_snapshot_store_contains(st, ids + 10, 10),
+                  "snapshot store: two snapshots exactly filling max_bytes (%llu) evict nothing (%llu evictions)",
+                  (unsigned long long)(2 * one), (unsigned long long)ss.evictions);
+        ds41_snapshot_store_save(st, ids + 20, 10, noise, 1000, NULL, 0, &e2, &err);
         ds41_snapshot_store_get_stats(st, &ss);
         TAP_CHECK(ss.evictions == 1 && !ds41_snapshot_store_contains(st, ids, 10) &&
-                      ds41_snapshot_store_contains(st, ids, 20),
-                  "snapshot store: over max_bytes the older snapshot is evicted, the new one stays");
+                      ds41_snapshot_store_contains(st, ids + 10, 10) && ds41_snapshot_store_contains(st, ids + 20, 10),
+                  "snapshot store: over max_bytes the oldest snapshot is evicted, the others stay");
         ds41_snapshot_store_free(st);
     }
     snprintf(d2, sizeof d2, "%s/tiny", root);
