@@ -209,6 +209,77 @@ static char *body_of(const char *key, const char *prefix, size_t n, char c) {
     return b;
 }
 
+/* A service that forwards to the mock but reports every logprob as -9999.25 (and the
+ * alternatives as -9999.75): just below OpenAI's floor of -9999, where the API must clamp. */
+static ds41_service mock_svc;
+static ds41_gen_sink inner_sink;
+
+static void low_event(void *ctx, const ds41_gen_event *ev) {
+    (void)ctx;
+    ds41_gen_event e = *ev;
+    ds41_gen_logprob lp[4];
+    ds41_gen_top_logprob tops[4][20];
+    if (ev->n_logprobs && ev->n_logprobs <= 4) {
+        for (size_t i = 0; i < ev->n_logprobs; i++) {
+            lp[i] = ev->logprobs[i];
+            lp[i].logprob = -9999.25;
+            size_t nt = lp[i].n_top < 20 ? lp[i].n_top : 20;
+            for (size_t k = 0; k < nt; k++) {
+                tops[i][k] = ev->logprobs[i].top[k];
+                tops[i][k].logprob = -9999.75;
+            }
+            lp[i].top = tops[i];
+            lp[i].n_top = nt;
+        }
+        e.logprobs = lp;
+    }
+    inner_sink.event(inner_sink.sink_ctx, &e);
+}
+
+static int low_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sink *sink, ds41_gen_accept *accept,
+                      ds41_svc_error *err) {
+    inner_sink = *sink;
+    ds41_gen_sink mine = {.event = low_event, .sink_ctx = NULL};
+    return mock_svc.submit(ctx, req, &mine, accept, err);
+}
+
+static void test_logprob_floor(void) {
+    mock_service *mock = mock_service_new(false);
+    ds41_api_options opts = {.max_body_bytes = 65536};
+    ds41_api *api = NULL;
+    ds41_error err = {0};
+    ds41_service svc = {0};
+    if (mock) {
+        mock_svc = *mock_service_iface(mock);
+        svc = mock_svc;
+        svc.submit = low_submit;
+    }
+    if (!mock || ds41_api_new(&svc, NULL, &opts, &api, &err) != 0) {
+        TAP_CHECK(0, "api setup: %s", err.msg);
+        mock_service_free(mock);
+        return;
+    }
+    const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"logprobs\":true,"
+                       "\"top_logprobs\":2}";
+    ds41_http_memory_response r = {0};
+    double lp = 0, top = 0;
+    if (ds41_http_dispatch_memory(ds41_api_router(api), "POST", "/v1/chat/completions", DS41_AUTH_INFERENCE,
+                                  "application/json", body, strlen(body), 5000, &r, &err) == 0 &&
+        r.status == 200) {
+        json_t *j = r.body ? json_loadb(r.body, r.body_len, 0, NULL) : NULL;
+        json_t *c0 = json_array_get(
+            json_object_get(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs"), "content"), 0);
+        lp = json_number_value(json_object_get(c0, "logprob"));
+        top = json_number_value(json_object_get(json_array_get(json_object_get(c0, "top_logprobs"), 0), "logprob"));
+        json_decref(j);
+    }
+    ds41_http_memory_response_free(&r);
+    TAP_CHECK(lp == -9999.0 && top == -9999.0,
+              "logprobs just below -9999 (-9999.25, -9999.75) are shown as -9999 (got %g, %g)", lp, top);
+    ds41_api_free(api);
+    mock_service_free(mock);
+}
+
 /* The mock has no snapshots: an unknown id is all the limit checks need behind them. */
 static int no_snapshot(void *ctx, const char *snapshot_id, char *session_id, size_t session_id_size,
                        uint64_t *tokens, ds41_svc_error *err) {
@@ -273,6 +344,7 @@ static void test_api_limits(void) {
 int main(void) {
     test_classify();
     test_api_limits();
+    test_logprob_floor();
     test_body_limit();
     return tap_done();
 }
