@@ -313,12 +313,15 @@ int main(void) {
                   "LRU: after touching row 0, a new row evicts row 1 (the least recently used), not row 0");
         ds41_engram_cache_unpin_all(c);
         ds41_engram_cache_reset_stats(c);
-        int64_t ten[10];
-        for (int k = 0; k < 10; k++) ten[k] = 200 + 7 * k;
-        ok = gather_rows(c, 0, ten, 10, &err);
+        /* Two reads, the first held back 20 ms by the reader's fault hook: p99 of 2 samples is
+         * the slower one (rank ceil(0.99 * 2) = 2), in a histogram bucket of its own. */
+        int64_t two[2] = {300, 307};
+        ds41_reader_set_fault(ds41_engram_cache_reader(c), DS41_READER_ANY_FILE, DS41_FAULT_DELAY, 1, 20);
+        ok = gather_rows(c, 0, two, 2, &err);
+        ds41_reader_set_fault(ds41_engram_cache_reader(c), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
         ds41_engram_cache_get_stats(c, &st);
-        TAP_CHECK(ok && st.rows_read == 10 && st.latency_p99_ns >= st.latency_max_ns,
-                  "p99 of 10 reads is the bucket of the slowest (%llu ns >= max %llu ns)",
+        TAP_CHECK(ok && st.rows_read == 2 && st.latency_max_ns >= 20000000ull && st.latency_p99_ns >= st.latency_max_ns,
+                  "p99 of 2 reads, one delayed 20 ms, is the bucket of the slow one (%llu ns >= max %llu ns)",
                   (unsigned long long)st.latency_p99_ns, (unsigned long long)st.latency_max_ns);
         ds41_engram_cache_unpin_all(c);
     }
