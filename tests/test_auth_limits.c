@@ -209,6 +209,27 @@ static char *body_of(const char *key, const char *prefix, size_t n, char c) {
     return b;
 }
 
+/* An API over the mock service with one hook replaced by `patch` (may be NULL); *mock and
+ * *api are NULL (and a failed check reported) when setup fails. */
+static ds41_api *api_over_mock(mock_service **mock, void (*patch)(ds41_service *svc)) {
+    ds41_api_options opts = {.max_body_bytes = 65536};
+    ds41_api *api = NULL;
+    ds41_error err = {0};
+    *mock = mock_service_new(false);
+    ds41_service svc = {0};
+    if (*mock) {
+        svc = *mock_service_iface(*mock);
+        if (patch) patch(&svc);
+    }
+    if (!*mock || ds41_api_new(&svc, NULL, &opts, &api, &err) != 0) {
+        TAP_CHECK(0, "api setup: %s", err.msg);
+        mock_service_free(*mock);
+        *mock = NULL;
+        return NULL;
+    }
+    return api;
+}
+
 /* A service that forwards to the mock but reports every logprob as -9999.25 (and the
  * alternatives as -9999.75): just below OpenAI's floor of -9999, where the API must clamp. */
 static ds41_service mock_svc;
@@ -243,22 +264,16 @@ static int low_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
     return mock_svc.submit(ctx, req, &mine, accept, err);
 }
 
+static void low_patch(ds41_service *svc) {
+    mock_svc = *svc;
+    svc->submit = low_submit;
+}
+
 static void test_logprob_floor(void) {
-    mock_service *mock = mock_service_new(false);
-    ds41_api_options opts = {.max_body_bytes = 65536};
-    ds41_api *api = NULL;
+    mock_service *mock;
+    ds41_api *api = api_over_mock(&mock, low_patch);
+    if (!api) return;
     ds41_error err = {0};
-    ds41_service svc = {0};
-    if (mock) {
-        mock_svc = *mock_service_iface(mock);
-        svc = mock_svc;
-        svc.submit = low_submit;
-    }
-    if (!mock || ds41_api_new(&svc, NULL, &opts, &api, &err) != 0) {
-        TAP_CHECK(0, "api setup: %s", err.msg);
-        mock_service_free(mock);
-        return;
-    }
     const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"logprobs\":true,"
                        "\"top_logprobs\":2}";
     ds41_http_memory_response r = {0};
@@ -290,21 +305,14 @@ static int no_snapshot(void *ctx, const char *snapshot_id, char *session_id, siz
     return ds41_svc_fail(err, DS41_SVC_NOT_FOUND, "id", "no snapshot '%.20s'", snapshot_id);
 }
 
+static void snapshot_patch(ds41_service *svc) {
+    svc->restore_snapshot = no_snapshot;
+}
+
 static void test_api_limits(void) {
-    mock_service *mock = mock_service_new(false);
-    ds41_api_options opts = {.max_body_bytes = 65536};
-    ds41_api *api = NULL;
-    ds41_error err = {0};
-    ds41_service svc = {0};
-    if (mock) {
-        svc = *mock_service_iface(mock);
-        svc.restore_snapshot = no_snapshot;
-    }
-    if (!mock || ds41_api_new(&svc, NULL, &opts, &api, &err) != 0) {
-        TAP_CHECK(0, "api setup: %s", err.msg);
-        mock_service_free(mock);
-        return;
-    }
+    mock_service *mock;
+    ds41_api *api = api_over_mock(&mock, snapshot_patch);
+    if (!api) return;
     /* A model path of 4095 bytes fits PATH_MAX with its NUL; 4096 does not. */
     char *p4095 = body_of("path", "/models/", 4095, 'a'), *p4096 = body_of("path", "/models/", 4096, 'a');
     const int s4095 = admin_post(api, "/admin/models/load", p4095, "path"),
