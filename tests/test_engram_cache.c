@@ -283,6 +283,48 @@ int main(void) {
             TAP_CHECK(res == 0, "with O_DIRECT the tables' mapped pages stay out of memory (%zu resident)", res);
         }
     }
+    /* ---- the exact LRU victim and the p99 rank (issue 19): fill the 100 entries with rows
+     * 0..99 of table 0, touch row 0, bring in one new row: row 1 (least recently used) goes,
+     * row 0 stays.  With fewer than 100 reads, p99 is the bucket of the slowest read. */
+    {
+        ds41_engram_cache_unpin_all(c);
+        int64_t fill[100], one;
+        for (int k = 0; k < 100; k++) fill[k] = k;
+        int ok = gather_rows(c, 0, fill, 100, &err);
+        ds41_engram_cache_unpin_all(c);
+        one = 0;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_unpin_all(c);
+        one = 100;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_unpin_all(c);
+        ds41_engram_cache_reset_stats(c);
+        one = 0;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_stats st;
+        ds41_engram_cache_get_stats(c, &st);
+        const int zero_hit = st.hits == 1;
+        ds41_engram_cache_unpin_all(c);
+        ds41_engram_cache_reset_stats(c);
+        one = 1;
+        ok = ok && gather_rows(c, 0, &one, 1, &err);
+        ds41_engram_cache_get_stats(c, &st);
+        TAP_CHECK(ok && zero_hit && st.misses == 1,
+                  "LRU: after touching row 0, a new row evicts row 1 (the least recently used), not row 0");
+        ds41_engram_cache_unpin_all(c);
+        ds41_engram_cache_reset_stats(c);
+        /* Two reads, the first held back 20 ms by the reader's fault hook: p99 of 2 samples is
+         * the slower one (rank ceil(0.99 * 2) = 2), in a histogram bucket of its own. */
+        int64_t two[2] = {300, 307};
+        ds41_reader_set_fault(ds41_engram_cache_reader(c), DS41_READER_ANY_FILE, DS41_FAULT_DELAY, 1, 20);
+        ok = gather_rows(c, 0, two, 2, &err);
+        ds41_reader_set_fault(ds41_engram_cache_reader(c), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+        ds41_engram_cache_get_stats(c, &st);
+        TAP_CHECK(ok && st.rows_read == 2 && st.latency_max_ns >= 20000000ull && st.latency_p99_ns >= st.latency_max_ns,
+                  "p99 of 2 reads, one delayed 20 ms, is the bucket of the slow one (%llu ns >= max %llu ns)",
+                  (unsigned long long)st.latency_p99_ns, (unsigned long long)st.latency_max_ns);
+        ds41_engram_cache_unpin_all(c);
+    }
     ds41_engram_cache_free(c);
 
     /* ---- no entries at all */

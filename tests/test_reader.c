@@ -228,6 +228,27 @@ static void test_faults(const cfg *c) {
               "short reads are continued to the full length [%s, %s] (%llu continuations, error %d)",
               bname(c->backend), tagline, (unsigned long long)st.short_reads, cp.error);
 
+    /* Edges (issue 19): a read of one unit + 1 byte that comes back one unit long (one byte
+     * short) is continued for its last byte; a request one byte longer than chunk_bytes is
+     * split into exactly two reads. */
+    memset(buf, 0xA5, 8192);
+    ds41_reader_reset_stats(r);
+    ds41_reader_set_fault(r, 0, DS41_FAULT_SHORT, 1, 0);
+    cp = read_one(r, 0, 2, buf);
+    ds41_reader_set_fault(r, 0, DS41_FAULT_NONE, 0, 0);
+    ds41_reader_get_stats(r, &st);
+    /* (The injected fault only shortens the count the read reports, so the continuation is
+     * what shows: one short read, continued by a second.) */
+    TAP_CHECK(cp.error == 0 && same_as_pread(ref, buf, 0, 2) && (c->direct || (st.short_reads == 1 && st.reads == 2)),
+              "a 2-byte read reported 1 byte short is continued for its last byte [%s, %s] (%llu short, %llu reads)",
+              bname(c->backend), tagline, (unsigned long long)st.short_reads, (unsigned long long)st.reads);
+    ds41_reader_reset_stats(r);
+    cp = read_one(r, 0, 64 * 1024 + 1, buf);
+    ds41_reader_get_stats(r, &st);
+    TAP_CHECK(cp.error == 0 && same_as_pread(ref, buf, 0, 64 * 1024 + 1) && st.reads == 2,
+              "a request of chunk_bytes + 1 is two reads [%s, %s] (%llu)", bname(c->backend), tagline,
+              (unsigned long long)st.reads);
+
     /* The second read fails with EIO: that request fails, naming path and offset. */
     ds41_read_req qs[3];
     for (int i = 0; i < 3; i++) qs[i] = (ds41_read_req){.file = 0, .offset = 1000 + 20000 * (uint64_t)i, .len = 10000,

@@ -3,6 +3,7 @@
  * functions. */
 #include "engine/quant.h"
 #include "engine/refmath.h"
+#include "tests/float_bits.h"
 #include "tests/tap.h"
 
 #include <float.h>
@@ -18,22 +19,6 @@ static uint64_t next64(void) {
     return rng;
 }
 
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static int same(float a, float b) {
-    return bits(a) == bits(b);
-}
-
-static float sum_of(const double *t, size_t n) {
-    ds41_xacc a;
-    ds41_xacc_init(&a);
-    for (size_t i = 0; i < n; i++) ds41_xacc_add(&a, t[i]);
-    return ds41_xacc_round(&a);
-}
 
 static float naive_sum(const double *t, size_t n) {
     double s = 0;

@@ -261,6 +261,66 @@ static void test_disk_partitions(void) {
     free(d.kv);
 }
 
+static ds41_kv_seq *disk_restore_whole(void *ctx, ds41_kv_pool *pool, const ds41_sched_partition *part,
+                                       const int32_t *ids, size_t n, size_t *n_cached) {
+    mem_disk *d = ctx;
+    d->restore_calls++;
+    d->restore_part = *part;
+    *n_cached = 0;
+    if (!d->kv || d->n_ids > n || memcmp(d->ids, ids, d->n_ids * sizeof *ids) != 0) return NULL;
+    ds41_kv_seq *seq = NULL;
+    ds41_error err;
+    if (ds41_kv_seq_deserialize(pool, d->kv, d->kv_len, &seq, &err) != 0) return NULL;
+    *n_cached = d->n_ids;
+    return seq;
+}
+
+static void test_disk_whole_prompt(void) {
+    /* Store a conversation, then ask for exactly its ids: the restored sequence covers the
+     * whole prompt and is refused; the request is prefilled in full (issue 19). */
+    mem_disk d = {0};
+    ds41_sched_config c = config(&d);
+    ds41_scheduler *s = NULL;
+    ds41_error err = {{0}};
+    int32_t turn1[40];
+    for (int i = 0; i < 40; i++) turn1[i] = 9 + (i * 53) % 600;
+    rec r1, a, b;
+    rec_init(&r1);
+    rec_init(&a);
+    rec_init(&b);
+    uint64_t id;
+    if (ds41_scheduler_new(E, &c, &s, &err) != 0) return;
+    submit(s, turn1, 40, 6, &r1, &id);
+    wait_for(&r1, 0, 60);
+    ds41_scheduler_free(s, 1000);
+    const size_t n = d.n_ids;
+    int32_t whole[1024];
+    memcpy(whole, d.ids, n * sizeof *whole);
+    ds41_sched_config plain = config(NULL);
+    if (ds41_scheduler_new(E, &plain, &s, &err) == 0) {
+        submit(s, whole, n, 4, &a, &id);
+        wait_for(&a, 0, 60);
+        ds41_scheduler_free(s, 0);
+    }
+    c.disk.restore = disk_restore_whole;
+    d.restore_calls = 0;
+    ds41_sched_stats st = {0};
+    if (ds41_scheduler_new(E, &c, &s, &err) == 0) {
+        submit(s, whole, n, 4, &b, &id);
+        wait_for(&b, 0, 60);
+        ds41_scheduler_stats(s, &st);
+        ds41_scheduler_free(s, 0);
+    }
+    TAP_CHECK(
+        n > 0 && d.restore_calls == 1 && st.disk_hits == 0 && st.disk_cached_tokens == 0 && b.n_done == 1 &&
+            b.status == DS41_SCHED_DONE && b.cached == 0 && b.n_tokens == 4 && a.n_tokens == 4 &&
+            memcmp(a.tokens, b.tokens, 4 * sizeof *a.tokens) == 0,
+        "a restored sequence covering the whole prompt (%zu ids) is not used: full prefill, the same tokens "
+        "(%zu cached)",
+        n, b.cached);
+    free(d.kv);
+}
+
 static void test_export_import(void) {
     ds41_sched_config c = config(NULL);
     ds41_scheduler *s = NULL;
@@ -354,6 +414,7 @@ int main(void) {
         NV = (uint32_t)ds41_engine_config(E)->vocab_size;
         test_disk_tier();
         test_disk_partitions();
+        test_disk_whole_prompt();
         test_export_import();
     }
     ds41_tokenizer_free(TOK);

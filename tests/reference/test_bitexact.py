@@ -198,6 +198,11 @@ def main():
         d = os.path.join(tmp, 'tiny-gate-temp')
         run([MKMODEL, d, '--preset', 'tiny', '--seed', '9', '--set', 'gate_temp=0.75', '--quiet'])
         gate_temp_ck = Checkpoint(d, 'mkmodel tiny seed 9 gate_temp 0.75')
+        # The release routes 6 experts per token; the presets 2 (and wide 3), where the fp32 combine
+        # of the routed outputs is order-insensitive or nearly so (issue 19).
+        d = os.path.join(tmp, 'tiny-six-experts')
+        run([MKMODEL, d, '--preset', 'tiny', '--seed', '11', '--set', 'n_activated_experts=6', '--quiet'])
+        six_ck = Checkpoint(d, 'mkmodel tiny seed 11, 6 routed experts per token')
         for seed in ([7, 8] if LONG else [7]):
             d = os.path.join(tmp, f'wide-{seed}')
             run([PY, GEN, '--out', d, '--preset', 'wide', '--seed', str(seed)])
@@ -229,6 +234,7 @@ def main():
                              tag=' (C chunked, numpy whole)')
 
         compare_case(gate_temp_ck, make_prompt(gate_temp_ck, 30, 500), tmp, tag=' (router logits / gate_temp)')
+        compare_case(six_ck, make_prompt(six_ck, 40, 600), tmp, decode=8, tag=' (6 routed experts per token)')
 
         # The command line: the output format, and bad input refused with exit status 2.
         ck = cks[0]
