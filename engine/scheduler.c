@@ -394,14 +394,21 @@ static void admit(ds41_scheduler *s) {
         if (hit == SIZE_MAX && s->cfg.prefix_cache && s->cfg.disk.restore && n_prompt >= 2)
             hit = disk_restore(s, &r->part, ids, n_prompt);
         size_t cached = hit == SIZE_MAX ? 0 : s->cache[hit].n_ids;
-        uint64_t need = pages_for(s->layout, cached, n_prompt - cached + reserve);
+        /* Never ask for more than the request can ever consume (worst_tokens: prompt +
+         * max_tokens - 1, the last token is not fed back): the submit check admits exactly
+         * that much, so a request that fits the whole pool only there must be admitted here. */
+        const bool bounded = ds41_generation_max_tokens(r->g) || ds41_generation_max_context(r->g);
+        const uint64_t worst = bounded ? worst_tokens(r->g) : UINT64_MAX;
+        const uint64_t upto = n_prompt + reserve < worst ? n_prompt + reserve : worst;
+        const uint64_t upto_min = n_prompt + 1 < worst ? n_prompt + 1 : worst;
+        uint64_t need = pages_for(s->layout, cached, upto - cached);
         /* evict other entries (swap-removal may move the hit: look it up again) */
         while (pages_free(s) < need && cache_evict_one(s, hit))
             if (hit != SIZE_MAX) hit = cache_lookup(s, &r->part, ids, n_prompt);
         if (pages_free(s) < need) {
             if (s->n_running > 0) return; /* wait for memory */
             /* Nothing runs and it still does not fit: try without the reserve, else refuse. */
-            if (pages_free(s) < pages_for(s->layout, cached, n_prompt - cached + 1)) {
+            if (pages_free(s) < pages_for(s->layout, cached, upto_min - cached)) {
                 s->queue_head = r->next;
                 if (!s->queue_head) s->queue_tail = NULL;
                 s->n_queued--;

@@ -30,6 +30,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* the cache partition the snapshots of this test belong to (any fixed one) */
+static const ds41_snapshot_owner SNAP_OWNER = {.key = {0x5a, 1}, .uid = 1000};
+
 
 static void test_sum_of(void) {
     /* 1 + 2^-24 is the tie between 1 and 1 + 2^-23; a residual of 2^-100 lies three 32-bit
@@ -470,7 +473,7 @@ static void test_snapshot_edges(void) {
     snprintf(path, sizeof path, "%s/z.snap", root);
     uint64_t bytes = 0;
     uint8_t *buf = NULL;
-    if (ds41_snapshot_write(path, model, ids, 3, noise, 100, NULL, 0, NULL, &bytes, &err) == 0 &&
+    if (ds41_snapshot_write(path, model, &SNAP_OWNER, ids, 3, noise, 100, NULL, 0, NULL, &bytes, &err) == 0 &&
         (buf = malloc(bytes)) != NULL) {
         FILE *f = fopen(path, "rb");
         const size_t got = f ? fread(buf, 1, bytes, f) : 0;
@@ -499,24 +502,24 @@ static void test_snapshot_edges(void) {
         rm_dir_files(root);
         return;
     }
-    ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+    ds41_snapshot_store_save(st, &SNAP_OWNER, ids, 10, noise, 1000, NULL, 0, &e1, &err);
     ds41_snapshot_store_free(st);
     const uint64_t one = e1.bytes;
     o.dir = d2;
     o.max_bytes = 2 * one;
     ds41_snapshot_store_stats ss = {0};
     if (one && ds41_snapshot_store_open(&o, &st, &err) == 0) {
-        ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
-        ds41_snapshot_store_save(st, ids + 10, 10, noise, 1000, NULL, 0, &e2, &err);
+        ds41_snapshot_store_save(st, &SNAP_OWNER, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+        ds41_snapshot_store_save(st, &SNAP_OWNER, ids + 10, 10, noise, 1000, NULL, 0, &e2, &err);
         ds41_snapshot_store_get_stats(st, &ss);
         TAP_CHECK(e1.bytes == one && e2.bytes == one && ss.bytes == 2 * one && ss.evictions == 0 &&
-                      ds41_snapshot_store_contains(st, ids, 10) && ds41_snapshot_store_contains(st, ids + 10, 10),
+                      ds41_snapshot_store_contains(st, &SNAP_OWNER, ids, 10) && ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 10, 10),
                   "snapshot store: two snapshots exactly filling max_bytes (%llu) evict nothing (%llu evictions)",
                   (unsigned long long)(2 * one), (unsigned long long)ss.evictions);
-        ds41_snapshot_store_save(st, ids + 20, 10, noise, 1000, NULL, 0, &e2, &err);
+        ds41_snapshot_store_save(st, &SNAP_OWNER, ids + 20, 10, noise, 1000, NULL, 0, &e2, &err);
         ds41_snapshot_store_get_stats(st, &ss);
-        TAP_CHECK(ss.evictions == 1 && !ds41_snapshot_store_contains(st, ids, 10) &&
-                      ds41_snapshot_store_contains(st, ids + 10, 10) && ds41_snapshot_store_contains(st, ids + 20, 10),
+        TAP_CHECK(ss.evictions == 1 && !ds41_snapshot_store_contains(st, &SNAP_OWNER, ids, 10) &&
+                      ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 10, 10) && ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 20, 10),
                   "snapshot store: over max_bytes the oldest snapshot is evicted, the others stay");
         ds41_snapshot_store_free(st);
     }
@@ -524,9 +527,9 @@ static void test_snapshot_edges(void) {
     o.dir = d2;
     o.max_bytes = one / 2;
     if (one && ds41_snapshot_store_open(&o, &st, &err) == 0) {
-        ds41_snapshot_store_save(st, ids, 10, noise, 1000, NULL, 0, &e1, &err);
+        ds41_snapshot_store_save(st, &SNAP_OWNER, ids, 10, noise, 1000, NULL, 0, &e1, &err);
         ds41_snapshot_store_get_stats(st, &ss);
-        TAP_CHECK(ds41_snapshot_store_contains(st, ids, 10) && ss.evictions == 0,
+        TAP_CHECK(ds41_snapshot_store_contains(st, &SNAP_OWNER, ids, 10) && ss.evictions == 0,
                   "snapshot store: a snapshot larger than max_bytes is kept when it is the one just saved");
         ds41_snapshot_store_free(st);
     }

@@ -8,13 +8,16 @@
 #include "storage/snapshot.h"
 #include "tests/tap.h"
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <fcntl.h>
 #include <unistd.h>
+
+/* the cache partition the snapshots of this test belong to (any fixed one) */
+static const ds41_snapshot_owner SNAP_OWNER = {.key = {0x5a, 1}, .uid = 1000};
 
 enum ev_kind { EV_FSYNC_FILE, EV_FSYNC_DIR, EV_RENAME };
 static enum ev_kind events[32];
@@ -52,11 +55,14 @@ int main(void) {
     const uint8_t kv[64] = {9};
     ds41_error err = {{0}};
     recording = 1;
-    const int rc = ds41_snapshot_write(path, model, ids, 3, kv, sizeof kv, NULL, 0, NULL, NULL, &err);
+    const int rc =
+        ds41_snapshot_write(path, model, &SNAP_OWNER, ids, 3, kv, sizeof kv, NULL, 0, NULL, NULL, &err);
     recording = 0;
     TAP_CHECK(rc == 0, "snapshot written%s%s", rc ? ": " : "", rc ? err.msg : "");
-    const int f = index_of(EV_FSYNC_FILE, 0), r = index_of(EV_RENAME, 0), d = r >= 0 ? index_of(EV_FSYNC_DIR, r) : -1;
-    TAP_CHECK(f >= 0 && r > f, "the temporary file is fsync'ed before the rename (fsync at %d, rename at %d)", f, r);
+    const int f = index_of(EV_FSYNC_FILE, 0), r = index_of(EV_RENAME, 0),
+              d = r >= 0 ? index_of(EV_FSYNC_DIR, r) : -1;
+    TAP_CHECK(f >= 0 && r > f, "the temporary file is fsync'ed before the rename (fsync at %d, rename at %d)",
+              f, r);
     TAP_CHECK(d > r, "the directory is fsync'ed after the rename (at %d)", d);
     struct stat st;
     TAP_CHECK(stat(path, &st) == 0 && st.st_size > 0, "the snapshot is under its final name");
