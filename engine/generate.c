@@ -42,6 +42,7 @@ typedef struct stream_call {
     char *name;
     size_t name_len;
     ds41_buf args;
+    bool released; /* its fragments go out (see generate.h "Tool-call streaming") */
 } stream_call;
 
 /* One fragment of this step; its text lives in step_frag_text (offsets: the buffer may move). */
@@ -127,6 +128,7 @@ struct ds41_generation {
     bool parallel_tool_calls;
     block_state bstate;
     size_t block_pos;  /* absolute position in text the streamer has reached */
+    size_t block_start; /* where the tool-call block begins in text (SPLIT_BLOCK) */
     bool value_string; /* the open value is a string="true" one */
     size_t n_params;   /* parameters of the open invoke */
     ds41_buf param_names; /* the open invoke's parameter names, each followed by a NUL */
@@ -301,7 +303,8 @@ static void frag_push(ds41_generation *g, size_t index, const char *name, size_t
                       size_t args_len) {
     if (index >= g->n_calls) return;
     if (!name && !args_len) return;
-    ds41_buf_put(&g->calls[index].args, args, args_len);
+    if (!name) ds41_buf_put(&g->calls[index].args, args, args_len);
+    if (!g->calls[index].released) return; /* held until the call is complete */
     /* the step's last fragment grows when it holds the same call's arguments (a first fragment
      * keeps its empty arguments) */
     if (!name && g->n_frags && g->frags[g->n_frags - 1].index == index && !g->frags[g->n_frags - 1].has_name &&
@@ -366,7 +369,32 @@ static void call_start(ds41_generation *g, const char *name, size_t n) {
     c->name[n] = 0;
     c->name_len = n;
     g->n_calls++;
-    frag_push(g, g->n_calls - 1, c->name, n, "", 0);
+}
+
+/* The arguments text is one JSON value (jansson, as a client would parse it). */
+static bool json_text_ok(const char *s, size_t n) {
+    json_t *v = json_loadb(s ? s : "", n, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL);
+    json_decref(v);
+    return v != NULL;
+}
+
+/* The last call's invoke closed: its fragments (name, then the arguments so far) go out when its
+ * arguments are valid JSON and every call before it went out, so a stream cut off later never
+ * holds a call the final message lacks (finalize salvages exactly these calls). */
+static void call_complete(ds41_generation *g) {
+    if (!g->n_calls) return;
+    size_t i = g->n_calls - 1;
+    stream_call *c = &g->calls[i];
+    if (c->released || (i && !g->calls[i - 1].released) || !json_text_ok(c->args.data, c->args.len)) return;
+    c->released = true;
+    frag_push(g, i, c->name, c->name_len, "", 0);
+    if (c->args.len) {
+        /* the arguments were accumulated already: push them as fragments without appending again */
+        ds41_buf a = c->args;
+        c->args = (ds41_buf){0};
+        frag_push(g, i, NULL, 0, a.data, a.len);
+        ds41_buf_free(&a);
+    }
 }
 
 /* A piece of the open value: JSON-escaped (without quotes) for a string value, raw otherwise. */
@@ -458,6 +486,7 @@ static void block_scan(ds41_generation *g) {
                 g->bstate = BS_PARAM_HEAD;
             } else {
                 frag_args(g, "{}", 2);
+                call_complete(g);
                 g->block_pos += cn + strlen(DSML_INVOKE_END);
                 g->bstate = BS_CALLS;
             }
@@ -541,6 +570,7 @@ static void block_scan(ds41_generation *g) {
             }
             if (has_prefix(r, n, cl)) {
                 frag_args(g, "}", 1);
+                call_complete(g);
                 g->block_pos += strlen(cl);
                 g->bstate = BS_CALLS;
                 continue;
@@ -561,16 +591,21 @@ static void stream_reconcile(ds41_generation *g) {
     const ds41_chat_completion *r = &g->result;
     for (size_t i = 0; i < r->n_tool_calls; i++) {
         const ds41_chat_tool_call *c = &r->tool_calls[i];
-        if (i < g->n_calls) {
+        if (i < g->n_calls && g->calls[i].released) {
             const stream_call *sc = &g->calls[i];
             if (sc->name_len == c->name_len && memcmp(sc->name, c->name, c->name_len) == 0 &&
                 sc->args.len <= c->arguments_len && (!sc->args.len || memcmp(sc->args.data, c->arguments, sc->args.len) == 0))
                 frag_push(g, i, NULL, 0, c->arguments + sc->args.len, c->arguments_len - sc->args.len);
             continue;
         }
-        if (i != g->n_calls) break; /* a call before it was missed (out of memory) */
-        call_start(g, c->name, c->name_len);
-        if (g->n_calls == i + 1) frag_push(g, i, NULL, 0, c->arguments, c->arguments_len);
+        if (i > g->n_calls || (i && !g->calls[i - 1].released)) break; /* a call before it was missed (out of memory) */
+        if (i == g->n_calls) call_start(g, c->name, c->name_len);
+        if (i >= g->n_calls) break;
+        stream_call *sc = &g->calls[i];
+        sc->args.len = 0;
+        sc->released = true;
+        frag_push(g, i, c->name, c->name_len, "", 0);
+        frag_push(g, i, NULL, 0, c->arguments, c->arguments_len);
     }
 }
 
@@ -1472,6 +1507,7 @@ static void split_advance(ds41_generation *g, bool final) {
             g->state = SPLIT_CONTENT;
         } else if (which == M_TOOL_CALLS) {
             g->state = SPLIT_BLOCK;
+            g->block_start = best;
             g->bstate = BS_CALLS;
             g->block_pos = best + strlen(TOOL_CALLS_START);
             block_scan(g);
@@ -1498,6 +1534,72 @@ static char *dup_buf(const ds41_buf *b, size_t *len) {
     s[b->len] = 0;
     *len = b->len;
     return s;
+}
+
+static void completion_replace(ds41_generation *g, ds41_chat_completion *c) {
+    ds41_chat_completion_free(&g->result);
+    g->result = *c;
+}
+
+/* Output cut off by max_tokens or the context (generate.h "Cut off"): a tool-call block the
+ * parser cannot take whole never reaches content.  Its complete invokes are kept (the longest cut
+ * after an invoke's end that parses, closed with the calls end), as far as their arguments are
+ * valid JSON; the rest of the block is dropped.  Without a block, the end of content that may
+ * have been the start of one ("\n\n<｜..." and longer) is dropped.  -1: out of memory. */
+static int cut_off_block(ds41_generation *g) {
+    const char *t = g->text.data ? g->text.data : "";
+    if (g->state != SPLIT_BLOCK) {
+        ds41_chat_completion *r = &g->result;
+        size_t ml = strlen(TOOL_CALLS_START);
+        for (size_t k = ml - 1; k >= 3; k--) {
+            if (r->content_len >= k && memcmp(r->content + r->content_len - k, TOOL_CALLS_START, k) == 0) {
+                r->content_len -= k;
+                r->content[r->content_len] = 0;
+                break;
+            }
+        }
+        return 0;
+    }
+    size_t bs = g->block_start;
+    /* the block parsed whole (only its EOS is missing); the parser also takes a last invoke cut
+     * right after its name line, which is not whole */
+    if (!g->result.repaired && memmem(t + bs, g->text.len - bs, DSML_CALLS_END, strlen(DSML_CALLS_END))) return 0;
+    ds41_chat_completion c;
+    memset(&c, 0, sizeof c);
+    bool got = false;
+    /* the invoke ends, last first */
+    size_t ends[64], n_ends = 0;
+    for (size_t pos = bs;;) {
+        const char *h = memmem(t + pos, g->text.len - pos, DSML_INVOKE_END, strlen(DSML_INVOKE_END));
+        if (!h) break;
+        pos = (size_t)(h - t) + strlen(DSML_INVOKE_END);
+        if (n_ends == sizeof ends / sizeof *ends) memmove(ends, ends + 1, --n_ends * sizeof *ends);
+        ends[n_ends++] = pos;
+    }
+    while (n_ends && !got) {
+        ds41_buf b = {0};
+        ds41_buf_put(&b, t, ends[--n_ends]);
+        ds41_buf_puts(&b, ">\n" DSML_CALLS_END);
+        if (b.oom) {
+            ds41_buf_free(&b);
+            return -1;
+        }
+        got = ds41_chat_parse_completion(b.data, b.len, g->parse_mode, &c, NULL) == 0;
+        ds41_buf_free(&b);
+    }
+    if (!got && ds41_chat_parse_completion_lenient(t, bs, g->parse_mode, &c, NULL) != 0) return -1;
+    /* the calls with JSON arguments, up to the first without */
+    size_t keep = 0;
+    while (keep < c.n_tool_calls && json_text_ok(c.tool_calls[keep].arguments, c.tool_calls[keep].arguments_len)) keep++;
+    for (size_t i = keep; i < c.n_tool_calls; i++) {
+        free(c.tool_calls[i].name);
+        free(c.tool_calls[i].tool_namespace);
+        free(c.tool_calls[i].arguments);
+    }
+    c.n_tool_calls = keep;
+    c.repaired = true;
+    completion_replace(g, &c);
+    return 0;
 }
 
 /* The end of the text: parse it and deliver what was not streamed. */
@@ -1544,6 +1646,8 @@ static int finalize(ds41_generation *g, ds41_error *err) {
     ds41_buf_free(&parse_in);
     if (rc != 0) return oom(err);
     g->has_result = true;
+    if ((g->finish == DS41_GENERATION_MAX_TOKENS || g->finish == DS41_GENERATION_CONTEXT) && cut_off_block(g) != 0)
+        return oom(err);
     if (!g->parallel_tool_calls && g->result.n_tool_calls > 1) {
         /* parallel_tool_calls false: the first call only */
         for (size_t i = 1; i < g->result.n_tool_calls; i++) {

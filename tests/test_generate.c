@@ -29,6 +29,17 @@ static uint32_t NV;
     "string=\"true\">Paris</｜DSML｜ parameter>\n<｜DSML｜ parameter name=\"days\" string=\"false\">3</｜DSML｜ "  \
     "parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>"
 
+/* Two invokes; and one whose first call has arguments that are not JSON (string="false" with
+ * raw text: the parser copies it). */
+#define TOOL_BLOCK_2                                                                                                  \
+    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"city\" "             \
+    "string=\"true\">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke name=\"get_weather\">\n"       \
+    "<｜DSML｜ parameter name=\"city\" string=\"true\">Rome</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+#define TOOL_BLOCK_BAD_FIRST                                                                                          \
+    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"days\" "             \
+    "string=\"false\">three</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke name=\"get_weather\">\n"     \
+    "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+
 /* What a run produced. */
 typedef struct run {
     int rc;
@@ -485,9 +496,9 @@ static void test_forced(void) {
               r.n_calls ? r.call_args[0] : "none");
     TAP_CHECK(strcmp(r.finish_name, "tool_calls") == 0 && streamed_equals_result(&r),
               "finish_reason tool_calls; the streamed reasoning and content equal the parsed message");
-    TAP_CHECK(streamed_calls_equal_result(&r) && r.frag_steps_early >= 3,
-              "the call is streamed as it is generated (%zu steps before the last carry fragments): name first "
-              "with empty arguments, the fragments add up to the parsed arguments ('%s')",
+    TAP_CHECK(streamed_calls_equal_result(&r) && r.frag_steps_early == 1,
+              "the call is streamed when its invoke closes, before the last step (%zu steps before the last carry "
+              "fragments): name first with empty arguments, the fragments add up to the parsed arguments ('%s')",
               r.frag_steps_early, cstr(&r.stream_args[0]));
     size_t n_think;
     uint32_t *think_ids = encode("I should call the tool.</think>", &n_think);
@@ -496,20 +507,51 @@ static void test_forced(void) {
     run_free(&r);
     free(forced);
 
-    /* the block cut off by max_tokens: no half-written call, its text is content */
-    forced = encode("Hmm.</think>Checking." TOOL_BLOCK, &nf);
-    p.forced_ids = forced;
-    p.n_forced = nf;
-    p.max_tokens = (uint32_t)(nf - 4);
-    r = run_gen(&p, NULL);
-    TAP_CHECK(r.rc == 0 && r.n_calls == 0 && strcmp(r.finish_name, "length") == 0 &&
-                  strncmp(r.result_content, "Checking.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke", 30) == 0 &&
-                  streamed_equals_result(&r) && r.n_stream_calls == 1 && r.frags_ok &&
-                  strncmp(cstr(&r.stream_args[0]), "{\"city\": \"Paris\", \"days\": 3}", r.stream_args[0].len) == 0,
-              "a block cut by max_tokens gives no tool call; its text is content, streamed at the end "
-              "(the fragments sent before the cut stay: '%s')", cstr(&r.stream_args[0]));
-    run_free(&r);
-    free(forced);
+    /* a block cut off by max_tokens at every token: never DSML text in content; a call only when its
+     * invoke is complete with JSON arguments; streamed = not streamed (issue 13).  The last cut
+     * leaves the block whole (only its EOS missing): its calls come back as parsed. */
+    static const char *const cut_texts[] = {
+        "Hmm.</think>Checking." TOOL_BLOCK,
+        "Hmm.</think>Checking." TOOL_BLOCK_2,
+        "Hmm.</think>Checking." TOOL_BLOCK_BAD_FIRST,
+    };
+    static const size_t full_calls[] = {1, 2, 0};
+    for (size_t ti = 0; ti < 3; ti++) {
+        forced = encode(cut_texts[ti], &nf);
+        p.forced_ids = forced;
+        p.n_forced = nf;
+        bool ok = true;
+        size_t n_with_call = 0;
+        char why[1200] = "";
+        for (size_t cut = 1; cut <= nf && ok; cut++) {
+            p.max_tokens = (uint32_t)cut;
+            r = run_gen(&p, NULL);
+            bool args_ok = true;
+            for (size_t i = 0; i < r.n_calls; i++) {
+                json_t *a = json_loads(r.call_args[i], 0, NULL);
+                args_ok = args_ok && json_is_object(a);
+                json_decref(a);
+            }
+            if (r.n_calls) n_with_call++;
+            if (r.rc != 0 || strcmp(r.finish_name, "length") != 0 || strstr(r.result_content, "DSML") ||
+                strstr(r.result_content, "<｜") || strncmp(r.result_content, "Checking.", strcspn(r.result_content, "\n")) != 0 ||
+                strspn(r.result_content + strcspn(r.result_content, "\n"), "\n") !=
+                    strlen(r.result_content + strcspn(r.result_content, "\n")) ||
+                (cut < nf && (!args_ok || r.n_calls > full_calls[ti])) || !streamed_equals_result(&r) ||
+                !streamed_calls_equal_result(&r)) {
+                ok = false;
+                snprintf(why, sizeof why, "cut at %zu: rc %d, finish %s, content '%s', %zu calls ('%s'), %zu streamed %s", cut,
+                         r.rc, r.finish_name, r.result_content, r.n_calls, r.n_calls ? r.call_args[0] : "",
+                         r.n_stream_calls, r.err);
+            }
+            run_free(&r);
+        }
+        TAP_CHECK(ok && (full_calls[ti] == 0 || n_with_call > 0),
+                  "block %zu cut off by max_tokens at each of its %zu tokens: finish length, no DSML in content, calls "
+                  "only whole with JSON arguments (%zu cuts had one), streamed = parsed %s",
+                  ti, nf, n_with_call, why);
+        free(forced);
+    }
 
     /* tool calls not parsed (tool_choice none): the block is plain content, streamed as it comes */
     forced = encode("Hmm.</think>Checking." TOOL_BLOCK "<｜end▁of▁sentence｜>", &nf);
