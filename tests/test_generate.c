@@ -929,6 +929,138 @@ static void test_tool_choice(void) {
     json_decref(msgs);
 }
 
+/* The arguments object against a parameters schema of the subset (types, enum, required,
+ * properties, items, additionalProperties false): an independent check. */
+static bool schema_valid(const json_t *sc, const json_t *v) {
+    const json_t *type = json_object_get(sc, "type");
+    const char *ts = json_string_value(type);
+    if (ts) {
+        bool ok = strcmp(ts, "string") == 0    ? json_is_string(v)
+                  : strcmp(ts, "integer") == 0 ? json_is_integer(v)
+                  : strcmp(ts, "number") == 0  ? json_is_number(v)
+                  : strcmp(ts, "boolean") == 0 ? json_is_boolean(v)
+                  : strcmp(ts, "null") == 0    ? json_is_null(v)
+                  : strcmp(ts, "array") == 0   ? json_is_array(v)
+                                               : json_is_object(v);
+        if (!ok) return false;
+    }
+    const json_t *en = json_object_get(sc, "enum");
+    if (en) {
+        bool any = false;
+        size_t i;
+        const json_t *e;
+        json_array_foreach(en, i, e) any = any || json_equal(e, v);
+        if (!any) return false;
+    }
+    if (json_is_object(v)) {
+        const json_t *props = json_object_get(sc, "properties");
+        const char *k;
+        const json_t *x;
+        json_object_foreach((json_t *)v, k, x) {
+            const json_t *ps = json_object_get(props, k);
+            if (!ps && json_is_false(json_object_get(sc, "additionalProperties"))) return false;
+            if (ps && !schema_valid(ps, x)) return false;
+        }
+        size_t i;
+        json_array_foreach(json_object_get(sc, "required"), i, x) if (!json_object_get(v, json_string_value(x))) return false;
+    }
+    if (json_is_array(v) && json_object_get(sc, "items")) {
+        size_t i;
+        const json_t *x;
+        json_array_foreach(v, i, x) if (!schema_valid(json_object_get(sc, "items"), x)) return false;
+    }
+    return true;
+}
+
+/* tool_choice required / named with typed schemas (issue 13): over many seeds, temperatures and
+ * budgets, every call's arguments are JSON of its schema with every required property, streamed
+ * = parsed; a random-weight model and uniform logits both. */
+static void test_tool_schema(void) {
+    json_t *msgs = user("Book it.");
+    json_t *tools = json_loads(
+        "[{\"type\":\"function\",\"function\":{\"name\":\"book\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"city\":{\"type\":\"string\"},\"nights\":{\"type\":\"integer\"},"
+        "\"price\":{\"type\":\"number\"},\"unit\":{\"type\":\"string\",\"enum\":[\"EUR\",\"USD\"]},"
+        "\"flex\":{\"type\":\"boolean\"},\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"}},"
+        "\"guest\":{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"age\":{\"type\":"
+        "[\"integer\",\"null\"]}},\"required\":[\"name\",\"age\"],\"additionalProperties\":false},"
+        "\"note\":{}},\"required\":[\"city\",\"nights\",\"guest\",\"unit\"]}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"ping\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"n\":{\"type\":\"integer\",\"enum\":[1,2,30]}},\"required\":[\"n\"]}}}]",
+        0, NULL);
+    ds41_generation_params p = ds41_generation_params_default();
+    p.messages = msgs;
+    p.tools = tools;
+    p.sampler.has_seed = 1;
+    bool ok = true;
+    size_t n_runs = 0, n_calls = 0, n_props = 0;
+    char bad[1500] = "";
+    for (uint64_t trial = 0; trial < 60 && ok; trial++) {
+        p.tool_choice = trial % 3 ? DS41_GENERATION_TOOL_CHOICE_REQUIRED : DS41_GENERATION_TOOL_CHOICE_NAMED;
+        p.tool_choice_name = trial % 3 ? NULL : (trial % 2 ? "ping" : "book");
+        p.parallel_tool_calls = trial % 4 != 0;
+        p.max_tokens = (uint32_t)(300 + (trial * 53) % 300);
+        p.sampler.seed = 77 + trial;
+        p.sampler.temperature = (float)(trial % 5) * 0.5f; /* 0 (greedy) .. 2 */
+        run_opts fast = {.no_model = trial % 4 != 1};
+        run r = run_gen(&p, &fast);
+        n_runs++;
+        bool good = r.rc == 0 && r.n_calls >= 1 && strcmp(r.finish_name, "tool_calls") == 0 &&
+                    r.result_content_len == 0 && streamed_calls_equal_result(&r) && streamed_equals_result(&r);
+        for (size_t i = 0; good && i < r.n_calls; i++) {
+            json_t *a = json_loads(r.call_args[i], 0, NULL);
+            size_t ti = strcmp(r.call_names[i], "ping") == 0 ? 1 : 0;
+            const json_t *sc = json_object_get(json_object_get(json_array_get(tools, ti), "function"), "parameters");
+            good = a && schema_valid(sc, a) && (!p.tool_choice_name || strcmp(r.call_names[i], p.tool_choice_name) == 0);
+            if (a) n_props += json_object_size(a);
+            json_decref(a);
+            n_calls++;
+        }
+        if (!good) {
+            ok = false;
+            snprintf(bad, sizeof bad, "trial %llu: rc %d, %zu calls, finish %s, content '%.200s', call %s '%.600s' %s",
+                     (unsigned long long)trial, r.rc, r.n_calls, r.finish_name, r.result_content ? r.result_content : "",
+                     r.n_calls ? r.call_names[0] : "", r.n_calls ? r.call_args[0] : "", r.err);
+        }
+        run_free(&r);
+    }
+    TAP_CHECK(ok, "%zu runs (named / required, temperatures 0..2, max_tokens 300..599, model and uniform logits): "
+                  "%zu calls, each with arguments that are JSON of its schema and every required property (%zu "
+                  "properties in all), finish tool_calls, streamed = parsed %s",
+              n_runs, n_calls, n_props, bad);
+
+    /* a budget too small for the whole call: cut off, never DSML in content, streamed = parsed */
+    ok = true;
+    size_t n_cut_calls = 0;
+    for (uint32_t mt = 1; mt <= 300 && ok; mt += 7) {
+        p.tool_choice = DS41_GENERATION_TOOL_CHOICE_NAMED;
+        p.tool_choice_name = "book";
+        p.max_tokens = mt;
+        p.sampler.seed = mt;
+        p.sampler.temperature = 1;
+        run_opts fast = {.no_model = true};
+        run r = run_gen(&p, &fast);
+        bool good = r.rc == 0 && !strstr(r.result_content ? r.result_content : "", "DSML") &&
+                    streamed_calls_equal_result(&r) && streamed_equals_result(&r);
+        for (size_t i = 0; good && i < r.n_calls; i++) {
+            json_t *a = json_loads(r.call_args[i], 0, NULL);
+            good = a && schema_valid(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "parameters"), a);
+            json_decref(a);
+            n_cut_calls++;
+        }
+        if (!good) {
+            ok = false;
+            snprintf(bad, sizeof bad, "max_tokens %u: rc %d, %zu calls, finish %s, content '%.300s' %s", mt, r.rc,
+                     r.n_calls, r.finish_name, r.result_content ? r.result_content : "", r.err);
+        }
+        run_free(&r);
+    }
+    TAP_CHECK(ok, "max_tokens 1..300 under a named choice: no DSML in content, any call (%zu) valid, streamed = parsed %s",
+              n_cut_calls, bad);
+    json_decref(tools);
+    json_decref(msgs);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -963,6 +1095,7 @@ int main(void) {
     test_utf8();
     test_split_property();
     test_tool_choice();
+    test_tool_schema();
 
     ds41_sampler_scratch_free(SCRATCH);
     ds41_kv_pool_free(POOL);
