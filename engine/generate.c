@@ -977,7 +977,7 @@ static void force_close(ds41_generation *g) {
     ds41_buf t = {0};
     if (g->cst == CS_VALUE) {
         if (g->vs.end) {
-            ds41_buf_puts(&t, VALUE_END + g->vs.end);
+            ds41_buf_puts(&t, &VALUE_END[g->vs.end]);
         } else {
             size_t n = ds41_json_match_completion(&g->vs.m, NULL, 0);
             char *c = n != SIZE_MAX ? malloc(n + 1) : NULL;
