@@ -22,8 +22,8 @@ typedef struct text {
 
 typedef struct snode {
     uint8_t types;
-    bool free_keys;      /* object: any key, any value */
-    uint16_t items;      /* array: the items' node */
+    bool free_keys;          /* object: any key, any value */
+    uint16_t items;          /* array: the items' node */
     uint32_t prop0, nprops;  /* props[prop0 .. +nprops), sorted by name */
     uint32_t enum0, nenum;   /* enums[]: compact JSON texts, sorted */
     uint32_t renum0, nrenum; /* enums[]: the string values' raw texts, sorted */
@@ -76,7 +76,9 @@ static int text_cmp(const void *a, const void *b) {
     return r ? r : (x->len > y->len) - (x->len < y->len);
 }
 
-static int prop_cmp(const void *a, const void *b) { return text_cmp(&((const sprop *)a)->name, &((const sprop *)b)->name); }
+static int prop_cmp(const void *a, const void *b) {
+    return text_cmp(&((const sprop *)a)->name, &((const sprop *)b)->name);
+}
 
 static void *grow(void *p, size_t *cap, size_t need, size_t elem) {
     if (need <= *cap) return p;
@@ -89,7 +91,8 @@ static void *grow(void *p, size_t *cap, size_t need, size_t elem) {
 
 static int new_node(cctx *c, const char *path, uint16_t *out) {
     ds41_schema *s = c->s;
-    if (s->n_nodes >= DS41_SCHEMA_MAX_NODES) return cfail(c, path, "more than %d schemas in all", DS41_SCHEMA_MAX_NODES);
+    if (s->n_nodes >= DS41_SCHEMA_MAX_NODES)
+        return cfail(c, path, "more than %d schemas in all", DS41_SCHEMA_MAX_NODES);
     snode *n = grow(s->nodes, &s->cap_nodes, s->n_nodes + 1, sizeof *n);
     if (!n) return ds41_fail(c->err, "out of memory");
     s->nodes = n;
@@ -119,14 +122,21 @@ static uint8_t type_bit(const char *t) {
 
 static uint8_t value_types(const json_t *v) {
     switch (json_typeof(v)) {
-    case JSON_NULL: return T_NULL;
+    case JSON_NULL:
+        return T_NULL;
     case JSON_TRUE:
-    case JSON_FALSE: return T_BOOL;
-    case JSON_INTEGER: return T_INT | T_NUM;
-    case JSON_REAL: return T_NUM;
-    case JSON_STRING: return T_STR;
-    case JSON_ARRAY: return T_ARR;
-    case JSON_OBJECT: return T_OBJ;
+    case JSON_FALSE:
+        return T_BOOL;
+    case JSON_INTEGER:
+        return T_INT | T_NUM;
+    case JSON_REAL:
+        return T_NUM;
+    case JSON_STRING:
+        return T_STR;
+    case JSON_ARRAY:
+        return T_ARR;
+    case JSON_OBJECT:
+        return T_OBJ;
     }
     return 0;
 }
@@ -149,18 +159,66 @@ static void pathf(char *out, size_t cap, const char *fmt, ...) {
     va_end(ap);
 }
 
-static void join(char *out, size_t cap, const char *a, const char *b) { pathf(out, cap, "%s.%s", a, b); }
+static void join(char *out, size_t cap, const char *a, const char *b) {
+    pathf(out, cap, "%s.%s", a, b);
+}
 
-static const char *const UNSUPPORTED[] = {
-    "anyOf", "oneOf", "allOf", "not", "$ref", "$defs", "definitions", "pattern", "patternProperties", "minLength",
-    "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
-    "uniqueItems", "minProperties", "maxProperties", "prefixItems", "contains", "if", "then", "else",
-    "dependencies", "dependentRequired", "dependentSchemas", "propertyNames", "unevaluatedProperties",
-    "unevaluatedItems", "additionalItems", NULL};
+static const char *const UNSUPPORTED[] = {"anyOf",
+                                          "oneOf",
+                                          "allOf",
+                                          "not",
+                                          "$ref",
+                                          "$defs",
+                                          "definitions",
+                                          "pattern",
+                                          "patternProperties",
+                                          "minLength",
+                                          "maxLength",
+                                          "minimum",
+                                          "maximum",
+                                          "exclusiveMinimum",
+                                          "exclusiveMaximum",
+                                          "multipleOf",
+                                          "minItems",
+                                          "maxItems",
+                                          "uniqueItems",
+                                          "minProperties",
+                                          "maxProperties",
+                                          "prefixItems",
+                                          "contains",
+                                          "if",
+                                          "then",
+                                          "else",
+                                          "dependencies",
+                                          "dependentRequired",
+                                          "dependentSchemas",
+                                          "propertyNames",
+                                          "unevaluatedProperties",
+                                          "unevaluatedItems",
+                                          "additionalItems",
+                                          NULL};
 
-static size_t minz(size_t a, size_t b) { return a < b ? a : b; }
+static size_t minz(size_t a, size_t b) {
+    return a < b ? a : b;
+}
 
 static int compile_node(cctx *c, const json_t *j, const char *path, int depth, uint16_t *out);
+
+/* Sorts enums[e0..) and drops repeats (matching narrows sorted ranges); returns how many stay. */
+static size_t sort_unique(ds41_schema *s, size_t e0) {
+    size_t n = s->n_enums - e0, w = 0;
+    qsort(s->enums + e0, n, sizeof *s->enums, text_cmp);
+    for (size_t k = 0; k < n; k++) {
+        text *e = &s->enums[e0 + k];
+        if (w && text_cmp(&s->enums[e0 + w - 1], e) == 0) {
+            free(e->s);
+            continue;
+        }
+        s->enums[e0 + w++] = *e;
+    }
+    s->n_enums = e0 + w;
+    return w;
+}
 
 static int compile_enum(cctx *c, const json_t *list, const char *path, uint8_t types, snode *tmp) {
     size_t i;
@@ -179,20 +237,8 @@ static int compile_enum(cctx *c, const json_t *list, const char *path, uint8_t t
         if (bad) return cfail(c, p, "enum values may not contain the DSML marker");
         if (rc) return -1;
     }
-    size_t n = c->s->n_enums - e0;
-    qsort(c->s->enums + e0, n, sizeof *c->s->enums, text_cmp);
-    size_t w = 0;
-    for (size_t k = 0; k < n; k++) {
-        text *e = &c->s->enums[e0 + k];
-        if (w && text_cmp(&c->s->enums[e0 + w - 1], e) == 0) {
-            free(e->s);
-            continue;
-        }
-        c->s->enums[e0 + w++] = *e;
-    }
-    c->s->n_enums = e0 + w;
     tmp->enum0 = (uint32_t)e0;
-    tmp->nenum = (uint32_t)w;
+    tmp->nenum = (uint32_t)sort_unique(c->s, e0);
     /* raw forms of the string values */
     size_t r0 = c->s->n_enums;
     json_array_foreach(list, i, v) {
@@ -202,39 +248,31 @@ static int compile_enum(cctx *c, const json_t *list, const char *path, uint8_t t
         if (memchr(sv, 0, sl)) continue; /* not writable raw */
         if (add_enum(c, sv, sl)) return -1;
     }
-    n = c->s->n_enums - r0;
-    qsort(c->s->enums + r0, n, sizeof *c->s->enums, text_cmp);
-    w = 0;
-    for (size_t k = 0; k < n; k++) {
-        text *e = &c->s->enums[r0 + k];
-        if (w && text_cmp(&c->s->enums[r0 + w - 1], e) == 0) {
-            free(e->s);
-            continue;
-        }
-        c->s->enums[r0 + w++] = *e;
-    }
-    c->s->n_enums = r0 + w;
     tmp->renum0 = (uint32_t)r0;
-    tmp->nrenum = (uint32_t)w;
+    tmp->nrenum = (uint32_t)sort_unique(c->s, r0);
     return 0;
 }
 
 static int compile_node(cctx *c, const json_t *j, const char *path, int depth, uint16_t *out) {
     if (!json_is_object(j)) return cfail(c, path, "a schema must be an object");
-    if (depth > DS41_SCHEMA_MAX_DEPTH) return cfail(c, path, "schemas nested deeper than %d", DS41_SCHEMA_MAX_DEPTH);
+    if (depth > DS41_SCHEMA_MAX_DEPTH)
+        return cfail(c, path, "schemas nested deeper than %d", DS41_SCHEMA_MAX_DEPTH);
     char p[512];
     for (int k = 0; UNSUPPORTED[k]; k++) {
         if (json_object_get(j, UNSUPPORTED[k])) {
             join(p, sizeof p, path, UNSUPPORTED[k]);
-            return cfail(c, p, "'%s' is not supported (supported: type, properties, required, enum, const, items, "
-                               "additionalProperties, nullable)", UNSUPPORTED[k]);
+            return cfail(c, p,
+                         "'%s' is not supported (supported: type, properties, required, enum, const, items, "
+                         "additionalProperties, nullable)",
+                         UNSUPPORTED[k]);
         }
     }
     snode tmp = {0};
     const json_t *type = json_object_get(j, "type"), *props = json_object_get(j, "properties"),
                  *req = json_object_get(j, "required"), *en = json_object_get(j, "enum"),
                  *cn = json_object_get(j, "const"), *items = json_object_get(j, "items"),
-                 *addl = json_object_get(j, "additionalProperties"), *nullable = json_object_get(j, "nullable");
+                 *addl = json_object_get(j, "additionalProperties"),
+                 *nullable = json_object_get(j, "nullable");
     join(p, sizeof p, path, "type");
     if (type) {
         if (json_is_string(type)) {
@@ -247,7 +285,9 @@ static int compile_node(cctx *c, const json_t *j, const char *path, int depth, u
                 char pi[530];
                 pathf(pi, sizeof pi, "%s[%zu]", p, i);
                 uint8_t b = json_is_string(t) ? type_bit(json_string_value(t)) : 0;
-                if (!b) return cfail(c, pi, "not a type name (null, boolean, integer, number, string, array, object)");
+                if (!b)
+                    return cfail(c, pi,
+                                 "not a type name (null, boolean, integer, number, string, array, object)");
                 if (tmp.types & b) return cfail(c, pi, "type '%s' is repeated", json_string_value(t));
                 tmp.types |= b;
             }
@@ -268,15 +308,19 @@ static int compile_node(cctx *c, const json_t *j, const char *path, int depth, u
         return cfail(c, p, "must be a non-empty array");
     }
     if (!tmp.types) {
-        if (props) tmp.types = T_OBJ;
-        else if (items) tmp.types = T_ARR;
+        if (props)
+            tmp.types = T_OBJ;
+        else if (items)
+            tmp.types = T_ARR;
         else if (en || cn) {
             size_t i;
             const json_t *v;
-            if (cn) tmp.types = value_types(cn);
+            if (cn)
+                tmp.types = value_types(cn);
             else
                 json_array_foreach(en, i, v) tmp.types |= value_types(v);
-        } else tmp.types = T_ALL;
+        } else
+            tmp.types = T_ALL;
     }
     if (nullable && json_is_true(nullable)) tmp.types |= T_NULL;
     if (tmp.types & T_INT && tmp.types & T_NUM) tmp.types &= (uint8_t)~T_INT;
@@ -308,7 +352,9 @@ static int compile_node(cctx *c, const json_t *j, const char *path, int depth, u
     }
     if (items && !json_is_object(items)) {
         join(p, sizeof p, path, "items");
-        return cfail(c, p, json_is_array(items) ? "tuple 'items' (an array) is not supported" : "must be a schema (an object)");
+        return cfail(c, p,
+                     json_is_array(items) ? "tuple 'items' (an array) is not supported"
+                                          : "must be a schema (an object)");
     }
     uint16_t me;
     if (new_node(c, path, &me)) return -1;
@@ -332,8 +378,9 @@ static int compile_node(cctx *c, const json_t *j, const char *path, int depth, u
         json_object_foreach((json_t *)props, key, sub) {
             pathf(p, sizeof p, "%s.%s", pp, key);
             if (!name_ok(key, strlen(key)))
-                return cfail(c, p, "property names must be 1..256 bytes without '\"', '\\\\', '<', '>', control "
-                                   "characters or the DSML marker");
+                return cfail(c, p,
+                             "property names must be 1..256 bytes without '\"', '\\\\', '<', '>', control "
+                             "characters or the DSML marker");
             if (compile_node(c, sub, p, depth + 1, &kids[k])) return -1;
             names[k++] = key;
         }
@@ -402,7 +449,8 @@ static void compute_min(ds41_schema *s) {
         n->min_raw = SIZE_MAX;
         if (n->types & T_STR) {
             if (n->nenum) {
-                for (uint32_t k = 0; k < n->nrenum; k++) n->min_raw = minz(n->min_raw, s->enums[n->renum0 + k].len);
+                for (uint32_t k = 0; k < n->nrenum; k++)
+                    n->min_raw = minz(n->min_raw, s->enums[n->renum0 + k].len);
             } else {
                 n->min_raw = 0;
             }
@@ -475,11 +523,21 @@ void ds41_schema_free(ds41_schema *s) {
     free(s);
 }
 
-size_t ds41_schema_n_params(const ds41_schema *s) { return s->n_order; }
-const char *ds41_schema_param_name(const ds41_schema *s, size_t i) { return s->props[s->order[i]].name.s; }
-bool ds41_schema_param_required(const ds41_schema *s, size_t i) { return s->props[s->order[i]].required; }
-static const snode *param_node(const ds41_schema *s, size_t i) { return &s->nodes[s->props[s->order[i]].node]; }
-bool ds41_schema_param_raw_ok(const ds41_schema *s, size_t i) { return param_node(s, i)->min_raw != SIZE_MAX; }
+size_t ds41_schema_n_params(const ds41_schema *s) {
+    return s->n_order;
+}
+const char *ds41_schema_param_name(const ds41_schema *s, size_t i) {
+    return s->props[s->order[i]].name.s;
+}
+bool ds41_schema_param_required(const ds41_schema *s, size_t i) {
+    return s->props[s->order[i]].required;
+}
+static const snode *param_node(const ds41_schema *s, size_t i) {
+    return &s->nodes[s->props[s->order[i]].node];
+}
+bool ds41_schema_param_raw_ok(const ds41_schema *s, size_t i) {
+    return param_node(s, i)->min_raw != SIZE_MAX;
+}
 bool ds41_schema_param_json_ok(const ds41_schema *s, size_t i) {
     const snode *n = param_node(s, i);
     if (n->nenum) return n->nrenum < n->nenum;
@@ -517,9 +575,13 @@ void ds41_json_match_copy(ds41_json_match *dst, const ds41_json_match *src) {
     memcpy(dst, src, offsetof(ds41_json_match, f) + src->depth * sizeof src->f[0]);
 }
 
-static bool is_ws(unsigned char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
+static bool is_ws(unsigned char c) {
+    return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
 
-static const snode *N(const ds41_json_match *m, uint16_t i) { return &m->s->nodes[i]; }
+static const snode *N(const ds41_json_match *m, uint16_t i) {
+    return &m->s->nodes[i];
+}
 
 /* UTF-8 inside a string: false when c cannot continue well-formed UTF-8. */
 static bool utf8_byte(ds41_json_match *m, unsigned char c) {
@@ -533,7 +595,8 @@ static bool utf8_byte(ds41_json_match *m, unsigned char c) {
     if (c < 0x80) return true;
     m->u8lo = 0x80;
     m->u8hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) m->u8need = 1;
+    if (c >= 0xC2 && c <= 0xDF)
+        m->u8need = 1;
     else if (c >= 0xE0 && c <= 0xEF) {
         m->u8need = 2;
         if (c == 0xE0) m->u8lo = 0xA0;
@@ -591,7 +654,8 @@ static int string_byte(ds41_json_match *m, unsigned char c) {
 }
 
 /* Narrow an enum / key range [lo, hi) to the texts whose byte pos is c. */
-static bool narrow(const text *t, size_t stride_unused, uint32_t *lo, uint32_t *hi, uint32_t pos, unsigned char c) {
+static bool narrow(const text *t, size_t stride_unused, uint32_t *lo, uint32_t *hi, uint32_t pos,
+                   unsigned char c) {
     (void)stride_unused;
     uint32_t a = *lo, b = *hi;
     while (a < b && !(t[a].len > pos && (unsigned char)t[a].s[pos] == c)) a++;
@@ -602,7 +666,9 @@ static bool narrow(const text *t, size_t stride_unused, uint32_t *lo, uint32_t *
     return a < e;
 }
 
-static const text *prop_name(const ds41_json_match *m, uint32_t i) { return &m->s->props[i].name; }
+static const text *prop_name(const ds41_json_match *m, uint32_t i) {
+    return &m->s->props[i].name;
+}
 
 /* The open object frame can still take a key (a declared property not present yet). */
 static bool obj_key_left(const ds41_json_match *m, const ds41_json_frame *f) {
@@ -650,8 +716,8 @@ static bool value_start(ds41_json_match *m, uint16_t ni, unsigned char c) {
     if ((c == '{' && n->types & T_OBJ) || (c == '[' && n->types & T_ARR)) {
         if (m->depth >= DS41_JSON_MATCH_DEPTH) return false;
         ds41_json_frame *f = &m->f[m->depth++];
-        *f = (ds41_json_frame){.node = ni, .kind = c == '{' ? K_OBJ : K_ARR, .st = c == '{' ? O_FIRST : A_FIRST,
-                               .key = NO_KEY};
+        *f = (ds41_json_frame){
+            .node = ni, .kind = c == '{' ? K_OBJ : K_ARR, .st = c == '{' ? O_FIRST : A_FIRST, .key = NO_KEY};
         return true;
     }
     if (c == '"' && n->types & T_STR) {
@@ -740,7 +806,9 @@ static bool number_final(const ds41_json_match *m) {
 }
 
 /* An enum value at lo of exactly pos bytes is complete. */
-static bool enum_final(const ds41_json_match *m, const text *t) { return m->lo < m->hi && t[m->lo].len == m->pos; }
+static bool enum_final(const ds41_json_match *m, const text *t) {
+    return m->lo < m->hi && t[m->lo].len == m->pos;
+}
 
 static bool ws_byte(ds41_json_match *m) {
     if (m->ws >= WS_MAX) return false;
@@ -785,7 +853,8 @@ static bool feed(ds41_json_match *m, unsigned char c) {
             return true;
         }
         uint32_t a = m->lo, b = m->hi;
-        while (a < b && !(prop_name(m, a)->len > m->pos && (unsigned char)prop_name(m, a)->s[m->pos] == c)) a++;
+        while (a < b && !(prop_name(m, a)->len > m->pos && (unsigned char)prop_name(m, a)->s[m->pos] == c))
+            a++;
         uint32_t e = a;
         while (e < b && prop_name(m, e)->len > m->pos && (unsigned char)prop_name(m, e)->s[m->pos] == c) e++;
         bool alive = false;
@@ -823,7 +892,8 @@ static bool feed(ds41_json_match *m, unsigned char c) {
         value_done(m);
         break;
     }
-    default: break;
+    default:
+        break;
     }
     /* structural */
     if (!m->depth) {
@@ -862,7 +932,8 @@ static bool feed(ds41_json_match *m, unsigned char c) {
         if (c != ':') return false;
         f->st = O_VAL;
         return true;
-    case O_VAL: return value_start(m, f->key == NO_KEY ? ANY : m->s->props[f->key].node, c);
+    case O_VAL:
+        return value_start(m, f->key == NO_KEY ? ANY : m->s->props[f->key].node, c);
     case O_NEXT:
         if (c == ',') {
             if (!obj_key_left(m, f)) return false;
@@ -882,7 +953,8 @@ static bool feed(ds41_json_match *m, unsigned char c) {
             return true;
         }
         return value_start(m, n->items, c);
-    case A_VAL: return value_start(m, n->items, c);
+    case A_VAL:
+        return value_start(m, n->items, c);
     case A_NEXT:
         if (c == ',') {
             f->st = A_VAL;
@@ -894,7 +966,8 @@ static bool feed(ds41_json_match *m, unsigned char c) {
             return true;
         }
         return false;
-    default: return false;
+    default:
+        return false;
     }
 }
 
@@ -929,7 +1002,9 @@ static void put(emit *e, const char *s, size_t n) {
     for (size_t i = 0; i < n; i++, e->n++)
         if (e->n < e->cap) e->out[e->n] = s[i];
 }
-static void putc1(emit *e, char c) { put(e, &c, 1); }
+static void putc1(emit *e, char c) {
+    put(e, &c, 1);
+}
 
 static void min_text(const ds41_schema *s, uint16_t ni, emit *e);
 
@@ -1037,9 +1112,14 @@ size_t ds41_json_match_completion(const ds41_json_match *m, char *out, size_t ca
     case L_NUM:
         if (!number_final(m)) putc1(&e, '0');
         break;
-    case L_LIT: put(&e, LITS[m->lo] + m->pos, strlen(LITS[m->lo]) - m->pos); break;
-    case L_ENUM: enum_rest(s->enums, m->lo, m->hi, m->pos, &e); break;
-    default: break;
+    case L_LIT:
+        put(&e, LITS[m->lo] + m->pos, strlen(LITS[m->lo]) - m->pos);
+        break;
+    case L_ENUM:
+        enum_rest(s->enums, m->lo, m->hi, m->pos, &e);
+        break;
+    default:
+        break;
     }
     bool token_open = m->lex != L_NONE;
     if (!m->depth) {
@@ -1074,7 +1154,9 @@ size_t ds41_json_match_completion(const ds41_json_match *m, char *out, size_t ca
         case O_FIRST:
             min_object_rest(s, n, seen, false, &e);
             break;
-        case O_NEXT: min_object_rest(s, n, seen, true, &e); break;
+        case O_NEXT:
+            min_object_rest(s, n, seen, true, &e);
+            break;
         case O_KEY: {
             /* after a comma: a required property if one is missing, else the cheapest */
             const sprop *best = NULL;
@@ -1105,12 +1187,15 @@ size_t ds41_json_match_completion(const ds41_json_match *m, char *out, size_t ca
             min_object_rest(s, n, seen, true, &e);
             break;
         case A_FIRST:
-        case A_NEXT: putc1(&e, ']'); break;
+        case A_NEXT:
+            putc1(&e, ']');
+            break;
         case A_VAL:
             min_text(s, n->items, &e);
             putc1(&e, ']');
             break;
-        default: break;
+        default:
+            break;
         }
     }
     return e.n;

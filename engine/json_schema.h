@@ -77,7 +77,7 @@ typedef struct ds41_json_frame {
     uint16_t node;
     uint8_t kind; /* array / object */
     uint8_t st;
-    uint16_t key; /* object: the property whose value is open (UINT16_MAX: a free key) */
+    uint16_t key;  /* object: the property whose value is open (UINT16_MAX: a free key) */
     uint64_t seen; /* object: properties present */
 } ds41_json_frame;
 

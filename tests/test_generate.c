@@ -7,6 +7,7 @@
 #include "engine/model_gen.h"
 #include "engine/pyjson.h"
 #include "engine/tokenizer.h"
+#include "schema_valid.h"
 #include "tap.h"
 #include "tmpdir.h"
 
@@ -929,49 +930,6 @@ static void test_tool_choice(void) {
     json_decref(msgs);
 }
 
-/* The arguments object against a parameters schema of the subset (types, enum, required,
- * properties, items, additionalProperties false): an independent check. */
-static bool schema_valid(const json_t *sc, const json_t *v) {
-    const json_t *type = json_object_get(sc, "type");
-    const char *ts = json_string_value(type);
-    if (ts) {
-        bool ok = strcmp(ts, "string") == 0    ? json_is_string(v)
-                  : strcmp(ts, "integer") == 0 ? json_is_integer(v)
-                  : strcmp(ts, "number") == 0  ? json_is_number(v)
-                  : strcmp(ts, "boolean") == 0 ? json_is_boolean(v)
-                  : strcmp(ts, "null") == 0    ? json_is_null(v)
-                  : strcmp(ts, "array") == 0   ? json_is_array(v)
-                                               : json_is_object(v);
-        if (!ok) return false;
-    }
-    const json_t *en = json_object_get(sc, "enum");
-    if (en) {
-        bool any = false;
-        size_t i;
-        const json_t *e;
-        json_array_foreach(en, i, e) any = any || json_equal(e, v);
-        if (!any) return false;
-    }
-    if (json_is_object(v)) {
-        const json_t *props = json_object_get(sc, "properties");
-        const char *k;
-        const json_t *x;
-        json_object_foreach((json_t *)v, k, x) {
-            const json_t *ps = json_object_get(props, k);
-            if (!ps && json_is_false(json_object_get(sc, "additionalProperties"))) return false;
-            if (ps && !schema_valid(ps, x)) return false;
-        }
-        size_t i;
-        json_array_foreach(json_object_get(sc, "required"), i, x) if (!json_object_get(v, json_string_value(x))) return false;
-    }
-    if (json_is_array(v) && json_object_get(sc, "items")) {
-        size_t i;
-        const json_t *x;
-        json_array_foreach(v, i, x) if (!schema_valid(json_object_get(sc, "items"), x)) return false;
-    }
-    return true;
-}
-
 /* tool_choice required / named with typed schemas (issue 13): over many seeds, temperatures and
  * budgets, every call's arguments are JSON of its schema with every required property, streamed
  * = parsed; a random-weight model and uniform logits both. */
@@ -1011,7 +969,7 @@ static void test_tool_schema(void) {
             json_t *a = json_loads(r.call_args[i], 0, NULL);
             size_t ti = strcmp(r.call_names[i], "ping") == 0 ? 1 : 0;
             const json_t *sc = json_object_get(json_object_get(json_array_get(tools, ti), "function"), "parameters");
-            good = a && schema_valid(sc, a) && (!p.tool_choice_name || strcmp(r.call_names[i], p.tool_choice_name) == 0);
+            good = a && valid(sc, a) && (!p.tool_choice_name || strcmp(r.call_names[i], p.tool_choice_name) == 0);
             if (a) n_props += json_object_size(a);
             json_decref(a);
             n_calls++;
@@ -1044,7 +1002,7 @@ static void test_tool_schema(void) {
                     streamed_calls_equal_result(&r) && streamed_equals_result(&r);
         for (size_t i = 0; good && i < r.n_calls; i++) {
             json_t *a = json_loads(r.call_args[i], 0, NULL);
-            good = a && schema_valid(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "parameters"), a);
+            good = a && valid(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "parameters"), a);
             json_decref(a);
             n_cut_calls++;
         }

@@ -9,6 +9,7 @@
 
 #include "engine/json_schema.h"
 #include "engine/pcg64.h"
+#include "tests/schema_valid.h"
 #include "tests/tap.h"
 
 static ds41_schema *compile(const char *json, char *path, size_t cap, ds41_error *err) {
@@ -24,58 +25,6 @@ static ds41_schema *compile(const char *json, char *path, size_t cap, ds41_error
     return s;
 }
 
-/* ---- an independent validator of the subset (jansson values against the schema JSON) ---- */
-
-static bool type_ok(const char *t, const json_t *v) {
-    if (strcmp(t, "null") == 0) return json_is_null(v);
-    if (strcmp(t, "boolean") == 0) return json_is_boolean(v);
-    if (strcmp(t, "integer") == 0) return json_is_integer(v);
-    if (strcmp(t, "number") == 0) return json_is_number(v);
-    if (strcmp(t, "string") == 0) return json_is_string(v);
-    if (strcmp(t, "array") == 0) return json_is_array(v);
-    if (strcmp(t, "object") == 0) return json_is_object(v);
-    return false;
-}
-
-static bool valid(const json_t *sc, const json_t *v) {
-    const json_t *type = json_object_get(sc, "type");
-    if (json_is_null(v) && json_is_true(json_object_get(sc, "nullable"))) return true;
-    if (json_is_string(type) && !type_ok(json_string_value(type), v)) return false;
-    if (json_is_array(type)) {
-        bool any = false;
-        size_t i;
-        const json_t *t;
-        json_array_foreach(type, i, t) any = any || type_ok(json_string_value(t), v);
-        if (!any) return false;
-    }
-    const json_t *en = json_object_get(sc, "enum");
-    if (en) {
-        bool any = false;
-        size_t i;
-        const json_t *e;
-        json_array_foreach(en, i, e) any = any || json_equal(e, v);
-        if (!any) return false;
-    }
-    if (json_is_object(v)) {
-        const json_t *props = json_object_get(sc, "properties"), *req = json_object_get(sc, "required");
-        const char *k;
-        const json_t *x;
-        json_object_foreach((json_t *)v, k, x) {
-            const json_t *ps = json_object_get(props, k);
-            if (ps && !valid(ps, x)) return false;
-            if (!ps && json_is_false(json_object_get(sc, "additionalProperties"))) return false;
-        }
-        size_t i;
-        json_array_foreach(req, i, x) if (!json_object_get(v, json_string_value(x))) return false;
-    }
-    if (json_is_array(v) && json_object_get(sc, "items")) {
-        size_t i;
-        const json_t *x;
-        json_array_foreach(v, i, x) if (!valid(json_object_get(sc, "items"), x)) return false;
-    }
-    return true;
-}
-
 static const char *const GOOD[] = {
     "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\",\"description\":\"c\"},"
     "\"days\":{\"type\":\"integer\"},\"unit\":{\"enum\":[\"C\",\"F\"]}},\"required\":[\"city\",\"days\"]}",
@@ -85,8 +34,10 @@ static const char *const GOOD[] = {
     "\"required\":[\"x\",\"y\"],\"additionalProperties\":false}},\"required\":[\"opt\",\"tags\"]}",
     "{\"type\":\"object\",\"properties\":{\"any\":{},\"free\":{\"type\":\"object\"},\"c\":{\"const\":3},"
     "\"m\":{\"enum\":[1,\"x\",null,[1,2],{\"k\":true}]}},\"required\":[\"any\",\"free\",\"c\",\"m\"]}",
-    "{\"type\":\"object\",\"properties\":{\"deep\":{\"type\":\"array\",\"items\":{\"type\":\"array\",\"items\":"
-    "{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"number\",\"nullable\":true}},\"required\":[\"v\"]}}}},"
+    "{\"type\":\"object\",\"properties\":{\"deep\":{\"type\":\"array\",\"items\":{\"type\":\"array\","
+    "\"items\":"
+    "{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"number\",\"nullable\":true}},\"required\":[\"v\"]"
+    "}}}},"
     "\"required\":[\"deep\"]}",
 };
 
@@ -99,14 +50,16 @@ static void test_compile(void) {
         ds41_schema_free(s);
     }
     ds41_schema *s = NULL;
-    TAP_CHECK(ds41_schema_compile(NULL, "p", &s, path, sizeof path, &err) == 0 && s && ds41_schema_n_params(s) == 0,
+    TAP_CHECK(ds41_schema_compile(NULL, "p", &s, path, sizeof path, &err) == 0 && s &&
+                  ds41_schema_n_params(s) == 0,
               "absent parameters: an object without parameters");
     ds41_schema_free(s);
     s = compile(GOOD[0], path, sizeof path, &err);
     TAP_CHECK(s && ds41_schema_n_params(s) == 3 && strcmp(ds41_schema_param_name(s, 0), "city") == 0 &&
                   ds41_schema_param_required(s, 1) && !ds41_schema_param_required(s, 2) &&
                   ds41_schema_param_raw_ok(s, 0) && !ds41_schema_param_json_ok(s, 0) &&
-                  !ds41_schema_param_raw_ok(s, 1) && ds41_schema_param_json_ok(s, 1) && ds41_schema_param_raw_ok(s, 2),
+                  !ds41_schema_param_raw_ok(s, 1) && ds41_schema_param_json_ok(s, 1) &&
+                  ds41_schema_param_raw_ok(s, 2),
               "parameters in schema order, required flags, string=\"true\" only for strings");
     ds41_schema_free(s);
 
@@ -114,28 +67,36 @@ static void test_compile(void) {
         const char *json, *path;
     } bad[] = {
         {"{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"strin\"}}}", "p.properties.city.type"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}},\"required\":[\"b\"]}", "p.required[0]"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}},\"required\":[\"a\",\"a\"]}", "p.required[1]"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}},\"required\":[\"b\"]}",
+         "p.required[0]"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}},\"required\":[\"a\",\"a\"]}",
+         "p.required[1]"},
         {"{\"type\":\"object\",\"required\":\"a\"}", "p.required"},
         {"{\"type\":\"string\"}", "p.type"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"minLength\":2}}}", "p.properties.a.minLength"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"minLength\":2}}}",
+         "p.properties.a.minLength"},
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"anyOf\":[]}}}", "p.properties.a.anyOf"},
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#/x\"}}}", "p.properties.a.$ref"},
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[]}}}", "p.properties.a.enum"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"enum\":[1,\"x\"]}}}", "p.properties.a.enum[1]"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":[{}]}}}", "p.properties.a.items"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":[\"string\",\"string\"]}}}", "p.properties.a.type[1]"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"enum\":[1,\"x\"]}}}",
+         "p.properties.a.enum[1]"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":[{}]}}}",
+         "p.properties.a.items"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":[\"string\",\"string\"]}}}",
+         "p.properties.a.type[1]"},
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":[]}}}", "p.properties.a.type"},
         {"{\"type\":\"object\",\"properties\":{\"a\\\"b\":{}}}", "p.properties.a\"b"},
         {"{\"type\":\"object\",\"properties\":{\"\":{}}}", "p.properties."},
         {"{\"type\":\"object\",\"properties\":{\"a\":5}}", "p.properties.a"},
         {"{\"type\":\"object\",\"additionalProperties\":{\"type\":\"string\"}}", "p.additionalProperties"},
-        {"{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[\"x｜DSML｜y\"]}}}", "p.properties.a.enum[0]"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[\"x｜DSML｜y\"]}}}",
+         "p.properties.a.enum[0]"},
         {"[1]", "p"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         s = compile(bad[i].json, path, sizeof path, &err);
-        TAP_CHECK(!s && strcmp(path, bad[i].path) == 0 && strncmp(err.msg, bad[i].path, strlen(bad[i].path)) == 0,
+        TAP_CHECK(!s && strcmp(path, bad[i].path) == 0 &&
+                      strncmp(err.msg, bad[i].path, strlen(bad[i].path)) == 0,
                   "refused, naming %s (%s)", bad[i].path, s ? "accepted" : err.msg);
         ds41_schema_free(s);
     }
@@ -147,8 +108,8 @@ static void test_compile(void) {
     char top[4200];
     snprintf(top, sizeof top, "{\"type\":\"object\",\"properties\":{\"a\":%s}}", deep);
     s = compile(top, path, sizeof path, &err);
-    TAP_CHECK(!s && strstr(err.msg, "deeper"), "schemas nested past %d levels are refused (%s)", DS41_SCHEMA_MAX_DEPTH,
-              err.msg);
+    TAP_CHECK(!s && strstr(err.msg, "deeper"), "schemas nested past %d levels are refused (%s)",
+              DS41_SCHEMA_MAX_DEPTH, err.msg);
 }
 
 static bool feed(ds41_json_match *m, const char *s) {
@@ -170,14 +131,14 @@ static void test_match(void) {
     } cases[] = {
         {3, "{\"x\":true,\"y\":5}", true, true},
         {3, "{ \"y\" : -12 , \"x\" : false }", true, true},
-        {3, "{\"x\":true}", false, false},        /* '}' before y */
-        {3, "{\"x\":true,\"x\":false", false, false}, /* a key twice */
-        {3, "{\"z\":1", false, false},            /* undeclared */
-        {3, "{\"y\":1.5", false, false},          /* integer */
-        {3, "{\"y\":01", false, false},           /* leading zero */
+        {3, "{\"x\":true}", false, false},               /* '}' before y */
+        {3, "{\"x\":true,\"x\":false", false, false},    /* a key twice */
+        {3, "{\"z\":1", false, false},                   /* undeclared */
+        {3, "{\"y\":1.5", false, false},                 /* integer */
+        {3, "{\"y\":01", false, false},                  /* leading zero */
         {3, "{\"y\":1234567890123456789", false, false}, /* 19 digits */
         {1, "-1.5e+10", true, true},
-        {1, "1e100", false, false},               /* 3 exponent digits */
+        {1, "1e100", false, false}, /* 3 exponent digits */
         {1, "1.", true, false},
         {2, "[\"a\",\"ab\",\"b\"]", true, true},
         {2, "[\"c\"", false, false},
@@ -186,10 +147,10 @@ static void test_match(void) {
         {0, "\"h\\u00e9llo\\n\"", true, true},
         {0, "\"\\u0000\"", false, false},
         {0, "\"\\ud800\"", false, false},
-        {0, "\"a\tb\"", false, false},            /* raw control character */
-        {0, "\"\xc3\x28\"", false, false},        /* ill-formed UTF-8 */
-        {0, "\"\xed\xa0\x80\"", false, false},    /* a surrogate in UTF-8 */
-        {0, "\"x｜DSML｜\"", true, true},            /* the matcher allows it; generate.c's guard does not */
+        {0, "\"a\tb\"", false, false},         /* raw control character */
+        {0, "\"\xc3\x28\"", false, false},     /* ill-formed UTF-8 */
+        {0, "\"\xed\xa0\x80\"", false, false}, /* a surrogate in UTF-8 */
+        {0, "\"x｜DSML｜\"", true, true},      /* the matcher allows it; generate.c's guard does not */
         {0, "true", false, false},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -205,7 +166,8 @@ static void test_match(void) {
     ds41_json_match_init(&m, s, 0, true);
     TAP_CHECK(feed(&m, "any \"text\" \\ <here>\n") && ds41_json_match_complete(&m), "raw: any text");
     ds41_json_match_init(&m, s, 0, true);
-    TAP_CHECK(feed(&m, "\xe2\x82") && !ds41_json_match_complete(&m) && ds41_json_match_completion(&m, NULL, 0) == 1,
+    TAP_CHECK(feed(&m, "\xe2\x82") && !ds41_json_match_complete(&m) &&
+                  ds41_json_match_completion(&m, NULL, 0) == 1,
               "raw: half a character is not complete; one byte completes it");
     ds41_schema_free(s);
 
@@ -264,7 +226,8 @@ static void test_walks(void) {
                     size_t cl = ds41_json_match_completion(&m, comp, sizeof comp);
                     bool ok = cl < sizeof comp;
                     ds41_json_match t = m;
-                    for (size_t i = 0; ok && i < cl; i++) ok = ds41_json_match_byte(&t, (unsigned char)comp[i]);
+                    for (size_t i = 0; ok && i < cl; i++)
+                        ok = ds41_json_match_byte(&t, (unsigned char)comp[i]);
                     ok = ok && ds41_json_match_complete(&t);
                     char full[2600];
                     size_t fl = 0;
@@ -287,8 +250,8 @@ static void test_walks(void) {
                     }
                     if (!ok) {
                         bad_value++;
-                        snprintf(why, sizeof why, "schema %zu param %zu raw %d: '%.*s' + '%.*s'", gi, k, raw, (int)n,
-                                 text, (int)(cl < sizeof comp ? cl : 0), comp);
+                        snprintf(why, sizeof why, "schema %zu param %zu raw %d: '%.*s' + '%.*s'", gi, k, raw,
+                                 (int)n, text, (int)(cl < sizeof comp ? cl : 0), comp);
                     }
                     if (ds41_json_match_complete(&m)) completes++;
                     walks++;
@@ -298,10 +261,11 @@ static void test_walks(void) {
         json_decref(sj);
         ds41_schema_free(s);
     }
-    TAP_CHECK(walks > 1000 && bad_dead == 0 && bad_value == 0,
-              "%zu random byte walks (%zu ended complete): no dead end, every completion is valid JSON of the "
-              "schema %s",
-              walks, completes, why);
+    TAP_CHECK(
+        walks > 1000 && bad_dead == 0 && bad_value == 0,
+        "%zu random byte walks (%zu ended complete): no dead end, every completion is valid JSON of the "
+        "schema %s",
+        walks, completes, why);
 }
 
 int main(void) {
