@@ -58,8 +58,8 @@ typedef enum cstate {
     CS_OFF = 0,
     CS_WAIT_THINK, /* thinking mode: free reasoning (no EOS) until "</think>" */
     CS_LITERAL,    /* one of cands[] must follow */
-    CS_VALUE,      /* a parameter value: JSON (or a raw string) of its schema, then "</｜DSML｜ parameter>" */
-    CS_EOS_ONLY,   /* after "</｜DSML｜ calls>" */
+    CS_VALUE,    /* a parameter value: JSON (or a raw string) of its schema, then "</｜DSML｜ parameter>" */
+    CS_EOS_ONLY, /* after "</｜DSML｜ calls>" */
 } cstate;
 
 typedef enum lit_kind { LIT_START, LIT_NAME, LIT_AFTER_HEAD, LIT_AFTER_PARAM, LIT_AFTER_INVOKE } lit_kind;
@@ -155,8 +155,8 @@ struct ds41_generation {
     size_t n_invokes;  /* invokes the constraint has opened */
     int32_t eos_id;    /* -1: none (or ignore_eos) */
     int32_t silent_eos_id; /* CHAT with ignore_eos: the EOS id, whose text stays out of T; else -1 */
-    vstate vs;         /* CS_VALUE: the open value */
-    size_t vrest;      /* CS_VALUE: bytes that close the block after the value's end */
+    vstate vs;             /* CS_VALUE: the open value */
+    size_t vrest;          /* CS_VALUE: bytes that close the block after the value's end */
     uint32_t byte_tok[256]; /* a token of each single byte (UINT32_MAX: none) */
     uint32_t *cforce;  /* tokens the constraint forces next */
     size_t n_cforce, cforce_pos;
@@ -598,7 +598,8 @@ static void stream_reconcile(ds41_generation *g) {
                 frag_push(g, i, NULL, 0, c->arguments + sc->args.len, c->arguments_len - sc->args.len);
             continue;
         }
-        if (i > g->n_calls || (i && !g->calls[i - 1].released)) break; /* a call before it was missed (out of memory) */
+        if (i > g->n_calls || (i && !g->calls[i - 1].released))
+            break; /* a call before it was missed (out of memory) */
         if (i == g->n_calls) call_start(g, c->name, c->name_len);
         if (i >= g->n_calls) break;
         stream_call *sc = &g->calls[i];
@@ -638,7 +639,9 @@ static size_t budget_left(const ds41_generation *g) {
     return left;
 }
 
-static size_t eos_cost(const ds41_generation *g) { return g->eos_id >= 0 ? 1 : 0; }
+static size_t eos_cost(const ds41_generation *g) {
+    return g->eos_id >= 0 ? 1 : 0;
+}
 
 /* A parameter's shortest value is written raw (string="true") when that is allowed and no longer. */
 static bool min_raw(const ds41_schema *s, size_t k) {
@@ -668,7 +671,8 @@ static void put_min(ds41_buf *out, const ds41_schema *s, size_t k, bool raw) {
  * required parameter not in used[] (NULL: none used) with its shortest value, then the invoke's
  * and the block's ends.  after_param: the invoke's last line was a parameter (the next line
  * starts with "\n"). */
-static size_t close_invoke(const ds41_generation *g, size_t ti, const bool *used, bool after_param, ds41_buf *out) {
+static size_t close_invoke(const ds41_generation *g, size_t ti, const bool *used, bool after_param,
+                           ds41_buf *out) {
     const ds41_schema *s = g->ctools[ti].schema;
     size_t n = 0;
     bool lead = after_param;
@@ -677,8 +681,8 @@ static size_t close_invoke(const ds41_generation *g, size_t ti, const bool *used
         bool raw = min_raw(s, k);
         const char *name = ds41_schema_param_name(s, k);
         n += (lead ? 1 : 0) + strlen(DSML_PARAM_START " name=\"") + strlen(name) +
-             strlen(raw ? "\" string=\"true\">" : "\" string=\"false\">") + ds41_schema_param_min(s, k, raw, NULL, 0) +
-             strlen(VALUE_END);
+             strlen(raw ? "\" string=\"true\">" : "\" string=\"false\">") +
+             ds41_schema_param_min(s, k, raw, NULL, 0) + strlen(VALUE_END);
         if (out) {
             if (lead) ds41_buf_putc(out, '\n');
             ds41_buf_puts(out, DSML_PARAM_START " name=\"");
@@ -715,8 +719,10 @@ static int vstate_byte(vstate *v, unsigned char c) {
     static const char end[] = VALUE_END, mark[] = MARK;
     const size_t el = sizeof end - 1, ml = sizeof mark - 1;
     uint8_t e = 0;
-    if (v->end) e = (unsigned char)end[v->end] == c ? (uint8_t)(v->end + 1) : 0;
-    else if (c == '<' && v->content && ds41_json_match_complete(&v->m)) e = 1;
+    if (v->end)
+        e = (unsigned char)end[v->end] == c ? (uint8_t)(v->end + 1) : 0;
+    else if (c == '<' && v->content && ds41_json_match_complete(&v->m))
+        e = 1;
     bool content = false;
     if (v->content) {
         /* the longest suffix of text + c that begins the marker (KMP; the marker's only borders
@@ -739,14 +745,17 @@ static int vstate_byte(vstate *v, unsigned char c) {
 /* Bytes that end the open value and the block from v (SIZE_MAX: none). */
 static size_t vstate_close(const ds41_generation *g, const vstate *v) {
     size_t n;
-    if (v->end) n = strlen(VALUE_END) - v->end;
-    else if (v->content) n = ds41_json_match_completion(&v->m, NULL, 0) + strlen(VALUE_END);
-    else return SIZE_MAX;
+    if (v->end)
+        n = strlen(VALUE_END) - v->end;
+    else if (v->content)
+        n = ds41_json_match_completion(&v->m, NULL, 0) + strlen(VALUE_END);
+    else
+        return SIZE_MAX;
     return n == SIZE_MAX ? n : n + g->vrest;
 }
 
-static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *b, const char *c, int next, int arg,
-                     size_t cost) {
+static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *b, const char *c, int next,
+                     int arg, size_t cost) {
     if (g->n_cands >= cap) return false;
     ds41_buf t = {0};
     ds41_buf_puts(&t, a);
@@ -759,7 +768,8 @@ static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *
     size_t len;
     char *text = ds41_buf_take(&t, &len);
     if (!text) return false;
-    g->cands[g->n_cands++] = (cand){.text = text, .len = len, .next = next, .arg = arg, .cost = cost, .fit = true};
+    g->cands[g->n_cands++] =
+        (cand){.text = text, .len = len, .next = next, .arg = arg, .cost = cost, .fit = true};
     return true;
 }
 
@@ -797,8 +807,8 @@ static void constraint_literal(ds41_generation *g, lit_kind kind) {
     bool ok = g->cands != NULL;
     switch (kind) {
     case LIT_START:
-        ok = ok && cand_add(g, cap, "\n\n<" DS41_CHAT_DSML " calls>\n", DSML_INVOKE_START, " name=\"", 100 + LIT_NAME,
-                            0, max_invoke_cost(g));
+        ok = ok && cand_add(g, cap, "\n\n<" DS41_CHAT_DSML " calls>\n", DSML_INVOKE_START, " name=\"",
+                            100 + LIT_NAME, 0, max_invoke_cost(g));
         break;
     case LIT_NAME:
         for (size_t i = 0; ok && i < g->n_ctools; i++)
@@ -830,13 +840,15 @@ static void constraint_literal(ds41_generation *g, lit_kind kind) {
         }
         /* the invoke closes only once every required parameter is there */
         if (ok && all_required_used(g))
-            ok = cand_add(g, cap, lead, DSML_INVOKE_END ">\n", "", 100 + LIT_AFTER_INVOKE, 0, strlen(DSML_CALLS_END));
+            ok = cand_add(g, cap, lead, DSML_INVOKE_END ">\n", "", 100 + LIT_AFTER_INVOKE, 0,
+                          strlen(DSML_CALLS_END));
         break;
     }
     case LIT_AFTER_INVOKE:
         ok = ok && cand_add(g, cap, DSML_CALLS_END, "", "", CS_EOS_ONLY, 0, 0);
         if (g->parallel_tool_calls)
-            ok = ok && cand_add(g, cap, DSML_INVOKE_START, " name=\"", "", 100 + LIT_NAME, 0, max_invoke_cost(g));
+            ok = ok &&
+                 cand_add(g, cap, DSML_INVOKE_START, " name=\"", "", 100 + LIT_NAME, 0, max_invoke_cost(g));
         break;
     }
     if (!ok) {
@@ -892,8 +904,10 @@ static void constraint_byte(ds41_generation *g, char c) {
     }
     case CS_VALUE: {
         int r = vstate_byte(&g->vs, (unsigned char)c);
-        if (r < 0) g->cst = CS_OFF; /* forced output left the grammar */
-        else if (r > 0) constraint_literal(g, LIT_AFTER_PARAM);
+        if (r < 0)
+            g->cst = CS_OFF; /* forced output left the grammar */
+        else if (r > 0)
+            constraint_literal(g, LIT_AFTER_PARAM);
         return;
     }
     case CS_LITERAL: {
@@ -918,7 +932,8 @@ static void constraint_byte(ds41_generation *g, char c) {
                 if (lk == LIT_AFTER_HEAD) {
                     g->ctool_cur = arg;
                     free(g->prop_used);
-                    g->prop_used = calloc(ds41_schema_n_params(g->ctools[arg].schema) + 1, sizeof *g->prop_used);
+                    g->prop_used =
+                        calloc(ds41_schema_n_params(g->ctools[arg].schema) + 1, sizeof *g->prop_used);
                     g->n_invokes++;
                     if (!g->prop_used) {
                         g->cst = CS_OFF;
@@ -945,7 +960,8 @@ static bool force_text(ds41_generation *g, const char *text, size_t len) {
     size_t pos = 0;
     for (size_t i = 0; exact && i < ids.n; i++) {
         size_t bl = 0;
-        const uint8_t *b = ids.ids[i] < g->n_vocab ? ds41_tokenizer_token_bytes(g->tok, ids.ids[i], &bl) : NULL;
+        const uint8_t *b =
+            ids.ids[i] < g->n_vocab ? ds41_tokenizer_token_bytes(g->tok, ids.ids[i], &bl) : NULL;
         exact = b && bl && pos + bl <= len && memcmp(text + pos, b, bl) == 0;
         pos += bl;
     }
@@ -1024,9 +1040,9 @@ static void constraint_budget(ds41_generation *g) {
         if (k->fit && k->len >= g->cur.len && memcmp(k->text, g->cur.data, g->cur.len) == 0) any_fit++;
     }
     if (close_point) {
-        size_t need = g->lit == LIT_AFTER_INVOKE
-                          ? strlen(DSML_CALLS_END)
-                          : close_invoke(g, (size_t)g->ctool_cur, g->prop_used, g->lit == LIT_AFTER_PARAM, NULL);
+        size_t need = g->lit == LIT_AFTER_INVOKE ? strlen(DSML_CALLS_END)
+                                                 : close_invoke(g, (size_t)g->ctool_cur, g->prop_used,
+                                                                g->lit == LIT_AFTER_PARAM, NULL);
         if (!any_fit || left <= need + eos_cost(g) + 1) force_close(g);
     } else if (!any_fit) {
         for (size_t i = 0; i < g->n_cands; i++) g->cands[i].fit = true; /* cut off whatever it does */
@@ -1067,7 +1083,8 @@ static const float *constraint_logits(ds41_generation *g, const float *logits) {
     }
     if (g->cst == CS_VALUE) {
         size_t left = budget_left(g);
-        size_t limit = left == SIZE_MAX ? SIZE_MAX : left - 1 - eos_cost(g); /* constraint_budget: left > 1 + eos */
+        size_t limit =
+            left == SIZE_MAX ? SIZE_MAX : left - 1 - eos_cost(g); /* constraint_budget: left > 1 + eos */
         bool first[256];
         for (int c = 0; c < 256; c++) {
             vstate v;
@@ -1077,7 +1094,8 @@ static const float *constraint_logits(ds41_generation *g, const float *logits) {
         bool any = false;
         for (uint32_t t = 0; t < g->n_vocab; t++) {
             m[t] = -INFINITY;
-            if (!(logits[t] > -INFINITY) || (int32_t)t == g->eos_id || (int32_t)t == g->silent_eos_id) continue;
+            if (!(logits[t] > -INFINITY) || (int32_t)t == g->eos_id || (int32_t)t == g->silent_eos_id)
+                continue;
             size_t bl = 0;
             const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, t, &bl);
             if (!b || !bl || !first[b[0]]) continue;
@@ -1136,7 +1154,8 @@ static int constraint_setup(ds41_generation *g, const ds41_generation_params *p,
         if (!ct->name) return oom(err);
         char path[64];
         snprintf(path, sizeof path, "tools[%zu].function.parameters", i);
-        if (ds41_schema_compile(json_object_get(fn, "parameters"), path, &ct->schema, NULL, 0, err) != 0) return -1;
+        if (ds41_schema_compile(json_object_get(fn, "parameters"), path, &ct->schema, NULL, 0, err) != 0)
+            return -1;
     }
     if (g->n_ctools == 0)
         return p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED
@@ -1563,7 +1582,8 @@ static int cut_off_block(ds41_generation *g) {
     size_t bs = g->block_start;
     /* the block parsed whole (only its EOS is missing); the parser also takes a last invoke cut
      * right after its name line, which is not whole */
-    if (!g->result.repaired && memmem(t + bs, g->text.len - bs, DSML_CALLS_END, strlen(DSML_CALLS_END))) return 0;
+    if (!g->result.repaired && memmem(t + bs, g->text.len - bs, DSML_CALLS_END, strlen(DSML_CALLS_END)))
+        return 0;
     ds41_chat_completion c;
     memset(&c, 0, sizeof c);
     bool got = false;
@@ -1590,7 +1610,9 @@ static int cut_off_block(ds41_generation *g) {
     if (!got && ds41_chat_parse_completion_lenient(t, bs, g->parse_mode, &c, NULL) != 0) return -1;
     /* the calls with JSON arguments, up to the first without */
     size_t keep = 0;
-    while (keep < c.n_tool_calls && json_text_ok(c.tool_calls[keep].arguments, c.tool_calls[keep].arguments_len)) keep++;
+    while (keep < c.n_tool_calls &&
+           json_text_ok(c.tool_calls[keep].arguments, c.tool_calls[keep].arguments_len))
+        keep++;
     for (size_t i = keep; i < c.n_tool_calls; i++) {
         free(c.tool_calls[i].name);
         free(c.tool_calls[i].tool_namespace);
@@ -1646,7 +1668,8 @@ static int finalize(ds41_generation *g, ds41_error *err) {
     ds41_buf_free(&parse_in);
     if (rc != 0) return oom(err);
     g->has_result = true;
-    if ((g->finish == DS41_GENERATION_MAX_TOKENS || g->finish == DS41_GENERATION_CONTEXT) && cut_off_block(g) != 0)
+    if ((g->finish == DS41_GENERATION_MAX_TOKENS || g->finish == DS41_GENERATION_CONTEXT) &&
+        cut_off_block(g) != 0)
         return oom(err);
     if (!g->parallel_tool_calls && g->result.n_tool_calls > 1) {
         /* parallel_tool_calls false: the first call only */

@@ -32,13 +32,16 @@ static uint32_t NV;
 
 /* Two invokes; and one whose first call has arguments that are not JSON (string="false" with
  * raw text: the parser copies it). */
-#define TOOL_BLOCK_2                                                                                                  \
-    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"city\" "             \
-    "string=\"true\">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke name=\"get_weather\">\n"       \
-    "<｜DSML｜ parameter name=\"city\" string=\"true\">Rome</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>"
-#define TOOL_BLOCK_BAD_FIRST                                                                                          \
-    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"days\" "             \
-    "string=\"false\">three</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke name=\"get_weather\">\n"     \
+#define TOOL_BLOCK_2                                                                                         \
+    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"city\" " \
+    "string=\"true\">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke "                \
+    "name=\"get_weather\">\n"                                                                                \
+    "<｜DSML｜ parameter name=\"city\" string=\"true\">Rome</｜DSML｜ parameter>\n</｜DSML｜ "         \
+    "invoke>\n</｜DSML｜ calls>"
+#define TOOL_BLOCK_BAD_FIRST                                                                                 \
+    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"days\" " \
+    "string=\"false\">three</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke "               \
+    "name=\"get_weather\">\n"                                                                                \
     "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
 
 /* What a run produced. */
@@ -497,10 +500,11 @@ static void test_forced(void) {
               r.n_calls ? r.call_args[0] : "none");
     TAP_CHECK(strcmp(r.finish_name, "tool_calls") == 0 && streamed_equals_result(&r),
               "finish_reason tool_calls; the streamed reasoning and content equal the parsed message");
-    TAP_CHECK(streamed_calls_equal_result(&r) && r.frag_steps_early == 1,
-              "the call is streamed when its invoke closes, before the last step (%zu steps before the last carry "
-              "fragments): name first with empty arguments, the fragments add up to the parsed arguments ('%s')",
-              r.frag_steps_early, cstr(&r.stream_args[0]));
+    TAP_CHECK(
+        streamed_calls_equal_result(&r) && r.frag_steps_early == 1,
+        "the call is streamed when its invoke closes, before the last step (%zu steps before the last carry "
+        "fragments): name first with empty arguments, the fragments add up to the parsed arguments ('%s')",
+        r.frag_steps_early, cstr(&r.stream_args[0]));
     size_t n_think;
     uint32_t *think_ids = encode("I should call the tool.</think>", &n_think);
     TAP_CHECK(r.n_reasoning_tokens == n_think, "reasoning tokens = the tokens up to </think> (%zu)", r.n_reasoning_tokens);
@@ -535,20 +539,23 @@ static void test_forced(void) {
             }
             if (r.n_calls) n_with_call++;
             if (r.rc != 0 || strcmp(r.finish_name, "length") != 0 || strstr(r.result_content, "DSML") ||
-                strstr(r.result_content, "<｜") || strncmp(r.result_content, "Checking.", strcspn(r.result_content, "\n")) != 0 ||
+                strstr(r.result_content, "<｜") ||
+                strncmp(r.result_content, "Checking.", strcspn(r.result_content, "\n")) != 0 ||
                 strspn(r.result_content + strcspn(r.result_content, "\n"), "\n") !=
                     strlen(r.result_content + strcspn(r.result_content, "\n")) ||
                 (cut < nf && (!args_ok || r.n_calls > full_calls[ti])) || !streamed_equals_result(&r) ||
                 !streamed_calls_equal_result(&r)) {
                 ok = false;
-                snprintf(why, sizeof why, "cut at %zu: rc %d, finish %s, content '%s', %zu calls ('%s'), %zu streamed %s", cut,
+                snprintf(why, sizeof why,
+                         "cut at %zu: rc %d, finish %s, content '%s', %zu calls ('%s'), %zu streamed %s", cut,
                          r.rc, r.finish_name, r.result_content, r.n_calls, r.n_calls ? r.call_args[0] : "",
                          r.n_stream_calls, r.err);
             }
             run_free(&r);
         }
         TAP_CHECK(ok && (full_calls[ti] == 0 || n_with_call > 0),
-                  "block %zu cut off by max_tokens at each of its %zu tokens: finish length, no DSML in content, calls "
+                  "block %zu cut off by max_tokens at each of its %zu tokens: finish length, no DSML in "
+                  "content, calls "
                   "only whole with JSON arguments (%zu cuts had one), streamed = parsed %s",
                   ti, nf, n_with_call, why);
         free(forced);
@@ -964,28 +971,35 @@ static void test_tool_schema(void) {
         run r = run_gen(&p, &fast);
         n_runs++;
         bool good = r.rc == 0 && r.n_calls >= 1 && strcmp(r.finish_name, "tool_calls") == 0 &&
-                    r.result_content_len == 0 && streamed_calls_equal_result(&r) && streamed_equals_result(&r);
+                    r.result_content_len == 0 && streamed_calls_equal_result(&r) &&
+                    streamed_equals_result(&r);
         for (size_t i = 0; good && i < r.n_calls; i++) {
             json_t *a = json_loads(r.call_args[i], 0, NULL);
             size_t ti = strcmp(r.call_names[i], "ping") == 0 ? 1 : 0;
-            const json_t *sc = json_object_get(json_object_get(json_array_get(tools, ti), "function"), "parameters");
-            good = a && valid(sc, a) && (!p.tool_choice_name || strcmp(r.call_names[i], p.tool_choice_name) == 0);
+            const json_t *sc =
+                json_object_get(json_object_get(json_array_get(tools, ti), "function"), "parameters");
+            good = a && valid(sc, a) &&
+                   (!p.tool_choice_name || strcmp(r.call_names[i], p.tool_choice_name) == 0);
             if (a) n_props += json_object_size(a);
             json_decref(a);
             n_calls++;
         }
         if (!good) {
             ok = false;
-            snprintf(bad, sizeof bad, "trial %llu: rc %d, %zu calls, finish %s, content '%.200s', call %s '%.600s' %s",
-                     (unsigned long long)trial, r.rc, r.n_calls, r.finish_name, r.result_content ? r.result_content : "",
-                     r.n_calls ? r.call_names[0] : "", r.n_calls ? r.call_args[0] : "", r.err);
+            snprintf(bad, sizeof bad,
+                     "trial %llu: rc %d, %zu calls, finish %s, content '%.200s', call %s '%.600s' %s",
+                     (unsigned long long)trial, r.rc, r.n_calls, r.finish_name,
+                     r.result_content ? r.result_content : "", r.n_calls ? r.call_names[0] : "",
+                     r.n_calls ? r.call_args[0] : "", r.err);
         }
         run_free(&r);
     }
-    TAP_CHECK(ok, "%zu runs (named / required, temperatures 0..2, max_tokens 300..599, model and uniform logits): "
-                  "%zu calls, each with arguments that are JSON of its schema and every required property (%zu "
-                  "properties in all), finish tool_calls, streamed = parsed %s",
-              n_runs, n_calls, n_props, bad);
+    TAP_CHECK(
+        ok,
+        "%zu runs (named / required, temperatures 0..2, max_tokens 300..599, model and uniform logits): "
+        "%zu calls, each with arguments that are JSON of its schema and every required property (%zu "
+        "properties in all), finish tool_calls, streamed = parsed %s",
+        n_runs, n_calls, n_props, bad);
 
     /* a budget too small for the whole call: cut off, never DSML in content, streamed = parsed */
     ok = true;
@@ -1002,18 +1016,22 @@ static void test_tool_schema(void) {
                     streamed_calls_equal_result(&r) && streamed_equals_result(&r);
         for (size_t i = 0; good && i < r.n_calls; i++) {
             json_t *a = json_loads(r.call_args[i], 0, NULL);
-            good = a && valid(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "parameters"), a);
+            good = a &&
+                   valid(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "parameters"),
+                         a);
             json_decref(a);
             n_cut_calls++;
         }
         if (!good) {
             ok = false;
-            snprintf(bad, sizeof bad, "max_tokens %u: rc %d, %zu calls, finish %s, content '%.300s' %s", mt, r.rc,
-                     r.n_calls, r.finish_name, r.result_content ? r.result_content : "", r.err);
+            snprintf(bad, sizeof bad, "max_tokens %u: rc %d, %zu calls, finish %s, content '%.300s' %s", mt,
+                     r.rc, r.n_calls, r.finish_name, r.result_content ? r.result_content : "", r.err);
         }
         run_free(&r);
     }
-    TAP_CHECK(ok, "max_tokens 1..300 under a named choice: no DSML in content, any call (%zu) valid, streamed = parsed %s",
+    TAP_CHECK(ok,
+              "max_tokens 1..300 under a named choice: no DSML in content, any call (%zu) valid, streamed = "
+              "parsed %s",
               n_cut_calls, bad);
     json_decref(tools);
     json_decref(msgs);
