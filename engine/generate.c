@@ -1,6 +1,7 @@
 /* One request's generation as a state machine (see generate.h). */
 #include "engine/generate.h"
 
+#include "engine/json_schema.h"
 #include "engine/pyjson.h"
 #include "engine/stop.h"
 
@@ -41,6 +42,7 @@ typedef struct stream_call {
     char *name;
     size_t name_len;
     ds41_buf args;
+    bool released; /* its fragments go out (see generate.h "Tool-call streaming") */
 } stream_call;
 
 /* One fragment of this step; its text lives in step_frag_text (offsets: the buffer may move). */
@@ -56,36 +58,33 @@ typedef enum cstate {
     CS_OFF = 0,
     CS_WAIT_THINK, /* thinking mode: free reasoning (no EOS) until "</think>" */
     CS_LITERAL,    /* one of cands[] must follow */
-    CS_VALUE,      /* a parameter value: free (no EOS) until "</｜DSML｜ parameter>" */
-    CS_EOS_ONLY,   /* after "</｜DSML｜ calls>" */
+    CS_VALUE,    /* a parameter value: JSON (or a raw string) of its schema, then "</｜DSML｜ parameter>" */
+    CS_EOS_ONLY, /* after "</｜DSML｜ calls>" */
 } cstate;
 
 typedef enum lit_kind { LIT_START, LIT_NAME, LIT_AFTER_HEAD, LIT_AFTER_PARAM, LIT_AFTER_INVOKE } lit_kind;
 
 typedef struct ctool {
     char *name;
-    size_t n_props;
-    char **props;
-    int *prop_type; /* 0 not declared, 1 "string", 2 another type */
+    ds41_schema *schema; /* its parameters */
 } ctool;
 
 typedef struct cand {
     char *text;
     size_t len;
-    int next;  /* CS_VALUE, CS_EOS_ONLY or 100 + lit_kind */
-    int arg;   /* LIT_NAME -> AFTER_HEAD: the tool; -> VALUE: the property */
+    int next;    /* CS_VALUE, CS_EOS_ONLY or 100 + lit_kind */
+    int arg;     /* LIT_NAME -> AFTER_HEAD: the tool; -> VALUE: 2 x the parameter + 1 when raw */
+    size_t cost; /* bytes that close the block once text is complete */
+    bool fit;    /* this step's budget holds text and its close */
 } cand;
 
-#define VALUE_END "</" DS41_CHAT_DSML " parameter>"
+typedef struct vstate {
+    ds41_json_match m;
+    bool content;
+    uint8_t end, guard;
+} vstate;
 
-/* What closes the block from a state where it can close (forced when the token budget runs out). */
-enum { CLOSE_VALUE, CLOSE_HEAD, CLOSE_PARAM, CLOSE_INVOKE, N_CLOSES };
-static const char *const CLOSE_TEXT[N_CLOSES] = {
-    VALUE_END "\n" DSML_INVOKE_END ">\n" DSML_CALLS_END,
-    DSML_INVOKE_END ">\n" DSML_CALLS_END,
-    "\n" DSML_INVOKE_END ">\n" DSML_CALLS_END,
-    DSML_CALLS_END,
-};
+#define VALUE_END "</" DS41_CHAT_DSML " parameter>"
 
 enum { M_THINK_END, M_TOOL_CALLS, M_EOS, N_MARKERS };
 static const char *const MARKER_TEXT[N_MARKERS] = {DS41_CHAT_THINK_END, TOOL_CALLS_START, DS41_CHAT_EOS};
@@ -141,6 +140,7 @@ struct ds41_generation {
     bool parallel_tool_calls;
     block_state bstate;
     size_t block_pos;  /* absolute position in text the streamer has reached */
+    size_t block_start; /* where the tool-call block begins in text (SPLIT_BLOCK) */
     bool value_string; /* the open value is a string="true" one */
     size_t n_params;   /* parameters of the open invoke */
     ds41_buf param_names; /* the open invoke's parameter names, each followed by a NUL */
@@ -167,7 +167,9 @@ struct ds41_generation {
     size_t n_invokes;  /* invokes the constraint has opened */
     int32_t eos_id;    /* -1: none (or ignore_eos) */
     int32_t silent_eos_id; /* CHAT with ignore_eos: the EOS id, whose text stays out of T; else -1 */
-    ds41_token_ids close_ids[N_CLOSES]; /* CLOSE_TEXT[], canonical tokens */
+    vstate vs;             /* CS_VALUE: the open value */
+    size_t vrest;          /* CS_VALUE: bytes that close the block after the value's end */
+    uint32_t byte_tok[256]; /* a token of each single byte (UINT32_MAX: none) */
     uint32_t *cforce;  /* tokens the constraint forces next */
     size_t n_cforce, cforce_pos;
     float *masked;     /* n_vocab logits with the constraint applied */
@@ -389,7 +391,8 @@ static void frag_push(ds41_generation *g, size_t index, const char *name, size_t
                       size_t args_len) {
     if (index >= g->n_calls) return;
     if (!name && !args_len) return;
-    ds41_buf_put(&g->calls[index].args, args, args_len);
+    if (!name) ds41_buf_put(&g->calls[index].args, args, args_len);
+    if (!g->calls[index].released) return; /* held until the call is complete */
     /* the step's last fragment grows when it holds the same call's arguments (a first fragment
      * keeps its empty arguments) */
     if (!name && g->n_frags && g->frags[g->n_frags - 1].index == index && !g->frags[g->n_frags - 1].has_name &&
@@ -454,7 +457,32 @@ static void call_start(ds41_generation *g, const char *name, size_t n) {
     c->name[n] = 0;
     c->name_len = n;
     g->n_calls++;
-    frag_push(g, g->n_calls - 1, c->name, n, "", 0);
+}
+
+/* The arguments text is one JSON value (jansson, as a client would parse it). */
+static bool json_text_ok(const char *s, size_t n) {
+    json_t *v = json_loadb(s ? s : "", n, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL);
+    json_decref(v);
+    return v != NULL;
+}
+
+/* The last call's invoke closed: its fragments (name, then the arguments so far) go out when its
+ * arguments are valid JSON and every call before it went out, so a stream cut off later never
+ * holds a call the final message lacks (finalize salvages exactly these calls). */
+static void call_complete(ds41_generation *g) {
+    if (!g->n_calls) return;
+    size_t i = g->n_calls - 1;
+    stream_call *c = &g->calls[i];
+    if (c->released || (i && !g->calls[i - 1].released) || !json_text_ok(c->args.data, c->args.len)) return;
+    c->released = true;
+    frag_push(g, i, c->name, c->name_len, "", 0);
+    if (c->args.len) {
+        /* the arguments were accumulated already: push them as fragments without appending again */
+        ds41_buf a = c->args;
+        c->args = (ds41_buf){0};
+        frag_push(g, i, NULL, 0, a.data, a.len);
+        ds41_buf_free(&a);
+    }
 }
 
 /* A piece of the open value: JSON-escaped (without quotes) for a string value, raw otherwise. */
@@ -546,6 +574,7 @@ static void block_scan(ds41_generation *g) {
                 g->bstate = BS_PARAM_HEAD;
             } else {
                 frag_args(g, "{}", 2);
+                call_complete(g);
                 g->block_pos += cn + strlen(DSML_INVOKE_END);
                 g->bstate = BS_CALLS;
             }
@@ -629,6 +658,7 @@ static void block_scan(ds41_generation *g) {
             }
             if (has_prefix(r, n, cl)) {
                 frag_args(g, "}", 1);
+                call_complete(g);
                 g->block_pos += strlen(cl);
                 g->bstate = BS_CALLS;
                 continue;
@@ -649,16 +679,22 @@ static void stream_reconcile(ds41_generation *g) {
     const ds41_chat_completion *r = &g->result;
     for (size_t i = 0; i < r->n_tool_calls; i++) {
         const ds41_chat_tool_call *c = &r->tool_calls[i];
-        if (i < g->n_calls) {
+        if (i < g->n_calls && g->calls[i].released) {
             const stream_call *sc = &g->calls[i];
             if (sc->name_len == c->name_len && memcmp(sc->name, c->name, c->name_len) == 0 &&
                 sc->args.len <= c->arguments_len && (!sc->args.len || memcmp(sc->args.data, c->arguments, sc->args.len) == 0))
                 frag_push(g, i, NULL, 0, c->arguments + sc->args.len, c->arguments_len - sc->args.len);
             continue;
         }
-        if (i != g->n_calls) break; /* a call before it was missed (out of memory) */
-        call_start(g, c->name, c->name_len);
-        if (g->n_calls == i + 1) frag_push(g, i, NULL, 0, c->arguments, c->arguments_len);
+        if (i > g->n_calls || (i && !g->calls[i - 1].released))
+            break; /* a call before it was missed (out of memory) */
+        if (i == g->n_calls) call_start(g, c->name, c->name_len);
+        if (i >= g->n_calls) break;
+        stream_call *sc = &g->calls[i];
+        sc->args.len = 0;
+        sc->released = true;
+        frag_push(g, i, c->name, c->name_len, "", 0);
+        frag_push(g, i, NULL, 0, c->arguments, c->arguments_len);
     }
 }
 
@@ -667,9 +703,7 @@ static void stream_reconcile(ds41_generation *g) {
 static void ctools_free(ds41_generation *g) {
     for (size_t i = 0; i < g->n_ctools; i++) {
         free(g->ctools[i].name);
-        for (size_t k = 0; k < g->ctools[i].n_props; k++) free(g->ctools[i].props[k]);
-        free(g->ctools[i].props);
-        free(g->ctools[i].prop_type);
+        ds41_schema_free(g->ctools[i].schema);
     }
     free(g->ctools);
     g->ctools = NULL;
@@ -681,7 +715,135 @@ static void cands_clear(ds41_generation *g) {
     g->n_cands = 0;
 }
 
-static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *b, const char *c, int next, int arg) {
+/* The tokens left for this step and the ones after it (SIZE_MAX: no limit). */
+static size_t budget_left(const ds41_generation *g) {
+    size_t gen = g->n_tokens - g->n_prompt; /* generated before this step */
+    size_t left = SIZE_MAX;
+    if (g->max_tokens) left = g->max_tokens > gen ? g->max_tokens - gen : 0;
+    if (g->max_context) {
+        size_t c = g->max_context > g->n_tokens ? g->max_context - g->n_tokens : 0;
+        if (c < left) left = c;
+    }
+    return left;
+}
+
+static size_t eos_cost(const ds41_generation *g) {
+    return g->eos_id >= 0 ? 1 : 0;
+}
+
+/* A parameter's shortest value is written raw (string="true") when that is allowed and no longer. */
+static bool min_raw(const ds41_schema *s, size_t k) {
+    if (!ds41_schema_param_raw_ok(s, k)) return false;
+    if (!ds41_schema_param_json_ok(s, k)) return true;
+    return ds41_schema_param_min(s, k, true, NULL, 0) <= ds41_schema_param_min(s, k, false, NULL, 0);
+}
+
+static void put_min(ds41_buf *out, const ds41_schema *s, size_t k, bool raw) {
+    char small[256];
+    size_t n = ds41_schema_param_min(s, k, raw, small, sizeof small);
+    if (n <= sizeof small) {
+        ds41_buf_put(out, small, n);
+        return;
+    }
+    char *big = malloc(n);
+    if (!big) {
+        out->oom = true;
+        return;
+    }
+    ds41_schema_param_min(s, k, raw, big, n);
+    ds41_buf_put(out, big, n);
+    free(big);
+}
+
+/* The bytes (and, with out, the text) that close the open invoke of tool ti and the block: each
+ * required parameter not in used[] (NULL: none used) with its shortest value, then the invoke's
+ * and the block's ends.  after_param: the invoke's last line was a parameter (the next line
+ * starts with "\n"). */
+static size_t close_invoke(const ds41_generation *g, size_t ti, const bool *used, bool after_param,
+                           ds41_buf *out) {
+    const ds41_schema *s = g->ctools[ti].schema;
+    size_t n = 0;
+    bool lead = after_param;
+    for (size_t k = 0; k < ds41_schema_n_params(s); k++) {
+        if (!ds41_schema_param_required(s, k) || (used && used[k])) continue;
+        bool raw = min_raw(s, k);
+        const char *name = ds41_schema_param_name(s, k);
+        n += (lead ? 1 : 0) + strlen(DSML_PARAM_START " name=\"") + strlen(name) +
+             strlen(raw ? "\" string=\"true\">" : "\" string=\"false\">") +
+             ds41_schema_param_min(s, k, raw, NULL, 0) + strlen(VALUE_END);
+        if (out) {
+            if (lead) ds41_buf_putc(out, '\n');
+            ds41_buf_puts(out, DSML_PARAM_START " name=\"");
+            ds41_buf_puts(out, name);
+            ds41_buf_puts(out, raw ? "\" string=\"true\">" : "\" string=\"false\">");
+            put_min(out, s, k, raw);
+            ds41_buf_puts(out, VALUE_END);
+        }
+        lead = true;
+    }
+    static const char tail[] = DSML_INVOKE_END ">\n" DSML_CALLS_END;
+    n += (lead ? 1 : 0) + strlen(tail);
+    if (out) {
+        if (lead) ds41_buf_putc(out, '\n');
+        ds41_buf_puts(out, tail);
+    }
+    return n;
+}
+
+/* The open value: the matcher of its text (the "content" branch) and, once the text so far is a
+ * whole value followed by '<', how much of "</｜DSML｜ parameter>" follows (the "end" branch; a
+ * raw string may go on with a '<' of its own, so both can be alive).  guard: how much of the DSML
+ * marker the text ends with (a value may not contain it: the parser would end the value there). */
+#define MARK "｜DSML｜"
+static void vstate_copy(vstate *d, const vstate *s) {
+    ds41_json_match_copy(&d->m, &s->m);
+    d->content = s->content;
+    d->end = s->end;
+    d->guard = s->guard;
+}
+
+/* -1: dead, 0: alive, 1: the value and its end are complete. */
+static int vstate_byte(vstate *v, unsigned char c) {
+    static const char end[] = VALUE_END, mark[] = MARK;
+    const size_t el = sizeof end - 1, ml = sizeof mark - 1;
+    uint8_t e = 0;
+    if (v->end)
+        e = (unsigned char)end[v->end] == c ? (uint8_t)(v->end + 1) : 0;
+    else if (c == '<' && v->content && ds41_json_match_complete(&v->m))
+        e = 1;
+    bool content = false;
+    if (v->content) {
+        /* the longest suffix of text + c that begins the marker (KMP; the marker's only borders
+         * are the first bytes of its "｜") */
+        static const uint8_t border[] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 2};
+        size_t gl = v->guard;
+        while (gl > 0 && (unsigned char)mark[gl] != c) gl = border[gl];
+        if ((unsigned char)mark[gl] == c) gl++;
+        if (gl < ml && ds41_json_match_byte(&v->m, c)) {
+            content = true;
+            v->guard = (uint8_t)gl;
+        }
+    }
+    v->content = content;
+    v->end = e;
+    if (e == el) return 1;
+    return content || e ? 0 : -1;
+}
+
+/* Bytes that end the open value and the block from v (SIZE_MAX: none). */
+static size_t vstate_close(const ds41_generation *g, const vstate *v) {
+    size_t n;
+    if (v->end)
+        n = strlen(VALUE_END) - v->end;
+    else if (v->content)
+        n = ds41_json_match_completion(&v->m, NULL, 0) + strlen(VALUE_END);
+    else
+        return SIZE_MAX;
+    return n == SIZE_MAX ? n : n + g->vrest;
+}
+
+static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *b, const char *c, int next,
+                     int arg, size_t cost) {
     if (g->n_cands >= cap) return false;
     ds41_buf t = {0};
     ds41_buf_puts(&t, a);
@@ -694,11 +856,31 @@ static bool cand_add(ds41_generation *g, size_t cap, const char *a, const char *
     size_t len;
     char *text = ds41_buf_take(&t, &len);
     if (!text) return false;
-    g->cands[g->n_cands++] = (cand){.text = text, .len = len, .next = next, .arg = arg};
+    g->cands[g->n_cands++] =
+        (cand){.text = text, .len = len, .next = next, .arg = arg, .cost = cost, .fit = true};
     return true;
 }
 
-/* Enter a literal state: the candidates that may follow. */
+static bool all_required_used(const ds41_generation *g) {
+    const ds41_schema *s = g->ctools[g->ctool_cur].schema;
+    for (size_t k = 0; k < ds41_schema_n_params(s); k++)
+        if (ds41_schema_param_required(s, k) && !g->prop_used[k]) return false;
+    return true;
+}
+
+/* The bytes after a new invoke's name line: the cheapest close of any tool (LIT_NAME cands carry
+ * their own). */
+static size_t max_invoke_cost(const ds41_generation *g) {
+    size_t m = 0;
+    for (size_t i = 0; i < g->n_ctools; i++) {
+        size_t l = strlen(g->ctools[i].name) + 3 + close_invoke(g, i, NULL, false, NULL);
+        if (l > m) m = l;
+    }
+    return m;
+}
+
+/* Enter a literal state: the candidates that may follow, each with the bytes that would close
+ * the block after it (its cost). */
 static void constraint_literal(ds41_generation *g, lit_kind kind) {
     cands_clear(g);
     g->cur.len = 0;
@@ -706,39 +888,55 @@ static void constraint_literal(ds41_generation *g, lit_kind kind) {
     g->cst = CS_LITERAL;
     size_t cap = 2;
     if (kind == LIT_NAME) cap = g->n_ctools;
-    if (kind == LIT_AFTER_HEAD || kind == LIT_AFTER_PARAM) cap = 1 + 2 * (g->ctool_cur >= 0 ? g->ctools[g->ctool_cur].n_props : 0);
+    if (kind == LIT_AFTER_HEAD || kind == LIT_AFTER_PARAM)
+        cap = 1 + 2 * (g->ctool_cur >= 0 ? ds41_schema_n_params(g->ctools[g->ctool_cur].schema) : 0);
     free(g->cands);
     g->cands = calloc(cap ? cap : 1, sizeof *g->cands);
     bool ok = g->cands != NULL;
     switch (kind) {
     case LIT_START:
-        ok = ok && cand_add(g, cap, "\n\n<" DS41_CHAT_DSML " calls>\n", DSML_INVOKE_START, " name=\"", 100 + LIT_NAME, 0);
+        ok = ok && cand_add(g, cap, "\n\n<" DS41_CHAT_DSML " calls>\n", DSML_INVOKE_START, " name=\"",
+                            100 + LIT_NAME, 0, max_invoke_cost(g));
         break;
     case LIT_NAME:
-        for (size_t i = 0; ok && i < g->n_ctools; i++) ok = cand_add(g, cap, g->ctools[i].name, "\">\n", "", 100 + LIT_AFTER_HEAD, (int)i);
+        for (size_t i = 0; ok && i < g->n_ctools; i++)
+            ok = cand_add(g, cap, g->ctools[i].name, "\">\n", "", 100 + LIT_AFTER_HEAD, (int)i,
+                          close_invoke(g, i, NULL, false, NULL));
         break;
     case LIT_AFTER_HEAD:
     case LIT_AFTER_PARAM: {
         const char *lead = kind == LIT_AFTER_PARAM ? "\n" : "";
-        const ctool *ct = &g->ctools[g->ctool_cur];
-        for (size_t k = 0; ok && k < ct->n_props; k++) {
+        const ds41_schema *s = g->ctools[g->ctool_cur].schema;
+        for (size_t k = 0; ok && k < ds41_schema_n_params(s); k++) {
             if (g->prop_used[k]) continue;
             ds41_buf pre = {0};
             ds41_buf_puts(&pre, lead);
             ds41_buf_puts(&pre, DSML_PARAM_START " name=\"");
-            ds41_buf_puts(&pre, ct->props[k]);
+            ds41_buf_puts(&pre, ds41_schema_param_name(s, k));
             ds41_buf_putc(&pre, 0);
             if (pre.oom) ok = false;
-            if (ok && ct->prop_type[k] != 2) ok = cand_add(g, cap, pre.data, "\" string=\"true\">", "", CS_VALUE, (int)k);
-            if (ok && ct->prop_type[k] != 1) ok = cand_add(g, cap, pre.data, "\" string=\"false\">", "", CS_VALUE, (int)k);
+            g->prop_used[k] = true;
+            size_t rest = strlen(VALUE_END) + close_invoke(g, (size_t)g->ctool_cur, g->prop_used, true, NULL);
+            g->prop_used[k] = false;
+            if (ok && ds41_schema_param_raw_ok(s, k))
+                ok = cand_add(g, cap, pre.data, "\" string=\"true\">", "", CS_VALUE, (int)(2 * k + 1),
+                              rest + ds41_schema_param_min(s, k, true, NULL, 0));
+            if (ok && ds41_schema_param_json_ok(s, k))
+                ok = cand_add(g, cap, pre.data, "\" string=\"false\">", "", CS_VALUE, (int)(2 * k),
+                              rest + ds41_schema_param_min(s, k, false, NULL, 0));
             ds41_buf_free(&pre);
         }
-        ok = ok && cand_add(g, cap, lead, DSML_INVOKE_END ">\n", "", 100 + LIT_AFTER_INVOKE, 0);
+        /* the invoke closes only once every required parameter is there */
+        if (ok && all_required_used(g))
+            ok = cand_add(g, cap, lead, DSML_INVOKE_END ">\n", "", 100 + LIT_AFTER_INVOKE, 0,
+                          strlen(DSML_CALLS_END));
         break;
     }
     case LIT_AFTER_INVOKE:
-        ok = ok && cand_add(g, cap, DSML_CALLS_END, "", "", CS_EOS_ONLY, 0);
-        if (g->parallel_tool_calls) ok = ok && cand_add(g, cap, DSML_INVOKE_START, " name=\"", "", 100 + LIT_NAME, 0);
+        ok = ok && cand_add(g, cap, DSML_CALLS_END, "", "", CS_EOS_ONLY, 0, 0);
+        if (g->parallel_tool_calls)
+            ok = ok &&
+                 cand_add(g, cap, DSML_INVOKE_START, " name=\"", "", 100 + LIT_NAME, 0, max_invoke_cost(g));
         break;
     }
     if (!ok) {
@@ -763,13 +961,23 @@ static void constraint_literal(ds41_generation *g, lit_kind kind) {
     }
 }
 
+static void constraint_value(ds41_generation *g, int arg) {
+    size_t k = (size_t)arg / 2;
+    g->prop_used[k] = true;
+    ds41_json_match_init(&g->vs.m, g->ctools[g->ctool_cur].schema, k, arg & 1);
+    g->vs.content = true;
+    g->vs.end = 0;
+    g->vs.guard = 0;
+    g->vrest = close_invoke(g, (size_t)g->ctool_cur, g->prop_used, true, NULL);
+    g->cst = CS_VALUE;
+}
+
 /* One generated byte through the constraint. */
 static void constraint_byte(ds41_generation *g, char c) {
     switch (g->cst) {
     case CS_OFF: return;
-    case CS_WAIT_THINK:
-    case CS_VALUE: {
-        const char *end = g->cst == CS_WAIT_THINK ? DS41_CHAT_THINK_END : VALUE_END;
+    case CS_WAIT_THINK: {
+        const char *end = DS41_CHAT_THINK_END;
         size_t el = strlen(end);
         ds41_buf_putc(&g->tail, c);
         if (g->tail.len > el) {
@@ -778,8 +986,16 @@ static void constraint_byte(ds41_generation *g, char c) {
         }
         if (g->tail.len == el && memcmp(g->tail.data, end, el) == 0) {
             g->tail.len = 0;
-            constraint_literal(g, g->cst == CS_WAIT_THINK ? LIT_START : LIT_AFTER_PARAM);
+            constraint_literal(g, LIT_START);
         }
+        return;
+    }
+    case CS_VALUE: {
+        int r = vstate_byte(&g->vs, (unsigned char)c);
+        if (r < 0)
+            g->cst = CS_OFF; /* forced output left the grammar */
+        else if (r > 0)
+            constraint_literal(g, LIT_AFTER_PARAM);
         return;
     }
     case CS_LITERAL: {
@@ -796,9 +1012,7 @@ static void constraint_byte(ds41_generation *g, char c) {
             if (k->len != g->cur.len) continue;
             int next = k->next, arg = k->arg;
             if (next == CS_VALUE) {
-                g->prop_used[arg] = true;
-                g->tail.len = 0;
-                g->cst = CS_VALUE;
+                constraint_value(g, arg);
             } else if (next == CS_EOS_ONLY) {
                 g->cst = g->eos_id >= 0 ? CS_EOS_ONLY : CS_OFF;
             } else {
@@ -806,7 +1020,8 @@ static void constraint_byte(ds41_generation *g, char c) {
                 if (lk == LIT_AFTER_HEAD) {
                     g->ctool_cur = arg;
                     free(g->prop_used);
-                    g->prop_used = calloc(g->ctools[arg].n_props + 1, sizeof *g->prop_used);
+                    g->prop_used =
+                        calloc(ds41_schema_n_params(g->ctools[arg].schema) + 1, sizeof *g->prop_used);
                     g->n_invokes++;
                     if (!g->prop_used) {
                         g->cst = CS_OFF;
@@ -824,7 +1039,109 @@ static void constraint_byte(ds41_generation *g, char c) {
     }
 }
 
-/* The logits the sampler sees under the constraint (or logits itself when it does not apply). */
+/* Force text (then EOS): its canonical tokens when their bytes are exactly text, else one token
+ * per byte (text that begins inside a UTF-8 sequence does not tokenize to itself). */
+static bool force_text(ds41_generation *g, const char *text, size_t len) {
+    ds41_token_ids ids = {0};
+    ds41_error e;
+    bool exact = ds41_tokenizer_encode(g->tok, text, len, &ids, &e) == 0;
+    size_t pos = 0;
+    for (size_t i = 0; exact && i < ids.n; i++) {
+        size_t bl = 0;
+        const uint8_t *b =
+            ids.ids[i] < g->n_vocab ? ds41_tokenizer_token_bytes(g->tok, ids.ids[i], &bl) : NULL;
+        exact = b && bl && pos + bl <= len && memcmp(text + pos, b, bl) == 0;
+        pos += bl;
+    }
+    exact = exact && pos == len;
+    size_t n = exact ? ids.n : len;
+    for (size_t i = 0; !exact && i < len; i++)
+        if (g->byte_tok[(unsigned char)text[i]] == UINT32_MAX) {
+            ds41_token_ids_free(&ids);
+            return false;
+        }
+    uint32_t *f = malloc((n + 1) * sizeof *f);
+    if (!f) {
+        ds41_token_ids_free(&ids);
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) f[i] = exact ? ids.ids[i] : g->byte_tok[(unsigned char)text[i]];
+    ds41_token_ids_free(&ids);
+    if (g->eos_id >= 0) f[n++] = (uint32_t)g->eos_id;
+    free(g->cforce);
+    g->cforce = f;
+    g->n_cforce = n;
+    g->cforce_pos = 0;
+    return true;
+}
+
+/* Close the block from here: the open value's shortest completion, the required parameters not
+ * written yet, the invoke's and the block's ends, then EOS. */
+static void force_close(ds41_generation *g) {
+    ds41_buf t = {0};
+    if (g->cst == CS_VALUE) {
+        if (g->vs.end) {
+            ds41_buf_puts(&t, &VALUE_END[g->vs.end]);
+        } else {
+            size_t n = ds41_json_match_completion(&g->vs.m, NULL, 0);
+            char *c = n != SIZE_MAX ? malloc(n + 1) : NULL;
+            if (!c) {
+                g->cst = CS_OFF;
+                return;
+            }
+            ds41_json_match_completion(&g->vs.m, c, n);
+            ds41_buf_put(&t, c, n);
+            free(c);
+            ds41_buf_puts(&t, VALUE_END);
+        }
+        close_invoke(g, (size_t)g->ctool_cur, g->prop_used, true, &t);
+    } else if (g->lit == LIT_AFTER_INVOKE) {
+        ds41_buf_puts(&t, DSML_CALLS_END);
+    } else {
+        close_invoke(g, (size_t)g->ctool_cur, g->prop_used, g->lit == LIT_AFTER_PARAM, &t);
+    }
+    if (t.oom || !force_text(g, t.data ? t.data : "", t.len)) g->cst = CS_OFF;
+    ds41_buf_free(&t);
+}
+
+/* Before each step: when the token budget (max_tokens, the context) would no longer hold the
+ * cheapest close from here (one token per byte at worst) plus EOS and one more token, force the
+ * close; otherwise mark the literal candidates whose own close would not fit (the mask leaves
+ * them out).  A value's tokens are checked one by one in constraint_logits. */
+static void constraint_budget(ds41_generation *g) {
+    if (g->cforce_pos < g->n_cforce) return;
+    size_t left = budget_left(g);
+    if (left == SIZE_MAX) return;
+    if (g->cst == CS_VALUE) {
+        size_t need = vstate_close(g, &g->vs);
+        if (need != SIZE_MAX && left <= need + eos_cost(g) + 1) force_close(g);
+        return;
+    }
+    if (g->cst != CS_LITERAL) return;
+    bool close_point = g->cur.len == 0 && g->ctool_cur >= 0 &&
+                       (g->lit == LIT_AFTER_HEAD || g->lit == LIT_AFTER_PARAM || g->lit == LIT_AFTER_INVOKE);
+    size_t any_fit = 0;
+    for (size_t i = 0; i < g->n_cands; i++) {
+        cand *k = &g->cands[i];
+        size_t rest = k->len >= g->cur.len ? k->len - g->cur.len : 0;
+        k->fit = rest + k->cost + eos_cost(g) + 1 <= left;
+        if (k->fit && k->len >= g->cur.len && memcmp(k->text, g->cur.data, g->cur.len) == 0) any_fit++;
+    }
+    if (close_point) {
+        size_t need = g->lit == LIT_AFTER_INVOKE ? strlen(DSML_CALLS_END)
+                                                 : close_invoke(g, (size_t)g->ctool_cur, g->prop_used,
+                                                                g->lit == LIT_AFTER_PARAM, NULL);
+        if (!any_fit || left <= need + eos_cost(g) + 1) force_close(g);
+    } else if (!any_fit) {
+        for (size_t i = 0; i < g->n_cands; i++) g->cands[i].fit = true; /* cut off whatever it does */
+    }
+}
+
+/* The logits the sampler sees under the constraint (or logits itself when it does not apply).
+ * Every token is checked against the grammar with its bytes (a token may not run past the end
+ * of the literal or value it is in); in a value, a token whose close would not fit the budget is
+ * left out too.  Cost per step: O(vocabulary x token length), with the tokens whose first byte
+ * cannot follow skipped at once. */
 static const float *constraint_logits(ds41_generation *g, const float *logits) {
     if (g->cst == CS_OFF) return logits;
     if (!g->masked) {
@@ -840,7 +1157,7 @@ static const float *constraint_logits(ds41_generation *g, const float *logits) {
             bool ok = false;
             for (size_t i = 0; b && bl && !ok && i < g->n_cands; i++) {
                 const cand *k = &g->cands[i];
-                ok = g->cur.len + bl <= k->len && memcmp(k->text, g->cur.data, g->cur.len) == 0 &&
+                ok = k->fit && g->cur.len + bl <= k->len && memcmp(k->text, g->cur.data, g->cur.len) == 0 &&
                      memcmp(k->text + g->cur.len, b, bl) == 0;
             }
             m[t] = ok ? logits[t] : -INFINITY;
@@ -852,13 +1169,52 @@ static const float *constraint_logits(ds41_generation *g, const float *logits) {
         }
         return m;
     }
+    if (g->cst == CS_VALUE) {
+        size_t left = budget_left(g);
+        size_t limit =
+            left == SIZE_MAX ? SIZE_MAX : left - 1 - eos_cost(g); /* constraint_budget: left > 1 + eos */
+        bool first[256];
+        for (int c = 0; c < 256; c++) {
+            vstate v;
+            vstate_copy(&v, &g->vs);
+            first[c] = vstate_byte(&v, (unsigned char)c) >= 0;
+        }
+        bool any = false;
+        for (uint32_t t = 0; t < g->n_vocab; t++) {
+            m[t] = -INFINITY;
+            if (!(logits[t] > -INFINITY) || (int32_t)t == g->eos_id || (int32_t)t == g->silent_eos_id)
+                continue;
+            size_t bl = 0;
+            const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, t, &bl);
+            if (!b || !bl || !first[b[0]]) continue;
+            vstate v;
+            vstate_copy(&v, &g->vs);
+            int r = 0;
+            for (size_t i = 0; i < bl && r == 0; i++) {
+                r = vstate_byte(&v, b[i]);
+                if (r > 0 && i + 1 < bl) r = -1; /* runs past the value's end */
+            }
+            if (r < 0) continue;
+            if (limit != SIZE_MAX) {
+                size_t need = r > 0 ? g->vrest : vstate_close(g, &v);
+                if (need == SIZE_MAX || need > limit) continue;
+            }
+            m[t] = logits[t];
+            any = true;
+        }
+        if (!any) {
+            force_close(g); /* nothing fits: the shortest close */
+            return NULL;
+        }
+        return m;
+    }
     if (g->cst == CS_EOS_ONLY) {
         if (g->eos_id < 0 || !(logits[g->eos_id] > -INFINITY)) return logits;
         for (uint32_t t = 0; t < g->n_vocab; t++) m[t] = -INFINITY;
         m[g->eos_id] = logits[g->eos_id];
         return m;
     }
-    /* WAIT_THINK, VALUE: everything but EOS */
+    /* WAIT_THINK: everything but EOS */
     memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
     if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
     for (uint32_t t = 0; t < g->n_vocab; t++)
@@ -866,65 +1222,8 @@ static const float *constraint_logits(ds41_generation *g, const float *logits) {
     return logits;
 }
 
-/* The longest name candidate + '">\n' (bytes: a model may spend a token per byte). */
-static size_t longest_name(const ds41_generation *g) {
-    size_t m = 0;
-    for (size_t i = 0; i < g->n_ctools; i++) {
-        size_t l = strlen(g->ctools[i].name) + 3;
-        if (l > m) m = l;
-    }
-    return m;
-}
-
-/* Where the block can close (a value, or the start of a literal after a head, a parameter or an
- * invoke): when the token budget (max_tokens, the context) would no longer hold the canonical
- * close and an EOS plus the worst case of any choice the model may make there (a token per byte
- * of its literal, up to the next such point), force the close. */
-static void constraint_budget(ds41_generation *g) {
-    if (g->cforce_pos < g->n_cforce) return;
-    int which;
-    size_t reserve = 0;
-    if (g->cst == CS_VALUE) {
-        which = CLOSE_VALUE;
-    } else if (g->cst == CS_LITERAL && g->cur.len == 0 &&
-               (g->lit == LIT_AFTER_HEAD || g->lit == LIT_AFTER_PARAM || g->lit == LIT_AFTER_INVOKE)) {
-        which = g->lit == LIT_AFTER_HEAD ? CLOSE_HEAD : g->lit == LIT_AFTER_PARAM ? CLOSE_PARAM : CLOSE_INVOKE;
-        for (size_t i = 0; i < g->n_cands; i++) {
-            const cand *k = &g->cands[i];
-            size_t r = 0;
-            if (k->next == CS_VALUE) r = k->len + g->close_ids[CLOSE_VALUE].n + 1;
-            else if (k->next == 100 + LIT_NAME) r = k->len + longest_name(g) + g->close_ids[CLOSE_HEAD].n + 1;
-            else if (k->next == 100 + LIT_AFTER_INVOKE) r = k->len + strlen(DSML_CALLS_END) + 1;
-            else r = k->len + 1; /* the calls end, then EOS */
-            if (r > reserve) reserve = r;
-        }
-    } else {
-        return;
-    }
-    const ds41_token_ids *close = &g->close_ids[which];
-    if (!close->n) return;
-    size_t gen = g->n_tokens - g->n_prompt; /* generated before this step */
-    size_t left = SIZE_MAX;
-    if (g->max_tokens) left = g->max_tokens > gen ? g->max_tokens - gen : 0;
-    if (g->max_context) {
-        size_t c = g->max_context > g->n_tokens ? g->max_context - g->n_tokens : 0;
-        if (c < left) left = c;
-    }
-    size_t need = close->n + (g->eos_id >= 0 ? 1 : 0);
-    if (left > need + reserve) return;
-    free(g->cforce);
-    g->cforce = malloc(need * sizeof *g->cforce);
-    if (!g->cforce) {
-        g->n_cforce = g->cforce_pos = 0;
-        return;
-    }
-    memcpy(g->cforce, close->ids, close->n * sizeof *g->cforce);
-    if (g->eos_id >= 0) g->cforce[close->n] = (uint32_t)g->eos_id;
-    g->n_cforce = need;
-    g->cforce_pos = 0;
-}
-
-/* The tools the constraint may call, from the request's tools array. */
+/* The tools the constraint may call, from the request's tools array (their parameters schemas
+ * compiled: a schema outside the supported subset is refused here, as the API refuses it). */
 static int constraint_setup(ds41_generation *g, const ds41_generation_params *p, ds41_error *err) {
     const char *what = p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED ? "tool_choice" : "tool_choice 'required'";
     size_t n = json_is_array(p->tools) ? json_array_size(p->tools) : 0;
@@ -941,30 +1240,21 @@ static int constraint_setup(ds41_generation *g, const ds41_generation_params *p,
         ctool *ct = &g->ctools[g->n_ctools++];
         ct->name = strdup(name);
         if (!ct->name) return oom(err);
-        const json_t *props = json_object_get(json_object_get(fn, "parameters"), "properties");
-        size_t np = json_is_object(props) ? json_object_size(props) : 0;
-        ct->props = calloc(np + 1, sizeof *ct->props);
-        ct->prop_type = calloc(np + 1, sizeof *ct->prop_type);
-        if (!ct->props || !ct->prop_type) return oom(err);
-        const char *key;
-        const json_t *schema;
-        json_object_foreach((json_t *)props, key, schema) {
-            if (!*key || strchr(key, '"') || strchr(key, '<')) continue; /* not writable in the grammar */
-            const char *type = json_string_value(json_object_get(schema, "type"));
-            ct->props[ct->n_props] = strdup(key);
-            if (!ct->props[ct->n_props]) return oom(err);
-            ct->prop_type[ct->n_props++] = !type ? 0 : strcmp(type, "string") == 0 ? 1 : 2;
-        }
+        char path[64];
+        snprintf(path, sizeof path, "tools[%zu].function.parameters", i);
+        if (ds41_schema_compile(json_object_get(fn, "parameters"), path, &ct->schema, NULL, 0, err) != 0)
+            return -1;
     }
     if (g->n_ctools == 0)
         return p->tool_choice == DS41_GENERATION_TOOL_CHOICE_NAMED
                    ? ds41_fail(err, "tool_choice: function '%s' is not among the tools", p->tool_choice_name)
                    : ds41_fail(err, "%s: no usable tools", what);
-    for (int c = 0; c < N_CLOSES; c++) {
-        if (ds41_tokenizer_encode(g->tok, CLOSE_TEXT[c], strlen(CLOSE_TEXT[c]), &g->close_ids[c], err) != 0)
-            return ds41_error_prefix(err, "tool_choice");
-        for (size_t i = 0; i < g->close_ids[c].n; i++)
-            if (g->close_ids[c].ids[i] >= g->n_vocab) g->close_ids[c].n = 0; /* cannot force it: no budget close */
+    /* single-byte tokens, for forcing bytes that do not tokenize to themselves */
+    for (int c = 0; c < 256; c++) g->byte_tok[c] = UINT32_MAX;
+    for (uint32_t t = 0; t < g->n_vocab; t++) {
+        size_t bl = 0;
+        const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, t, &bl);
+        if (b && bl == 1 && g->byte_tok[b[0]] == UINT32_MAX && (int32_t)t != g->eos_id) g->byte_tok[b[0]] = t;
     }
     g->ctool_cur = -1;
     if (g->parse_mode == DS41_CHAT_MODE_THINKING) g->cst = CS_WAIT_THINK;
@@ -1178,7 +1468,6 @@ void ds41_generation_free(ds41_generation *g) {
     ds41_buf_free(&g->tail);
     ctools_free(g);
     free(g->prop_used);
-    for (int i = 0; i < N_CLOSES; i++) ds41_token_ids_free(&g->close_ids[i]);
     free(g->cforce);
     free(g->masked);
     free(g);
@@ -1348,6 +1637,7 @@ static void split_advance(ds41_generation *g, bool final) {
             g->state = SPLIT_CONTENT;
         } else if (which == M_TOOL_CALLS) {
             g->state = SPLIT_BLOCK;
+            g->block_start = best;
             g->bstate = BS_CALLS;
             g->block_pos = best + strlen(TOOL_CALLS_START);
             block_scan(g);
@@ -1374,6 +1664,75 @@ static char *dup_buf(const ds41_buf *b, size_t *len) {
     s[b->len] = 0;
     *len = b->len;
     return s;
+}
+
+static void completion_replace(ds41_generation *g, ds41_chat_completion *c) {
+    ds41_chat_completion_free(&g->result);
+    g->result = *c;
+}
+
+/* Output cut off by max_tokens or the context (generate.h "Cut off"): a tool-call block the
+ * parser cannot take whole never reaches content.  Its complete invokes are kept (the longest cut
+ * after an invoke's end that parses, closed with the calls end), as far as their arguments are
+ * valid JSON; the rest of the block is dropped.  Without a block, the end of content that may
+ * have been the start of one ("\n\n<｜..." and longer) is dropped.  -1: out of memory. */
+static int cut_off_block(ds41_generation *g) {
+    const char *t = g->text.data ? g->text.data : "";
+    if (g->state != SPLIT_BLOCK) {
+        ds41_chat_completion *r = &g->result;
+        size_t ml = strlen(TOOL_CALLS_START);
+        for (size_t k = ml - 1; k >= 3; k--) {
+            if (r->content_len >= k && memcmp(r->content + r->content_len - k, TOOL_CALLS_START, k) == 0) {
+                r->content_len -= k;
+                r->content[r->content_len] = 0;
+                break;
+            }
+        }
+        return 0;
+    }
+    size_t bs = g->block_start;
+    /* the block parsed whole (only its EOS is missing); the parser also takes a last invoke cut
+     * right after its name line, which is not whole */
+    if (!g->result.repaired && memmem(t + bs, g->text.len - bs, DSML_CALLS_END, strlen(DSML_CALLS_END)))
+        return 0;
+    ds41_chat_completion c;
+    memset(&c, 0, sizeof c);
+    bool got = false;
+    /* the invoke ends, last first */
+    size_t ends[64], n_ends = 0;
+    for (size_t pos = bs;;) {
+        const char *h = memmem(t + pos, g->text.len - pos, DSML_INVOKE_END, strlen(DSML_INVOKE_END));
+        if (!h) break;
+        pos = (size_t)(h - t) + strlen(DSML_INVOKE_END);
+        if (n_ends == sizeof ends / sizeof *ends) memmove(ends, ends + 1, --n_ends * sizeof *ends);
+        ends[n_ends++] = pos;
+    }
+    while (n_ends && !got) {
+        ds41_buf b = {0};
+        ds41_buf_put(&b, t, ends[--n_ends]);
+        ds41_buf_puts(&b, ">\n" DSML_CALLS_END);
+        if (b.oom) {
+            ds41_buf_free(&b);
+            return -1;
+        }
+        got = ds41_chat_parse_completion(b.data, b.len, g->parse_mode, &c, NULL) == 0;
+        ds41_buf_free(&b);
+    }
+    if (!got && ds41_chat_parse_completion_lenient(t, bs, g->parse_mode, &c, NULL) != 0) return -1;
+    /* the calls with JSON arguments, up to the first without */
+    size_t keep = 0;
+    while (keep < c.n_tool_calls &&
+           json_text_ok(c.tool_calls[keep].arguments, c.tool_calls[keep].arguments_len))
+        keep++;
+    for (size_t i = keep; i < c.n_tool_calls; i++) {
+        free(c.tool_calls[i].name);
+        free(c.tool_calls[i].tool_namespace);
+        free(c.tool_calls[i].arguments);
+    }
+    c.n_tool_calls = keep;
+    c.repaired = true;
+    completion_replace(g, &c);
+    return 0;
 }
 
 /* The end of the text: parse it and deliver what was not streamed. */
@@ -1420,6 +1779,9 @@ static int finalize(ds41_generation *g, ds41_error *err) {
     ds41_buf_free(&parse_in);
     if (rc != 0) return oom(err);
     g->has_result = true;
+    if ((g->finish == DS41_GENERATION_MAX_TOKENS || g->finish == DS41_GENERATION_CONTEXT) &&
+        cut_off_block(g) != 0)
+        return oom(err);
     if (!g->parallel_tool_calls && g->result.n_tool_calls > 1) {
         /* parallel_tool_calls false: the first call only */
         for (size_t i = 1; i < g->result.n_tool_calls; i++) {
@@ -1514,6 +1876,10 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
     if (!test_forced) constraint_budget(g);
     bool c_forced = !test_forced && g->cst != CS_OFF && g->cforce_pos < g->n_cforce;
     const float *use = test_forced || c_forced ? logits : constraint_logits(g, logits);
+    if (!use) { /* the constraint forces its close from here */
+        c_forced = g->cst != CS_OFF && g->cforce_pos < g->n_cforce;
+        use = logits;
+    }
     if (ds41_sampler_sample(g->sampler, scratch, use, g->n_vocab, &res, err) != 0) return -1;
     if (test_forced || c_forced) {
         uint32_t forced = test_forced ? g->forced[gen_index] : g->cforce[g->cforce_pos++];

@@ -64,19 +64,23 @@
  * Tool-call arguments are left as they are.
  *
  * Tool-call streaming.  While a block is generated it is scanned with the strict parser's rules
- * (REFERENCE §11.7) and streamed, the way OpenAI and vLLM stream tool calls: a call's first
- * fragment carries its index and bare name with empty arguments, as soon as its invoke line is
- * complete; later fragments carry pieces of its arguments JSON text, written the way the parser
- * writes them ({"key": "string value", "key2": raw}), a string parameter's value piece by piece
- * as it is generated (text that may still become "</｜DSML｜ parameter>" is held back), a raw
- * (string="false") value likewise, the closing brace when the invoke closes.  When the block
- * deviates from the grammar the scanner stops there.  The final step completes every streamed
- * call (the rest of its arguments) and streams the calls not streamed yet, from the final parse,
- * so the concatenation of a call's fragments equals that call's arguments in the parsed message,
- * which is the same as without streaming.  Only when the final parse keeps no call at all (a
- * block cut off by max_tokens / a stop / an abort, or malformed further on) do fragments already
- * sent describe a call the parsed message lacks (a streaming server cannot take them back; its
- * finish_reason is then "length" / "stop", not "tool_calls", and the block's text is content).
+ * (REFERENCE §11.7) and streamed the way OpenAI and vLLM stream tool calls: a call's first
+ * fragment carries its index and bare name with empty arguments, the next its arguments JSON text,
+ * written the way the parser writes them ({"key": "string value", "key2": raw}).  A call goes out
+ * only once its invoke is complete ("</｜DSML｜ invoke") and its arguments are valid JSON, and only
+ * after every call before it went out, so a stream cut off later never holds a call the parsed
+ * message lacks.  When the block deviates from the grammar the scanner stops there.  The final
+ * step completes every streamed call and streams the calls not streamed yet, from the final
+ * parse, so the concatenation of a call's fragments equals that call's arguments in the parsed
+ * message, which is the same as without streaming.  Only when a stop string or an abort cuts a
+ * block, or the block is malformed further on, can calls already sent be missing from the final
+ * parse (whose finish_reason is then "stop" / "abort", and the block's text is content).
+ *
+ * Cut off (max_tokens, the context).  A tool-call block cut off never reaches content: when the
+ * parser cannot take it whole, its calls are its complete invokes (the longest cut after an
+ * invoke's end that parses), up to the first whose arguments are not valid JSON, and the rest of
+ * the block is dropped; finish_reason is "length".  Without a block, content that ends in the
+ * start of one ("\n\n<" and longer) loses that end.  Streamed and not streamed agree.
  *
  * Tool choice (CHAT).  TOOL_CHOICE_AUTO leaves the model free.  REQUIRED and NAMED constrain
  * the output to a DSML tool call: from the start of the content (in thinking mode: after the
@@ -87,18 +91,27 @@
  *                                                                     (NAMED: that one)
  *     then any number of  "<｜DSML｜ parameter name=\"" P "\" string=\"true|false\">" VALUE
  *                         "</｜DSML｜ parameter>\n"    P: a property of the tool's parameters
- *                         schema not used yet; string="true" for "type": "string", "false" for
- *                         other declared types, either when none is declared; VALUE is free
- *     then "</｜DSML｜ invoke>\n", then (parallel_tool_calls) another invoke or
- *     "</｜DSML｜ calls>", then only EOS.
- * A value is the model's own text; when the token budget (max_tokens, the context) would no
- * longer hold the canonical tokens of "</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜
- * calls>" and an EOS, those are forced, so a call is made even by a model that never ends its
- * value (a random-weight one); a max_tokens too small for the invoke line itself cuts the call
- * off.  Forced output (below) overrides the constraint; a forced token that leaves the grammar
- * ends it.  tool_choice "none" is the caller's: it renders no tools and sets parse_tool_calls
- * false.  parallel_tool_calls false keeps the first call only (the parsed message and the
- * stream; under REQUIRED / NAMED the grammar closes the block after one invoke).
+ *                         schema not used yet (engine/json_schema.h, compiled here: a schema
+ *                         outside the subset is an error); string="true" when its schema allows
+ *                         strings (VALUE: the string's raw text, one of its enum strings if it
+ *                         has an enum), string="false" when it allows another type (VALUE: JSON
+ *                         of the schema: types, enums, items, nested required properties)
+ *     then "</｜DSML｜ invoke>\n" once every required property is there, then
+ *     (parallel_tool_calls) another invoke or "</｜DSML｜ calls>", then only EOS.
+ * So the parsed arguments are JSON matching the schema.  A token may not run past the end of the
+ * literal or value it is in; a VALUE never contains "｜DSML｜".  Tokens are checked by their bytes
+ * against the grammar, every token each step (O(vocabulary x token length); the ones whose first
+ * byte cannot follow are skipped at once).  Budget: the bytes of the shortest valid close from
+ * the current point (the open value's shortest completion, the missing required parameters with
+ * their shortest values, the invoke's and block's ends) bound its tokens; a token is allowed only
+ * when its close and an EOS still fit after it, and when the budget holds no more than the close,
+ * the close's canonical tokens (byte tokens where the text begins inside a UTF-8 sequence) and EOS
+ * are forced, so a call is made even by a model that never ends its value (a random-weight one);
+ * a max_tokens too small for the name line and the shortest close cuts the call off.  Forced
+ * output (below) overrides the constraint; a forced token that leaves the grammar ends it.
+ * tool_choice "none" is the caller's: it renders no tools and sets parse_tool_calls false.
+ * parallel_tool_calls false keeps the first call only (the parsed message and the stream; under
+ * REQUIRED / NAMED the grammar closes the block after one invoke).
  *
  * Forced output (tests only).  params.forced_ids makes the first n_forced generated tokens those
  * ids instead of samples (the logits are still required, checked and, with logprobs, described);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/json_schema.h"
 #include "ipc/api.h"
 #include "ipc/api_internal.h"
 #include "ipc/json_util.h"
@@ -450,6 +451,13 @@ static int check_namespace(const json_t *holder, const char *prefix, ds41_svc_er
     return 0;
 }
 
+/* The namespace a tool or function object gives (string or {"name": ...}), or NULL. */
+static const char *namespace_name(const json_t *holder) {
+    const json_t *ns = get(holder, "namespace");
+    if (json_is_object(ns)) ns = json_object_get(ns, "name");
+    return json_string_value(ns);
+}
+
 int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, ds41_svc_error *err) {
     *out_json = NULL;
     if (names) *names = NULL;
@@ -512,6 +520,32 @@ int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, d
         }
         bool has_strict, strict;
         if (ds41_api_get_bool(fn, fpath, "strict", &has_strict, &strict, err)) goto fail;
+        /* the parameters schema: the subset engine/json_schema.h supports, refused otherwise (a
+         * tool_choice constraint could not hold the model to the rest) */
+        char spath[96], epath[128];
+        join_path(spath, sizeof spath, fpath, "parameters");
+        ds41_schema *schema = NULL;
+        ds41_error se;
+        if (ds41_schema_compile(params, spath, &schema, epath, sizeof epath, &se) != 0) {
+            bad(err, epath[0] ? epath : spath, "invalid_value", "%s", se.msg);
+            goto fail;
+        }
+        ds41_schema_free(schema);
+        /* a name twice (in the same namespace) would make a call ambiguous */
+        const char *ns = namespace_name(t);
+        if (!ns) ns = namespace_name(fn);
+        for (size_t k = 0; k < i; k++) {
+            const json_t *ot = json_array_get(tools, k), *ofn = json_object_get(ot, "function");
+            const char *ons = namespace_name(ot);
+            if (!ons) ons = namespace_name(ofn);
+            if (strcmp(json_string_value(json_object_get(ofn, "name")), name) == 0 &&
+                strcmp(ns ? ns : "", ons ? ons : "") == 0) {
+                char p2[80];
+                join_path(p2, sizeof p2, fpath, "name");
+                bad(err, p2, "invalid_value", "duplicate tool name '%s' (tools[%zu] has it too)", name, k);
+                goto fail;
+            }
+        }
         if (json_array_append_new(nm, json_string(name))) {
             oom(err);
             goto fail;

@@ -7,6 +7,7 @@
 #include "engine/model_gen.h"
 #include "engine/pyjson.h"
 #include "engine/tokenizer.h"
+#include "schema_valid.h"
 #include "tap.h"
 #include "tmpdir.h"
 
@@ -28,6 +29,20 @@ static uint32_t NV;
     "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"city\" "             \
     "string=\"true\">Paris</｜DSML｜ parameter>\n<｜DSML｜ parameter name=\"days\" string=\"false\">3</｜DSML｜ "  \
     "parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+
+/* Two invokes; and one whose first call has arguments that are not JSON (string="false" with
+ * raw text: the parser copies it). */
+#define TOOL_BLOCK_2                                                                                         \
+    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"city\" " \
+    "string=\"true\">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke "                \
+    "name=\"get_weather\">\n"                                                                                \
+    "<｜DSML｜ parameter name=\"city\" string=\"true\">Rome</｜DSML｜ parameter>\n</｜DSML｜ "         \
+    "invoke>\n</｜DSML｜ calls>"
+#define TOOL_BLOCK_BAD_FIRST                                                                                 \
+    "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"days\" " \
+    "string=\"false\">three</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n<｜DSML｜ invoke "               \
+    "name=\"get_weather\">\n"                                                                                \
+    "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
 
 /* What a run produced. */
 typedef struct run {
@@ -485,10 +500,11 @@ static void test_forced(void) {
               r.n_calls ? r.call_args[0] : "none");
     TAP_CHECK(strcmp(r.finish_name, "tool_calls") == 0 && streamed_equals_result(&r),
               "finish_reason tool_calls; the streamed reasoning and content equal the parsed message");
-    TAP_CHECK(streamed_calls_equal_result(&r) && r.frag_steps_early >= 3,
-              "the call is streamed as it is generated (%zu steps before the last carry fragments): name first "
-              "with empty arguments, the fragments add up to the parsed arguments ('%s')",
-              r.frag_steps_early, cstr(&r.stream_args[0]));
+    TAP_CHECK(
+        streamed_calls_equal_result(&r) && r.frag_steps_early == 1,
+        "the call is streamed when its invoke closes, before the last step (%zu steps before the last carry "
+        "fragments): name first with empty arguments, the fragments add up to the parsed arguments ('%s')",
+        r.frag_steps_early, cstr(&r.stream_args[0]));
     size_t n_think;
     uint32_t *think_ids = encode("I should call the tool.</think>", &n_think);
     TAP_CHECK(r.n_reasoning_tokens == n_think, "reasoning tokens = the tokens up to </think> (%zu)", r.n_reasoning_tokens);
@@ -496,20 +512,54 @@ static void test_forced(void) {
     run_free(&r);
     free(forced);
 
-    /* the block cut off by max_tokens: no half-written call, its text is content */
-    forced = encode("Hmm.</think>Checking." TOOL_BLOCK, &nf);
-    p.forced_ids = forced;
-    p.n_forced = nf;
-    p.max_tokens = (uint32_t)(nf - 4);
-    r = run_gen(&p, NULL);
-    TAP_CHECK(r.rc == 0 && r.n_calls == 0 && strcmp(r.finish_name, "length") == 0 &&
-                  strncmp(r.result_content, "Checking.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke", 30) == 0 &&
-                  streamed_equals_result(&r) && r.n_stream_calls == 1 && r.frags_ok &&
-                  strncmp(cstr(&r.stream_args[0]), "{\"city\": \"Paris\", \"days\": 3}", r.stream_args[0].len) == 0,
-              "a block cut by max_tokens gives no tool call; its text is content, streamed at the end "
-              "(the fragments sent before the cut stay: '%s')", cstr(&r.stream_args[0]));
-    run_free(&r);
-    free(forced);
+    /* a block cut off by max_tokens at every token: never DSML text in content; a call only when its
+     * invoke is complete with JSON arguments; streamed = not streamed (issue 13).  The last cut
+     * leaves the block whole (only its EOS missing): its calls come back as parsed. */
+    static const char *const cut_texts[] = {
+        "Hmm.</think>Checking." TOOL_BLOCK,
+        "Hmm.</think>Checking." TOOL_BLOCK_2,
+        "Hmm.</think>Checking." TOOL_BLOCK_BAD_FIRST,
+    };
+    static const size_t full_calls[] = {1, 2, 0};
+    for (size_t ti = 0; ti < 3; ti++) {
+        forced = encode(cut_texts[ti], &nf);
+        p.forced_ids = forced;
+        p.n_forced = nf;
+        bool ok = true;
+        size_t n_with_call = 0;
+        char why[1200] = "";
+        for (size_t cut = 1; cut <= nf && ok; cut++) {
+            p.max_tokens = (uint32_t)cut;
+            r = run_gen(&p, NULL);
+            bool args_ok = true;
+            for (size_t i = 0; i < r.n_calls; i++) {
+                json_t *a = json_loads(r.call_args[i], 0, NULL);
+                args_ok = args_ok && json_is_object(a);
+                json_decref(a);
+            }
+            if (r.n_calls) n_with_call++;
+            if (r.rc != 0 || strcmp(r.finish_name, "length") != 0 || strstr(r.result_content, "DSML") ||
+                strstr(r.result_content, "<｜") ||
+                strncmp(r.result_content, "Checking.", strcspn(r.result_content, "\n")) != 0 ||
+                strspn(r.result_content + strcspn(r.result_content, "\n"), "\n") !=
+                    strlen(r.result_content + strcspn(r.result_content, "\n")) ||
+                (cut < nf && (!args_ok || r.n_calls > full_calls[ti])) || !streamed_equals_result(&r) ||
+                !streamed_calls_equal_result(&r)) {
+                ok = false;
+                snprintf(why, sizeof why,
+                         "cut at %zu: rc %d, finish %s, content '%s', %zu calls ('%s'), %zu streamed %s", cut,
+                         r.rc, r.finish_name, r.result_content, r.n_calls, r.n_calls ? r.call_args[0] : "",
+                         r.n_stream_calls, r.err);
+            }
+            run_free(&r);
+        }
+        TAP_CHECK(ok && (full_calls[ti] == 0 || n_with_call > 0),
+                  "block %zu cut off by max_tokens at each of its %zu tokens: finish length, no DSML in "
+                  "content, calls "
+                  "only whole with JSON arguments (%zu cuts had one), streamed = parsed %s",
+                  ti, nf, n_with_call, why);
+        free(forced);
+    }
 
     /* tool calls not parsed (tool_choice none): the block is plain content, streamed as it comes */
     forced = encode("Hmm.</think>Checking." TOOL_BLOCK "<｜end▁of▁sentence｜>", &nf);
@@ -983,6 +1033,106 @@ static void test_special_tokens(void) {
     json_decref(msgs);
 }
 
+/* tool_choice required / named with typed schemas (issue 13): over many seeds, temperatures and
+ * budgets, every call's arguments are JSON of its schema with every required property, streamed
+ * = parsed; a random-weight model and uniform logits both. */
+static void test_tool_schema(void) {
+    json_t *msgs = user("Book it.");
+    json_t *tools = json_loads(
+        "[{\"type\":\"function\",\"function\":{\"name\":\"book\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"city\":{\"type\":\"string\"},\"nights\":{\"type\":\"integer\"},"
+        "\"price\":{\"type\":\"number\"},\"unit\":{\"type\":\"string\",\"enum\":[\"EUR\",\"USD\"]},"
+        "\"flex\":{\"type\":\"boolean\"},\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"}},"
+        "\"guest\":{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"age\":{\"type\":"
+        "[\"integer\",\"null\"]}},\"required\":[\"name\",\"age\"],\"additionalProperties\":false},"
+        "\"note\":{}},\"required\":[\"city\",\"nights\",\"guest\",\"unit\"]}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"ping\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"n\":{\"type\":\"integer\",\"enum\":[1,2,30]}},\"required\":[\"n\"]}}}]",
+        0, NULL);
+    ds41_generation_params p = ds41_generation_params_default();
+    p.messages = msgs;
+    p.tools = tools;
+    p.sampler.has_seed = 1;
+    bool ok = true;
+    size_t n_runs = 0, n_calls = 0, n_props = 0;
+    char bad[1500] = "";
+    for (uint64_t trial = 0; trial < 60 && ok; trial++) {
+        p.tool_choice = trial % 3 ? DS41_GENERATION_TOOL_CHOICE_REQUIRED : DS41_GENERATION_TOOL_CHOICE_NAMED;
+        p.tool_choice_name = trial % 3 ? NULL : (trial % 2 ? "ping" : "book");
+        p.parallel_tool_calls = trial % 4 != 0;
+        p.max_tokens = (uint32_t)(300 + (trial * 53) % 300);
+        p.sampler.seed = 77 + trial;
+        p.sampler.temperature = (float)(trial % 5) * 0.5f; /* 0 (greedy) .. 2 */
+        run_opts fast = {.no_model = trial % 4 != 1};
+        run r = run_gen(&p, &fast);
+        n_runs++;
+        bool good = r.rc == 0 && r.n_calls >= 1 && strcmp(r.finish_name, "tool_calls") == 0 &&
+                    r.result_content_len == 0 && streamed_calls_equal_result(&r) &&
+                    streamed_equals_result(&r);
+        for (size_t i = 0; good && i < r.n_calls; i++) {
+            json_t *a = json_loads(r.call_args[i], 0, NULL);
+            size_t ti = strcmp(r.call_names[i], "ping") == 0 ? 1 : 0;
+            const json_t *sc =
+                json_object_get(json_object_get(json_array_get(tools, ti), "function"), "parameters");
+            good = a && valid(sc, a) &&
+                   (!p.tool_choice_name || strcmp(r.call_names[i], p.tool_choice_name) == 0);
+            if (a) n_props += json_object_size(a);
+            json_decref(a);
+            n_calls++;
+        }
+        if (!good) {
+            ok = false;
+            snprintf(bad, sizeof bad,
+                     "trial %llu: rc %d, %zu calls, finish %s, content '%.200s', call %s '%.600s' %s",
+                     (unsigned long long)trial, r.rc, r.n_calls, r.finish_name,
+                     r.result_content ? r.result_content : "", r.n_calls ? r.call_names[0] : "",
+                     r.n_calls ? r.call_args[0] : "", r.err);
+        }
+        run_free(&r);
+    }
+    TAP_CHECK(
+        ok,
+        "%zu runs (named / required, temperatures 0..2, max_tokens 300..599, model and uniform logits): "
+        "%zu calls, each with arguments that are JSON of its schema and every required property (%zu "
+        "properties in all), finish tool_calls, streamed = parsed %s",
+        n_runs, n_calls, n_props, bad);
+
+    /* a budget too small for the whole call: cut off, never DSML in content, streamed = parsed */
+    ok = true;
+    size_t n_cut_calls = 0;
+    for (uint32_t mt = 1; mt <= 300 && ok; mt += 7) {
+        p.tool_choice = DS41_GENERATION_TOOL_CHOICE_NAMED;
+        p.tool_choice_name = "book";
+        p.max_tokens = mt;
+        p.sampler.seed = mt;
+        p.sampler.temperature = 1;
+        run_opts fast = {.no_model = true};
+        run r = run_gen(&p, &fast);
+        bool good = r.rc == 0 && !strstr(r.result_content ? r.result_content : "", "DSML") &&
+                    streamed_calls_equal_result(&r) && streamed_equals_result(&r);
+        for (size_t i = 0; good && i < r.n_calls; i++) {
+            json_t *a = json_loads(r.call_args[i], 0, NULL);
+            good = a &&
+                   valid(json_object_get(json_object_get(json_array_get(tools, 0), "function"), "parameters"),
+                         a);
+            json_decref(a);
+            n_cut_calls++;
+        }
+        if (!good) {
+            ok = false;
+            snprintf(bad, sizeof bad, "max_tokens %u: rc %d, %zu calls, finish %s, content '%.300s' %s", mt,
+                     r.rc, r.n_calls, r.finish_name, r.result_content ? r.result_content : "", r.err);
+        }
+        run_free(&r);
+    }
+    TAP_CHECK(ok,
+              "max_tokens 1..300 under a named choice: no DSML in content, any call (%zu) valid, streamed = "
+              "parsed %s",
+              n_cut_calls, bad);
+    json_decref(tools);
+    json_decref(msgs);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -1018,6 +1168,7 @@ int main(void) {
     test_utf8();
     test_split_property();
     test_tool_choice();
+    test_tool_schema();
 
     ds41_sampler_scratch_free(SCRATCH);
     ds41_kv_pool_free(POOL);

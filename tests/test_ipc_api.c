@@ -105,6 +105,26 @@ static void test_chat_parse_errors(void) {
          "tools[0].function.name", "invalid_value"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"retrieval\"}]}",
          "tools[0].type", "invalid_value"},
+    /* tool schemas (issue 13): the supported subset, names distinct and non-empty */
+#define TOOLS_BODY(t) "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":" t "}"
+#define FN(name, params) "{\"type\":\"function\",\"function\":{\"name\":\"" name "\"" params "}}"
+        {TOOLS_BODY("[" FN("f", "") "," FN("g", "") "," FN("f", "") "]"), "tools[2].function.name",
+         "invalid_value"},
+        {TOOLS_BODY("[" FN("", "") "]"), "tools[0].function.name", "invalid_value"},
+        {TOOLS_BODY("[" FN("f", ",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":"
+                                "\"strin\"}}}") "]"),
+         "tools[0].function.parameters.properties.city.type", "invalid_value"},
+        {TOOLS_BODY("[" FN("g", "") "," FN("f", ",\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":"
+                                                "{}},\"required\":[\"a\",\"b\"]}") "]"),
+         "tools[1].function.parameters.required[1]", "invalid_value"},
+        {TOOLS_BODY("[" FN("f", ",\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":"
+                                "\"array\",\"items\":{\"oneOf\":[]}}}}") "]"),
+         "tools[0].function.parameters.properties.a.items.oneOf", "invalid_value"},
+        {TOOLS_BODY("[" FN("f", ",\"parameters\":{\"type\":\"array\"}") "]"),
+         "tools[0].function.parameters.type", "invalid_value"},
+        {TOOLS_BODY("[" FN("f", ",\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":"
+                                "\"integer\",\"enum\":[1,\"x\"]}}}") "]"),
+         "tools[0].function.parameters.properties.a.enum[1]", "invalid_value"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\","
          "\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"
          "\"g\"}}}",
