@@ -91,9 +91,9 @@ async function main() {
     }
   }
   report(rawFirst && rawFirst.index === 0 && /^call_/.test(rawFirst.id) && rawFirst.type === 'function' &&
-         rawFirst.function.name === 'get_weather' && rawFirst.function.arguments === '' && toolChunks >= 3 &&
+         rawFirst.function.name === 'get_weather' && rawFirst.function.arguments === '' && toolChunks >= 2 &&
          !rawLater.some((tc) => tc.id !== undefined || tc.type !== undefined || (tc.function && tc.function.name !== undefined)),
-         'tool call streamed as deltas: first chunk index, id, type, name with arguments "", then argument fragments',
+         'tool call streamed as deltas: first chunk index, id, type, name with arguments "", then the arguments (a call is sent once its invoke is complete)',
          { rawFirst, toolChunks, rawLater: rawLater.slice(0, 3) });
   report(reasoning === 'The user wants the weather.' && content === '' && sfinish === 'tool_calls' &&
          scalls.length === 1 && scalls[0].name === 'get_weather' && scalls[0].arguments === '{"city": "Paris"}' &&
@@ -119,7 +119,7 @@ async function main() {
   const hm = fin.choices[0].message;
   const hcalls = (hm.tool_calls || []).map((c) => ({ name: c.function.name, arguments: c.function.arguments }));
   report(JSON.stringify(hcalls) === JSON.stringify(expected2) && JSON.stringify(done) === JSON.stringify(expected2) &&
-         argDeltas >= 6 && fin.choices[0].finish_reason === 'tool_calls' &&
+         argDeltas >= 2 && fin.choices[0].finish_reason === 'tool_calls' &&
          hm.tool_calls.every((c) => /^call_/.test(c.id)) && hm.tool_calls[0].id !== hm.tool_calls[1].id,
          'stream helper: the accumulated tool_calls are exactly the forced ones (two calls, argument deltas)',
          { hcalls, done, argDeltas });
@@ -130,7 +130,9 @@ async function main() {
   // tool_choice forces a call from the random model, streamed and not, with parallel_tool_calls false
   const named = { model: 'ds41-tiny', messages: [{ role: 'user', content: 'Weather in Paris?' }], tools: TOOLS,
                   tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false,
-                  thinking: { type: 'disabled' }, max_tokens: 80, seed: 4, temperature: 1 };
+                  thinking: { type: 'disabled' }, max_tokens: 200, seed: 4, temperature: 1 };
+  // (200: the schema grammar reserves one token per byte of the shortest close; at 80 the close
+  // of a random model's call is cut by the budget and the call comes back with finish 'length')
   const n1 = await client.chat.completions.create(named);
   const n1m = n1.choices[0].message;
   let n1args = null;
