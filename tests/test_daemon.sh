@@ -86,10 +86,10 @@ for line in open(sys.argv[1], encoding="utf-8"):
         for ch in json.loads(line[6:]).get("choices", []):
             parts += ch.get("delta", {}).get("tool_calls") or []
 first = parts[0] if parts else {}
-print(len(parts) >= 3, sorted(first), first.get("function"),
+print(len(parts) == 2, sorted(first), first.get("function"),
       all(sorted(p) == ["function", "index"] and sorted(p["function"]) == ["arguments"] for p in parts[1:]))
 EOF
-check "tool call streamed as deltas: first chunk index, id, type, name with arguments \"\", then argument pieces" \
+check "tool call streamed as deltas: first chunk index, id, type, name with arguments \"\", then the arguments whole (a call streams once its invoke is complete)" \
     test "$(cat "$work/tool_raw.out")" = "True ['function', 'id', 'index', 'type'] {'name': 'get_weather', 'arguments': ''} True"
 
 # tool_choice naming a function makes the random model call it, streamed or not
