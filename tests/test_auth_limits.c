@@ -22,6 +22,7 @@
 #include "tests/ipc_mock_service.h"
 #include "tests/ipc_test_util.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #define ADMIN 45672u
 #define LIMIT 4096
@@ -41,7 +42,8 @@ static void test_classify(void) {
         ok = ds41_http_classify(u, 100, NULL, 0, true, ADMIN) == DS41_AUTH_INFERENCE;
         if (!ok) bad_uid = u;
     }
-    TAP_CHECK(ok, "uids 1 and 2 without the admin group are inference peers (first wrong: %u)", (unsigned)bad_uid);
+    TAP_CHECK(ok, "uids 1 and 2 without the admin group are inference peers (first wrong: %u)",
+              (unsigned)bad_uid);
 
     /* Primary gid: below, at and above the admin gid, and the extremes. */
     const gid_t gids[] = {0, 1, ADMIN - 2, ADMIN - 1, ADMIN, ADMIN + 1, ADMIN + 2, 65534, (gid_t)-2};
@@ -55,8 +57,8 @@ static void test_classify(void) {
     for (size_t i = 0; i < sizeof gids / sizeof gids[0]; i++) {
         ds41_auth_class want = gids[i] == ADMIN ? DS41_AUTH_ADMIN : DS41_AUTH_INFERENCE;
         ds41_auth_class got = ds41_http_classify(1000, 100, &gids[i], 1, true, ADMIN);
-        TAP_CHECK(got == want, "supplementary gid %u with admin gid %u: %s (got %s)", (unsigned)gids[i], ADMIN,
-                  cls_name(want), cls_name(got));
+        TAP_CHECK(got == want, "supplementary gid %u with admin gid %u: %s (got %s)", (unsigned)gids[i],
+                  ADMIN, cls_name(want), cls_name(got));
     }
     const gid_t around[] = {ADMIN - 1, ADMIN + 1, ADMIN + 7};
     TAP_CHECK(ds41_http_classify(1000, ADMIN + 1, around, 3, true, ADMIN) == DS41_AUTH_INFERENCE,
@@ -117,9 +119,9 @@ static int status_of(size_t body_len) {
 }
 
 static void test_body_limit(void) {
-    char dir[] = "/tmp/ds41-authlim-XXXXXX";
+    char dir[96]; /* + "/s" within sun_path */
     ds41_error err = {0};
-    if (!mkdtemp(dir)) {
+    if (!tmpdir_make(dir, sizeof dir, "TMPDIR", "ds41-authlim-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp: %s", strerror(errno));
         return;
     }
@@ -148,8 +150,8 @@ static void test_body_limit(void) {
         goto out;
     }
     int at = status_of(LIMIT), below = status_of(LIMIT - 1), past = status_of(LIMIT + 1);
-    TAP_CHECK(at == 200 && below == 200, "a body of exactly max_body_bytes (%d) and one byte less is served (%d, %d)",
-              LIMIT, at, below);
+    TAP_CHECK(at == 200 && below == 200,
+              "a body of exactly max_body_bytes (%d) and one byte less is served (%d, %d)", LIMIT, at, below);
     TAP_CHECK(past == 413, "a body one byte over max_body_bytes is refused with 413 (got %d)", past);
     /* Content-Length one over the limit is refused from the head alone: 413 instead of
      * "100 Continue", before any body byte is sent. */
@@ -159,21 +161,23 @@ static void test_body_limit(void) {
     char first[32] = {0};
     if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
         char head[256];
-        int hl = snprintf(head, sizeof head,
-                          "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          "Expect: 100-continue\r\nContent-Length: %d\r\n\r\n",
-                          LIMIT + 1);
+        int hl =
+            snprintf(head, sizeof head,
+                     "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Expect: 100-continue\r\nContent-Length: %d\r\n\r\n",
+                     LIMIT + 1);
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (write(fd, head, (size_t)hl) == hl && poll(&p, 1, 10000) == 1 && read(fd, first, 12) < 0) first[0] = 0;
+        if (write(fd, head, (size_t)hl) == hl && poll(&p, 1, 10000) == 1 && read(fd, first, 12) < 0)
+            first[0] = 0;
     }
     if (fd >= 0) close(fd);
     TAP_CHECK(strncmp(first, "HTTP/1.1 413", 12) == 0,
-              "Content-Length of max_body_bytes + 1 with Expect: 100-continue -> 413 at once (got '%.12s')", first);
+              "Content-Length of max_body_bytes + 1 with Expect: 100-continue -> 413 at once (got '%.12s')",
+              first);
     ds41_http_server_stop(server, 5000);
 out:
     ds41_listener_close(&l);
-    unlink(sock_path);
-    rmdir(dir);
+    tmpdir_remove(dir);
     if (api) ds41_api_free(api);
     if (mock) mock_service_free(mock);
     if (metrics) ds41_http_metrics_free(metrics);
@@ -183,8 +187,8 @@ out:
 static int admin_post(ds41_api *api, const char *path, const char *body, const char *param) {
     ds41_http_memory_response r = {0};
     ds41_error err = {0};
-    if (ds41_http_dispatch_memory(ds41_api_router(api), "POST", path, DS41_AUTH_ADMIN, "application/json", body,
-                                  strlen(body), 5000, &r, &err) != 0)
+    if (ds41_http_dispatch_memory(ds41_api_router(api), "POST", path, DS41_AUTH_ADMIN, "application/json",
+                                  body, strlen(body), 5000, &r, &err) != 0)
         return -1;
     int status = r.status;
     if (status == 400) {
@@ -257,8 +261,8 @@ static void low_event(void *ctx, const ds41_gen_event *ev) {
     inner_sink.event(inner_sink.sink_ctx, &e);
 }
 
-static int low_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sink *sink, ds41_gen_accept *accept,
-                      ds41_svc_error *err) {
+static int low_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sink *sink,
+                      ds41_gen_accept *accept, ds41_svc_error *err) {
     inner_sink = *sink;
     ds41_gen_sink mine = {.event = low_event, .sink_ctx = NULL};
     return mock_svc.submit(ctx, req, &mine, accept, err);
@@ -283,9 +287,12 @@ static void test_logprob_floor(void) {
         r.status == 200) {
         json_t *j = r.body ? json_loadb(r.body, r.body_len, 0, NULL) : NULL;
         json_t *c0 = json_array_get(
-            json_object_get(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs"), "content"), 0);
+            json_object_get(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs"),
+                            "content"),
+            0);
         lp = json_number_value(json_object_get(c0, "logprob"));
-        top = json_number_value(json_object_get(json_array_get(json_object_get(c0, "top_logprobs"), 0), "logprob"));
+        top = json_number_value(
+            json_object_get(json_array_get(json_object_get(c0, "top_logprobs"), 0), "logprob"));
         json_decref(j);
     }
     ds41_http_memory_response_free(&r);
@@ -318,8 +325,8 @@ static void test_api_limits(void) {
     const int s4095 = admin_post(api, "/admin/models/load", p4095, "path"),
               s4096 = admin_post(api, "/admin/models/load", p4096, "path");
     TAP_CHECK(s4095 != 400 && s4095 != -400 && s4096 == 400,
-              "model load: a 4095-byte path passes the API's check (%d), 4096 bytes -> 400 naming path (%d)", s4095,
-              s4096);
+              "model load: a 4095-byte path passes the API's check (%d), 4096 bytes -> 400 naming path (%d)",
+              s4095, s4096);
     free(p4095);
     free(p4096);
     /* Control characters: U+001F is one, U+0020 is not. */
@@ -332,7 +339,8 @@ static void test_api_limits(void) {
     const int s256 = admin_post(api, "/admin/models/load", n256, "name"),
               s257 = admin_post(api, "/admin/models/load", n257, "name");
     TAP_CHECK(s256 != 400 && s256 != -400 && s257 == 400,
-              "model load: a 256-byte name passes the API's check (%d), 257 bytes -> 400 naming name (%d)", s256, s257);
+              "model load: a 256-byte name passes the API's check (%d), 257 bytes -> 400 naming name (%d)",
+              s256, s257);
     free(n256);
     free(n257);
     /* Snapshot ids: 1..200 bytes. */
@@ -341,8 +349,8 @@ static void test_api_limits(void) {
               s200 = admin_post(api, "/admin/snapshots/restore", i200, "id"),
               s201 = admin_post(api, "/admin/snapshots/restore", i201, "id");
     TAP_CHECK(e0 == 400 && s200 != 400 && s200 != -400 && s201 == 400,
-              "snapshot restore: an empty id -> 400 (%d), 200 bytes pass the check (%d), 201 -> 400 (%d)", e0, s200,
-              s201);
+              "snapshot restore: an empty id -> 400 (%d), 200 bytes pass the check (%d), 201 -> 400 (%d)", e0,
+              s200, s201);
     free(i200);
     free(i201);
     ds41_api_free(api);

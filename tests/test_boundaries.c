@@ -14,25 +14,25 @@
 #include "engine/ops.h"
 #include "engine/pyjson.h"
 #include "engine/quant.h"
+#include "engine/refmath.h"
 #include "engine/sampler.h"
 #include "engine/stop.h"
 #include "storage/safetensors.h"
 #include "storage/snapshot.h"
 #include "storage/snapshot_store.h"
-#include "engine/refmath.h"
 #include "tests/float_bits.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <unistd.h>
-#include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 /* the cache partition the snapshots of this test belong to (any fixed one) */
 static const ds41_snapshot_owner SNAP_OWNER = {.key = {0x5a, 1}, .uid = 1000};
-
 
 static void test_sum_of(void) {
     /* 1 + 2^-24 is the tie between 1 and 1 + 2^-23; a residual of 2^-100 lies three 32-bit
@@ -58,17 +58,19 @@ static void test_sum_of(void) {
     ds41_xacc_init(&a);
     ds41_xacc_add(&a, 3.0 * (0x1p23 + 0.5));
     const float t = ds41_xacc_round_div(&a, 3);
-    TAP_CHECK(same(m, 8388609.0f) && same(t, 8388608.0f),
-              "a mean just above a tie only by its division remainder rounds up (%.1f), the exact tie to even "
-              "(%.1f)",
-              (double)m, (double)t);
+    TAP_CHECK(
+        same(m, 8388609.0f) && same(t, 8388608.0f),
+        "a mean just above a tie only by its division remainder rounds up (%.1f), the exact tie to even "
+        "(%.1f)",
+        (double)m, (double)t);
 }
 
 static void test_fast_path(void) {
     /* The terms are exact doubles whose exact sum is 0: the result is +0, although the fast
      * path's interval [-2^-1074, 2^-1074] rounds to -0 and +0 at its ends (equal floats). */
     const double z[] = {0x1p-1074, -0x1p-1074};
-    TAP_CHECK(same(ds41_xsum_f64(z, 2), 0.0f), "an exact zero from tiny opposite terms is +0 on the fast path too");
+    TAP_CHECK(same(ds41_xsum_f64(z, 2), 0.0f),
+              "an exact zero from tiny opposite terms is +0 on the fast path too");
     /* Sixteen additions at 2^20 each round up by ~2^-33 (more than 2^-52 of the absolute sum
      * 2^21), so the double sum lies 2^-29 above the exact one, across the fp32 tie
      * T = 1 + 2^-24: the exact sum is T - 2^-30 (-> 1), the double sum T + 2^-30.  The fast
@@ -80,9 +82,10 @@ static void test_fast_path(void) {
     t[n++] = -0x1p20;
     t[n++] = 1.0 + 0x1p-24 + 0x1p-30 - 0x1p-28;
     const float exact = sum_of(t, n), fast = ds41_xsum_f64(t, n);
-    TAP_CHECK(same(exact, 1.0f) && same(fast, 1.0f),
-              "a double sum that crossed an fp32 tie by accumulated rounding falls back to the exact sum (%a, %a)",
-              (double)exact, (double)fast);
+    TAP_CHECK(
+        same(exact, 1.0f) && same(fast, 1.0f),
+        "a double sum that crossed an fp32 tie by accumulated rounding falls back to the exact sum (%a, %a)",
+        (double)exact, (double)fast);
 }
 
 static void test_softplus(void) {
@@ -96,8 +99,8 @@ static void test_softplus(void) {
         if (!ok) bad = x;
     }
     TAP_CHECK(ok, "softplus = log1p(exp(x)) on [0, 20] in steps of 1/16 (first bad %g)", (double)bad);
-    TAP_CHECK(same(ds41_rm_softplus(20.0f), 20.0f) && same(ds41_rm_softplus(nextafterf(20.0f, 30.0f)),
-                                                           nextafterf(20.0f, 30.0f)),
+    TAP_CHECK(same(ds41_rm_softplus(20.0f), 20.0f) &&
+                  same(ds41_rm_softplus(nextafterf(20.0f, 30.0f)), nextafterf(20.0f, 30.0f)),
               "softplus at and just above the switch point 20 is x");
 }
 
@@ -110,8 +113,8 @@ static void test_yarn_clamp(void) {
     const float ramp = (float)(3.0 - 2.0) / 5.0f, smooth = 1.0f - ramp;
     const float want = (plain[3] / 4.0f) * (1.0f - smooth) + plain[3] * smooth;
     TAP_CHECK(same(f[3], want) && same(f[0], plain[0]) && same(f[2], plain[2]),
-              "YaRN: a ramp end past the last dimension is clamped to rd - 1 (pair 3: %a, want %a)", (double)f[3],
-              (double)want);
+              "YaRN: a ramp end past the last dimension is clamped to rd - 1 (pair 3: %a, want %a)",
+              (double)f[3], (double)want);
 }
 
 static void test_fp8_weight_nan(void) {
@@ -126,7 +129,8 @@ static void test_fp8_weight_nan(void) {
     w[5 * K + 7] = NAN;
     ds41_quant_fp8_weight(w, N, K, q, scale);
     TAP_CHECK(scale[0] == DS41_UE8M0_NAN && scale[1] != DS41_UE8M0_NAN,
-              "FP8 weight block: a NaN in a later row gives the NaN scale, its neighbour keeps a number (got 0x%02x)",
+              "FP8 weight block: a NaN in a later row gives the NaN scale, its neighbour keeps a number (got "
+              "0x%02x)",
               scale[0]);
 }
 
@@ -203,7 +207,8 @@ static void test_sinkhorn_order(void) {
 static void test_kv_budget_and_fork(void) {
     ds41_model_config cfg;
     ds41_error err;
-    if (!TAP_CHECK(ds41_model_config_load("tests/data/config/release", &cfg, &err) == 0, "release config")) return;
+    if (!TAP_CHECK(ds41_model_config_load("tests/data/config/release", &cfg, &err) == 0, "release config"))
+        return;
     /* A budget of 63 pages, one below the pool's 64-page growth chunk: exactly 63 pages of
      * 64 entries fit, the next entry is refused (the chunk is cut to the budget). */
     ds41_kv_pool *pool = ds41_kv_pool_new(&cfg, 63ull * 64 * 356, 64, &err);
@@ -214,10 +219,11 @@ static void test_kv_budget_and_fork(void) {
     const int refused = s && ds41_kv_seq_append(s, 0, lat, key, &err) != 0;
     ds41_kv_pool_stats st = {0};
     if (pool) ds41_kv_pool_get_stats(pool, &st);
-    TAP_CHECK(filled && refused && st.pages_allocated == 63,
-              "KV budget of 63 pages (below one growth chunk): 63 pages fill, the next entry is refused (%llu "
-              "allocated)",
-              (unsigned long long)st.pages_allocated);
+    TAP_CHECK(
+        filled && refused && st.pages_allocated == 63,
+        "KV budget of 63 pages (below one growth chunk): 63 pages fill, the next entry is refused (%llu "
+        "allocated)",
+        (unsigned long long)st.pages_allocated);
     /* A fork has its parent's token count. */
     ds41_kv_seq_set_tokens(s, 4032);
     ds41_kv_seq *f = s ? ds41_kv_seq_fork(s, &err) : NULL;
@@ -294,7 +300,8 @@ static void min_p_case(float top_p) {
     const int ok = ds41_sampler_new(&s, &p, 3, &err) == 0 && ds41_sampler_scratch_new(&sc, 3, &err) == 0 &&
                    ds41_sampler_sample(s, sc, l, 3, &r, &err) == 0;
     TAP_CHECK(ok && r.n_top == 2 && r.token < 2 && r.top[0].token == 0 && r.top[1].token == 1,
-              "min_p = 1, top_p %g: the tokens exactly at min_p * p_max are kept, the others dropped (%u listed%s%s)",
+              "min_p = 1, top_p %g: the tokens exactly at min_p * p_max are kept, the others dropped (%u "
+              "listed%s%s)",
               (double)top_p, ok ? (unsigned)r.n_top : 0u, ok ? "" : ": ", ok ? "" : err.msg);
     ds41_sampler_free(s);
     ds41_sampler_scratch_free(sc);
@@ -323,8 +330,8 @@ static void test_raw_logprob_tail(void) {
     for (int i = 0; i < 5; i++) sum += exp((double)l[i] - 3.0);
     const double want = (double)l[ok ? r.token : 0] - (3.0 + log(sum));
     TAP_CHECK(ok && fabs((double)r.logprob - want) < 1e-5,
-              "RAW logprob over 5 logits includes the last one in the normaliser (%g, want %g)", (double)r.logprob,
-              want);
+              "RAW logprob over 5 logits includes the last one in the normaliser (%g, want %g)",
+              (double)r.logprob, want);
     ds41_sampler_free(s);
     ds41_sampler_scratch_free(sc);
 }
@@ -356,15 +363,18 @@ static void test_stop_edges(void) {
     const char *const t1[] = {"aaab", "aabb"};
     const char *o1 = stop_run("aaabb", t1, 2, &stopped);
     TAP_CHECK(stopped == 0 && strcmp(o1, "aaabaabb") == 0,
-              "stop string aaabb is not found in aaabaabb (KMP fallback through two levels; emitted '%s')", o1);
+              "stop string aaabb is not found in aaabaabb (KMP fallback through two levels; emitted '%s')",
+              o1);
     /* A piece ending inside a 4-byte character led by F4 (U+100000..U+10FFFF) holds the
      * partial character back; the next piece completes it. */
     const char *const t2[] = {"a\xF4\x8F\xBF"};
     const char *o2 = stop_run("zz", t2, 1, &stopped);
     const int held = strcmp(o2, "a") == 0;
-    const char *const t3[] = {"a\xF4\x8F\xBF", "\xBF" "b"};
+    const char *const t3[] = {"a\xF4\x8F\xBF", "\xBF"
+                                               "b"};
     const char *o3 = stop_run("zz", t3, 2, &stopped);
-    TAP_CHECK(held && strcmp(o3, "a\xF4\x8F\xBF\xBF" "b") == 0,
+    TAP_CHECK(held && strcmp(o3, "a\xF4\x8F\xBF\xBF"
+                                 "b") == 0,
               "a partial U+10FFFF (lead byte F4) at a piece's end is held back until complete");
 }
 
@@ -412,7 +422,10 @@ static void test_pyjson_edges(void) {
     TAP_CHECK(py_loads(pair, strlen(pair), t, sizeof t) == 1 && strcmp(t, "\xF0\x9F\x9F\xBF") == 0,
               "json.loads combines \\ud83d\\udfff (low surrogate U+DFFF) into U+1F7FF");
     /* Raw control characters: U+001F is refused like U+0000, U+0020 is text. */
-    TAP_CHECK(py_loads("\"a\x1f" "b\"", 5, NULL, 0) == 0 && py_loads("\"a b\"", 5, NULL, 0) == 1,
+    TAP_CHECK(py_loads("\"a\x1f"
+                       "b\"",
+                       5, NULL, 0) == 0 &&
+                  py_loads("\"a b\"", 5, NULL, 0) == 1,
               "json.loads refuses a raw U+001F in a string and accepts a space");
     /* int(): 4300 digits are the limit, inclusive. */
     static char digits[4302];
@@ -438,25 +451,26 @@ static int st_header(const char *json, uint64_t data_bytes, char *msg, size_t ca
 static void test_safetensors_offsets(void) {
     char m[sizeof(ds41_error)];
     /* data_offsets [5, 4): the end is one before the begin (named as such, not as a size). */
-    const int r1 = st_header("{\"t\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[5,4]}}", 16, m, sizeof m);
+    const int r1 =
+        st_header("{\"t\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[5,4]}}", 16, m, sizeof m);
     TAP_CHECK(r1 != 0 && strstr(m, "end before they begin"), "safetensors: data_offsets [5, 4) -> '%s'", m);
     /* A span of 12 bytes for a shape of 8 (F32 [2]): refused, as is 4. */
-    const int r2 = st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,12]}}", 16, m, sizeof m);
-    const int r3 = st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", 16, m, sizeof m);
-    const int r4 = st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 16, m, sizeof m);
-    TAP_CHECK(r2 != 0 && r3 != 0 && r4 == 0,
-              "safetensors: a span one element longer or shorter than the shape is refused, the exact one accepted");
-}
-
-static void rm_dir_files(const char *dir) {
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0) TAP_NOTE("could not remove %s", dir);
+    const int r2 =
+        st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,12]}}", 16, m, sizeof m);
+    const int r3 =
+        st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", 16, m, sizeof m);
+    const int r4 =
+        st_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 16, m, sizeof m);
+    TAP_CHECK(r2 != 0 && r3 != 0 && r4 == 0, "safetensors: a span one element longer or shorter than the "
+                                             "shape is refused, the exact one accepted");
 }
 
 static void test_snapshot_edges(void) {
-    char root[] = "/tmp/ds41-bound-XXXXXX";
-    if (!mkdtemp(root)) return;
+    char root[256];
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-bound-XXXXXX")) {
+        TAP_CHECK(0, "temporary directory under $TMPDIR or /tmp");
+        return;
+    }
     static uint8_t noise[1500];
     uint64_t x = 7;
     for (size_t i = 0; i < sizeof noise; i++) {
@@ -480,9 +494,10 @@ static void test_snapshot_edges(void) {
         if (f) fclose(f);
         memset(buf + 48, 0, 8); /* n_ids */
         ds41_snapshot snap;
-        const int rc = got == bytes ? ds41_snapshot_parse(buf, bytes, "z.snap", NULL, 1u << 20, &snap, &err) : 0;
-        TAP_CHECK(rc == -1 && strstr(err.msg, "0 token ids"), "snapshot: a head with 0 token ids is refused as such (%s)",
-                  err.msg);
+        const int rc =
+            got == bytes ? ds41_snapshot_parse(buf, bytes, "z.snap", NULL, 1u << 20, &snap, &err) : 0;
+        TAP_CHECK(rc == -1 && strstr(err.msg, "0 token ids"),
+                  "snapshot: a head with 0 token ids is refused as such (%s)", err.msg);
         free(buf);
     }
 
@@ -499,7 +514,7 @@ static void test_snapshot_edges(void) {
     ds41_snapshot_entry e1 = {0}, e2 = {0};
     if (ds41_snapshot_store_open(&o, &st, &err) != 0) {
         TAP_CHECK(0, "store open: %s", err.msg);
-        rm_dir_files(root);
+        tmpdir_remove(root);
         return;
     }
     ds41_snapshot_store_save(st, &SNAP_OWNER, ids, 10, noise, 1000, NULL, 0, &e1, &err);
@@ -512,14 +527,17 @@ static void test_snapshot_edges(void) {
         ds41_snapshot_store_save(st, &SNAP_OWNER, ids, 10, noise, 1000, NULL, 0, &e1, &err);
         ds41_snapshot_store_save(st, &SNAP_OWNER, ids + 10, 10, noise, 1000, NULL, 0, &e2, &err);
         ds41_snapshot_store_get_stats(st, &ss);
-        TAP_CHECK(e1.bytes == one && e2.bytes == one && ss.bytes == 2 * one && ss.evictions == 0 &&
-                      ds41_snapshot_store_contains(st, &SNAP_OWNER, ids, 10) && ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 10, 10),
-                  "snapshot store: two snapshots exactly filling max_bytes (%llu) evict nothing (%llu evictions)",
-                  (unsigned long long)(2 * one), (unsigned long long)ss.evictions);
+        TAP_CHECK(
+            e1.bytes == one && e2.bytes == one && ss.bytes == 2 * one && ss.evictions == 0 &&
+                ds41_snapshot_store_contains(st, &SNAP_OWNER, ids, 10) &&
+                ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 10, 10),
+            "snapshot store: two snapshots exactly filling max_bytes (%llu) evict nothing (%llu evictions)",
+            (unsigned long long)(2 * one), (unsigned long long)ss.evictions);
         ds41_snapshot_store_save(st, &SNAP_OWNER, ids + 20, 10, noise, 1000, NULL, 0, &e2, &err);
         ds41_snapshot_store_get_stats(st, &ss);
         TAP_CHECK(ss.evictions == 1 && !ds41_snapshot_store_contains(st, &SNAP_OWNER, ids, 10) &&
-                      ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 10, 10) && ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 20, 10),
+                      ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 10, 10) &&
+                      ds41_snapshot_store_contains(st, &SNAP_OWNER, ids + 20, 10),
                   "snapshot store: over max_bytes the oldest snapshot is evicted, the others stay");
         ds41_snapshot_store_free(st);
     }
@@ -533,7 +551,7 @@ static void test_snapshot_edges(void) {
                   "snapshot store: a snapshot larger than max_bytes is kept when it is the one just saved");
         ds41_snapshot_store_free(st);
     }
-    rm_dir_files(root);
+    tmpdir_remove(root);
 }
 
 static void test_config_utf8_edges(void) {
@@ -545,16 +563,20 @@ static void test_config_utf8_edges(void) {
         TAP_CHECK(0, "daemon config defaults: %s", err.msg);
         return;
     }
-    static const char *const bad[] = {"/run/\xC0\xAF.sock", "/run/\xE0\x80\xAF.sock", "/run/\xF0\x80\x80\xAF.sock",
-                                      "/run/\xED\xA0\x80.sock"};
-    static const char *const good[] = {"/run/\xC2\x80.sock", "/run/\xE0\xA0\x80.sock", "/run/\xF0\x90\x80\x80.sock"};
+    static const char *const bad[] = {"/run/\xC0\xAF.sock", "/run/\xE0\x80\xAF.sock",
+                                      "/run/\xF0\x80\x80\xAF.sock", "/run/\xED\xA0\x80.sock"};
+    static const char *const good[] = {"/run/\xC2\x80.sock", "/run/\xE0\xA0\x80.sock",
+                                       "/run/\xF0\x90\x80\x80.sock"};
     int refused = 0, accepted = 0;
-    for (size_t i = 0; i < 4; i++) refused += ds41_daemon_config_set(&cfg, "listen.socket", bad[i], &err) == -1;
-    for (size_t i = 0; i < 3; i++) accepted += ds41_daemon_config_set(&cfg, "listen.socket", good[i], &err) == 0;
-    TAP_CHECK(refused == 4 && accepted == 3,
-              "overrides: overlong UTF-8 forms and a surrogate are refused (%d of 4), the shortest forms at each "
-              "length's lower edge accepted (%d of 3)",
-              refused, accepted);
+    for (size_t i = 0; i < 4; i++)
+        refused += ds41_daemon_config_set(&cfg, "listen.socket", bad[i], &err) == -1;
+    for (size_t i = 0; i < 3; i++)
+        accepted += ds41_daemon_config_set(&cfg, "listen.socket", good[i], &err) == 0;
+    TAP_CHECK(
+        refused == 4 && accepted == 3,
+        "overrides: overlong UTF-8 forms and a surrogate are refused (%d of 4), the shortest forms at each "
+        "length's lower edge accepted (%d of 3)",
+        refused, accepted);
     ds41_daemon_config_free(&cfg);
 }
 
@@ -570,13 +592,15 @@ static int release_with(const char *key, const char *value, ds41_error *err) {
 
 static void test_model_config_edges(void) {
     ds41_error e1 = {{0}}, e2 = {{0}};
-    int a = release_with("dspark_block_size", "4096", &e1), b = release_with("dspark_block_size", "4097", &e2);
-    TAP_CHECK(a == 0 && b == -1 && strstr(e2.msg, "dspark_block_size"),
-              "config.json: an integer at its maximum (dspark_block_size 4096) is accepted, one past refused (%s)",
-              e2.msg);
+    int a = release_with("dspark_block_size", "4096", &e1),
+        b = release_with("dspark_block_size", "4097", &e2);
+    TAP_CHECK(
+        a == 0 && b == -1 && strstr(e2.msg, "dspark_block_size"),
+        "config.json: an integer at its maximum (dspark_block_size 4096) is accepted, one past refused (%s)",
+        e2.msg);
     a = release_with("kv_source_layers", "[2, 8, 8, 14, 20]", &e1);
-    TAP_CHECK(a == -1 && strstr(e1.msg, "sorted and unique"), "config.json: a repeated source layer is refused (%s)",
-              e1.msg);
+    TAP_CHECK(a == -1 && strstr(e1.msg, "sorted and unique"),
+              "config.json: a repeated source layer is refused (%s)", e1.msg);
     ds41_model_config cfg;
     char routed[32] = "", plus1[32] = "";
     if (ds41_model_config_load("tests/data/config/release", &cfg, &e1) == 0) {
@@ -587,8 +611,8 @@ static void test_model_config_edges(void) {
     a = release_with("n_activated_experts", routed, &e1);
     b = release_with("n_activated_experts", plus1, &e2);
     TAP_CHECK(a == 0 && b == -1 && strstr(e2.msg, "n_activated_experts"),
-              "config.json: routing all %s experts is accepted, one more refused (%s%s)", routed, a ? e1.msg : "",
-              e2.msg);
+              "config.json: routing all %s experts is accepted, one more refused (%s%s)", routed,
+              a ? e1.msg : "", e2.msg);
 }
 
 int main(void) {

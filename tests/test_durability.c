@@ -7,6 +7,7 @@
  * records what was synced and when. */
 #include "storage/snapshot.h"
 #include "tests/tap.h"
+#include "tests/tmpdir.h"
 
 #include <fcntl.h>
 #include <stdio.h>
@@ -46,8 +47,11 @@ static int index_of(enum ev_kind k, int from) {
 }
 
 int main(void) {
-    char dir[] = "/tmp/ds41-durable-XXXXXX";
-    if (!mkdtemp(dir)) return 1;
+    char dir[200];
+    if (!tmpdir_make(dir, sizeof dir, "TMPDIR", "ds41-durable-XXXXXX")) {
+        TAP_CHECK(0, "temporary directory");
+        return tap_done();
+    }
     char path[256];
     snprintf(path, sizeof path, "%s/s.snap", dir);
     const uint8_t model[DS41_SNAPSHOT_ID_BYTES] = {1, 2, 3};
@@ -66,7 +70,6 @@ int main(void) {
     TAP_CHECK(d > r, "the directory is fsync'ed after the rename (at %d)", d);
     struct stat st;
     TAP_CHECK(stat(path, &st) == 0 && st.st_size > 0, "the snapshot is under its final name");
-    unlink(path);
-    rmdir(dir);
+    tmpdir_remove(dir);
     return tap_done();
 }
