@@ -1678,6 +1678,7 @@ static void completion_replace(ds41_generation *g, ds41_chat_completion *c) {
  * have been the start of one ("\n\n<｜..." and longer) is dropped.  -1: out of memory. */
 static int cut_off_block(ds41_generation *g) {
     const char *t = g->text.data ? g->text.data : "";
+    if (g->state == SPLIT_DONE) return 0; /* the message ended at an EOS in the text: its end is no cut */
     if (g->state != SPLIT_BLOCK) {
         ds41_chat_completion *r = &g->result;
         size_t ml = strlen(TOOL_CALLS_START);

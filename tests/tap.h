@@ -24,11 +24,16 @@ static int tap_failed;
 __attribute__((format(printf, 4, 5), unused)) static int tap_check(int ok, const char *file, int line,
                                                                    const char *fmt, ...) {
     va_list ap;
+    char what[4096];
     tap_count++;
-    printf("%sok %d - ", ok ? "" : "not ", tap_count);
     va_start(ap, fmt);
-    vprintf(fmt, ap);
+    vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
+    /* one case is one line: a description that quotes a log line or a reply must not break the
+     * TAP stream (meson reads a stray line as unknown output) */
+    for (char *c = what; *c; c++)
+        if (*c == '\n' || *c == '\r') *c = ' ';
+    printf("%sok %d - %s", ok ? "" : "not ", tap_count, what);
     if (!ok) {
         printf(" # at %s:%d", file, line);
         tap_failed++;

@@ -20,14 +20,20 @@
 
 #include <jansson.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-static void check(int ok) {
-    if (!ok) abort();
-}
+/* A violated invariant names itself before aborting (a crash artifact is then read at once). */
+#define check(ok)                                                                              \
+    do {                                                                                       \
+        if (!(ok)) {                                                                           \
+            fprintf(stderr, "fuzz_generate: invariant failed at line %d: %s\n", __LINE__, #ok); \
+            abort();                                                                           \
+        }                                                                                      \
+    } while (0)
 
 static ds41_tokenizer *TOK;
 static uint32_t NV;
