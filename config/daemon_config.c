@@ -51,7 +51,7 @@ typedef struct key_desc {
 
 static const char *const engine_modes[] = {"fast", "reference", NULL};
 static const char *const log_levels[] = {"error", "warning", "info", "debug", NULL};
-/* ds41-mkmodel's presets (engine/model_gen.h); the config layer cannot
+/* ds41-mkmodel's presets (engine/model/model_gen.h); the config layer cannot
  * include the engine, so the list is repeated here for line:column errors. */
 static const char *const presets[] = {"tiny", "long", "bench", NULL};
 

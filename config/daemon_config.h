@@ -63,7 +63,7 @@
  *                            that must give whole bytes ("1.5GiB").  "auto" (or 0): the
  *                            KV cache is a quarter of the memory the process may use;
  *                            the expert and Engram budgets are decided at load from
- *                            that memory (engine/auto_budget.h: everything resident
+ *                            that memory (engine/serve/auto_budget.h: everything resident
  *                            when it fits, else the Engram rows streamed first, then
  *                            the experts; see ds41d.yaml(5)).  A size covering a tier
  *                            keeps it resident (used in place from the mapping).

@@ -1,7 +1,7 @@
 /* ds41-bench --kernels: see bench_kernels.h. */
 #include "daemon/bench_kernels.h"
 
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 
 #include <stdlib.h>
 #include <string.h>

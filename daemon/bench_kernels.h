@@ -11,7 +11,7 @@
 #define DS41_DAEMON_BENCH_KERNELS_H
 
 #include "config/error.h"
-#include "engine/backend.h"
+#include "engine/backend/backend.h"
 
 #include <stddef.h>
 #include <stdint.h>

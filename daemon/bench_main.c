@@ -3,7 +3,7 @@
  *
  * Figures (see usage()): prefill tokens/s and its FLOP/s as a fraction of the
  * FMA peak; decode tokens/s at batch 1, 4 and 16 with the weight bytes the
- * kernels touched per step (engine/backend.h counters: every expert the
+ * kernels touched per step (engine/backend/backend.h counters: every expert the
  * batch routed to counted once, attention and dense weights, hc mixes, norm
  * weights, embedding and Engram rows, the head) and those bytes per second as
  * a fraction of the measured read bandwidth.  Timing starts after a warm-up
@@ -11,9 +11,9 @@
 #include "daemon/bench_kernels.h"
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
-#include "engine/backend.h"
-#include "engine/forward.h"
-#include "engine/threadpool.h"
+#include "engine/backend/backend.h"
+#include "engine/forward/forward.h"
+#include "engine/backend/cpu/threadpool.h"
 #include "storage/expert_cache.h"
 #include "storage/safetensors.h"
 

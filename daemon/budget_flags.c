@@ -2,7 +2,7 @@
 #include "daemon/budget_flags.h"
 
 #include "config/daemon_config.h"
-#include "engine/auto_budget.h"
+#include "engine/serve/auto_budget.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -4,7 +4,7 @@
  *   --config FILE                    memory.expert_cache_bytes / engram_cache_bytes of a
  *                                    ds41d YAML (the flags win)
  * A flag that is absent (and not set by --config), "auto", or a YAML "auto"/0
- * is decided by engine/auto_budget.h from the memory the process may use;
+ * is decided by engine/serve/auto_budget.h from the memory the process may use;
  * an explicit size is used as given.
  *
  * Usage: put DS41_BUDGET_LONGOPTS in the getopt_long table, pass every
@@ -14,7 +14,7 @@
 #ifndef DS41_DAEMON_BUDGET_FLAGS_H
 #define DS41_DAEMON_BUDGET_FLAGS_H
 
-#include "engine/forward.h"
+#include "engine/forward/forward.h"
 
 #include <getopt.h>
 #include <stdbool.h>
@@ -52,7 +52,7 @@ typedef struct ds41_budget_run {
 
 /* Resolve the budgets into eo->expert_cache_bytes / engram_cache_bytes:
  * --config's values under the flags, then auto sizing for what is still
- * auto (engine/auto_budget.h).  When the auto sizing streams a tier, the
+ * auto (engine/serve/auto_budget.h).  When the auto sizing streams a tier, the
  * decision line ("budgets: auto -> ...") is printed to stderr.  line (may be
  * NULL) gets the decision line ("" when nothing was auto).  When the memory
  * cannot be read, a warning is printed and the tiers stay resident; when the

@@ -2,7 +2,7 @@
 #include "daemon/ctl_client.h"
 #include "ds41_version.h"
 
-#include "engine/pyjson.h"
+#include "engine/text/pyjson.h"
 
 #include <errno.h>
 #include <poll.h>

@@ -3,10 +3,10 @@
 #include "config/model_config.h"
 #include "daemon/ctl_client.h"
 #include "ds41_version.h"
-#include "engine/auto_budget.h"
-#include "engine/backend.h"
-#include "engine/pyjson.h"
-#include "engine/threadpool.h"
+#include "engine/serve/auto_budget.h"
+#include "engine/backend/backend.h"
+#include "engine/text/pyjson.h"
+#include "engine/backend/cpu/threadpool.h"
 #include "storage/safetensors.h"
 
 #include <errno.h>
@@ -1467,7 +1467,7 @@ static int cmd_doctor(int argc, char **argv) {
         ds41_buf_free(&f);
     }
 
-    /* the fast CPU path this machine gets (engine/backend.h), and its default thread count */
+    /* the fast CPU path this machine gets (engine/backend/backend.h), and its default thread count */
     {
         ds41_cpu_level lv = ds41_cpu_level_detect();
         const char *cap = getenv("DS41_CPU_LEVEL");

@@ -2,13 +2,13 @@
 #include "daemon/engine_service.h"
 
 #include "daemon/log.h"
-#include "engine/auto_budget.h"
-#include "engine/forward.h"
-#include "engine/generate.h"
-#include "engine/model_gen.h"
-#include "engine/pyjson.h"
-#include "engine/scheduler.h"
-#include "engine/tokenizer.h"
+#include "engine/serve/auto_budget.h"
+#include "engine/forward/forward.h"
+#include "engine/serve/generate.h"
+#include "engine/model/model_gen.h"
+#include "engine/text/pyjson.h"
+#include "engine/serve/scheduler.h"
+#include "engine/text/tokenizer.h"
 #include "storage/snapshot_store.h"
 
 #include <dirent.h>
@@ -360,7 +360,7 @@ static uint64_t checkpoint_bytes(const char *dir) {
     return total;
 }
 
-/* "auto" KV budget: a quarter of the memory the process may use (engine/auto_budget.h: MemAvailable
+/* "auto" KV budget: a quarter of the memory the process may use (engine/serve/auto_budget.h: MemAvailable
  * capped by the cgroup's limits, or the DS41_TEST_MEM_AVAILABLE test hook). */
 static uint64_t auto_kv_budget(const ds41_mem_info *mem) {
     if (mem && mem->available) return mem->available / 4;
@@ -371,7 +371,7 @@ static uint64_t auto_kv_budget(const ds41_mem_info *mem) {
 }
 
 /* memory.expert_cache_bytes / engram_cache_bytes "auto" (0): decide from the memory the process may
- * use (engine/auto_budget.h), log the decision and keep its line for `ds41ctl cache` / doctor.
+ * use (engine/serve/auto_budget.h), log the decision and keep its line for `ds41ctl cache` / doctor.
  * Explicit values are used as given.  Fails (naming the sizes) when the memory cannot hold one
  * layer's expert slots at max_sequences. */
 static int decide_budgets(model *m, const settings *st, const ds41_mem_info *mem, uint64_t kv_bytes,

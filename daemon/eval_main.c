@@ -5,9 +5,9 @@
  * the same bytes in the reference mode). */
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
-#include "engine/backend.h"
-#include "engine/forward.h"
-#include "engine/threadpool.h"
+#include "engine/backend/backend.h"
+#include "engine/forward/forward.h"
+#include "engine/backend/cpu/threadpool.h"
 #include "storage/safetensors.h"
 
 #include <errno.h>
@@ -34,7 +34,7 @@ static void usage(FILE *f) {
             "with every float as %%.9g of its float32 value.  The default is the fast CPU\n"
             "path (threads, SIMD; --threads N, default one per CPU, --pin binds them to CPUs;\n"
             "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
-            "canonical arithmetic of the reference mode (engine/refmath.h; bit-exact against\n"
+            "canonical arithmetic of the reference mode (engine/backend/refmath.h; bit-exact against\n"
             "tests/reference/ds41_ref.py).\n"
             "--engram-cache-bytes SIZE (bytes, or with a unit: 64MiB, 1.5GiB, 2GB) streams the\n"
             "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"

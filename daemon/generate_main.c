@@ -1,12 +1,12 @@
 /* ds41-generate: the offline generator.  Loads a checkpoint, renders a prompt (a user message, an
  * OpenAI-style messages file, raw text or token ids), runs prefill and decode on the engine and
  * streams the answer to stdout -- the tool a developer uses to debug the engine end to end,
- * without the daemon.  The generation logic is engine/generate.h, the same the daemon runs. */
+ * without the daemon.  The generation logic is engine/serve/generate.h, the same the daemon runs. */
 #include "ds41_version.h"
-#include "engine/forward.h"
-#include "engine/generate.h"
-#include "engine/pyjson.h"
-#include "engine/tokenizer.h"
+#include "engine/forward/forward.h"
+#include "engine/serve/generate.h"
+#include "engine/text/pyjson.h"
+#include "engine/text/tokenizer.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -42,7 +42,7 @@ static void usage(FILE *f) {
             "  --stop S           a stop string (repeatable)\n"
             "  --ignore-eos       keep generating past EOS\n"
             "  --chunk N          prefill the prompt in chunks of N tokens (default: all at once)\n"
-            "  --reference        the canonical reference arithmetic (engine/refmath.h)\n"
+            "  --reference        the canonical reference arithmetic (engine/backend/refmath.h)\n"
             "  --forced TEXT      test hook: the output is the tokens of TEXT (special tokens matched)\n"
             "                     instead of samples, then sampling goes on\n"
             "  --json             no streaming: print one JSON object with the prompt and generated ids,\n"

@@ -11,10 +11,10 @@
  * read (bad config, malformed safetensors, usage). */
 #include "config/model_config.h"
 #include "ds41_version.h"
-#include "engine/engram_layout.h"
-#include "engine/engram_tokens.h"
-#include "engine/tensor_plan.h"
-#include "engine/vocab.h"
+#include "engine/model/engram_layout.h"
+#include "engine/model/engram_tokens.h"
+#include "engine/model/tensor_plan.h"
+#include "engine/text/vocab.h"
 #include "storage/safetensors.h"
 
 #include <getopt.h>

@@ -1,7 +1,7 @@
 /* ds41-mkmodel: write a random-weight DeepSeek-V4.1 checkpoint in the Hugging
- * Face release layout (see engine/model_gen.h). */
+ * Face release layout (see engine/model/model_gen.h). */
 #include "ds41_version.h"
-#include "engine/model_gen.h"
+#include "engine/model/model_gen.h"
 
 #include <errno.h>
 #include <getopt.h>

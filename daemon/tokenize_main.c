@@ -1,7 +1,7 @@
 /* ds41-tokenize: encode or decode with a tokenizer.json, one JSON value per
  * line (see usage()).  Other checks drive it: keep the interface stable. */
 #include "ds41_version.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 #include <jansson.h>
 #include <stdio.h>

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/json_schema.h"
+#include "engine/text/json_schema.h"
 #include "ipc/api.h"
 #include "ipc/api_internal.h"
 #include "ipc/json_util.h"
@@ -520,7 +520,7 @@ int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, d
         }
         bool has_strict, strict;
         if (ds41_api_get_bool(fn, fpath, "strict", &has_strict, &strict, err)) goto fail;
-        /* the parameters schema: the subset engine/json_schema.h supports, refused otherwise (a
+        /* the parameters schema: the subset engine/text/json_schema.h supports, refused otherwise (a
          * tool_choice constraint could not hold the model to the rest) */
         char spath[96], epath[128];
         join_path(spath, sizeof spath, fpath, "parameters");

@@ -162,7 +162,7 @@ typedef struct ds41_svc_cache {
     double bytes_per_token; /* KV bytes per token of context */
     const ds41_svc_cache_tier *tiers;
     size_t n_tiers;
-    /* The memory budgets decided at load (engine/auto_budget.h: "budgets: auto -> experts ...
+    /* The memory budgets decided at load (engine/serve/auto_budget.h: "budgets: auto -> experts ...
      * streamed with ... budget, ... (available ..., dense ..., KV ...)"), or NULL. */
     const char *budgets;
     /* Whether prefix-cache entries (memory and disk) are shared between peers of different

@@ -39,7 +39,7 @@
  *
  * Prediction
  *   ds41_expert_cache_predict starts reads for the experts the caller
- *   expects a layer to use before its router runs (engine/moe.c: layer L's
+ *   expects a layer to use before its router runs (engine/forward/moe.c: layer L's
  *   router on its FFN input without the attention output, before L's
  *   attention; and/or layer L+1's router on layer L's FFN input), into slots
  *   not pinned now, in the order given (likeliest first); those slots carry

@@ -1,8 +1,8 @@
 /* ds41_snapshot: the on-disk file of one session snapshot (issue 7, part 6).
  *
  * A snapshot file holds the token ids a sequence consumed (the prefix key), the sequence's
- * serialized state (engine/kv_cache.h: ds41_kv_seq_serialize) and optionally its sampler state
- * (engine/sampler.h: ds41_sampler_snapshot), for one model.  This module knows nothing of the
+ * serialized state (engine/model/kv_cache.h: ds41_kv_seq_serialize) and optionally its sampler state
+ * (engine/serve/sampler.h: ds41_sampler_snapshot), for one model.  This module knows nothing of the
  * engine: the state is opaque bytes here.
  *
  * Format, version 2 (every integer little-endian):

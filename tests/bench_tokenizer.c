@@ -10,7 +10,7 @@
  * Greek and Cyrillic, digits, emoji, whitespace runs and chat-template
  * special tokens, in paragraphs of ~1 KB.  Encode runs on the whole text in
  * one call; decode on the resulting ids.  Each is run 3 times, best kept. */
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

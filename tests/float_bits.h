@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "engine/refmath.h"
+#include "engine/backend/refmath.h"
 
 __attribute__((unused)) static uint32_t bits(float f) {
     uint32_t u;

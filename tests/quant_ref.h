@@ -1,6 +1,6 @@
 /* Independent reference codecs for the quantization tests (test_quant.c and
  * the quant fuzz target).  They are written from REFERENCE.md §1 by a
- * different route than engine/quant.c: values come from the formulas in
+ * different route than engine/model/quant.c: values come from the formulas in
  * double via ldexp, and encoders search every code for the nearest value
  * (ties to the even code) instead of manipulating bit patterns, so an error in
  * one is unlikely to be repeated in the other. */

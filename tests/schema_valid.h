@@ -1,4 +1,4 @@
-/* An independent validator of the tool-schema subset (engine/json_schema.h) for tests: a jansson
+/* An independent validator of the tool-schema subset (engine/text/json_schema.h) for tests: a jansson
  * value against the schema's JSON (type or type list, nullable, enum, properties, required,
  * additionalProperties false, items).  Written from the JSON Schema rules, not from the matcher. */
 #ifndef DS41_TESTS_SCHEMA_VALID_H

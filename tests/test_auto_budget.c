@@ -1,9 +1,9 @@
-/* Automatic expert/Engram budgets (engine/auto_budget.h): the /proc and
+/* Automatic expert/Engram budgets (engine/serve/auto_budget.h): the /proc and
  * cgroup v2 readers on fake trees, the policy over a table of inputs, the
  * footprint of a generated checkpoint against its own tensors. */
-#include "engine/auto_budget.h"
+#include "engine/serve/auto_budget.h"
 
-#include "engine/model_gen.h"
+#include "engine/model/model_gen.h"
 #include "storage/expert_cache.h"
 #include "storage/safetensors.h"
 #include "tests/tap.h"

@@ -1,11 +1,11 @@
-/* V4.1 chat encoding (engine/chat.h) and its Python-compatible JSON (engine/pyjson.h).
+/* V4.1 chat encoding (engine/text/chat.h) and its Python-compatible JSON (engine/text/pyjson.h).
  *
  * Goldens: the 5 official encoding fixtures (tests/data/chat/, see its README.md), the worked
  * examples of REFERENCE §11.10 (derived by hand from the official encoder), and expectations
  * written from REFERENCE §4 / §11 for every rule.  Parser: every §11.7 error message, DSML corner
  * cases, the lenient salvage, and render -> parse round trips over generated tool-call sets. */
-#include "engine/chat.h"
-#include "engine/pyjson.h"
+#include "engine/text/chat.h"
+#include "engine/text/pyjson.h"
 #include "tests/tap.h"
 
 #include <math.h>

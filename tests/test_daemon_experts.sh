@@ -154,7 +154,7 @@ stop_daemon
 check "the daemon exits cleanly after the fault" test "$daemon_status" = 0
 
 # ---- auto budgets (memory.*_cache_bytes auto) under a small "available memory" ------------------
-# The test hook DS41_TEST_MEM_AVAILABLE (engine/auto_budget.h) stands in for MemAvailable: 7 MiB
+# The test hook DS41_TEST_MEM_AVAILABLE (engine/serve/auto_budget.h) stands in for MemAvailable: 7 MiB
 # holds tiny's ~3.3 MiB of dense weights, the auto KV cache (a quarter) and a row cache (5%), not
 # the experts + Engram tables, so the Engram rows and then the experts are streamed; the text
 # stays the resident one.

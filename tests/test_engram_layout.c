@@ -1,9 +1,9 @@
 /* Engram layout: PCG64 / SeedSequence against numpy, primes, offsets and multipliers of the
  * released and a tiny config, the 960 hash vectors, and the compressed token map.
  * Data: tests/data/engram/ (see its README.md). */
-#include "engine/engram_layout.h"
-#include "engine/engram_token_map.h"
-#include "engine/pcg64.h"
+#include "engine/model/engram_layout.h"
+#include "engine/model/engram_token_map.h"
+#include "engine/model/pcg64.h"
 #include "tests/tap.h"
 
 #include <inttypes.h>

@@ -1,4 +1,4 @@
-/* The Engram row tier in the engine (engine/forward.h engram_cache_bytes,
+/* The Engram row tier in the engine (engine/forward/forward.h engram_cache_bytes,
  * ds41_engine_prefetch): on generated tiny and long checkpoints, in the
  * reference and the fast mode, logits are bit-identical with the tables
  * resident and streamed under budgets from a quarter of the tables down to
@@ -7,8 +7,8 @@
  * tables' mapped pages stay out of memory; an injected read error fails the
  * forward call naming the shard and the tensor, and the engine keeps
  * working. */
-#include "engine/forward.h"
-#include "engine/model_gen.h"
+#include "engine/forward/forward.h"
+#include "engine/model/model_gen.h"
 #include "storage/safetensors.h"
 #include "tests/tap.h"
 #include "tests/tmpdir.h"

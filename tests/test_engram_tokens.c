@@ -1,10 +1,10 @@
 /* The Engram compressed token map of a loaded tokenizer (REFERENCE §6.1):
  * on the real V4.1 tokenizer (rebuilt from npm) it has 99,092 ids and the
  * published digest; on synthetic tokenizers it is total and deterministic. */
-#include "engine/engram_token_map.h"
-#include "engine/engram_tokens.h"
-#include "engine/synth_tokenizer.h"
-#include "engine/vocab.h"
+#include "engine/model/engram_token_map.h"
+#include "engine/model/engram_tokens.h"
+#include "engine/text/synth_tokenizer.h"
+#include "engine/text/vocab.h"
 #include "tests/tap.h"
 
 #include <stdlib.h>

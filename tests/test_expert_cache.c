@@ -1,5 +1,5 @@
 /* The routed-expert tier (storage/expert_cache.h, engine integration in
- * engine/moe.c) on generated tiny and long checkpoints:
+ * engine/forward/moe.c) on generated tiny and long checkpoints:
  *  - logits are bit-identical, fast and reference modes, whether every expert
  *    is resident (mapping) or streamed with budgets of one slot (a layer's
  *    union never fits: waves), three slots, a third of the experts and one
@@ -14,8 +14,8 @@
  *    the next call on fresh sequences gives the right logits again;
  *  - budgets below one slot are refused with the minimum in the message;
  *    the budget changes at run time. */
-#include "engine/forward.h"
-#include "engine/model_gen.h"
+#include "engine/forward/forward.h"
+#include "engine/model/model_gen.h"
 #include "storage/expert_cache.h"
 #include "tests/tap.h"
 #include "tests/tmpdir.h"

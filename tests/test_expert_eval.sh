@@ -79,7 +79,7 @@ rc=$?
 check "--config with a bad size: exit 2 naming the key" \
     bash -c "test $rc = 2 && grep -q 'memory.expert_cache_bytes' '$work/b.log'"
 
-# Auto budgets (engine/auto_budget.h) through the test hook DS41_TEST_MEM_AVAILABLE: on tiny,
+# Auto budgets (engine/serve/auto_budget.h) through the test hook DS41_TEST_MEM_AVAILABLE: on tiny,
 # 5 MiB of "available memory" does not hold dense + experts + Engram, so the Engram rows and then
 # the experts are streamed, and the logits stay byte for byte the resident ones; 4 MiB cannot
 # hold one layer's expert slots: exit 2 naming the sizes.  "--expert-cache-bytes auto" is a flag

@@ -6,10 +6,10 @@
  *
  * Checkpoints are written with ds41_model_generate into a mkdtemp directory
  * under $TMPDIR (or /tmp) and removed at the end. */
-#include "engine/forward.h"
-#include "engine/model_gen.h"
-#include "engine/quant.h"
-#include "engine/tensor_plan.h"
+#include "engine/forward/forward.h"
+#include "engine/model/model_gen.h"
+#include "engine/model/quant.h"
+#include "engine/model/tensor_plan.h"
 #include "tests/tap.h"
 #include "tests/tmpdir.h"
 

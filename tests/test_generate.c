@@ -2,11 +2,11 @@
  * a generated tiny checkpoint (written with ds41_model_generate into a mkdtemp directory and
  * removed at the end). */
 #include "config/utf8.h"
-#include "engine/forward.h"
-#include "engine/generate.h"
-#include "engine/model_gen.h"
-#include "engine/pyjson.h"
-#include "engine/tokenizer.h"
+#include "engine/forward/forward.h"
+#include "engine/serve/generate.h"
+#include "engine/model/model_gen.h"
+#include "engine/text/pyjson.h"
+#include "engine/text/tokenizer.h"
 #include "schema_valid.h"
 #include "tap.h"
 #include "tmpdir.h"

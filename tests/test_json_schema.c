@@ -1,4 +1,4 @@
-/* Tool parameter schemas (engine/json_schema.h): the subset is compiled or refused with the
+/* Tool parameter schemas (engine/text/json_schema.h): the subset is compiled or refused with the
  * field's path, and the byte matcher accepts only prefixes of valid values, never dead-ends, and
  * completes any prefix into JSON that an independent validator accepts. */
 #include <stdio.h>
@@ -7,8 +7,8 @@
 
 #include <jansson.h>
 
-#include "engine/json_schema.h"
-#include "engine/pcg64.h"
+#include "engine/text/json_schema.h"
+#include "engine/model/pcg64.h"
 #include "tests/schema_valid.h"
 #include "tests/tap.h"
 

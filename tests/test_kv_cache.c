@@ -1,8 +1,8 @@
 /* The packed KV cache: exact round trips, bytes per token at the released
  * config, copy-on-write forks, page reuse and the budget. */
 #include "config/model_config.h"
-#include "engine/kv_cache.h"
-#include "engine/quant.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/quant.h"
 #include "tests/tap.h"
 
 #include <math.h>

@@ -2,10 +2,10 @@
  * generation and restored into another pool continues exactly like the uninterrupted one (same
  * logits bit for bit, same tokens), in the fast and the reference arithmetic; every malformed
  * snapshot is refused with a message and nothing leaks. */
-#include "engine/forward.h"
-#include "engine/kv_cache.h"
-#include "engine/model_gen.h"
-#include "engine/sampler.h"
+#include "engine/forward/forward.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/model_gen.h"
+#include "engine/serve/sampler.h"
 #include "tap.h"
 #include "tmpdir.h"
 

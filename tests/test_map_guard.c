@@ -14,8 +14,8 @@
  *
  * Files live in a mkdtemp directory under $TMPDIR (or /tmp), removed at the
  * end. */
-#include "engine/forward.h"
-#include "engine/model_gen.h"
+#include "engine/forward/forward.h"
+#include "engine/model/model_gen.h"
 #include "storage/map_guard.h"
 #include "storage/safetensors.h"
 #include "tests/tap.h"

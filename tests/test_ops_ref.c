@@ -2,9 +2,9 @@
  * double-precision formulas of REFERENCE.md §2 (with the tolerance the
  * rounding points allow) and against the exact rules of §10 where a value is
  * determined bit for bit. */
-#include "engine/ops.h"
-#include "engine/quant.h"
-#include "engine/refmath.h"
+#include "engine/backend/ops.h"
+#include "engine/model/quant.h"
+#include "engine/backend/refmath.h"
 #include "tests/tap.h"
 
 #include <math.h>

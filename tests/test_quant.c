@@ -2,7 +2,7 @@
  * quantizers of §1.4-1.5 and §2.1.  Expected values are either literals
  * derived by hand in the comments, or come from the independent references in
  * tests/quant_ref.h. */
-#include "engine/quant.h"
+#include "engine/model/quant.h"
 #include "tests/quant_ref.h"
 #include "tests/tap.h"
 

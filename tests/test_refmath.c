@@ -1,8 +1,8 @@
 /* The canonical arithmetic (REFERENCE.md §10): exact sums rounded once,
  * means, special values, rope frequencies and rotation, elementwise
  * functions. */
-#include "engine/quant.h"
-#include "engine/refmath.h"
+#include "engine/model/quant.h"
+#include "engine/backend/refmath.h"
 #include "tests/float_bits.h"
 #include "tests/tap.h"
 

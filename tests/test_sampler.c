@@ -2,8 +2,8 @@
  * documented PRNG, the fast path against a full-sort reference, empirical distributions
  * (chi-square with fixed seeds, so the test is deterministic), penalties and logit_bias against
  * their formulas, logprobs against log-softmax, snapshot / restore, error handling, timing. */
-#include "engine/pcg64.h"
-#include "engine/sampler.h"
+#include "engine/model/pcg64.h"
+#include "engine/serve/sampler.h"
 #include "tests/tap.h"
 
 #include <float.h>

@@ -2,11 +2,11 @@
  * disk tier callbacks (a finished conversation goes to `evicted` when the scheduler stops; a
  * later scheduler restores it on a miss and the next turn is the same as without it, with the
  * restored tokens reported as cached), export of cache entries and running requests, import. */
-#include "engine/forward.h"
-#include "engine/generate.h"
-#include "engine/model_gen.h"
-#include "engine/scheduler.h"
-#include "engine/tokenizer.h"
+#include "engine/forward/forward.h"
+#include "engine/serve/generate.h"
+#include "engine/model/model_gen.h"
+#include "engine/serve/scheduler.h"
+#include "engine/text/tokenizer.h"
 #include "tap.h"
 #include "tmpdir.h"
 

@@ -1,10 +1,10 @@
 /* engine/scheduler: continuous batching over the real forward pass of a generated tiny
  * checkpoint (mkdtemp, removed at the end). */
-#include "engine/forward.h"
-#include "engine/generate.h"
-#include "engine/model_gen.h"
-#include "engine/scheduler.h"
-#include "engine/tokenizer.h"
+#include "engine/forward/forward.h"
+#include "engine/serve/generate.h"
+#include "engine/model/model_gen.h"
+#include "engine/serve/scheduler.h"
+#include "engine/text/tokenizer.h"
 #include "tap.h"
 #include "tmpdir.h"
 

@@ -5,9 +5,9 @@
  * shape left an infinity in the same scratch (a padding lane left stale turns
  * 0 * inf into NaN).  Both are compared with the reference backend bit for
  * bit where the reference is NaN, and by NaN-ness elsewhere. */
-#include "engine/backend.h"
-#include "engine/ops.h"
-#include "engine/quant.h"
+#include "engine/backend/backend.h"
+#include "engine/backend/ops.h"
+#include "engine/model/quant.h"
 #include "tests/tap.h"
 
 #include <math.h>

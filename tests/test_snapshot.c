@@ -1,7 +1,7 @@
 /* storage/snapshot: the session snapshot file format -- checksums, round trips, every corruption
  * and truncation refused with a message naming the file, atomic writes (a writer killed in the
  * middle of a save leaves only a temporary file, which is cleaned), model identity. */
-#include "engine/model_gen.h"
+#include "engine/model/model_gen.h"
 #include "storage/snapshot.h"
 #include "storage/snapshot_store.h"
 #include "tap.h"

@@ -1,6 +1,6 @@
 /* Stop strings (streamed pieces, held-back partial matches, UTF-8) and token-level limits
  * (EOS, stop ids, max_tokens). */
-#include "engine/stop.h"
+#include "engine/serve/stop.h"
 #include "tests/tap.h"
 
 #include <stdint.h>

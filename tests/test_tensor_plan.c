@@ -3,7 +3,7 @@
  * 510,286,023,000 payload bytes, BF16 520 / F32 387 / F8_E4M3 357 /
  * F8_E8M0 47,589 / I8 47,232, and the shapes §3 lists. */
 #include "config/model_config.h"
-#include "engine/tensor_plan.h"
+#include "engine/model/tensor_plan.h"
 #include "tests/tap.h"
 
 #include <string.h>

@@ -2,7 +2,7 @@
  * index inside the pool; serial fallbacks (no pool, one thread, one chunk,
  * nested and concurrent runs); pinning; many back-to-back jobs; workers that
  * sleep between jobs wake up for the next one. */
-#include "engine/threadpool.h"
+#include "engine/backend/cpu/threadpool.h"
 #include "tests/tap.h"
 
 #include <pthread.h>

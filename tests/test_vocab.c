@@ -2,8 +2,8 @@
  * decoding, the synthetic writer, and the real DeepSeek-V4.1 tokenizer
  * (rebuilt from npm by tests/tools/fetch_v41_tokenizer.sh; skipped when npm
  * cannot be reached and nothing is cached). */
-#include "engine/synth_tokenizer.h"
-#include "engine/vocab.h"
+#include "engine/text/synth_tokenizer.h"
+#include "engine/text/vocab.h"
 #include "tests/tap.h"
 #include "tests/test_util.h"
 

@@ -1,4 +1,4 @@
-/* Automatic budgets (engine/auto_budget.h) on arbitrary inputs.  Byte 0 selects:
+/* Automatic budgets (engine/serve/auto_budget.h) on arbitrary inputs.  Byte 0 selects:
  *   0: the rest as a /proc/meminfo text;
  *   1: the rest as a /proc/self/cgroup text (into a 64-byte path buffer);
  *   else: a budget request from the next 8 little-endian uint64 fields (available, dense, KV,
@@ -8,7 +8,7 @@
  * codes; a decision keeps headroom + usable = available, copies explicit budgets unchanged,
  * streams a tier only below its total, gives auto experts at least the layer minimum, and its
  * description is NUL-terminated within the buffer. */
-#include "engine/auto_budget.h"
+#include "engine/serve/auto_budget.h"
 
 #include <stdint.h>
 #include <stdlib.h>

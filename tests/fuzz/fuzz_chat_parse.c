@@ -7,8 +7,8 @@
  *   - every result converts to a message (all strings are well-formed UTF-8);
  *   - a strictly parsed turn, rendered after a user turn, parses back (strictly) to the same
  *     reasoning, content and number of calls whenever it renders at all. */
-#include "engine/chat.h"
-#include "engine/pyjson.h"
+#include "engine/text/chat.h"
+#include "engine/text/pyjson.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -4,10 +4,10 @@
  * passed as messages (and refused).  Errors are fine; crashes, leaks and UB are not.
  *
  * Oracles: a rendered prompt is well-formed UTF-8 of the length reported, with a JSON array of
- * image records; and the same bytes through Python's json.loads/json.dumps (engine/pyjson.h) are
+ * image records; and the same bytes through Python's json.loads/json.dumps (engine/text/pyjson.h) are
  * a fixed point after one round: dumps(loads(dumps(loads(x)))) == dumps(loads(x)). */
-#include "engine/chat.h"
-#include "engine/pyjson.h"
+#include "engine/text/chat.h"
+#include "engine/text/pyjson.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -2,7 +2,7 @@
  * parameters), then a token stream of arbitrary int32 compressed ids (valid, DEAD, negative,
  * out of range) hashed for every layer.  Invariant: on success every row id lies inside its
  * column's range [offset, offset + prime). */
-#include "engine/engram_layout.h"
+#include "engine/model/engram_layout.h"
 
 #include <stdint.h>
 #include <stdlib.h>

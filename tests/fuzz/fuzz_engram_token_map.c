@@ -2,7 +2,7 @@
  * normalised, then split at 0xFF bytes (never part of UTF-8) into token texts whose raw strings
  * are the same bytes reversed, and a map is built.  Invariants: success only for valid UTF-8,
  * normalised output is valid UTF-8, map ids are dense in first-appearance order. */
-#include "engine/engram_token_map.h"
+#include "engine/model/engram_token_map.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -13,10 +13,10 @@
  * parallel_tool_calls false, bit 7 tool_choice "required" over two tools (the constraint runs,
  * the forced ids override it). */
 #include "config/utf8.h"
-#include "engine/generate.h"
-#include "engine/synth_tokenizer.h"
-#include "engine/tokenizer.h"
-#include "engine/vocab.h"
+#include "engine/serve/generate.h"
+#include "engine/text/synth_tokenizer.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/vocab.h"
 
 #include <jansson.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* Fuzz target: tool parameter schemas (engine/json_schema.h).  The input is a schema, a 0xFF byte,
+/* Fuzz target: tool parameter schemas (engine/text/json_schema.h).  The input is a schema, a 0xFF byte,
  * then bytes fed to a matcher of each parameter (raw and JSON): compiling never crashes, a
  * refusal names a path, and the matcher's shortest completion of whatever it accepted is accepted
  * and complete. */
@@ -8,7 +8,7 @@
 
 #include <jansson.h>
 
-#include "engine/json_schema.h"
+#include "engine/text/json_schema.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

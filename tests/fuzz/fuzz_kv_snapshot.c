@@ -3,8 +3,8 @@
  * restored sequence gives the same bytes back) and decodes to finite values.  The pool is the
  * tiny preset's geometry (window 8, kv sources at ratios 2 and 1), with a small page budget so
  * "KV cache full" paths run too. */
-#include "engine/kv_cache.h"
-#include "engine/model_gen.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/model_gen.h"
 
 #include <math.h>
 #include <stdint.h>

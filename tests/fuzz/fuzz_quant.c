@@ -6,7 +6,7 @@
  *
  * Layout: byte 0 picks the weight row count (1..4), the rest is floats (at
  * most MAX_FLOATS; trailing bytes that do not fill a float are ignored). */
-#include "engine/quant.h"
+#include "engine/model/quant.h"
 #include "tests/quant_ref.h"
 
 #include <stdint.h>

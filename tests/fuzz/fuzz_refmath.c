@@ -7,7 +7,7 @@
  * doubles (mode 0: raw bit patterns, any value; mode 1: the same mapped onto
  * multiples of 2^-60 below 2^50, for the int128 oracle) or as fp32 pairs
  * (mode 2: dot products; mode 3: means of squares). */
-#include "engine/refmath.h"
+#include "engine/backend/refmath.h"
 
 #include <math.h>
 #include <stdint.h>

@@ -2,7 +2,7 @@
  * An accepted snapshot is canonical: snapshotting the restored state gives the same bytes back.
  * Small vocabularies are then sampled a few times with whatever parameters the snapshot holds
  * (and tokens accepted), which must never fail or crash. */
-#include "engine/sampler.h"
+#include "engine/serve/sampler.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -5,7 +5,7 @@
  *   - before a stop, emitted + held bytes are exactly the input so far;
  *   - the emitted text and the stop index equal the whole-text reference (first completing stop
  *     string, longest at that byte, then lowest index), also when the text comes in one piece. */
-#include "engine/stop.h"
+#include "engine/serve/stop.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -8,8 +8,8 @@
  * stripped spaces change the text on purpose); with both every id must
  * exist and the streaming decoder must give decode()'s text.  Any violation
  * aborts. */
-#include "engine/synth_tokenizer.h"
-#include "engine/tokenizer.h"
+#include "engine/text/synth_tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 #include <jansson.h>
 #include <stdint.h>

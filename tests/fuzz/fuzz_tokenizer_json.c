@@ -1,8 +1,8 @@
 /* Fuzz target 'tokenizer_json': ds41_vocab_parse on arbitrary bytes, then,
  * for whatever loads, every id is decoded (raw and lossy) and the invariants
- * of engine/vocab.h are checked; the same bytes also go to the
+ * of engine/text/vocab.h are checked; the same bytes also go to the
  * tokenizer_config.json parser.  Any violation aborts. */
-#include "engine/vocab.h"
+#include "engine/text/vocab.h"
 
 #include <stdint.h>
 #include <stdlib.h>

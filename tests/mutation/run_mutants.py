@@ -202,7 +202,7 @@ def main():
     ap.add_argument("--work", help="persistent work directory for the copy and its build "
                     "(default: <source>/build-mutation)")
     ap.add_argument("--only", action="append", default=[], help="mutant id glob (repeatable)")
-    ap.add_argument("--module", action="append", default=[], help="file glob, e.g. 'engine/sampler.c'")
+    ap.add_argument("--module", action="append", default=[], help="file glob, e.g. 'engine/serve/sampler.c'")
     ap.add_argument("--quick", action="store_true", help="only the mutants marked quick = yes")
     ap.add_argument("--suite", action="store_true",
                     help="run the whole default meson suite for each mutant instead of its tests (slow)")

@@ -5,7 +5,7 @@ Reads a Hugging Face byte-level BPE tokenizer.json (the real DeepSeek-V4.1 one, 
 tests/data/engram/README.md for how to rebuild it), decodes every id on its own the way
 `tokenizers` does (`decode([id], skip_special_tokens=False)`: ByteLevel decoder, then
 UTF-8 with replacement), normalises each text, and assigns compressed ids by first
-appearance.  It exists as a cross-check for engine/engram_token_map.c; it shares no code
+appearance.  It exists as a cross-check for engine/model/engram_token_map.c; it shares no code
 with it.
 
     engram_token_map.py TOKENIZER_JSON                 # prints count and sha256

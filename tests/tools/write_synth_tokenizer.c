@@ -1,6 +1,6 @@
-/* Test helper: write a synthetic tokenizer (engine/synth_tokenizer.h).
+/* Test helper: write a synthetic tokenizer (engine/text/synth_tokenizer.h).
  * usage: write_synth_tokenizer DIR VOCAB_SIZE SEED */
-#include "engine/synth_tokenizer.h"
+#include "engine/text/synth_tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

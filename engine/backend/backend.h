@@ -1,0 +1,154 @@
+/* ds41_backend: what a compute backend owns, and the interface the engine
+ * (engine/forward/forward.h) drives it through.
+ *
+ * A backend owns three things:
+ *
+ *  1. The kernels: a ds41_ops table (engine/backend/ops.h).  The forward pass
+ *     (engine/forward/forward.c, attention.c, moe.c) calls nothing else for numeric
+ *     work; it hands every op all rows of all sequences of a step at once, so
+ *     a backend reads each weight once per step whatever the batch.
+ *
+ *  2. Weight placement: place_weights() runs once at load, after the
+ *     checkpoint's tensors are bound and checked (engine/model/weights.h), and may
+ *     copy, repack or convert any of them into the backend's own memory and
+ *     layout (device memory, interleaved blocks, wider types).  The ops keep
+ *     receiving the bound host pointers; a backend that placed copies maps
+ *     them to its own by address (the bound pointers are stable for the
+ *     engine's life; wo_a arrives as row ranges of its bound tensor, one per
+ *     o_group).  release_weights() undoes it before the weights are freed.
+ *
+ *  3. The KV page pool: new_pool() makes the pool sequences allocate their
+ *     packed KV pages from (engine/model/kv_cache.h), in memory the kernels read.
+ *
+ * Backends here:
+ *  - the reference (ds41_backend_reference_new): ds41_ops_reference, the
+ *    canonical arithmetic of REFERENCE.md §10, scalar and single-threaded;
+ *  - the fast CPU path (ds41_backend_cpu_new, engine/backend/cpu/ops_fast.h): threads and
+ *    SIMD kernels, batch- and chunk-invariant, checked layer by layer against
+ *    the reference;
+ *  - any op table (ds41_backend_from_ops): a backend with the CPU's
+ *    placement and pool around a given table (tests wrap the reference).
+ *
+ * Placement of the CPU backends is the identity: their kernels decode FP8 /
+ * FP4 / bf16 straight from the checkpoint's layout with table lookups (no
+ * copy, no extra memory), and the pool is ds41_kv_pool_new's host memory.
+ *
+ * Statistics: a backend may count what its kernels touch (stats()); the fast
+ * CPU backend does, for ds41-bench. */
+#ifndef DS41_ENGINE_BACKEND_H
+#define DS41_ENGINE_BACKEND_H
+
+#include "config/error.h"
+#include "config/model_config.h"
+#include "engine/model/kv_cache.h"
+#include "engine/backend/ops.h"
+#include "engine/model/weights.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* What the kernels counted since the last reset.  Byte counts are of weights
+ * as stored (FP8/FP4 codes and their scales, bf16, fp32), once per op call
+ * that reads them: linear weights, hc mix functions, norm weights, attention
+ * sinks, router biases, embedding rows and Engram table rows.  A step's
+ * weight_bytes is therefore the weight traffic of that step with the experts
+ * the batch used counted once each.  flops counts 2 per multiply-add of the
+ * linears, the hc mixes, index scores and attention (QK and PV). */
+typedef struct ds41_backend_stats {
+    uint64_t weight_bytes;
+    uint64_t flops;
+    uint64_t op_calls;
+} ds41_backend_stats;
+
+typedef struct ds41_backend ds41_backend;
+
+struct ds41_backend {
+    const char *name;
+    /* The kernels.  ops.ctx is the backend's private state. */
+    ds41_ops ops;
+
+    /* Placement (see above).  cfg and w outlive the placement.  Errors: out
+     * of memory, device errors.  NULL: the identity. */
+    int (*place_weights)(ds41_backend *be, const ds41_model_config *cfg, ds41_weights *w, ds41_error *err);
+    void (*release_weights)(ds41_backend *be, ds41_weights *w);
+
+    /* A KV page pool for cfg (arguments as ds41_kv_pool_new). */
+    ds41_kv_pool *(*new_pool)(ds41_backend *be, const ds41_model_config *cfg, uint64_t budget_bytes,
+                              uint32_t entries_per_page, ds41_error *err);
+
+    /* Counters (NULL: none kept; *out is zeroed).  reset zeroes them after
+     * reading. */
+    void (*stats)(ds41_backend *be, ds41_backend_stats *out, bool reset);
+
+    /* Free the backend (after every pool it made and the engine using it). */
+    void (*destroy)(ds41_backend *be);
+
+    void *impl; /* private */
+};
+
+/* SIMD levels of the fast CPU kernels, lowest to highest. */
+typedef enum ds41_cpu_level {
+    DS41_CPU_AUTO = 0,   /* the best the CPU and OS support (and DS41_CPU_LEVEL allows) */
+    DS41_CPU_SCALAR = 1, /* portable C */
+    DS41_CPU_AVX2 = 2,   /* AVX2 + FMA + F16C: fp32 FMA kernels */
+    DS41_CPU_AVX512 = 3, /* AVX-512 F/BW/VL/DQ/VBMI + AVX512_BF16: bf16 dot-product kernels */
+    DS41_CPU_AMX = 4,    /* the AVX-512 level + AMX-TILE/AMX-BF16: bf16 tile products for the linears */
+} ds41_cpu_level;
+
+/* Options of the fast CPU backend. */
+typedef struct ds41_cpu_opts {
+    int threads;          /* 0 = one per CPU the process may use */
+    bool pin;             /* pin the pool's threads to CPUs (engine/backend/cpu/threadpool.h) */
+    ds41_cpu_level level; /* DS41_CPU_AUTO or a cap */
+} ds41_cpu_opts;          /* zero-initialised = the defaults */
+
+/* The best level this machine supports: cpuid feature bits, the OS's saved
+ * register state (xgetbv) and, for AMX, the kernel's permission for tile
+ * data; capped by the environment variable DS41_CPU_LEVEL (scalar, avx2,
+ * avx512 or amx) when set. */
+ds41_cpu_level ds41_cpu_level_detect(void);
+
+/* "scalar", "avx2", "avx512", "amx" ("auto" for DS41_CPU_AUTO). */
+const char *ds41_cpu_level_name(ds41_cpu_level level);
+
+/* The fast CPU backend (engine/backend/cpu/ops_fast.h).  opts NULL = defaults; a level
+ * above what the machine supports is lowered to it.  Errors: thread
+ * creation, out of memory. */
+ds41_backend *ds41_backend_cpu_new(const ds41_cpu_opts *opts, ds41_error *err);
+
+/* The level a fast CPU backend runs at, DS41_CPU_AUTO for other backends. */
+ds41_cpu_level ds41_backend_cpu_level(const ds41_backend *be);
+/* Its thread count (1 for other backends). */
+int ds41_backend_threads(const ds41_backend *be);
+
+/* Machine figures measured on a fast CPU backend's threads (ds41-bench). */
+typedef struct ds41_cpu_measure {
+    uint64_t read_bytes; /* size of the buffer read */
+    int read_passes;
+    double read_gbs; /* best pass: bytes / s / 1e9, every thread streaming its own slice at once */
+    double
+        fma_gflops; /* best of 3: every thread running 12 independent fp32 FMA chains of the level's width */
+} ds41_cpu_measure;
+
+/* Read bandwidth: a buffer of buffer_bytes anonymous memory (4 KiB pages, as
+ * the checkpoint's file mapping has) is written once, then read `passes`
+ * times start to end by all the pool's threads, each streaming its own slice
+ * with the widest loads of the backend's level.  A cache line is read again
+ * only after the whole buffer has gone through the caches, so a buffer much
+ * larger than the last-level cache (ds41-bench uses >= 4 GiB against a few
+ * hundred MiB of L3) measures memory.  FMA peak: 12 independent FMA chains
+ * per thread for ~0.2 s.  Errors: not a fast CPU backend, out of memory. */
+int ds41_backend_cpu_measure(ds41_backend *be, uint64_t buffer_bytes, int passes, ds41_cpu_measure *out,
+                             ds41_error *err);
+
+/* The reference backend (ds41_ops_reference, host placement and pool). */
+ds41_backend *ds41_backend_reference_new(ds41_error *err);
+
+/* A backend around an op table (copied; ops->ctx is kept as given): host
+ * placement and pool, no counters. */
+ds41_backend *ds41_backend_from_ops(const ds41_ops *ops, ds41_error *err);
+
+/* be->destroy(be); NULL is fine. */
+void ds41_backend_free(ds41_backend *be);
+
+#endif

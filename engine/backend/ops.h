@@ -1,0 +1,158 @@
+/* ds41_ops: the small set of numeric operations the forward pass is built
+ * from, behind a table of function pointers, so that backends (the canonical
+ * reference below, the fast SIMD/threaded CPU path of engine/backend/cpu/ops_fast.h, later
+ * the CUDA backend) slot in without touching engine/forward/forward.c.  What else a
+ * backend owns (weight placement, the KV page pool) is in engine/backend/backend.h.
+ *
+ * Conventions for every op:
+ *  - Activations are fp32 arrays whose values are what the reference holds;
+ *    "bf16 values" means every element is bf16-representable.  Row-major,
+ *    rows contiguous unless a stride is given.
+ *  - Inputs and outputs must not overlap unless an op says "in place".
+ *  - Ops never fail: sizes come from a validated config and bound weights
+ *    (the forward pass checks everything before calling); they allocate
+ *    only scratch they free before returning (or keep in their backend).
+ *  - Every op gets the table it was called through as `self`, so a backend
+ *    instance reaches its state (thread pool, scratch, counters) through
+ *    self->ctx.  The reference ignores it.
+ *  - Weights are the bound host pointers of engine/model/weights.h (stable for the
+ *    engine's life; wo_a is passed as row ranges of the bound tensor, one per
+ *    o_group).  A backend that placed its own copies finds them by these.
+ *  - Batches: the forward pass hands an op all rows of all sequences of a
+ *    step at once (M), so a backend reads each weight once per step.
+ *
+ * The reference backend (ds41_ops_reference) implements REFERENCE.md §10
+ * exactly: scalar, single-threaded, exact reductions (engine/backend/refmath.h). */
+#ifndef DS41_ENGINE_OPS_H
+#define DS41_ENGINE_OPS_H
+
+#include "engine/model/kv_cache.h"
+#include "engine/model/weights.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Output rounding of a linear layer. */
+typedef enum ds41_linear_out {
+    DS41_OUT_BF16 = 0, /* bf16(acc): every FP8/FP4 linear and bf16 nn.Linear */
+    DS41_OUT_F32 = 1,  /* fp32 acc (fp32-parameter matmuls: gate, head, ratio-2 compressor); BF16 weights only */
+    /* The same outputs with the reference's accumulation (§10.2-10.3) on
+     * every backend, for the linears whose outputs reach a decision through
+     * a coarse quantizer: the indexer's inputs (wq_a of an index source,
+     * idx_wq_b, weights_proj, the compressor, idx_wk, the Engram wkv of a
+     * KV or index source).  One bf16 ulp there
+     * flips an FP4 code of an index query or key, which moves an index score
+     * by several percent and swaps top-k entries that are far from a tie
+     * (engine/backend/cpu/ops_fast.h, "Decisions"). */
+    DS41_OUT_BF16_EXACT = 2,
+    DS41_OUT_F32_EXACT = 3,
+} ds41_linear_out;
+
+/* The output rounds to bf16 (DS41_OUT_BF16 or DS41_OUT_BF16_EXACT). */
+static inline int ds41_linear_out_bf16(ds41_linear_out out) {
+    return out == DS41_OUT_BF16 || out == DS41_OUT_BF16_EXACT;
+}
+
+/* The rows a sparse attention call attends, in the canonical order of
+ * REFERENCE §10.7: window rows by ascending position, then compressed rows
+ * by ascending position.  Rows stay packed: window rows in the kv cache's
+ * ring format (head_dim e4m3 codes + head_dim/32 ue8m0 scales), compressed
+ * rows as kv cache entries (the latent part is read). */
+typedef struct ds41_attn_rows {
+    const ds41_kv_layout *layout;
+    size_t n_window;
+    const uint8_t *const *window;
+    size_t n_comp;
+    const uint8_t *const *comp;
+} ds41_attn_rows;
+
+typedef struct ds41_ops ds41_ops;
+
+struct ds41_ops {
+    const char *name;
+    void *ctx; /* the backend instance's state; NULL for the reference */
+
+    /* y[m][0..w->n) = x[m] W^T for m < M; x[m] has w->k bf16 values.
+     * FP8 / FP4 weights: act_quant(x, 32, ue8m0) then the block GEMM
+     * (§2.2-2.3, §10.3), bf16 output (out must be DS41_OUT_BF16).  BF16
+     * weights: exact dot products, bf16 or fp32 output. */
+    void (*linear)(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out);
+
+    /* Several independent linears in one call (the experts of a MoE layer):
+     * for i < n, ys[i][m][0..ws[i]->n) = linear(ws[i], xs[i], Ms[i]) with
+     * output rounding `out`, exactly as n calls of `linear` (Ms[i] may be 0).
+     * A backend may run them as one parallel job. */
+    void (*linear_batch)(const ds41_ops *self, size_t n, const ds41_linear *const *ws, const float *const *xs,
+                         const size_t *Ms, float *const *ys, ds41_linear_out out);
+
+    /* RMSNorm of M rows of n values (§2.6, §10.5-10.6):
+     * y = bf16(w * fp32(x * rsqrt(fp32(mean_sq(x) + eps)))); w bf16 [n]. */
+    void (*rmsnorm)(const ds41_ops *self, const uint16_t *w, const float *x, size_t M, size_t n, float eps, float *y);
+
+    /* hc mixes + Sinkhorn of M token streams h[m] ([hc][dim] bf16 values,
+     * §2.5, §2.7): pre[m][hc], post[m][hc], comb[m][hc][hc]. */
+    void (*hc_mix)(const ds41_ops *self, const float *fn, const float *scale, const float *base, const float *h, size_t M, int hc,
+                   size_t dim, float norm_eps, int iters, float hc_eps, float *pre, float *post, float *comb);
+
+    /* out[m] = bf16(sum_c pre[m][c] * h[m][c]) ([dim]), short sum in copy order. */
+    void (*hc_pre)(const ds41_ops *self, const float *h, const float *pre, size_t M, int hc, size_t dim, float *out);
+
+    /* out[m][j] = bf16(post[m][j] * o[m] + sum_i comb[m][i][j] * h[m][i]). */
+    void (*hc_post)(const ds41_ops *self, const float *o, const float *h, const float *post, const float *comb, size_t M, int hc,
+                    size_t dim, float *out);
+
+    /* Rope on n_pairs adjacent pairs of x (in place), cs from
+     * ds41_rope_cos_sin; inverse != 0 rotates back.  bf16 write-back. */
+    void (*rope)(const ds41_ops *self, float *x, int n_pairs, const float *cs, int inverse);
+
+    /* Index scores of one query against n_keys packed index keys (kv cache
+     * entries, §2.10 step 4): out[t] = bf16(sum_h bf16(relu(bf16(q_h . K_t)) * w_h)),
+     * q [n_heads][dim] (FP4-QDQ'd), w [n_heads] (bf16 values). */
+    void (*index_scores)(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
+                         const uint8_t *const *keys, size_t n_keys, float *out);
+
+    /* Sparse attention of one query position (§2.4, §10.7): q [n_heads][head_dim]
+     * bf16 values, sink [n_heads], scale = fp32(head_dim^-0.5); out
+     * [n_heads][head_dim] bf16 values.  rows->n_window + n_comp >= 1. */
+    void (*sparse_attn)(const ds41_ops *self, const float *q, int n_heads, int head_dim, const float *sink, float scale,
+                        const ds41_attn_rows *rows, float *out);
+
+    /* SwiGLU of M rows of n (§2.6): g, u bf16 values (w1, w3 outputs);
+     * limit > 0 clamps u to [-limit, limit] and g from above; h = silu(g) * u;
+     * route (NULL for the shared expert) multiplies row m by route[m]; out
+     * bf16(h). */
+    void (*swiglu)(const ds41_ops *self, const float *g, const float *u, size_t M, size_t n, float limit, const float *route, float *out);
+
+    /* Router of M tokens over E experts (§2.6 Gate, §9.2, §10.4): logits
+     * [M][E] are the fp32 gate matmul outputs (already divided by gate_temp);
+     * score = sqrt(softplus(logit)); the k experts with the highest
+     * fp32(score + bias) are chosen (ties: lower expert id), in that order
+     * (descending biased score, equal: lower id first) into sel[m][k];
+     * weight[m][k] = score at the choice, divided by fp32(short sum in choice
+     * order + 1e-20) when k > 1, then times route_scale. */
+    void (*router)(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale, int32_t *sel,
+                   float *weight);
+
+    /* Engram gating (§6.4 steps 3-5, §10.6) of M tokens, in place on
+     * h[m] ([hc][dim] bf16 values): kv[m] is the wkv output
+     * ([(hc+1)*dim] bf16 values: hc keys then the value), wqk [hc][dim] =
+     * fp32(q_weight * k_weight); dim_scale = fp32(dim^-0.5). */
+    void (*engram_mix)(const ds41_ops *self, float *h, const float *kv, const float *wqk, size_t M, int hc, size_t dim, float eps,
+                       float dim_scale);
+
+    /* Embedding (§2.7 start): out[m][c][0..dim) = table[ids[m]] for every
+     * copy c < hc, table bf16 [vocab][dim]; ids already checked in range. */
+    void (*embed)(const ds41_ops *self, const uint16_t *table, const int32_t *ids, size_t M, int hc, size_t dim,
+                  float *out);
+
+    /* Rows of an FP8 table with 1x32 ue8m0 scales (the Engram tables, §6.4
+     * step 1): out[i][0..cols) = bf16(e4m3(q[rows[i]]) * 2^(scale - 127)),
+     * q [*][cols], scale [*][ceil(cols/32)]; rows already checked. */
+    void (*fp8_rows)(const ds41_ops *self, const uint8_t *q, const uint8_t *scale, const int64_t *rows, size_t n,
+                     size_t cols, float *out);
+};
+
+/* The canonical reference backend (REFERENCE §10). */
+extern const ds41_ops ds41_ops_reference;
+
+#endif

@@ -1,0 +1,103 @@
+/* Internal structures shared by the forward pass files (forward.c,
+ * attention.c, moe.c).  Not a public header. */
+#ifndef DS41_ENGINE_FORWARD_INTERNAL_H
+#define DS41_ENGINE_FORWARD_INTERNAL_H
+
+#include "engine/model/engram_layout.h"
+#include "engine/forward/forward.h"
+#include "storage/expert_cache.h"
+#include "storage/safetensors.h"
+
+#include <pthread.h>
+
+struct ds41_engine {
+    ds41_model_config cfg;
+    ds41_checkpoint *ckpt;
+    ds41_weights w;
+    ds41_backend *be;
+    const ds41_ops *ops; /* &be->ops */
+    int placed;          /* be->place_weights succeeded */
+
+    /* Engram */
+    int32_t *token_map; /* [n_map] compressed id of each token id */
+    uint32_t n_map;
+    int32_t engram_pad; /* compressed id of engram_pad_id */
+    ds41_engram_layout eng;
+    float **wqk; /* per engram slot: fp32(q_weight * k_weight) [hc][dim] */
+    ds41_engram_cache *ecache; /* streamed rows (table index = slot); NULL: tables resident */
+
+    /* Rope frequencies per layer (rope_head_dim/2), NULL for absent layers */
+    float **rope_freqs;
+
+    /* Constants as the fp32 values the arithmetic uses (REFERENCE §10) */
+    float norm_eps, hc_eps, route_scale, swiglu_limit, gate_temp;
+    float softmax_scale; /* fp32(head_dim^-0.5) */
+    float index_scale;   /* fp32(index_head_dim^-0.5 * index_n_heads^-0.5) */
+    float engram_scale;  /* fp32(dim^-0.5) */
+
+    /* Routed-expert tier (storage/expert_cache.h): NULL while every expert
+     * is used in place from the mapping.  xc_mu guards the pointer against
+     * statistics readers on other threads; the forward thread uses it
+     * without the lock (only that thread replaces it). */
+    ds41_expert_cache *xc;
+    pthread_mutex_t xc_mu;
+    uint64_t expert_budget;      /* as asked (0 = all resident) */
+    uint64_t expert_total_bytes; /* all routed experts of the text layers (0 until known) */
+    bool expert_predict_next;    /* predict layer L+1 at layer L's experts */
+    bool expert_predict_early;   /* predict layer L before its attention */
+    unsigned expert_predict_extra; /* candidates beyond the top-k per token */
+    bool expert_buffered;
+    uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
+    bool budget_pending;         /* under xc_mu: a requested budget for the next forward */
+    uint64_t budget_requested;
+};
+
+/* One forward call's rows (tokens) and per-call state. */
+typedef struct fwd_batch {
+    size_t M;                 /* rows */
+    size_t n_items;
+    const ds41_fwd_item *items;
+    size_t *item_row0;        /* [n_items] first row of each item */
+    uint64_t *item_pos0;      /* [n_items] position of that row */
+    size_t *row_item;         /* [M] */
+    uint64_t *row_pos;        /* [M] absolute position */
+    int32_t *row_token;       /* [M] token id */
+    float *rope_cs;           /* [M][rope_head_dim] cos/sin of the current layer at each row's position */
+    int rope_layer;           /* layer rope_cs was computed for, -1 none */
+
+    /* Published top-k lists, per index source layer: positions [M][index_topk], counts [M] */
+    int32_t **idx_list;
+    uint32_t **idx_count;
+    /* Candidate blocks published by the candidate source: [M][cand_stride] flags */
+    uint8_t *cand;
+    size_t cand_stride;
+    const ds41_fwd_hooks *hooks; /* NULL or the caller's observer (decisions are reported to it) */
+} fwd_batch;
+
+/* Report a decision of row r to the batch's hook, if it has one. */
+static inline void ds41__report_decision(const fwd_batch *b, ds41_decision_kind kind, int layer, size_t r,
+                                         const int32_t *sel, size_t n_sel, const float *score,
+                                         size_t n_score) {
+    if (!b->hooks || !b->hooks->decision) return;
+    const size_t it = b->row_item[r];
+    b->hooks->decision(b->hooks->ctx, kind, layer, it, r - b->item_row0[it], sel, n_sel, score, n_score);
+}
+
+/* Attention sub-layer of layer L on xn [M][dim] (normed input): writes
+ * out [M][dim]; updates the batch sequences' rings and (kv sources) their
+ * compressed entries and carries.  Errors: out of memory, KV cache full. */
+int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err);
+
+/* MoE sub-layer of layer L on xn [M][dim]: out [M][dim].  Errors: out of memory. */
+int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err);
+/* Start reads for the experts layer L will probably use, before its
+ * attention runs: L's router applied to L's FFN input without the attention
+ * output (h: the stream entering layer L; ffn_pre: the FFN's pre-mix, which
+ * the attention's hc_mix computes).  No-op unless experts are streamed with
+ * prediction on; best effort (out of memory skips it). */
+void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const float *h, const float *ffn_pre);
+
+/* cos/sin for layer L at every row's position into b->rope_cs (cached per layer). */
+void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);
+
+#endif

@@ -1,0 +1,197 @@
+/* ds41_kv_cache: the per-sequence attention state of DeepSeek-V4.1, packed.
+ *
+ * What a sequence keeps (REFERENCE §1.6, §2.8-2.10, §6.3):
+ *  - compressed entries, per kv source layer, one per `ratio` tokens: the
+ *    latent (head_dim values, FP4 e2m1 + one e4m3 scale per 16) and the index
+ *    key (index_head_dim values, FP4 e2m1 + one ue8m0 scale per 32).  At the
+ *    released config that is 288 + 68 bytes per entry and 890 bytes per token
+ *    over the four sources.  They live in fixed-size pages from a shared
+ *    pool; a sequence has a page table per source.  This is the only copy:
+ *    readers decode one row at a time from the packed codes.
+ *  - window rings, one per attention layer: window_size rows of the rotated
+ *    window KV as e4m3 codes + ue8m0 scales per 32 (the reference's FP8 QDQ).
+ *  - compressor carries, per kv source with ratio > 1: the kv and score
+ *    state of the incomplete group (fp32, ratio x head_dim each).
+ *  - the Engram n-gram history.
+ *
+ * The reference stores dequantized bf16 values; the packed codes here decode
+ * to exactly those values (e2m1 x e4m3 and e4m3 x 2^k are exact in bf16 for
+ * every scale the quantizers produce), so storing codes changes no bit.
+ *
+ * Sequences fork in O(pages): the child shares every compressed page
+ * (reference counted) and copies the small fixed state; the first append to
+ * a shared, partly filled page copies that page (copy on write).  Freed
+ * pages return to the pool's free list and are reused before the pool grows;
+ * the pool never holds more than its budget.
+ *
+ * Thread safety: the pool is safe to share (allocation and reference counts
+ * take its lock); a sequence is used by one thread at a time. */
+#ifndef DS41_ENGINE_KV_CACHE_H
+#define DS41_ENGINE_KV_CACHE_H
+
+#include "config/error.h"
+#include "config/model_config.h"
+#include "engine/model/engram_layout.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define DS41_KV_MAX_SOURCES 16
+#define DS41_KV_DEFAULT_ENTRIES_PER_PAGE 64
+
+/* Geometry derived from the config; the same for every sequence of a pool. */
+typedef struct ds41_kv_layout {
+    int n_layers;                          /* config roles (backbone + mtp) */
+    int n_sources;                         /* kv source layers */
+    int source_layer[DS41_KV_MAX_SOURCES]; /* layer id of each source, ascending */
+    int source_ratio[DS41_KV_MAX_SOURCES];
+    int source_carry[DS41_KV_MAX_SOURCES]; /* index into the carries, -1 for ratio 1 */
+    int *source_of_layer;                  /* [n_layers]: source a layer reads (role.kv_from), -1 */
+    int *ring_of_layer;                    /* [n_layers]: window ring of a present layer, -1 */
+    int n_rings;
+    int n_carries;
+
+    uint32_t latent_dim;      /* head_dim */
+    uint32_t index_dim;       /* index_head_dim */
+    uint32_t latent_bytes;    /* latent_dim/2 codes + latent_dim/16 e4m3 scales */
+    uint32_t index_bytes;     /* index_dim/2 codes + index_dim/32 ue8m0 scales */
+    uint32_t entry_bytes;     /* latent_bytes + index_bytes */
+    uint32_t entries_per_page;
+    uint32_t page_bytes;      /* entries_per_page * entry_bytes */
+
+    uint32_t window;          /* window_size */
+    uint32_t ring_row_bytes;  /* head_dim e4m3 codes + head_dim/32 ue8m0 scales */
+} ds41_kv_layout;
+
+typedef struct ds41_kv_pool ds41_kv_pool;
+typedef struct ds41_kv_seq ds41_kv_seq;
+
+typedef struct ds41_kv_pool_stats {
+    uint64_t page_bytes;
+    uint64_t pages_in_use;    /* referenced by at least one sequence */
+    uint64_t pages_allocated; /* memory the pool holds (in use + free list) */
+    uint64_t pages_max;       /* budget / page_bytes */
+    uint64_t bytes_in_use;    /* pages_in_use * page_bytes */
+    uint64_t sequences;       /* live sequences */
+} ds41_kv_pool_stats;
+
+/* A pool for a finalized config.  budget_bytes caps the compressed pages
+ * (0 = unlimited); entries_per_page 0 = DS41_KV_DEFAULT_ENTRIES_PER_PAGE.
+ * Memory is taken lazily.  Errors: unfinalized config, a dim that does not
+ * fit the packing (head_dim % 16, index_head_dim % 32), more kv sources than
+ * DS41_KV_MAX_SOURCES, out of memory. */
+ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_bytes, uint32_t entries_per_page,
+                               ds41_error *err);
+/* Frees the pool; every sequence must have been freed before. */
+void ds41_kv_pool_free(ds41_kv_pool *pool);
+const ds41_kv_layout *ds41_kv_pool_layout(const ds41_kv_pool *pool);
+void ds41_kv_pool_get_stats(ds41_kv_pool *pool, ds41_kv_pool_stats *out);
+
+/* A new empty sequence (position 0, rings empty, carries reset, Engram
+ * history empty).  NULL on out of memory (err says so). */
+ds41_kv_seq *ds41_kv_seq_new(ds41_kv_pool *pool, ds41_error *err);
+/* A copy of seq sharing its compressed pages (copy on write). */
+ds41_kv_seq *ds41_kv_seq_fork(const ds41_kv_seq *seq, ds41_error *err);
+/* Release the sequence and its page references.  NULL is allowed. */
+void ds41_kv_seq_free(ds41_kv_seq *seq);
+ds41_kv_pool *ds41_kv_seq_pool(const ds41_kv_seq *seq);
+
+/* Tokens the sequence has consumed (the next token's position).  The
+ * forward pass advances it after a chunk's state is complete. */
+uint64_t ds41_kv_seq_tokens(const ds41_kv_seq *seq);
+void ds41_kv_seq_set_tokens(ds41_kv_seq *seq, uint64_t n);
+
+/* ---- compressed entries -------------------------------------------------- */
+
+/* Entries stored for a source (= compressed positions 0 .. n-1). */
+uint64_t ds41_kv_seq_entries(const ds41_kv_seq *seq, int source);
+
+/* Append the next entry of a source: `latent` (latent_dim values, rotated,
+ * bf16-representable) is FP4 1x16 e4m3-scale quantized, `index_key`
+ * (index_dim values, rotated) FP4 1x32 ue8m0 quantized, both packed into the
+ * entry.  Error (the sequence unchanged) when the pool's budget is exhausted:
+ * "KV cache full (N pages of B bytes)". */
+int ds41_kv_seq_append(ds41_kv_seq *seq, int source, const float *latent, const float *index_key,
+                       ds41_error *err);
+
+/* The packed entry `entry` (< ds41_kv_seq_entries) of a source; valid until
+ * the next append to the sequence or its release. */
+const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t entry);
+
+/* Decode a packed entry's latent / index key to its exact values. */
+void ds41_kv_decode_latent(const ds41_kv_layout *l, const uint8_t *entry, float *out);
+void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, float *out);
+
+/* ---- window rings ---------------------------------------------------------- */
+
+/* Store the rotated window KV of token `pos` of a layer (head_dim values,
+ * bf16-representable) in slot pos % window as e4m3 + ue8m0 per 32 (the
+ * reference's act_quant QDQ). */
+void ds41_kv_ring_write(ds41_kv_seq *seq, int layer, uint64_t pos, const float *kv);
+/* The packed row in a slot, and its decoding (exact values). */
+const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *seq, int layer, uint32_t slot);
+void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float *out);
+
+/* ---- compressor carries and Engram history ------------------------------ */
+
+/* The carry of a ratio > 1 source: kv_state and score_state, each
+ * [ratio][latent_dim] fp32, slot = position % ratio.  NULL for ratio 1. */
+float *ds41_kv_carry_kv(ds41_kv_seq *seq, int source);
+float *ds41_kv_carry_score(ds41_kv_seq *seq, int source);
+
+ds41_engram_history *ds41_kv_seq_engram(ds41_kv_seq *seq);
+
+/* ---- accounting ------------------------------------------------------------ */
+
+/* Pages the sequence references (shared pages included) and their bytes. */
+uint64_t ds41_kv_seq_pages(const ds41_kv_seq *seq);
+uint64_t ds41_kv_seq_page_bytes(const ds41_kv_seq *seq);
+/* Pages a sequence of this layout references once it has consumed `tokens` tokens, sharing
+ * none: the most a request that consumes that many tokens ever takes from the pool. */
+uint64_t ds41_kv_pages_for_tokens(const ds41_kv_layout *l, uint64_t tokens);
+/* Pages the pool must give the sequence for it to consume n_tokens more: fresh pages, plus a
+ * copy of each partly filled last page it shares with a fork and appends to (copy on write). */
+uint64_t ds41_kv_seq_pages_to_grow(const ds41_kv_seq *seq, uint64_t n_tokens);
+/* Fixed per-sequence state: rings + carries + history. */
+uint64_t ds41_kv_seq_state_bytes(const ds41_kv_seq *seq);
+
+/* ---- serialization (session snapshots) ------------------------------------ */
+
+/* The whole state of one sequence as bytes, so it can be written to disk and
+ * restored in another process: a restored sequence continues exactly as the
+ * original would (same logits, bit for bit).  Format "DS41KVSQ" version 1,
+ * little-endian, canonical (equal states give equal bytes):
+ *
+ *   magic "DS41KVSQ", u32 version,
+ *   u32 n_sources, n_rings, n_carries, latent_dim, index_dim, window,
+ *       entry_bytes, ring_row_bytes, u32 ratio[n_sources],
+ *   u64 tokens, u64 entries[n_sources]           (entries = tokens / ratio)
+ *   the packed entries of each source in order   (entries x entry_bytes;
+ *                                                 independent of the page size)
+ *   the window rings                             (n_rings x window x ring_row_bytes)
+ *   the carries as fp32 bit patterns             (per ratio>1 source: kv, score)
+ *   the Engram history: i64 n_pushed, i32 recent[DS41_ENGRAM_MAX_NGRAM]
+ *
+ * The layout fields must equal the reading pool's (a snapshot of another
+ * geometry is refused); the model's identity is the file format's business
+ * (storage/snapshot.h). */
+
+/* Exact size of ds41_kv_seq_serialize's output. */
+size_t ds41_kv_seq_serialized_size(const ds41_kv_seq *seq);
+/* The serialized size of any sequence of this layout that consumed `tokens` tokens (a bound
+ * for readers of untrusted snapshots). */
+uint64_t ds41_kv_serialized_size_for(const ds41_kv_layout *l, uint64_t tokens);
+/* Writes the state into buf[cap]; *written = the size.  Error when cap is too
+ * small.  Reads seq only (the caller makes sure no forward pass writes it). */
+int ds41_kv_seq_serialize(const ds41_kv_seq *seq, uint8_t *buf, size_t cap, size_t *written, ds41_error *err);
+/* A new sequence of pool rebuilt from buf[len] (untrusted: every count and
+ * size is checked against the pool's layout and the length, every packed
+ * scale and code must be a finite value, unused ring slots and Engram slots
+ * must be zero, trailing bytes are an error).  Errors name the field ("kv
+ * snapshot: source 2 has 7 entries, 40 tokens at ratio 4 need 10"); pages
+ * come from the pool ("KV cache full" when its budget is exhausted).  *out is
+ * NULL on error and nothing is left allocated. */
+int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, ds41_kv_seq **out,
+                            ds41_error *err);
+
+#endif
