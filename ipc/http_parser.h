@@ -35,8 +35,9 @@
  * server buffer more than DS41_HTTP_MAX_HEAD before it is refused.
  *
  * Chunked bodies are decoded by ds41_http_chunked_* (RFC 9112 7.1): hex
- * chunk sizes (at most 16 digits), chunk extensions and trailer fields
- * skipped within bounds, the CRLF after each chunk's data required. */
+ * chunk sizes (at most 16 digits), chunk extensions (at most 4096 bytes
+ * after the ';' of one size line) and trailer fields (16384 bytes in all)
+ * skipped, the CRLF after each chunk's data required. */
 #ifndef DS41_IPC_HTTP_PARSER_H
 #define DS41_IPC_HTTP_PARSER_H
 

@@ -75,7 +75,9 @@ static void test_classify(void) {
 
 static char sock_path[108];
 
-static int status_of(size_t body_len) {
+/* chunked: the body as one chunk (Transfer-Encoding: chunked), so the limit is checked while
+ * decoding instead of against Content-Length. */
+static int status_of(size_t body_len, bool chunked) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock_path);
@@ -90,10 +92,16 @@ static int status_of(size_t body_len) {
     memcpy(body, json, jl);
     memset(body + jl, ' ', body_len - jl);
     char head[256];
-    int hl = snprintf(head, sizeof head,
-                      "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      "Connection: close\r\nContent-Length: %zu\r\n\r\n",
-                      body_len);
+    int hl =
+        chunked
+            ? snprintf(head, sizeof head,
+                       "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n%zx\r\n",
+                       body_len)
+            : snprintf(head, sizeof head,
+                       "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       "Connection: close\r\nContent-Length: %zu\r\n\r\n",
+                       body_len);
     int status = -1;
     if (write(fd, head, (size_t)hl) == hl) {
         /* The server may answer 413 before reading the body: ignore a failed write then. */
@@ -103,6 +111,7 @@ static int status_of(size_t body_len) {
             if (w <= 0) break;
             off += (size_t)w;
         }
+        if (chunked && off == body_len) (void)!send(fd, "\r\n0\r\n\r\n", 7, MSG_NOSIGNAL);
         char buf[64] = {0};
         size_t got = 0;
         struct pollfd p = {.fd = fd, .events = POLLIN};
@@ -118,48 +127,102 @@ static int status_of(size_t body_len) {
     return status;
 }
 
-static void test_body_limit(void) {
+/* The real server on a Unix socket in a temporary directory, over the mock service. */
+typedef struct fixture {
     char dir[96]; /* + "/s" within sun_path */
+    ds41_listener l;
+    mock_service *mock;
+    ds41_http_metrics *metrics;
+    ds41_api *api;
+    ds41_http_server *server;
+} fixture;
+
+static void fixture_stop(fixture *fx) {
+    if (fx->server) ds41_http_server_stop(fx->server, 5000);
+    ds41_listener_close(&fx->l);
+    if (fx->dir[0]) tmpdir_remove(fx->dir);
+    if (fx->api) ds41_api_free(fx->api);
+    if (fx->mock) mock_service_free(fx->mock);
+    if (fx->metrics) ds41_http_metrics_free(fx->metrics);
+}
+
+/* Starts it (the socket in sock_path); false after a failed check. */
+static bool fixture_start(fixture *fx, unsigned max_connections) {
+    *fx = (fixture){.l = {.fd = -1}};
     ds41_error err = {0};
-    if (!tmpdir_make(dir, sizeof dir, "TMPDIR", "ds41-authlim-XXXXXX")) {
+    if (!tmpdir_make(fx->dir, sizeof fx->dir, "TMPDIR", "ds41-authlim-XXXXXX")) {
+        fx->dir[0] = 0;
         TAP_CHECK(0, "mkdtemp: %s", strerror(errno));
-        return;
+        return false;
     }
-    snprintf(sock_path, sizeof sock_path, "%s/s", dir);
-    ds41_listener l = {.fd = -1};
-    mock_service *mock = mock_service_new(false);
-    ds41_http_metrics *metrics = ds41_http_metrics_new();
+    snprintf(sock_path, sizeof sock_path, "%s/s", fx->dir);
+    fx->mock = mock_service_new(false);
+    fx->metrics = ds41_http_metrics_new();
     ds41_api_options opts = {.max_body_bytes = LIMIT};
-    ds41_api *api = NULL;
-    ds41_http_server *server = NULL;
-    if (ds41_listen_unix(sock_path, 0600, NULL, 16, &l, &err) != 0 || !mock || !metrics ||
-        ds41_api_new(mock_service_iface(mock), metrics, &opts, &api, &err) != 0) {
+    if (ds41_listen_unix(sock_path, 0600, NULL, 16, &fx->l, &err) != 0 || !fx->mock || !fx->metrics ||
+        ds41_api_new(mock_service_iface(fx->mock), fx->metrics, &opts, &fx->api, &err) != 0) {
         TAP_CHECK(0, "setup: %s", err.msg);
-        goto out;
+        fixture_stop(fx);
+        return false;
     }
-    ds41_http_listener ls[1] = {{.fd = l.fd}};
+    ds41_http_listener ls[1] = {{.fd = fx->l.fd}};
     ds41_http_config cfg = {.listeners = ls,
                             .n_listeners = 1,
-                            .max_connections = 16,
+                            .max_connections = max_connections,
                             .request_timeout_ms = 10000,
                             .idle_timeout_s = 10,
                             .sse_keepalive_ms = 1000,
                             .max_stream_buffer = 256 << 10};
-    if (ds41_http_server_start(&cfg, ds41_api_router(api), &server, &err) != 0) {
+    if (ds41_http_server_start(&cfg, ds41_api_router(fx->api), &fx->server, &err) != 0) {
         TAP_CHECK(0, "server start: %s", err.msg);
-        goto out;
+        fixture_stop(fx);
+        return false;
     }
-    int at = status_of(LIMIT), below = status_of(LIMIT - 1), past = status_of(LIMIT + 1);
-    TAP_CHECK(at == 200 && below == 200,
-              "a body of exactly max_body_bytes (%d) and one byte less is served (%d, %d)", LIMIT, at, below);
-    TAP_CHECK(past == 413, "a body one byte over max_body_bytes is refused with 413 (got %d)", past);
-    /* Content-Length one over the limit is refused from the head alone: 413 instead of
-     * "100 Continue", before any body byte is sent. */
+    return true;
+}
+
+static int connect_sock(void) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock_path);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* What the server sends on fd until it closes, or until nothing came for wait_ms; with head_only,
+ * only until the end of the first answer's head. */
+static size_t read_all(int fd, char *buf, size_t cap, int wait_ms, bool head_only) {
+    size_t got = 0;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    buf[0] = 0;
+    while (got + 1 < cap && !(head_only && strstr(buf, "\r\n\r\n")) && poll(&p, 1, wait_ms) == 1) {
+        ssize_t r = read(fd, buf + got, cap - 1 - got);
+        if (r <= 0) break;
+        got += (size_t)r;
+        buf[got] = 0;
+    }
+    return got;
+}
+
+static void test_body_limit(void) {
+    fixture fx;
+    if (!fixture_start(&fx, 16)) return;
+    int at = status_of(LIMIT, false), below = status_of(LIMIT - 1, false), past = status_of(LIMIT + 1, false);
+    TAP_CHECK(at == 200 && below == 200,
+              "a body of exactly max_body_bytes (%d) and one byte less is served (%d, %d)", LIMIT, at, below);
+    TAP_CHECK(past == 413, "a body one byte over max_body_bytes is refused with 413 (got %d)", past);
+    at = status_of(LIMIT, true), past = status_of(LIMIT + 1, true);
+    TAP_CHECK(at == 200 && past == 413,
+              "chunked: a body of exactly max_body_bytes is served, one byte more refused with 413 (%d, %d)",
+              at, past);
+    /* Content-Length one over the limit is refused from the head alone: 413 instead of
+     * "100 Continue", before any body byte is sent. */
+    int fd = connect_sock();
     char first[32] = {0};
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+    if (fd >= 0) {
         char head[256];
         int hl =
             snprintf(head, sizeof head,
@@ -169,18 +232,57 @@ static void test_body_limit(void) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         if (write(fd, head, (size_t)hl) == hl && poll(&p, 1, 10000) == 1 && read(fd, first, 12) < 0)
             first[0] = 0;
+        close(fd);
     }
-    if (fd >= 0) close(fd);
     TAP_CHECK(strncmp(first, "HTTP/1.1 413", 12) == 0,
               "Content-Length of max_body_bytes + 1 with Expect: 100-continue -> 413 at once (got '%.12s')",
               first);
-    ds41_http_server_stop(server, 5000);
-out:
-    ds41_listener_close(&l);
-    tmpdir_remove(dir);
-    if (api) ds41_api_free(api);
-    if (mock) mock_service_free(mock);
-    if (metrics) ds41_http_metrics_free(metrics);
+
+    /* An answer given before the body was read ends the connection: the unread body (here a whole
+     * request) is never taken for the next request. */
+    static const char smuggled[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    char req[256], buf[4096];
+    int rl =
+        snprintf(req, sizeof req, "POST /no/such/route HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                 sizeof smuggled - 1, smuggled);
+    fd = connect_sock();
+    size_t got = 0;
+    if (fd >= 0 && send(fd, req, (size_t)rl, MSG_NOSIGNAL) == rl)
+        got = read_all(fd, buf, sizeof buf, 3000, false);
+    if (fd >= 0) close(fd);
+    int answers = 0;
+    for (const char *q = got ? buf : ""; (q = strstr(q, "HTTP/1.1 ")) != NULL; q++) answers++;
+    TAP_CHECK(
+        got && strncmp(buf, "HTTP/1.1 404", 12) == 0 && answers == 1,
+        "a 404 before the body was read: one answer, then the connection ends (the body is not a request; "
+        "%d answers)",
+        answers);
+    fixture_stop(&fx);
+}
+
+/* max_connections at exactly the limit and one past: two open connections are both served, a third
+ * is closed unanswered while they stay open. */
+static void test_connection_limit(void) {
+    fixture fx;
+    if (!fixture_start(&fx, 2)) return;
+    static const char get[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    int fds[3] = {-1, -1, -1};
+    bool served[3] = {false, false, false};
+    char buf[4096];
+    for (int i = 0; i < 3; i++) {
+        fds[i] = connect_sock();
+        /* MSG_NOSIGNAL: the refused one may already be closed */
+        if (fds[i] < 0 || send(fds[i], get, sizeof get - 1, MSG_NOSIGNAL) != (ssize_t)sizeof get - 1)
+            continue;
+        /* keep-alive: the answer comes, the connection stays */
+        size_t got = read_all(fds[i], buf, sizeof buf, i < 2 ? 10000 : 3000, true);
+        served[i] = got >= 12 && strncmp(buf, "HTTP/1.1 200", 12) == 0;
+    }
+    TAP_CHECK(served[0] && served[1], "max_connections 2: two open connections are both served");
+    TAP_CHECK(!served[2], "max_connections 2: a third connection while both are open is closed unanswered");
+    for (int i = 0; i < 3; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    fixture_stop(&fx);
 }
 
 /* Status of an admin POST through the router in memory; 400 answers must name `param`. */
@@ -362,5 +464,6 @@ int main(void) {
     test_api_limits();
     test_logprob_floor();
     test_body_limit();
+    test_connection_limit();
     return tap_done();
 }

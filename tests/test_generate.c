@@ -564,6 +564,46 @@ static void test_forced(void) {
         free(forced);
     }
 
+    /* cut off by the context instead of max_tokens: the same result at every third cut (the block
+     * is handled as a cut-off one in both cases) */
+    {
+        forced = encode(cut_texts[1], &nf);
+        p.forced_ids = forced;
+        p.n_forced = nf;
+        run_opts no_model = {.no_model = true};
+        p.max_tokens = 1;
+        r = run_gen(&p, &no_model);
+        const size_t n_prompt = r.n_prompt;
+        run_free(&r);
+        bool same = n_prompt > 0;
+        char why[600] = "";
+        for (size_t cut = 1; cut < nf && same; cut += 3) {
+            p.max_tokens = (uint32_t)cut;
+            p.max_context = 0;
+            run by_tokens = run_gen(&p, &no_model);
+            p.max_tokens = 0;
+            p.max_context = (uint32_t)(n_prompt + cut);
+            run by_context = run_gen(&p, &no_model);
+            same = by_tokens.rc == 0 && by_context.rc == 0 && by_context.finish == DS41_GENERATION_CONTEXT &&
+                   strcmp(by_tokens.result_content, by_context.result_content) == 0 &&
+                   by_tokens.n_calls == by_context.n_calls && !strstr(by_context.result_content, "DSML") &&
+                   streamed_equals_result(&by_context);
+            if (!same)
+                snprintf(why, sizeof why,
+                         "cut at %zu: '%s' (%zu calls) by max_tokens, '%s' (%zu calls) by the context", cut,
+                         by_tokens.result_content ? by_tokens.result_content : "", by_tokens.n_calls,
+                         by_context.result_content ? by_context.result_content : "", by_context.n_calls);
+            run_free(&by_tokens);
+            run_free(&by_context);
+        }
+        p.max_context = 0;
+        TAP_CHECK(
+            same,
+            "block 1 cut off by the context at every third of its %zu tokens: as by max_tokens, no DSML %s",
+            nf, why);
+        free(forced);
+    }
+
     /* tool calls not parsed (tool_choice none): the block is plain content, streamed as it comes */
     forced = encode("Hmm.</think>Checking." TOOL_BLOCK "<｜end▁of▁sentence｜>", &nf);
     p.forced_ids = forced;

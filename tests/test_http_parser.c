@@ -204,6 +204,8 @@ static void test_chunked(void) {
         {"-1\r\nabc\r\n0\r\n\r\n", "", 2, "negative size"},
         {"\r\nabc\r\n0\r\n\r\n", "", 2, "empty size"},
         {"ffffffffffffffffff\r\n", "", 2, "size over 16 hex digits"},
+        {"0000000000000005\r\nhello\r\n0\r\n\r\n", "hello", 0, "a size of exactly 16 hex digits"},
+        {"00000000000000005\r\nhello\r\n0\r\n\r\n", "", 2, "a size of 17 hex digits (leading zeros count)"},
         {"3\r\nabcdef\r\n0\r\n\r\n", "", 2, "data longer than its size"},
         {"3\r\nabc\rx0\r\n\r\n", "", 2, "CR not followed by LF after data"},
         {"3x\r\nabc\r\n0\r\n\r\n", "", 2, "junk after the size"},
@@ -244,8 +246,69 @@ static void test_chunked(void) {
               "chunked: decoding stops at the end of the body, the next request is untouched");
 }
 
+/* Each limit and rule exactly at its edge, both sides (issue 19: mutants that moved a limit by one
+ * or dropped half of a condition survived the tests above). */
+static void test_edges(void) {
+    size_t used;
+    const char m15[] = "ABCDEFGHIJKLMNO / HTTP/1.1\r\nHost: x\r\n\r\n";
+    TAP_CHECK(parse(m15, sizeof m15 - 1, &used) == DS41_HTTP_PARSE_OK &&
+                  strcmp(head.method, "ABCDEFGHIJKLMNO") == 0,
+              "a method of exactly 15 bytes is parsed (the server answers it 501 by name)");
+    REFUSE("a method of 16 bytes", "ABCDEFGHIJKLMNOP / HTTP/1.1\r\nHost: x\r\n\r\n", 501,
+           "method_not_implemented");
+
+    char *big = malloc(DS41_HTTP_MAX_HEAD);
+    int n = snprintf(big, 64, "GET / HTTP/1.1\r\nHost: x\r\n");
+    for (unsigned i = 1; i < DS41_HTTP_MAX_FIELDS; i++) n += snprintf(big + n, 32, "X-%u: v\r\n", i);
+    n += snprintf(big + n, 8, "\r\n");
+    TAP_CHECK(parse(big, (size_t)n, &used) == DS41_HTTP_PARSE_OK && used == (size_t)n,
+              "exactly %u header fields (Host and %u more) are accepted", DS41_HTTP_MAX_FIELDS,
+              DS41_HTTP_MAX_FIELDS - 1);
+
+    /* obsolete line folding, with a space and with a tab: refused as folding, not as a bad name */
+    static const char *const folds[] = {"GET / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n",
+                                        "GET / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n\tb: c\r\n\r\n"};
+    for (int k = 0; k < 2; k++) {
+        ds41_http_parse_result r = parse(folds[k], strlen(folds[k]), &used);
+        TAP_CHECK(r == DS41_HTTP_PARSE_ERROR && perr.status == 400 &&
+                      strcmp(perr.code, "invalid_header") == 0 &&
+                      strstr(perr.message, "obsolete line folding"),
+                  "a header line starting with a %s is refused as obsolete line folding (%s)",
+                  k ? "tab" : "space", perr.message);
+    }
+
+    REFUSE("Content-Length 0 with chunked (two framings)",
+           "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+           "invalid_content_length");
+
+    const char both[] = "GET / HTTP/1.0\r\nConnection: keep-alive, close\r\n\r\n";
+    TAP_CHECK(parse(both, sizeof both - 1, &used) == DS41_HTTP_PARSE_OK && !head.keep_alive,
+              "HTTP/1.0 with Connection: keep-alive, close is not kept alive (close wins)");
+
+    /* a chunk extension of exactly 4096 bytes, and one of 4097 */
+    for (size_t ext = 4096; ext <= 4097; ext++) {
+        n = snprintf(big, 8, "3;");
+        memset(big + n, 'e', ext);
+        n += (int)ext;
+        n += snprintf(big + n, 32, "\r\nabc\r\n0\r\n\r\n");
+        ds41_http_chunked c;
+        ds41_http_chunked_init(&c);
+        size_t out;
+        memset(&perr, 0, sizeof perr);
+        ds41_http_parse_result r = ds41_http_chunked_decode(&c, big, (size_t)n, &used, &out, &perr);
+        if (ext == 4096)
+            TAP_CHECK(r == DS41_HTTP_PARSE_OK && out == 3 && memcmp(big, "abc", 3) == 0,
+                      "chunked: an extension of exactly 4096 bytes is skipped");
+        else
+            TAP_CHECK(r == DS41_HTTP_PARSE_ERROR && strcmp(perr.code, "invalid_chunked_encoding") == 0,
+                      "chunked: an extension of 4097 bytes is refused (%s)", perr.message);
+    }
+    free(big);
+}
+
 int main(void) {
     test_refusals();
+    test_edges();
     test_accepts();
     test_chunked();
     return tap_done();

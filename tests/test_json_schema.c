@@ -268,9 +268,92 @@ static void test_walks(void) {
         walks, completes, why);
 }
 
+/* Every limit exactly at its edge, both sides (issue 19): nesting depth, properties per object,
+ * the 64-bit set of properties seen (required properties past the 32nd), the matcher's frames. */
+static void test_limits(void) {
+    char path[128];
+    ds41_error err;
+    /* levels: the parameters object is level 1, property a level 2, then each items one more */
+    for (int levels = DS41_SCHEMA_MAX_DEPTH; levels <= DS41_SCHEMA_MAX_DEPTH + 1; levels++) {
+        char deep[4096] = "";
+        for (int d = 2; d < levels; d++) strcat(deep, "{\"type\":\"array\",\"items\":");
+        strcat(deep, "{}");
+        for (int d = 2; d < levels; d++) strcat(deep, "}");
+        char top[4200];
+        snprintf(top, sizeof top, "{\"type\":\"object\",\"properties\":{\"a\":%s}}", deep);
+        ds41_schema *s = compile(top, path, sizeof path, &err);
+        if (levels == DS41_SCHEMA_MAX_DEPTH)
+            TAP_CHECK(s != NULL, "schemas nested exactly %d levels are accepted (%s)", levels,
+                      s ? "ok" : err.msg);
+        else
+            TAP_CHECK(!s && strstr(err.msg, "deeper"), "schemas nested %d levels are refused", levels);
+        ds41_schema_free(s);
+    }
+
+    /* an object of exactly DS41_SCHEMA_MAX_PROPS required properties, and one more */
+    for (int np = DS41_SCHEMA_MAX_PROPS; np <= DS41_SCHEMA_MAX_PROPS + 1; np++) {
+        char *js = malloc(16384), *val = malloc(4096);
+        int n = snprintf(js, 128,
+                         "{\"type\":\"object\",\"properties\":{\"o\":{\"type\":\"object\",\"properties\":{");
+        int v = snprintf(val, 8, "{");
+        for (int k = 0; k < np; k++) {
+            n += snprintf(js + n, 64, "%s\"p%d\":{\"type\":\"integer\"}", k ? "," : "", k);
+            v += snprintf(val + v, 32, "%s\"p%d\":%d", k ? "," : "", k, k);
+        }
+        n += snprintf(js + n, 64, "},\"required\":[");
+        for (int k = 0; k < np; k++) n += snprintf(js + n, 32, "%s\"p%d\"", k ? "," : "", k);
+        snprintf(js + n, 64, "]}},\"required\":[\"o\"]}");
+        snprintf(val + v, 8, "}");
+        ds41_schema *s = compile(js, path, sizeof path, &err);
+        if (np == DS41_SCHEMA_MAX_PROPS) {
+            TAP_CHECK(s != NULL, "an object schema of exactly %d properties is accepted (%s)", np,
+                      s ? "ok" : err.msg);
+            bool whole = false, early = true;
+            if (s) {
+                ds41_json_match m;
+                ds41_json_match_init(&m, s, 0, false);
+                /* '}' is refused until the last required property is in */
+                char *cut = strrchr(val, ',');
+                *cut = 0;
+                early = feed(&m, val) && !ds41_json_match_byte(&m, '}');
+                *cut = ',';
+                ds41_json_match_init(&m, s, 0, false);
+                whole = feed(&m, val) && ds41_json_match_complete(&m);
+            }
+            TAP_CHECK(whole && early,
+                      "all %d required properties (bits past 32 of the seen set) close the object, %d do not",
+                      np, np - 1);
+        } else {
+            TAP_CHECK(!s && strstr(err.msg, "properties"), "%d properties are refused (%s)", np,
+                      s ? "accepted" : err.msg);
+        }
+        ds41_schema_free(s);
+        free(js);
+        free(val);
+    }
+
+    /* the matcher's stack: DS41_JSON_MATCH_DEPTH nested arrays in a free value, not one more */
+    ds41_schema *s = compile("{\"type\":\"object\",\"properties\":{\"any\":{}}}", path, sizeof path, &err);
+    if (TAP_CHECK(s != NULL, "free-value schema (%s)", s ? "ok" : err.msg)) {
+        ds41_json_match m;
+        ds41_json_match_init(&m, s, 0, false);
+        bool ok = true;
+        for (int d = 0; d < DS41_JSON_MATCH_DEPTH; d++) ok &= ds41_json_match_byte(&m, '[');
+        ds41_json_match one_more;
+        ds41_json_match_copy(&one_more, &m);
+        const bool refused = !ds41_json_match_byte(&one_more, '[');
+        for (int d = 0; d < DS41_JSON_MATCH_DEPTH; d++) ok &= ds41_json_match_byte(&m, ']');
+        TAP_CHECK(ok && ds41_json_match_complete(&m) && refused,
+                  "the matcher takes exactly %d nested arrays; one more '[' is refused",
+                  DS41_JSON_MATCH_DEPTH);
+    }
+    ds41_schema_free(s);
+}
+
 int main(void) {
     test_compile();
     test_match();
     test_walks();
+    test_limits();
     return tap_done();
 }

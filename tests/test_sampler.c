@@ -1016,6 +1016,103 @@ static void test_errors(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * integer thresholds of steps 6-8, hit exactly through ds41_sampler_sample_weights (weights from
+ * float logits cannot land on them) */
+typedef struct weights_case {
+    const char *name;
+    float top_p, min_p;
+    uint64_t w[4];
+    uint64_t kept_mass; /* expected M_kept */
+} weights_case;
+
+static int sample_weights(const ds41_sampler_params *p, const uint64_t *w, uint32_t n, uint32_t *token,
+                          uint64_t *mass) {
+    ds41_sampler *s = make(p, n);
+    ds41_sampler_scratch *sc = scratch_for(n);
+    ds41_error err = {{0}};
+    const int rc = s && sc ? ds41_sampler_sample_weights(s, sc, w, n, token, mass, &err) : -1;
+    if (rc != 0) TAP_NOTE("sample_weights: %s", err.msg);
+    ds41_sampler_free(s);
+    ds41_sampler_scratch_free(sc);
+    return rc;
+}
+
+static void test_weight_thresholds(void) {
+    const uint64_t one = DS41_SAMPLER_WEIGHT_ONE;
+    const weights_case cases[] = {
+        /* P = 2^31, M = 2^43 + 1: P M / 2^32 = 2^42 + 1/2 rounds UP to need = 2^42 + 1, so the first
+         * token's mass 2^42 is one short and its tie joins (a floor would stop at the first) */
+        {"top_p 0.5, P*M/2^32 = 2^42 + 1/2: the nucleus rounds up past a prefix of 2^42",
+         0.5f,
+         0.0f,
+         {one, one, 1, 0},
+         2 * one},
+        /* need - 1 = 2^42 = the mass of bucket 42 exactly: the cut is the first key of bucket 41 */
+        {"top_p 0.5, need - 1 at the end of the top bucket: the next bucket's first token is kept",
+         0.5f,
+         0.0f,
+         {one, one / 2, one / 2, 1},
+         one + one / 2},
+        /* min_p * 2^42 = 2^22 + 1/2 rounds up: 2^22 is dropped, 2^22 + 1 kept */
+        {"min_p 2^-20 (1 + 2^-23): weight 2^22 is below ceil(min_p 2^42), 2^22 + 1 is not",
+         1.0f,
+         0x1.000002p-20f,
+         {one, (uint64_t)1 << 22, ((uint64_t)1 << 22) + 1, 0},
+         one + ((uint64_t)1 << 22) + 1},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        ds41_sampler_params p = ds41_sampler_params_default();
+        p.has_seed = 1;
+        p.seed = 7;
+        p.top_p = cases[c].top_p;
+        p.min_p = cases[c].min_p;
+        uint32_t token = UINT32_MAX;
+        uint64_t mass = 0;
+        const int rc = sample_weights(&p, cases[c].w, 4, &token, &mass);
+        TAP_CHECK(rc == 0 && mass == cases[c].kept_mass && token < 4 && cases[c].w[token] > 0, "%s",
+                  cases[c].name);
+        if (mass != cases[c].kept_mass)
+            TAP_NOTE("M_kept %" PRIu64 ", expected %" PRIu64, mass, cases[c].kept_mass);
+    }
+
+    /* a draw r exactly at the end of bucket 42 + bucket 41 (cumulative weight r, not > r) picks the
+     * first token of the next bucket: choose the seed so that r falls where the weights can put a
+     * bucket end (M = 2^43, r in (2^42 + 2^41, 2^43)) */
+    uint64_t seed = 0;
+    int64_t r = 0;
+    for (;; seed++) {
+        ds41_pcg64 rng;
+        ds41_seedseq_pcg64(&rng, seed);
+        ds41_pcg64_integers(&rng, (int64_t)(2 * one), &r, 1, NULL);
+        if ((uint64_t)r > one + one / 2) break;
+    }
+    const uint64_t w[3] = {one, (uint64_t)r - one, 2 * one - (uint64_t)r};
+    ds41_sampler_params p = ds41_sampler_params_default();
+    p.has_seed = 1;
+    p.seed = seed;
+    uint32_t token = UINT32_MAX;
+    uint64_t mass = 0;
+    const int rc = sample_weights(&p, w, 3, &token, &mass);
+    TAP_CHECK(rc == 0 && mass == 2 * one && token == 2,
+              "a draw exactly at a bucket's end picks the next bucket's token (seed %" PRIu64 ", r = %" PRId64
+              ", got token %u)",
+              seed, r, token);
+
+    /* the entry point checks what step 4 guarantees */
+    const uint64_t no_top[2] = {one - 1, 5}, above[2] = {one, one + 1};
+    ds41_sampler *s = make(&p, 2);
+    ds41_sampler_scratch *sc = scratch_for(2);
+    ds41_error err = {{0}};
+    TAP_CHECK(ds41_sampler_sample_weights(s, sc, no_top, 2, &token, NULL, &err) != 0 &&
+                  strstr(err.msg, "2^42") &&
+                  ds41_sampler_sample_weights(s, sc, above, 2, &token, NULL, &err) != 0 &&
+                  strstr(err.msg, "token 1"),
+              "sample_weights rejects weights without a top token of 2^42 or above it");
+    ds41_sampler_free(s);
+    ds41_sampler_scratch_free(sc);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * timing (notes only: the suite also runs under sanitizers, so no time limit is asserted) */
 static double now(void) {
     struct timespec ts;
@@ -1077,6 +1174,7 @@ int main(void) {
     test_logprobs();
     test_snapshot();
     test_errors();
+    test_weight_thresholds();
     test_timing();
     return tap_done();
 }

@@ -68,6 +68,25 @@ static int emit_entry(ds41_engine *e, int L, ds41_kv_seq *seq, int src, uint64_t
     return rc;
 }
 
+void ds41__compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex, float *pooled) {
+    for (size_t ch = 0; ch < hd; ch++) {
+        float mx = csc[ch];
+        for (int t = 1; t < ratio; t++) mx = csc[(size_t)t * hd + ch] > mx ? csc[(size_t)t * hd + ch] : mx;
+        float sum = 0.0f;
+        for (int t = 0; t < ratio; t++) {
+            ex[t] = ds41_rm_exp(csc[(size_t)t * hd + ch] - mx);
+            sum = t ? sum + ex[t] : ex[t];
+        }
+        float acc = 0.0f;
+        for (int t = 0; t < ratio; t++) {
+            const float w = ex[t] / sum;
+            const float term = ckv[(size_t)t * hd + ch] * w;
+            acc = t ? acc + term : term;
+        }
+        pooled[ch] = ds41_bf16_round(acc);
+    }
+}
+
 static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
     const ds41_layer_weights *lw = &e->w.layers[L];
@@ -117,22 +136,7 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         memcpy(ckv + slot * hd, kv + r * hd, hd * sizeof *kv);
         memcpy(csc + slot * hd, sc + r * hd, hd * sizeof *sc);
         if ((a + 1) % (uint64_t)ratio != 0) continue;
-        for (size_t ch = 0; ch < hd; ch++) {
-            float mx = csc[ch];
-            for (int t = 1; t < ratio; t++) mx = csc[(size_t)t * hd + ch] > mx ? csc[(size_t)t * hd + ch] : mx;
-            float sum = 0.0f;
-            for (int t = 0; t < ratio; t++) {
-                ex[t] = ds41_rm_exp(csc[(size_t)t * hd + ch] - mx);
-                sum = t ? sum + ex[t] : ex[t];
-            }
-            float acc = 0.0f;
-            for (int t = 0; t < ratio; t++) {
-                const float w = ex[t] / sum;
-                const float term = ckv[(size_t)t * hd + ch] * w;
-                acc = t ? acc + term : term;
-            }
-            pooled[ch] = ds41_bf16_round(acc);
-        }
+        ds41__compress_pool(ckv, csc, ratio, hd, ex, pooled);
         ops->rmsnorm(ops, lw->cmp_norm, pooled, 1, hd, e->norm_eps, lat);
         rc = emit_entry(e, L, seq, src, a / (uint64_t)ratio, lat, err);
     }
@@ -171,8 +175,7 @@ static int cmp_i32(const void *pa, const void *pb) {
     return a < b ? -1 : (a > b ? 1 : 0);
 }
 
-/* order[0..n) <- 0..n-1 ranked by score (see cmp_rank). */
-static void rank(const float *score, int32_t *order, size_t n) {
+void ds41__index_rank(const float *score, int32_t *order, size_t n) {
     for (size_t i = 0; i < n; i++) order[i] = (int32_t)i;
     rank_ctx ctx = {score};
     qsort_r(order, n, sizeof *order, cmp_rank, &ctx);
@@ -255,7 +258,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
                 bscore[blk] = mx;
             }
             bscore[(reach - 1) / B] = INFINITY;
-            rank(bscore, border, nb);
+            ds41__index_rank(bscore, border, nb);
             size_t take = (size_t)c->candidate_topk_blocks < nb ? (size_t)c->candidate_topk_blocks : nb;
             uint8_t *allow = b->cand + r * b->cand_stride;
             for (size_t i = 0; i < take; i++)
@@ -275,7 +278,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
         /* Top min(index_topk, reach), lower position on ties; -inf picks of
          * a candidate user are kept (§2.10 step 7); then ascending. */
         const size_t k = topk < reach ? topk : reach;
-        rank(score, order, reach);
+        ds41__index_rank(score, order, reach);
         int32_t *list = b->idx_list[L] + r * topk;
         memcpy(list, order, k * sizeof *list);
         qsort(list, k, sizeof *list, cmp_i32);

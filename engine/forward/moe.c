@@ -166,6 +166,17 @@ const char *ds41_expert_predict_name(ds41_expert_predict p) {
     return "early";
 }
 
+void ds41__moe_combine(const float *oe, const size_t *rows, size_t total, size_t M, size_t D, float *y,
+                       float *out) {
+    for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
+    for (size_t i = 0; i < total; i++) {
+        float *yr = y + rows[i] * D;
+        for (size_t d = 0; d < D; d++) yr[d] = yr[d] + oe[i * D + d];
+    }
+    const float *shared = oe + total * D;
+    for (size_t i = 0; i < M * D; i++) out[i] = ds41_bf16_round(y[i] + shared[i]);
+}
+
 int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
     const ds41_layer_role *role = &c->roles[L];
@@ -316,13 +327,7 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     } while (n_pending > 0);
 
 combine:
-    /* Combine in fp32: routed experts in increasing id, then the shared one. */
-    for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
-    for (size_t i = 0; i < total; i++) {
-        float *yr = y + rows[i] * D;
-        for (size_t d = 0; d < D; d++) yr[d] = yr[d] + oe[i * D + d];
-    }
-    for (size_t i = 0; i < M * D; i++) out[i] = ds41_bf16_round(y[i] + oe[sh * D + i]);
+    ds41__moe_combine(oe, rows, total, M, D, y, out);
 out:
     free(logits);
     free(sel);

@@ -910,21 +910,9 @@ typedef struct draw_setup {
     weigh_result totals;
 } draw_setup;
 
-/* Steps 4-7 on the weights in sc->w.  complete = 0 materializes only the heavy tokens and returns
- * 1 when a boundary falls among the others (then call again with complete = 1). */
-static int truncate(const ds41_sampler *s, ds41_sampler_scratch *sc, const draw_setup *ds, int complete,
-                    kept_set *ks) {
-    const ds41_sampler_params *p = &s->params;
-    if (complete) {
-        kept_bucket(ks, sc->tmp, gather_all(sc->w, s->n_vocab, ds->floor_weight, sc->tmp), sc->keys);
-    } else {
-        const float heavy_w = fmaxf(HEAVY_WEIGHT, weight_threshold(ds->floor_weight));
-        const size_t c = gather_heavy(sc->w, s->n_vocab, heavy_w, MAX_HEAVY, sc->tmp);
-        if (c == SIZE_MAX) return 1;
-        kept_bucket(ks, sc->tmp, c, sc->keys);
-        ks->outside_mass = ds->totals.mass - kept_mass(ks);
-        ks->outside_count = ds->totals.count - c;
-    }
+/* Steps 5-7 on a built kept set; returns 1 when a boundary falls among the tokens that are not
+ * materialized (never for a complete set). */
+static int truncate_kept(const ds41_sampler_params *p, kept_set *ks, uint64_t min_weight) {
     if (p->top_k > 0 && p->top_k < kept_count(ks) + ks->outside_count) {
         if (p->top_k > kept_count(ks)) return 1;
         kept_first(ks, p->top_k);
@@ -936,9 +924,26 @@ static int truncate(const ds41_sampler *s, ds41_sampler_scratch *sc, const draw_
         const uint64_t need = (uint64_t)((product + (((unsigned __int128)1 << 32) - 1)) >> 32);
         if (ks->outside_count > 0 && need > kept_mass(ks)) return 1;
         kept_find(ks, need > 0 ? need - 1 : 0, 1);
-        kept_min_weight(ks, ds->min_weight);
+        kept_min_weight(ks, min_weight);
     }
     return 0;
+}
+
+/* Steps 4-7 on the weights in sc->w.  complete = 0 materializes only the heavy tokens and returns
+ * 1 when a boundary falls among the others (then call again with complete = 1). */
+static int truncate(const ds41_sampler *s, ds41_sampler_scratch *sc, const draw_setup *ds, int complete,
+                    kept_set *ks) {
+    if (complete) {
+        kept_bucket(ks, sc->tmp, gather_all(sc->w, s->n_vocab, ds->floor_weight, sc->tmp), sc->keys);
+    } else {
+        const float heavy_w = fmaxf(HEAVY_WEIGHT, weight_threshold(ds->floor_weight));
+        const size_t c = gather_heavy(sc->w, s->n_vocab, heavy_w, MAX_HEAVY, sc->tmp);
+        if (c == SIZE_MAX) return 1;
+        kept_bucket(ks, sc->tmp, c, sc->keys);
+        ks->outside_mass = ds->totals.mass - kept_mass(ks);
+        ks->outside_count = ds->totals.count - c;
+    }
+    return truncate_kept(&s->params, ks, ds->min_weight);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1074,6 +1079,40 @@ int ds41_sampler_weights(const ds41_sampler *s, ds41_sampler_scratch *sc, const 
     }
     scaled_exp(l, n, l[argmax], s->params.temperature, sc->w);
     for (uint32_t i = 0; i < n; i++) weights[i] = weight_from(sc->w[i]);
+    return 0;
+}
+
+int ds41_sampler_sample_weights(ds41_sampler *s, ds41_sampler_scratch *sc, const uint64_t *weights,
+                                uint32_t n, uint32_t *token, uint64_t *kept_mass_out, ds41_error *err) {
+    if (!weights || !token) return ds41_fail(err, "sampler: no weights or token buffer");
+    if (n != s->n_vocab)
+        return ds41_fail(err, "sampler: got %u weights for a vocabulary of %u tokens", n, s->n_vocab);
+    if (!sc || sc->cap < n)
+        return ds41_fail(err, "sampler: scratch holds %u tokens, the vocabulary has %u", sc ? sc->cap : 0, n);
+    const ds41_sampler_params *p = &s->params;
+    if (p->temperature == 0.0f) return ds41_fail(err, "sampler: greedy sampling draws no weights");
+    uint64_t top = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (weights[i] > DS41_SAMPLER_WEIGHT_ONE)
+            return ds41_fail(err, "sampler: weight of token %u is above 2^42", i);
+        if (weights[i] > top) top = weights[i];
+    }
+    if (top != DS41_SAMPLER_WEIGHT_ONE)
+        return ds41_fail(err, "sampler: no token has the top weight 2^42 (step 4 always gives one)");
+    /* the same floor and steps as ds41_sampler_sample's complete build */
+    const uint64_t min_weight = min_p_weight(p->min_p);
+    const uint64_t floor_weight = p->top_p < 1.0f ? 1 : min_weight;
+    size_t c = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (weights[i] >= floor_weight) sc->tmp[c++] = make_key(weights[i], i);
+    kept_set ks;
+    kept_bucket(&ks, sc->tmp, c, sc->keys);
+    truncate_kept(p, &ks, min_weight);
+    const uint64_t mass = kept_mass(&ks);
+    int64_t r;
+    if (ds41_pcg64_integers(&s->rng, (int64_t)mass, &r, 1, err) != 0) return -1;
+    *token = key_token(ks.keys[kept_find(&ks, (uint64_t)r, 0)]);
+    if (kept_mass_out) *kept_mass_out = mass;
     return 0;
 }
 

@@ -182,6 +182,18 @@ int ds41_sampler_process_logits(const ds41_sampler *s, const float *logits, uint
 int ds41_sampler_weights(const ds41_sampler *s, ds41_sampler_scratch *scratch, const float *logits,
                          uint32_t n_vocab, uint64_t *weights, ds41_error *err);
 
+/* Steps 5-8 on integer weights instead of logits: weights[n_vocab] are W_i as step 4 gives them
+ * (each <= DS41_SAMPLER_WEIGHT_ONE, the largest exactly DS41_SAMPLER_WEIGHT_ONE), truncated by
+ * top_k / top_p / min_p and drawn from exactly as ds41_sampler_sample does (same code, same PRNG
+ * stream; temperature must be > 0 and only selects the non-greedy path; logprobs are not
+ * produced).  Writes the token and, when kept_mass is not NULL, M_kept (the kept set's total
+ * weight, the draw's bound).  Weights from floats cannot sit exactly on the integer thresholds of
+ * steps 6-8 (ties in P * M / 2^32, bucket ends, ceil(min_p * 2^42)); this entry point lets tests
+ * put them there.  Errors: size mismatch, scratch too small, greedy, a weight above 2^42 or none
+ * equal to it (PRNG untouched). */
+int ds41_sampler_sample_weights(ds41_sampler *s, ds41_sampler_scratch *scratch, const uint64_t *weights,
+                                uint32_t n_vocab, uint32_t *token, uint64_t *kept_mass, ds41_error *err);
+
 /* Snapshot of the whole state (parameters, seed, PRNG position, histories) as bytes, so a
  * session can be saved and resumed: a state restored from it samples exactly what s would.
  * Little-endian, versioned ("DS41SMPL", version 1), canonical (equal states give equal bytes).
