@@ -19,7 +19,7 @@ typedef enum split_state {
     SPLIT_DONE,  /* after an EOS text: the parser drops the rest */
 } split_state;
 
-/* The parser's DSML stop strings (REFERENCE §11.7; engine/text/chat.c reads until them). */
+/* The parser's DSML stop strings (REFERENCE §11.7; engine/text/chat_parse.c reads until them). */
 #define DSML_INVOKE_START "<" DS41_CHAT_DSML " invoke"
 #define DSML_INVOKE_END "</" DS41_CHAT_DSML " invoke"
 #define DSML_PARAM_START "<" DS41_CHAT_DSML " parameter"
