@@ -78,7 +78,7 @@ static int read_until(text_view *t, size_t *pos, const int *ids, int n_ids, size
 static int fail_quote(ds41_error *err, const char *prefix, const char *q, size_t q_len, const char *suffix) {
     const char *dots = "";
     if (q_len > MAX_QUOTE) {
-        q_len = utf8_cut(q, q_len, MAX_QUOTE);
+        q_len = ds41_utf8_cut(q, q_len, MAX_QUOTE);
         dots = "...";
     }
     return ds41_fail(err, "%s'%.*s%s'%s", prefix, (int)q_len, q, dots, suffix);

@@ -153,7 +153,7 @@ static void str_for_message(const json_t *v, char *dst, size_t cap) {
     if (put_str(&b, v, &ignored) != 0 || b.oom || !b.data) {
         snprintf(dst, cap, "?");
     } else {
-        size_t n = utf8_cut(b.data, b.len, cap - 1);
+        size_t n = ds41_utf8_cut(b.data, b.len, cap - 1);
         memcpy(dst, b.data, n);
         dst[n] = 0;
     }
@@ -192,7 +192,7 @@ int ds41_chat_mode_parse(const char *name, ds41_chat_mode *mode, ds41_error *err
         return 0;
     }
     if (!name) return ds41_fail(err, "Invalid thinking_mode `None`");
-    return ds41_fail(err, "Invalid thinking_mode `%.*s`", (int)utf8_cut(name, strlen(name), MAX_NAME), name);
+    return ds41_fail(err, "Invalid thinking_mode `%.*s`", (int)ds41_utf8_cut(name, strlen(name), MAX_NAME), name);
 }
 
 int ds41_chat_reasoning_effort(const json_t *effort, int *budget, ds41_error *err) {
@@ -753,17 +753,17 @@ static int qualified_name(const json_t *name, const json_t *ns, ds41_buf *out, d
     if (sep) {
         size_t p_len = (size_t)(sep - n);
         if (s && (s_len != p_len || memcmp(s, n, p_len) != 0))
-            return ds41_fail(err, "Conflicting tool namespaces: %.*s != %.*s", (int)utf8_cut(s, s_len, MAX_NAME), s,
-                             (int)utf8_cut(n, p_len, MAX_NAME), n);
+            return ds41_fail(err, "Conflicting tool namespaces: %.*s != %.*s", (int)ds41_utf8_cut(s, s_len, MAX_NAME), s,
+                             (int)ds41_utf8_cut(n, p_len, MAX_NAME), n);
         s = n;
         s_len = p_len;
         n = sep + 2;
         n_len -= p_len + 2;
     }
     if (memmem(n, n_len, "::", 2))
-        return ds41_fail(err, "Tool name must not contain '::': %.*s", (int)utf8_cut(n, n_len, MAX_NAME), n);
+        return ds41_fail(err, "Tool name must not contain '::': %.*s", (int)ds41_utf8_cut(n, n_len, MAX_NAME), n);
     if (s && memmem(s, s_len, "::", 2))
-        return ds41_fail(err, "Tool namespace must not contain '::': %.*s", (int)utf8_cut(s, s_len, MAX_NAME), s);
+        return ds41_fail(err, "Tool namespace must not contain '::': %.*s", (int)ds41_utf8_cut(s, s_len, MAX_NAME), s);
     if (s) {
         ds41_buf_put(out, s, s_len);
         ds41_buf_puts(out, "::");

@@ -3,6 +3,8 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "engine/text/tokenizer.h"
 
+#include "config/utf8.h"
+
 #include "engine/text/unicode_tables.h"
 
 #include <jansson.h>
@@ -15,52 +17,6 @@
 /* ======================================================================
  * UTF-8
  * ====================================================================== */
-
-/* Length of the valid UTF-8 sequence at S (N bytes left), 0 if none starts
- * there.  When 0, *sub (if not NULL) gets the length of the maximal subpart
- * (>= 1) and *incomplete whether that subpart reaches the end of the buffer
- * (so more bytes might still complete it). */
-static size_t utf8_seq(const uint8_t *s, size_t n, size_t *sub, bool *incomplete) {
-    uint8_t b = s[0];
-    size_t len;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b < 0x80) return 1;
-    if (b >= 0xC2 && b <= 0xDF) {
-        len = 2;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-        len = 3;
-        if (b == 0xE0) lo = 0xA0;
-        if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-        len = 4;
-        if (b == 0xF0) lo = 0x90;
-        if (b == 0xF4) hi = 0x8F;
-    } else {
-        if (sub) *sub = 1;
-        if (incomplete) *incomplete = false;
-        return 0;
-    }
-    size_t k = 1;
-    while (k < len && k < n && s[k] >= (k == 1 ? lo : 0x80) && s[k] <= (k == 1 ? hi : 0xBF)) k++;
-    if (k == len) return len;
-    if (sub) *sub = k;
-    if (incomplete) *incomplete = (k == n);
-    return 0;
-}
-
-static bool utf8_valid(const uint8_t *s, size_t n) {
-    size_t i = 0;
-    while (i < n) {
-        if (s[i] < 0x80) {
-            i++;
-            continue;
-        }
-        size_t k = utf8_seq(s + i, n - i, NULL, NULL);
-        if (!k) return false;
-        i += k;
-    }
-    return true;
-}
 
 /* Code point at S (valid UTF-8, N > 0 bytes left); *len gets its length. */
 static uint32_t utf8_get(const uint8_t *s, size_t n, size_t *len) {
@@ -1628,7 +1584,7 @@ int ds41_tokenizer_encode(const ds41_tokenizer *t, const char *text, size_t len,
     if (len == 0) return 0;
     size_t n0 = out->n;
     char *fixed = NULL;
-    if (!utf8_valid((const uint8_t *)text, len)) {
+    if (!ds41_utf8_valid(text, len, NULL)) {
         fixed = ds41_utf8_lossy((const uint8_t *)text, len, &len);
         if (!fixed) return ds41_fail(err, "out of memory while encoding");
         text = fixed;
@@ -1746,16 +1702,15 @@ int ds41_detok_push(ds41_detok *d, uint32_t id, const char **text, size_t *len) 
     size_t i = 0, o = 0;
     d->n_pending = 0;
     while (i < m) {
-        size_t sub;
-        bool incomplete;
-        size_t k = utf8_seq(d->in + i, m - i, &sub, &incomplete);
+        size_t sub = 1;
+        size_t k = ds41_utf8_sequence(d->in + i, m - i, &sub);
         if (k) {
             memcpy(d->out + o, d->in + i, k);
             o += k;
             i += k;
             continue;
         }
-        if (incomplete) { /* may still become a character: hold it */
+        if (ds41_utf8_truncated(d->in + i, m - i)) { /* may still become a character: hold it */
             memcpy(d->pending, d->in + i, m - i);
             d->n_pending = m - i;
             break;
