@@ -24,7 +24,8 @@
 #include <time.h>
 
 #include "ipc/api_internal.h"
-#include "ipc/json_util.h"
+#include "config/json_util.h"
+#include "config/utf8.h"
 
 #define MAX_TOOL_CALLS 128
 
@@ -1094,7 +1095,7 @@ static void route_detokenize(ds41_http_exchange *ex, void *ctx) {
     }
     if (!json_is_array(t)) {
         ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "tokens", "'tokens' must be an array, not %s",
-                      ds41_api_json_type_name(t));
+                      ds41_json_kind_name(t));
         snprintf(err.code, sizeof err.code, "invalid_type");
         goto bad;
     }

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "ipc/api_internal.h"
-#include "ipc/json_util.h"
+#include "config/json_util.h"
 
 static bool model_path_ok(const char *p, char *why, size_t why_len) {
     size_t n = strlen(p);

@@ -13,9 +13,6 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-/* "object", "array", "string", "integer", "number", "boolean", "null". */
-const char *ds41_api_json_type_name(const json_t *v);
-
 /* Parse body as a JSON object (duplicate keys refused). *out: new reference. */
 int ds41_api_parse_json(const char *body, size_t len, json_t **out, ds41_svc_error *err);
 

@@ -30,7 +30,7 @@
 
 #include "ipc/http_internal.h"
 #include "ipc/http_parser.h"
-#include "ipc/json_util.h"
+#include "config/json_util.h"
 
 #define DEFAULT_MAX_BODY (32u << 20)
 #define DEFAULT_MAX_CONNECTIONS 256u

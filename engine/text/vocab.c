@@ -1,5 +1,6 @@
 #include "engine/text/vocab.h"
 
+#include "config/json_util.h"
 #include "config/utf8.h"
 
 #include <errno.h>
@@ -332,7 +333,7 @@ static int check_decoder(const json_t *d, const char *label, ds41_error *err) {
 
 static int keep_component(ds41_vocab *v, ds41_vocab_component c, const json_t *j, const char *label,
                           ds41_error *err) {
-    v->component[c] = absent(j) ? strdup("null") : json_dumps(j, JSON_COMPACT | JSON_ENCODE_ANY);
+    v->component[c] = absent(j) ? strdup("null") : ds41_json_dump(j, NULL);
     if (!v->component[c]) return ds41_fail(err, "%s: out of memory", label);
     return 0;
 }
