@@ -256,7 +256,7 @@ static int svc_save_snapshot(void *ctx, const char *session_id, ds41_svc_snapsho
                 rc = 0;
             }
             free(kv);
-            ds41_sched_export_free(&x);
+            ds41_scheduler_export_free(&x);
         }
         pthread_rwlock_unlock(&m->lock);
     }

@@ -286,8 +286,8 @@ static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
     uint64_t id = 0;
     /* Its prefix-cache partition: the peer's uid (unless shared) and its cache_salt (issue 13). */
     ds41_sched_partition part;
-    ds41_sched_partition_make(req->peer_uid, s->st.prefix_share, req->cache_salt,
-                              req->cache_salt ? strlen(req->cache_salt) : 0, &part);
+    ds41_scheduler_partition_make(req->peer_uid, s->st.prefix_share, req->cache_salt,
+                                  req->cache_salt ? strlen(req->cache_salt) : 0, &part);
     ds41_sched_status st = ds41_scheduler_submit_in(m->sched, &part, g, &ss, &id, &e);
     if (st != DS41_SCHED_DONE) {
         job_unlink(s, j);
