@@ -5,6 +5,7 @@
  * table; set(), write_yaml(), equal() and the key list are driven by the same
  * table, so a key cannot be documented in one place and missing in another. */
 #include "config/daemon_config.h"
+#include "config/utf8.h"
 
 #include <arpa/inet.h>
 #include <ctype.h>
@@ -354,40 +355,6 @@ static void size_show(uint64_t v, char *buf, size_t size) {
     ds41_size_format(v, buf, size);
 }
 
-/* Strict UTF-8 (no overlong forms, surrogates or code points past
- * U+10FFFF).  YAML files are always valid UTF-8 by the time libyaml hands
- * out a scalar; command-line values need the check, and the YAML emitter
- * of --check-config refuses anything else. */
-static bool utf8_valid(const char *text, size_t len) {
-    const unsigned char *t = (const unsigned char *)text;
-    size_t i = 0;
-    while (i < len) {
-        unsigned c = t[i];
-        size_t n;
-        uint32_t cp, min;
-        if (c < 0x80) {
-            i++;
-            continue;
-        } else if ((c & 0xe0) == 0xc0) {
-            n = 1, cp = c & 0x1f, min = 0x80;
-        } else if ((c & 0xf0) == 0xe0) {
-            n = 2, cp = c & 0x0f, min = 0x800;
-        } else if ((c & 0xf8) == 0xf0) {
-            n = 3, cp = c & 0x07, min = 0x10000;
-        } else {
-            return false;
-        }
-        if (len - i - 1 < n) return false;
-        for (size_t k = 1; k <= n; k++) {
-            if ((t[i + k] & 0xc0) != 0x80) return false;
-            cp = (cp << 6) | (t[i + k] & 0x3f);
-        }
-        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-        i += n + 1;
-    }
-    return true;
-}
-
 static bool has_control(const char *t, size_t len) {
     for (size_t i = 0; i < len; i++)
         if ((unsigned char)t[i] < 0x20 || t[i] == 0x7f) return true;
@@ -573,7 +540,9 @@ static int convert(const key_desc *d, const char *t, size_t len, bool plain, val
     char shown[80];
     show(t, len, shown, sizeof shown);
     if (memchr(t, 0, len)) return ds41_fail(err, "the value contains a NUL byte");
-    if (!utf8_valid(t, len)) return ds41_fail(err, "the value '%s' is not valid UTF-8", shown);
+    /* YAML files are always valid UTF-8 by the time libyaml hands out a scalar; command-line
+     * values need the check, and the YAML emitter of --check-config refuses anything else. */
+    if (!ds41_utf8_valid(t, len, NULL)) return ds41_fail(err, "the value '%s' is not valid UTF-8", shown);
     if (plain && is_null_text(t, len)) {
         if (d->nullable) {
             v->is_null = true;

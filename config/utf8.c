@@ -36,6 +36,28 @@ size_t ds41_utf8_sequence(const uint8_t *s, size_t len, size_t *subpart) {
     return 0;
 }
 
+size_t ds41_utf8_decode(const uint8_t *s, size_t len, uint32_t *cp) {
+    if (len == 0) return 0;
+    size_t n = ds41_utf8_sequence(s, len, NULL);
+    if (n == 0) return 0;
+    uint32_t c = n == 1 ? s[0] : s[0] & (0xFFu >> (n + 1)); /* the lead byte's payload bits */
+    for (size_t k = 1; k < n; k++) c = (c << 6) | (s[k] & 0x3F);
+    *cp = c;
+    return n;
+}
+
+bool ds41_utf8_truncated(const uint8_t *s, size_t len) {
+    size_t sub = 0;
+    return s[0] >= 0xC2 && s[0] <= 0xF4 && ds41_utf8_sequence(s, len, &sub) == 0 && sub == len;
+}
+
+size_t ds41_utf8_cut(const char *s, size_t len, size_t max) {
+    if (len <= max) return len;
+    size_t n = max;
+    while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80) n--;
+    return n;
+}
+
 bool ds41_utf8_valid(const char *s, size_t len, size_t *bad_offset) {
     const uint8_t *u = (const uint8_t *)s;
     size_t i = 0;

@@ -16,6 +16,18 @@
  * maximal ill-formed subpart at s[0] (>= 1). */
 size_t ds41_utf8_sequence(const uint8_t *s, size_t len, size_t *subpart);
 
+/* Length (1..4) of the well-formed character at s[0..len) and its code point in *cp; 0 (cp
+ * untouched) when none starts there or len is 0. */
+size_t ds41_utf8_decode(const uint8_t *s, size_t len, uint32_t *cp);
+
+/* Whether s[0..len) (len >= 1) is a proper prefix of a well-formed character: a valid lead byte
+ * followed only by acceptable continuation bytes, so that more bytes could complete it. */
+bool ds41_utf8_truncated(const uint8_t *s, size_t len);
+
+/* The longest prefix of s[0..len) of at most max bytes that does not end inside a character
+ * (cuts back over continuation bytes; for well-formed text a character boundary). */
+size_t ds41_utf8_cut(const char *s, size_t len, size_t max);
+
 /* Whether s[0..len) is well-formed.  On false, *bad_offset (if not NULL) is
  * the offset of the first ill-formed sequence. */
 bool ds41_utf8_valid(const char *s, size_t len, size_t *bad_offset);

@@ -212,23 +212,26 @@ static int dump_part(ds41_st_writer *w, int write, const ds41_model_config *c, c
         snprintf(key, sizeof key, "%s.h.%lld", name, (long long)l);
         const int64_t shape[3] = {S, hc, D};
         const size_t nb = (size_t)(S * hc * D) * sizeof(float);
-        if (write ? ds41_st_writer_write(w, key, p->h + (size_t)l * (size_t)(S * hc * D), nb, err)
-                  : ds41_st_writer_declare(w, key, DS41_F32, 3, shape, err))
+        if (write ? ds41_checkpoint_writer_write(w, key, p->h + (size_t)l * (size_t)(S * hc * D), nb, err)
+                  : ds41_checkpoint_writer_declare(w, key, DS41_F32, 3, shape, err))
             return -1;
     }
     for (int64_t l = 0; l < L; l++) {
         const int64_t sp[2] = {S, hc}, sd[2] = {S, D};
         snprintf(key, sizeof key, "%s.pre.%lld", name, (long long)l);
-        if (write ? ds41_st_writer_write(w, key, p->pre + (size_t)(l * S * hc), (size_t)(S * hc) * sizeof(float), err)
-                  : ds41_st_writer_declare(w, key, DS41_F32, 2, sp, err))
+        if (write ? ds41_checkpoint_writer_write(w, key, p->pre + (size_t)(l * S * hc),
+                                                 (size_t)(S * hc) * sizeof(float), err)
+                  : ds41_checkpoint_writer_declare(w, key, DS41_F32, 2, sp, err))
             return -1;
         snprintf(key, sizeof key, "%s.attn.%lld", name, (long long)l);
-        if (write ? ds41_st_writer_write(w, key, p->attn + (size_t)(l * S * D), (size_t)(S * D) * sizeof(float), err)
-                  : ds41_st_writer_declare(w, key, DS41_F32, 2, sd, err))
+        if (write ? ds41_checkpoint_writer_write(w, key, p->attn + (size_t)(l * S * D),
+                                                 (size_t)(S * D) * sizeof(float), err)
+                  : ds41_checkpoint_writer_declare(w, key, DS41_F32, 2, sd, err))
             return -1;
         snprintf(key, sizeof key, "%s.ffn.%lld", name, (long long)l);
-        if (write ? ds41_st_writer_write(w, key, p->ffn + (size_t)(l * S * D), (size_t)(S * D) * sizeof(float), err)
-                  : ds41_st_writer_declare(w, key, DS41_F32, 2, sd, err))
+        if (write ? ds41_checkpoint_writer_write(w, key, p->ffn + (size_t)(l * S * D),
+                                                 (size_t)(S * D) * sizeof(float), err)
+                  : ds41_checkpoint_writer_declare(w, key, DS41_F32, 2, sd, err))
             return -1;
     }
     for (int k = 0; k < N_DECISIONS; k++)
@@ -237,19 +240,21 @@ static int dump_part(ds41_st_writer *w, int write, const ds41_model_config *c, c
             if (!d->sel) continue;
             const int64_t ss[2] = {S, (int64_t)d->w_sel}, sc[2] = {S, (int64_t)d->w_score};
             snprintf(key, sizeof key, "%s.%s.%lld", name, dec_sel_name[k], (long long)l);
-            if (write ? ds41_st_writer_write(w, key, d->sel, (size_t)S * d->w_sel * sizeof *d->sel, err)
-                      : ds41_st_writer_declare(w, key, DS41_I32, 2, ss, err))
+            if (write
+                    ? ds41_checkpoint_writer_write(w, key, d->sel, (size_t)S * d->w_sel * sizeof *d->sel, err)
+                    : ds41_checkpoint_writer_declare(w, key, DS41_I32, 2, ss, err))
                 return -1;
             if (d->w_score == 0) continue;
             snprintf(key, sizeof key, "%s.%s.%lld", name, dec_score_name[k], (long long)l);
-            if (write ? ds41_st_writer_write(w, key, d->score, (size_t)S * d->w_score * sizeof *d->score, err)
-                      : ds41_st_writer_declare(w, key, DS41_F32, 2, sc, err))
+            if (write ? ds41_checkpoint_writer_write(w, key, d->score,
+                                                     (size_t)S * d->w_score * sizeof *d->score, err)
+                      : ds41_checkpoint_writer_declare(w, key, DS41_F32, 2, sc, err))
                 return -1;
         }
     snprintf(key, sizeof key, "%s.logits", name);
     const int64_t sv[2] = {S, V};
-    return write ? ds41_st_writer_write(w, key, p->logits, (size_t)(S * V) * sizeof(float), err)
-                 : ds41_st_writer_declare(w, key, DS41_F32, 2, sv, err);
+    return write ? ds41_checkpoint_writer_write(w, key, p->logits, (size_t)(S * V) * sizeof(float), err)
+                 : ds41_checkpoint_writer_declare(w, key, DS41_F32, 2, sv, err);
 }
 
 /* Write the dump to PATH: a single-file safetensors written in a temporary
@@ -263,17 +268,17 @@ static int write_dump(const char *path, const ds41_model_config *c, const int64_
     free(pcopy);
     if (!mkdtemp(tmpl)) return ds41_fail(err, "%s: cannot create a temporary directory: %s", path, strerror(errno));
     int rc = -1;
-    ds41_st_writer *w = ds41_st_writer_new(tmpl, 0, err);
-    if (!w || ds41_st_writer_single_file(w, err) != 0) goto out;
+    ds41_st_writer *w = ds41_checkpoint_writer_new(tmpl, 0, err);
+    if (!w || ds41_checkpoint_writer_single_file(w, err) != 0) goto out;
     const int64_t s_ids[1] = {(int64_t)S}, s_dec[1] = {(int64_t)K};
     char name[32];
     for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1 && ds41_st_writer_begin(w, err) != 0) goto out;
-        if (pass == 0 ? ds41_st_writer_declare(w, "ids", DS41_I64, 1, s_ids, err)
-                      : ds41_st_writer_write(w, "ids", ids, S * sizeof *ids, err))
+        if (pass == 1 && ds41_checkpoint_writer_begin(w, err) != 0) goto out;
+        if (pass == 0 ? ds41_checkpoint_writer_declare(w, "ids", DS41_I64, 1, s_ids, err)
+                      : ds41_checkpoint_writer_write(w, "ids", ids, S * sizeof *ids, err))
             goto out;
-        if (pass == 0 ? ds41_st_writer_declare(w, "decode_ids", DS41_I64, 1, s_dec, err)
-                      : ds41_st_writer_write(w, "decode_ids", dec, K * sizeof *dec, err))
+        if (pass == 0 ? ds41_checkpoint_writer_declare(w, "decode_ids", DS41_I64, 1, s_dec, err)
+                      : ds41_checkpoint_writer_write(w, "decode_ids", dec, K * sizeof *dec, err))
             goto out;
         for (size_t k = 0; k <= K; k++) {
             if (k == 0)
@@ -283,7 +288,7 @@ static int write_dump(const char *path, const ds41_model_config *c, const int64_
             if (dump_part(w, pass, c, name, &parts[k], err) != 0) goto out;
         }
     }
-    if (ds41_st_writer_finish(w, err) != 0) goto out;
+    if (ds41_checkpoint_writer_finish(w, err) != 0) goto out;
     char file[4200];
     snprintf(file, sizeof file, "%s/%s", tmpl, DS41_ST_SINGLE_NAME);
     if (rename(file, path) != 0) {
@@ -293,7 +298,7 @@ static int write_dump(const char *path, const ds41_model_config *c, const int64_
     }
     rc = 0;
 out:
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
     if (rc != 0) {
         snprintf(name, sizeof name, "%s", DS41_ST_SINGLE_NAME);
         char file2[4200];
@@ -432,14 +437,14 @@ static int replay_open(replay *r, const char *path, ds41_error *err) {
         ds41_fail(err, "%s: cannot read the dump", path);
         goto out;
     }
-    rc = ds41_st_parse_header(r->file, r->size, r->size, path, &r->hdr, err);
+    rc = ds41_checkpoint_parse_header(r->file, r->size, r->size, path, &r->hdr, err);
 out:
     fclose(f);
     return rc;
 }
 
 static void replay_close(replay *r) {
-    ds41_st_header_free(&r->hdr);
+    ds41_checkpoint_header_free(&r->hdr);
     free(r->file);
 }
 

@@ -24,29 +24,18 @@
 #include <time.h>
 
 #include "ipc/api_internal.h"
-#include "ipc/json_util.h"
+#include "config/json_util.h"
+#include "config/utf8.h"
 
 #define MAX_TOOL_CALLS 128
-#define N_ROUTES 19
-
-struct ds41_api {
-    ds41_service svc;
-    ds41_http_metrics *metrics;
-    ds41_api_options opts;
-    ds41_http_route routes[N_ROUTES];
-    ds41_http_router router;
-    atomic_uint_fast64_t next_id;
-    uint32_t salt;
-    uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
-};
 
 /* ------------------------------------------------------------- utilities */
 
-static json_t *ju64(uint64_t v) {
+json_t *ds41_api_ju64(uint64_t v) {
     return json_integer(v > (uint64_t)LLONG_MAX ? LLONG_MAX : (json_int_t)v);
 }
 
-static json_t *jreal(double v) {
+json_t *ds41_api_jreal(double v) {
     return json_real(isfinite(v) ? v : (v < 0 ? -9999.0 : 0.0));
 }
 
@@ -91,7 +80,7 @@ static const char *svc_code(const ds41_svc_error *e) {
     return ds41_svc_status_code(e->status);
 }
 
-static void respond_svc_error(ds41_http_exchange *ex, const ds41_svc_error *e) {
+void ds41_api_respond_svc_error(ds41_http_exchange *ex, const ds41_svc_error *e) {
     int status = ds41_api_http_status(e->status);
     if (status == 429 || status == 503) {
         char ra[16];
@@ -103,7 +92,7 @@ static void respond_svc_error(ds41_http_exchange *ex, const ds41_svc_error *e) {
 }
 
 /* Serialize and send a JSON value (stolen).  NULL -> 500. */
-static void respond_json(ds41_http_exchange *ex, int status, json_t *v) {
+void ds41_api_respond_json(ds41_http_exchange *ex, int status, json_t *v) {
     size_t len = 0;
     char *text = v ? ds41_json_dump(v, &len) : NULL;
     json_decref(v);
@@ -115,22 +104,22 @@ static void respond_json(ds41_http_exchange *ex, int status, json_t *v) {
     free(text);
 }
 
-static void bad_request(ds41_http_exchange *ex, const ds41_svc_error *e) {
-    respond_svc_error(ex, e);
+void ds41_api_bad_request(ds41_http_exchange *ex, const ds41_svc_error *e) {
+    ds41_api_respond_svc_error(ex, e);
 }
 
-static int parse_body(ds41_http_exchange *ex, json_t **root) {
+int ds41_api_parse_body(ds41_http_exchange *ex, json_t **root) {
     size_t len;
     const char *body = ds41_http_body(ex, &len);
     ds41_svc_error err = {0};
     if (ds41_api_parse_json(body, len, root, &err)) {
-        bad_request(ex, &err);
+        ds41_api_bad_request(ex, &err);
         return -1;
     }
     return 0;
 }
 
-static bool need(ds41_http_exchange *ex, bool implemented, const char *what) {
+bool ds41_api_need(ds41_http_exchange *ex, bool implemented, const char *what) {
     if (implemented) return true;
     ds41_http_respond_error(ex, 501, "server_error", "not_implemented", NULL,
                             "the service does not implement %s", what);
@@ -224,11 +213,11 @@ static json_t *usage_json(const ds41_gen_usage *u) {
     json_t *pd = json_object();
     json_t *cd = json_object();
     if (!o || !pd || !cd) goto fail;
-    if (ds41_json_set_new(o, "prompt_tokens", ju64(u->prompt_tokens)) ||
-        ds41_json_set_new(o, "completion_tokens", ju64(u->completion_tokens)) ||
-        ds41_json_set_new(o, "total_tokens", ju64(u->prompt_tokens + u->completion_tokens)) ||
-        ds41_json_set_new(pd, "cached_tokens", ju64(u->cached_tokens)) ||
-        ds41_json_set_new(cd, "reasoning_tokens", ju64(u->reasoning_tokens)))
+    if (ds41_json_set_new(o, "prompt_tokens", ds41_api_ju64(u->prompt_tokens)) ||
+        ds41_json_set_new(o, "completion_tokens", ds41_api_ju64(u->completion_tokens)) ||
+        ds41_json_set_new(o, "total_tokens", ds41_api_ju64(u->prompt_tokens + u->completion_tokens)) ||
+        ds41_json_set_new(pd, "cached_tokens", ds41_api_ju64(u->cached_tokens)) ||
+        ds41_json_set_new(cd, "reasoning_tokens", ds41_api_ju64(u->reasoning_tokens)))
         goto fail;
     json_object_set_new(o, "prompt_tokens_details", pd);
     json_object_set_new(o, "completion_tokens_details", cd);
@@ -306,7 +295,7 @@ static int completion_logprobs_append(gen_ctx *g, const ds41_gen_event *ev, json
         }
         if (json_array_append_new(tokens, ds41_json_string_lossy(lp->token, lp->token_len)) ||
             json_array_append_new(lps, jlogprob(lp->logprob)) ||
-            json_array_append_new(offsets, ju64(g->text_offset)))
+            json_array_append_new(offsets, ds41_api_ju64(g->text_offset)))
             return -1;
         g->text_offset += lp->token_len;
     }
@@ -724,7 +713,7 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
                  ? ds41_api_parse_chat(body, len, &req, &err)
                  : ds41_api_parse_completion(body, len, api->opts.completion_max_tokens, &req, &err);
     if (rc) {
-        bad_request(ex, &err);
+        ds41_api_bad_request(ex, &err);
         return;
     }
     gen_ctx *g = calloc(1, sizeof *g);
@@ -790,7 +779,7 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
         if (s) ds41_http_stream_end(s);
         if (err.status == DS41_SVC_OK)
             ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "the service refused the request without a reason");
-        respond_svc_error(ex, &err);
+        ds41_api_respond_svc_error(ex, &err);
         gen_unref(g); /* the service's reference */
         gen_unref(g);
         return;
@@ -841,9 +830,9 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     }
     /* done: the service has dropped its reference; only ours is left */
     if (g->failed) {
-        respond_svc_error(ex, &g->error);
+        ds41_api_respond_svc_error(ex, &g->error);
     } else {
-        respond_json(ex, 200, kind == DS41_GEN_CHAT ? build_chat_response(g) : build_completion_response(g));
+        ds41_api_respond_json(ex, 200, kind == DS41_GEN_CHAT ? build_chat_response(g) : build_completion_response(g));
     }
     gen_unref(g);
 }
@@ -892,7 +881,7 @@ static void route_health(ds41_http_exchange *ex, void *ctx) {
         json_decref(models);
     }
     if (h.state == DS41_HEALTH_LOADING) ds41_http_add_header(ex, "Retry-After", "5");
-    respond_json(ex, h.state == DS41_HEALTH_OK ? 200 : 503, o);
+    ds41_api_respond_json(ex, h.state == DS41_HEALTH_OK ? 200 : 503, o);
 }
 
 static const char *model_state_name(ds41_model_state s) {
@@ -922,7 +911,7 @@ static json_t *public_model_json(const ds41_svc_model *m) {
     if (ds41_json_set_str(o, "id", m->id) || ds41_json_set_str(o, "object", "model") ||
         ds41_json_set_new(o, "created", json_integer(m->created)) ||
         ds41_json_set_str(o, "owned_by", "ds41") ||
-        (m->context_length && ds41_json_set_new(o, "max_model_len", ju64(m->context_length)))) {
+        (m->context_length && ds41_json_set_new(o, "max_model_len", ds41_api_ju64(m->context_length)))) {
         json_decref(o);
         return NULL;
     }
@@ -946,17 +935,17 @@ static void model_emit(void *accp, const ds41_svc_model *m) {
             if (!m->tiers[i].tier) continue;
             json_t *key = ds41_json_string_lossy(m->tiers[i].tier, strlen(m->tiers[i].tier));
             ok = key && !json_object_setn_new(tiers, json_string_value(key), json_string_length(key),
-                                              ju64(m->tiers[i].bytes));
+                                              ds41_api_ju64(m->tiers[i].bytes));
             json_decref(key);
             total += m->tiers[i].bytes;
         }
         ok = ok && !ds41_json_set_str(o, "id", m->id) && !ds41_json_set_str(o, "path", m->path) &&
              !ds41_json_set_str(o, "state", model_state_name(m->state)) &&
              !ds41_json_set_new(o, "created", json_integer(m->created)) &&
-             !ds41_json_set_new(o, "context_length", ju64(m->context_length)) &&
+             !ds41_json_set_new(o, "context_length", ds41_api_ju64(m->context_length)) &&
              !ds41_json_set_str(o, "detail", m->detail) && !json_object_set(o, "tiers", tiers) &&
-             !ds41_json_set_new(o, "bytes_total", ju64(total)) &&
-             (!m->threads || !ds41_json_set_new(o, "threads", ju64(m->threads)));
+             !ds41_json_set_new(o, "bytes_total", ds41_api_ju64(total)) &&
+             (!m->threads || !ds41_json_set_new(o, "threads", ds41_api_ju64(m->threads)));
         json_decref(tiers);
         if (!ok) {
             json_decref(o);
@@ -967,7 +956,7 @@ static void model_emit(void *accp, const ds41_svc_model *m) {
 }
 
 static void list_models(ds41_http_exchange *ex, ds41_api *api, bool admin, const char *only_id) {
-    if (!need(ex, api->svc.list_models != NULL, "model listing")) return;
+    if (!ds41_api_need(ex, api->svc.list_models != NULL, "model listing")) return;
     model_acc acc = {.list = json_array(), .admin = admin, .only_id = only_id};
     ds41_svc_error err = {0};
     if (!acc.list) {
@@ -976,7 +965,7 @@ static void list_models(ds41_http_exchange *ex, ds41_api *api, bool admin, const
     }
     if (api->svc.list_models(api->svc.ctx, model_emit, &acc, &err) != 0) {
         json_decref(acc.list);
-        respond_svc_error(ex, &err);
+        ds41_api_respond_svc_error(ex, &err);
         return;
     }
     if (acc.oom) {
@@ -993,10 +982,10 @@ static void list_models(ds41_http_exchange *ex, ds41_api *api, bool admin, const
         }
         json_t *one = json_incref(json_array_get(acc.list, 0));
         json_decref(acc.list);
-        respond_json(ex, 200, one);
+        ds41_api_respond_json(ex, 200, one);
         return;
     }
-    respond_json(ex, 200, json_pack("{s:s,s:o}", "object", "list", "data", acc.list));
+    ds41_api_respond_json(ex, 200, json_pack("{s:s,s:o}", "object", "list", "data", acc.list));
 }
 
 static void route_models(ds41_http_exchange *ex, void *ctx) {
@@ -1011,9 +1000,9 @@ static void route_admin_models(ds41_http_exchange *ex, void *ctx) {
 
 static void route_tokenize(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, api->svc.tokenize != NULL, "tokenization")) return;
+    if (!ds41_api_need(ex, api->svc.tokenize != NULL, "tokenization")) return;
     json_t *root;
-    if (parse_body(ex, &root)) return;
+    if (ds41_api_parse_body(ex, &root)) return;
     static const char *const keys[] = {
         "model",    "content", "prompt",   "add_special",      "add_special_tokens",
         "messages", "tools",   "thinking", "reasoning_effort", "chat_template_kwargs",
@@ -1064,7 +1053,7 @@ static void route_tokenize(ds41_http_exchange *ex, void *ctx) {
         free(messages);
         free(tools);
         json_decref(root);
-        respond_svc_error(ex, &err);
+        ds41_api_respond_svc_error(ex, &err);
         return;
     }
     free(messages);
@@ -1077,20 +1066,20 @@ static void route_tokenize(ds41_http_exchange *ex, void *ctx) {
             arr = NULL;
         }
     free(tokens);
-    respond_json(ex, 200, arr ? json_pack("{s:o,s:I}", "tokens", arr, "count", (json_int_t)n) : NULL);
+    ds41_api_respond_json(ex, 200, arr ? json_pack("{s:o,s:I}", "tokens", arr, "count", (json_int_t)n) : NULL);
     return;
 bad:
     free(messages);
     free(tools);
     json_decref(root);
-    bad_request(ex, &err);
+    ds41_api_bad_request(ex, &err);
 }
 
 static void route_detokenize(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    if (!need(ex, api->svc.detokenize != NULL, "detokenization")) return;
+    if (!ds41_api_need(ex, api->svc.detokenize != NULL, "detokenization")) return;
     json_t *root;
-    if (parse_body(ex, &root)) return;
+    if (ds41_api_parse_body(ex, &root)) return;
     static const char *const keys[] = {"model", "tokens", NULL};
     ds41_svc_error err = {0};
     const char *model = NULL;
@@ -1106,7 +1095,7 @@ static void route_detokenize(ds41_http_exchange *ex, void *ctx) {
     }
     if (!json_is_array(t)) {
         ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "tokens", "'tokens' must be an array, not %s",
-                      ds41_api_json_type_name(t));
+                      ds41_json_kind_name(t));
         snprintf(err.code, sizeof err.code, "invalid_type");
         goto bad;
     }
@@ -1134,7 +1123,7 @@ static void route_detokenize(ds41_http_exchange *ex, void *ctx) {
     if (api->svc.detokenize(api->svc.ctx, model, ids, n, &text, &tl, &err) != 0) {
         free(ids);
         json_decref(root);
-        respond_svc_error(ex, &err);
+        ds41_api_respond_svc_error(ex, &err);
         return;
     }
     free(ids);
@@ -1145,12 +1134,12 @@ static void route_detokenize(ds41_http_exchange *ex, void *ctx) {
         o = NULL;
     }
     free(text);
-    respond_json(ex, 200, o);
+    ds41_api_respond_json(ex, 200, o);
     return;
 bad:
     free(ids);
     json_decref(root);
-    bad_request(ex, &err);
+    ds41_api_bad_request(ex, &err);
 }
 
 static void route_metrics(ds41_http_exchange *ex, void *ctx) {
@@ -1162,7 +1151,7 @@ static void route_metrics(ds41_http_exchange *ex, void *ctx) {
         size_t len = 0;
         ds41_svc_error err = {0};
         if (api->svc.metrics(api->svc.ctx, &text, &len, &err) != 0) {
-            respond_svc_error(ex, &err);
+            ds41_api_respond_svc_error(ex, &err);
             return;
         }
         if (text) {
@@ -1182,386 +1171,6 @@ static void route_metrics(ds41_http_exchange *ex, void *ctx) {
     }
     ds41_http_respond(ex, 200, "text/plain; version=0.0.4; charset=utf-8", b.data ? b.data : "", b.len);
     free(b.data);
-}
-
-static bool model_path_ok(const char *p, char *why, size_t why_len) {
-    size_t n = strlen(p);
-    if (n == 0 || p[0] != '/') {
-        snprintf(why, why_len, "'path' must be an absolute path");
-        return false;
-    }
-    if (n >= 4096) {
-        snprintf(why, why_len, "'path' is too long");
-        return false;
-    }
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)p[i] < 0x20 || p[i] == 0x7f) {
-            snprintf(why, why_len, "'path' contains control characters");
-            return false;
-        }
-    for (const char *s = p; (s = strstr(s, "..")) != NULL; s += 2) {
-        bool start = s == p || s[-1] == '/';
-        bool end = s[2] == 0 || s[2] == '/';
-        if (start && end) {
-            snprintf(why, why_len, "'path' must not contain '..' segments");
-            return false;
-        }
-    }
-    return true;
-}
-
-static void route_admin_load(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.load_model != NULL, "model loading")) return;
-    json_t *root;
-    if (parse_body(ex, &root)) return;
-    static const char *const keys[] = {"name", "path", NULL};
-    ds41_svc_error err = {0};
-    const char *name = NULL, *path = NULL;
-    if (ds41_api_check_keys(root, NULL, keys, &err) ||
-        ds41_api_get_string(root, NULL, "name", false, &name, &err) ||
-        ds41_api_get_string(root, NULL, "path", false, &path, &err))
-        goto bad;
-    if (!name && !path) {
-        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "name", "give 'name' or 'path'");
-        snprintf(err.code, sizeof err.code, "missing_field");
-        goto bad;
-    }
-    char why[128];
-    if (path && !model_path_ok(path, why, sizeof why)) {
-        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "path", "%s", why);
-        goto bad;
-    }
-    if (name && (strlen(name) == 0 || strlen(name) > 256)) {
-        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "name", "'name' must have 1..256 bytes");
-        goto bad;
-    }
-    int rc = api->svc.load_model(api->svc.ctx, name, path, &err);
-    json_decref(root);
-    if (rc < 0) {
-        respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, rc == 0 ? 200 : 202, json_pack("{s:s}", "status", rc == 0 ? "ready" : "loading"));
-    return;
-bad:
-    json_decref(root);
-    bad_request(ex, &err);
-}
-
-static void route_admin_unload(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.unload_model != NULL, "model unloading")) return;
-    json_t *root;
-    if (parse_body(ex, &root)) return;
-    static const char *const keys[] = {"name", NULL};
-    ds41_svc_error err = {0};
-    const char *name = NULL;
-    if (ds41_api_check_keys(root, NULL, keys, &err) ||
-        ds41_api_get_string(root, NULL, "name", true, &name, &err)) {
-        json_decref(root);
-        bad_request(ex, &err);
-        return;
-    }
-    int rc = api->svc.unload_model(api->svc.ctx, name, &err);
-    json_decref(root);
-    if (rc != 0) {
-        respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, 200, json_pack("{s:s}", "status", "unloaded"));
-}
-
-typedef struct list_acc {
-    json_t *list;
-    bool oom;
-} list_acc;
-
-/* A partition owner's uid (admin listings), null when unknown (a peer without credentials). */
-static json_t *owner_json(int64_t uid) {
-    return uid >= 0 ? json_integer((json_int_t)uid) : json_null();
-}
-
-static void session_emit(void *accp, const ds41_svc_session *s) {
-    list_acc *acc = accp;
-    if (!s || !s->id || acc->oom) return;
-    json_t *o = json_object();
-    bool ok = o && !ds41_json_set_str(o, "id", s->id) && !ds41_json_set_str(o, "model", s->model) &&
-              !ds41_json_set_str(o, "state", s->state) &&
-              !ds41_json_set_new(o, "request_id", ju64(s->request_id)) &&
-              !ds41_json_set_new(o, "prompt_tokens", ju64(s->prompt_tokens)) &&
-              !ds41_json_set_new(o, "generated_tokens", ju64(s->generated_tokens)) &&
-              !ds41_json_set_new(o, "cached_tokens", ju64(s->cached_tokens)) &&
-              !ds41_json_set_new(o, "kv_tokens", ju64(s->kv_tokens)) &&
-              !ds41_json_set_new(o, "kv_pages", ju64(s->kv_pages)) &&
-              !ds41_json_set_new(o, "kv_bytes", ju64(s->kv_bytes)) &&
-              !ds41_json_set_new(o, "created", json_integer(s->created)) &&
-              !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
-              !ds41_json_set_new(o, "owner_uid", owner_json(s->owner_uid));
-    if (!ok || json_array_append_new(acc->list, o)) {
-        if (!ok) json_decref(o);
-        acc->oom = true;
-    }
-}
-
-static void route_admin_sessions(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.list_sessions != NULL, "session listing")) return;
-    list_acc acc = {.list = json_array()};
-    ds41_svc_error err = {0};
-    if (!acc.list) {
-        ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
-        return;
-    }
-    if (api->svc.list_sessions(api->svc.ctx, session_emit, &acc, &err) != 0) {
-        json_decref(acc.list);
-        respond_svc_error(ex, &err);
-        return;
-    }
-    if (acc.oom) {
-        json_decref(acc.list);
-        ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
-        return;
-    }
-    respond_json(ex, 200, json_pack("{s:s,s:o}", "object", "list", "data", acc.list));
-}
-
-static void route_admin_session_delete(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.delete_session != NULL, "session deletion")) return;
-    const char *id = ds41_http_path_param(ex);
-    ds41_svc_error err = {0};
-    if (api->svc.delete_session(api->svc.ctx, id, &err) != 0) {
-        respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, 200, json_pack("{s:s,s:b}", "id", id, "deleted", 1));
-}
-
-typedef struct cache_acc {
-    json_t *obj;
-    int calls;
-} cache_acc;
-
-static void cache_emit(void *accp, const ds41_svc_cache *c) {
-    cache_acc *acc = accp;
-    if (!c || acc->calls++) return;
-    json_t *o = json_object();
-    json_t *tiers = json_array();
-    bool ok = o && tiers;
-    for (size_t i = 0; ok && c->tiers && i < c->n_tiers; i++) {
-        const ds41_svc_cache_tier *t = &c->tiers[i];
-        json_t *to = json_object();
-        uint64_t lookups = t->hits + t->misses;
-        ok = to && !json_array_append_new(tiers, to) && !ds41_json_set_str(to, "name", t->name) &&
-             !ds41_json_set_new(to, "used_bytes", ju64(t->used_bytes)) &&
-             !ds41_json_set_new(to, "capacity_bytes", ju64(t->capacity_bytes)) &&
-             !ds41_json_set_new(to, "hits", ju64(t->hits)) &&
-             !ds41_json_set_new(to, "misses", ju64(t->misses)) &&
-             !ds41_json_set_new(to, "hit_rate",
-                                lookups ? jreal((double)t->hits / (double)lookups) : json_null());
-        if (ok && t->streamed)
-            ok = !ds41_json_set_new(to, "streamed", json_true()) &&
-                 !ds41_json_set_new(to, "total_bytes", ju64(t->total_bytes)) &&
-                 !ds41_json_set_new(to, "bytes_read", ju64(t->bytes_read)) &&
-                 !ds41_json_set_new(to, "latency_p50_ns", ju64(t->latency_p50_ns)) &&
-                 !ds41_json_set_new(to, "latency_p99_ns", ju64(t->latency_p99_ns)) &&
-                 !ds41_json_set_new(to, "predicted", ju64(t->predicted)) &&
-                 !ds41_json_set_new(to, "predicted_used", ju64(t->predicted_used)) &&
-                 !ds41_json_set_new(to, "prediction_accuracy",
-                                    t->predicted ? jreal((double)t->predicted_used / (double)t->predicted)
-                                                 : json_null());
-        else if (ok && t->total_bytes)
-            ok = !ds41_json_set_new(to, "streamed", json_false()) &&
-                 !ds41_json_set_new(to, "total_bytes", ju64(t->total_bytes));
-    }
-    ok = ok && !ds41_json_set_new(o, "page_tokens", ju64(c->page_tokens)) &&
-         !ds41_json_set_new(o, "page_bytes", ju64(c->page_bytes)) &&
-         !ds41_json_set_new(o, "pages_total", ju64(c->pages_total)) &&
-         !ds41_json_set_new(o, "pages_used", ju64(c->pages_used)) &&
-         !ds41_json_set_new(o, "pages_free", ju64(c->pages_free)) &&
-         !ds41_json_set_new(o, "bytes_per_token", jreal(c->bytes_per_token)) &&
-         !json_object_set(o, "tiers", tiers) &&
-         (!c->budgets || !ds41_json_set_str(o, "budgets", c->budgets)) &&
-         !ds41_json_set_new(o, "prefix_shared_across_users", json_boolean(c->prefix_shared_across_users));
-    json_decref(tiers);
-    if (!ok) {
-        json_decref(o);
-        o = NULL;
-    }
-    acc->obj = o;
-}
-
-static void route_admin_cache(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.cache_info != NULL, "cache statistics")) return;
-    cache_acc acc = {0};
-    ds41_svc_error err = {0};
-    if (api->svc.cache_info(api->svc.ctx, cache_emit, &acc, &err) != 0) {
-        json_decref(acc.obj);
-        respond_svc_error(ex, &err);
-        return;
-    }
-    if (!acc.obj) {
-        ds41_http_respond_error(ex, 500, NULL, NULL, NULL,
-                                acc.calls ? "out of memory" : "the service reported no cache statistics");
-        return;
-    }
-    respond_json(ex, 200, acc.obj);
-}
-
-/* ---------------------------------------------------------------- snapshots */
-
-static void snapshot_emit(void *accp, const ds41_svc_snapshot *s) {
-    list_acc *acc = accp;
-    if (!s || !s->id || acc->oom) return;
-    json_t *o = json_object();
-    bool ok = o && !ds41_json_set_str(o, "id", s->id) && !ds41_json_set_str(o, "model", s->model) &&
-              !ds41_json_set_new(o, "tokens", ju64(s->tokens)) &&
-              !ds41_json_set_new(o, "bytes", ju64(s->bytes)) &&
-              !ds41_json_set_new(o, "created", json_integer(s->created)) &&
-              !ds41_json_set_new(o, "last_used", json_integer(s->last_used)) &&
-              !ds41_json_set_new(o, "sampler_state", json_boolean(s->has_sampler)) &&
-              !ds41_json_set_new(o, "owner_uid", owner_json(s->owner_uid));
-    if (!ok || json_array_append_new(acc->list, o)) {
-        if (!ok) json_decref(o);
-        acc->oom = true;
-    }
-}
-
-static void route_admin_snapshots(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.list_snapshots != NULL, "snapshots")) return;
-    list_acc acc = {.list = json_array()};
-    ds41_svc_error err = {0};
-    if (!acc.list) {
-        ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
-        return;
-    }
-    if (api->svc.list_snapshots(api->svc.ctx, snapshot_emit, &acc, &err) != 0 || acc.oom) {
-        json_decref(acc.list);
-        if (acc.oom)
-            ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
-        else
-            respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, 200, json_pack("{s:s,s:o}", "object", "list", "data", acc.list));
-}
-
-/* A body {"KEY": "<id>"} with nothing else; the id 1..200 bytes. */
-static int one_id_body(ds41_http_exchange *ex, const char *key, json_t **root, const char **id) {
-    if (parse_body(ex, root)) return -1;
-    const char *const keys[] = {key, NULL};
-    ds41_svc_error err = {0};
-    if (ds41_api_check_keys(*root, NULL, keys, &err) || ds41_api_get_string(*root, NULL, key, true, id, &err)) {
-        json_decref(*root);
-        bad_request(ex, &err);
-        return -1;
-    }
-    if (strlen(*id) == 0 || strlen(*id) > 200) {
-        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, key, "'%s' must have 1..200 bytes", key);
-        json_decref(*root);
-        bad_request(ex, &err);
-        return -1;
-    }
-    return 0;
-}
-
-static void route_admin_snapshot_save(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.save_snapshot != NULL, "snapshots")) return;
-    json_t *root;
-    const char *session;
-    if (one_id_body(ex, "session", &root, &session)) return;
-    list_acc acc = {.list = json_array()};
-    ds41_svc_error err = {0};
-    int rc = acc.list ? api->svc.save_snapshot(api->svc.ctx, session, snapshot_emit, &acc, &err) : -1;
-    json_decref(root);
-    if (rc != 0 || acc.oom || json_array_size(acc.list) != 1) {
-        if (rc != 0 && acc.list)
-            respond_svc_error(ex, &err);
-        else
-            ds41_http_respond_error(ex, 500, NULL, NULL, NULL, "out of memory");
-        json_decref(acc.list);
-        return;
-    }
-    json_t *snap = json_incref(json_array_get(acc.list, 0));
-    json_decref(acc.list);
-    respond_json(ex, 200, snap);
-}
-
-static void route_admin_snapshot_restore(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.restore_snapshot != NULL, "snapshots")) return;
-    json_t *root;
-    const char *id;
-    if (one_id_body(ex, "id", &root, &id)) return;
-    char session[256] = "";
-    uint64_t tokens = 0;
-    ds41_svc_error err = {0};
-    int rc = api->svc.restore_snapshot(api->svc.ctx, id, session, sizeof session, &tokens, &err);
-    json_t *out = rc == 0 ? json_pack("{s:s,s:s,s:o}", "id", id, "session", session, "tokens", ju64(tokens)) : NULL;
-    json_decref(root);
-    if (rc != 0) {
-        respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, 200, out);
-}
-
-static void route_admin_snapshot_delete(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.delete_snapshot != NULL, "snapshots")) return;
-    const char *id = ds41_http_path_param(ex);
-    ds41_svc_error err = {0};
-    if (api->svc.delete_snapshot(api->svc.ctx, id, &err) != 0) {
-        respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, 200, json_pack("{s:s,s:b}", "id", id, "deleted", 1));
-}
-
-/* POST /admin/cache/experts {"bytes": N | "16GiB" | "auto", "model": name?} */
-static void route_admin_cache_experts(ds41_http_exchange *ex, void *ctx) {
-    ds41_api *api = ctx;
-    if (!need(ex, api->svc.set_expert_budget != NULL, "expert budget changes")) return;
-    json_t *root;
-    if (parse_body(ex, &root)) return;
-    static const char *const keys[] = {"bytes", "model", NULL};
-    ds41_svc_error err = {0};
-    const char *model = NULL;
-    uint64_t bytes = 0;
-    if (ds41_api_check_keys(root, NULL, keys, &err) || ds41_api_get_string(root, NULL, "model", false, &model, &err))
-        goto bad;
-    const json_t *b = json_object_get(root, "bytes");
-    if (json_is_integer(b) && json_integer_value(b) >= 0) {
-        bytes = (uint64_t)json_integer_value(b);
-    } else if (json_is_string(b)) {
-        ds41_error perr = {{0}};
-        if (strcmp(json_string_value(b), "auto") != 0 && ds41_size_parse(json_string_value(b), &bytes, &perr) != 0) {
-            ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "bytes", "'bytes': %s", perr.msg);
-            goto bad;
-        }
-    } else {
-        ds41_svc_fail(&err, DS41_SVC_BAD_REQUEST, "bytes",
-                      "'bytes' must be a size: a non-negative integer, a string like \"16GiB\", or \"auto\"");
-        goto bad;
-    }
-    uint64_t chosen = bytes;
-    int rc = api->svc.set_expert_budget(api->svc.ctx, model, bytes, &chosen, &err);
-    json_decref(root);
-    if (rc != 0) {
-        respond_svc_error(ex, &err);
-        return;
-    }
-    respond_json(ex, 200,
-                 json_pack("{s:I,s:b,s:s}", "expert_cache_bytes", (json_int_t)chosen, "auto", bytes == 0,
-                           "applies", "next step"));
-    return;
-bad:
-    json_decref(root);
-    bad_request(ex, &err);
 }
 
 /* ================================================================ the api */
@@ -1593,18 +1202,18 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"POST", "/detokenize", DS41_AUTH_INFERENCE, true, "detokenize", route_detokenize},
         {"GET", "/metrics", DS41_AUTH_INFERENCE, false, "metrics", route_metrics},
         {"GET", "/admin/models", DS41_AUTH_ADMIN, false, "admin_models", route_admin_models},
-        {"POST", "/admin/models/load", DS41_AUTH_ADMIN, true, "admin_models_load", route_admin_load},
-        {"POST", "/admin/models/unload", DS41_AUTH_ADMIN, true, "admin_models_unload", route_admin_unload},
-        {"GET", "/admin/sessions", DS41_AUTH_ADMIN, false, "admin_sessions", route_admin_sessions},
+        {"POST", "/admin/models/load", DS41_AUTH_ADMIN, true, "admin_models_load", ds41_api_route_admin_load},
+        {"POST", "/admin/models/unload", DS41_AUTH_ADMIN, true, "admin_models_unload", ds41_api_route_admin_unload},
+        {"GET", "/admin/sessions", DS41_AUTH_ADMIN, false, "admin_sessions", ds41_api_route_admin_sessions},
         {"DELETE", "/admin/sessions/*", DS41_AUTH_ADMIN, false, "admin_session_delete",
-         route_admin_session_delete},
-        {"GET", "/admin/cache", DS41_AUTH_ADMIN, false, "admin_cache", route_admin_cache},
-        {"GET", "/admin/snapshots", DS41_AUTH_ADMIN, false, "admin_snapshots", route_admin_snapshots},
-        {"POST", "/admin/snapshots/save", DS41_AUTH_ADMIN, true, "admin_snapshots_save", route_admin_snapshot_save},
+         ds41_api_route_admin_session_delete},
+        {"GET", "/admin/cache", DS41_AUTH_ADMIN, false, "admin_cache", ds41_api_route_admin_cache},
+        {"GET", "/admin/snapshots", DS41_AUTH_ADMIN, false, "admin_snapshots", ds41_api_route_admin_snapshots},
+        {"POST", "/admin/snapshots/save", DS41_AUTH_ADMIN, true, "admin_snapshots_save", ds41_api_route_admin_snapshot_save},
         {"POST", "/admin/snapshots/restore", DS41_AUTH_ADMIN, true, "admin_snapshots_restore",
-         route_admin_snapshot_restore},
-        {"DELETE", "/admin/snapshots/*", DS41_AUTH_ADMIN, false, "admin_snapshot_delete", route_admin_snapshot_delete},
-        {"POST", "/admin/cache/experts", DS41_AUTH_ADMIN, true, "admin_cache_experts", route_admin_cache_experts},
+         ds41_api_route_admin_snapshot_restore},
+        {"DELETE", "/admin/snapshots/*", DS41_AUTH_ADMIN, false, "admin_snapshot_delete", ds41_api_route_admin_snapshot_delete},
+        {"POST", "/admin/cache/experts", DS41_AUTH_ADMIN, true, "admin_cache_experts", ds41_api_route_admin_cache_experts},
     };
     memcpy(api->routes, routes, sizeof routes);
     api->router = (ds41_http_router){.routes = api->routes,

@@ -1,4 +1,4 @@
-/* Helpers shared by ipc/api.c and ipc/api_request.c (not a public contract).
+/* Helpers shared by ipc/api.c, ipc/api_admin.c and ipc/api_request.c (not a public contract).
  * All of them fill err as a 400 naming the field (see ipc/api.h) and return
  * -1 on a bad value; 0 otherwise.  A null JSON value counts as absent. */
 #ifndef DS41_IPC_API_INTERNAL_H
@@ -7,10 +7,11 @@
 #include <jansson.h>
 #include <stdbool.h>
 
+#include "ipc/api.h"
 #include "ipc/service.h"
 
-/* "object", "array", "string", "integer", "number", "boolean", "null". */
-const char *ds41_api_json_type_name(const json_t *v);
+#include <stdatomic.h>
+#include <stdint.h>
 
 /* Parse body as a JSON object (duplicate keys refused). *out: new reference. */
 int ds41_api_parse_json(const char *body, size_t len, json_t **out, ds41_svc_error *err);
@@ -37,5 +38,45 @@ int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, d
 
 /* thinking / chat_template_kwargs / reasoning_effort -> mode and effort. */
 int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort, ds41_svc_error *err);
+
+/* ---- shared by the route files (api.c, api_admin.c) ---- */
+
+#define N_ROUTES 19
+
+struct ds41_api {
+    ds41_service svc;
+    ds41_http_metrics *metrics;
+    ds41_api_options opts;
+    ds41_http_route routes[N_ROUTES];
+    ds41_http_router router;
+    atomic_uint_fast64_t next_id;
+    uint32_t salt;
+    uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
+};
+
+json_t *ds41_api_ju64(uint64_t v);
+/* A finite double as JSON (non-finite: -9999 below zero, else 0). */
+json_t *ds41_api_jreal(double v);
+/* A service error as its HTTP answer (Retry-After on 429/503). */
+void ds41_api_respond_svc_error(ds41_http_exchange *ex, const ds41_svc_error *e);
+/* Serialize and send a JSON value (stolen).  NULL -> 500. */
+void ds41_api_respond_json(ds41_http_exchange *ex, int status, json_t *v);
+void ds41_api_bad_request(ds41_http_exchange *ex, const ds41_svc_error *e);
+/* The body as a JSON object, or a 400 sent and -1. */
+int ds41_api_parse_body(ds41_http_exchange *ex, json_t **root);
+/* A 501 unless the service implements the route's function. */
+bool ds41_api_need(ds41_http_exchange *ex, bool implemented, const char *what);
+
+/* The admin routes (api_admin.c); ctx is the ds41_api. */
+void ds41_api_route_admin_cache(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_cache_experts(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_load(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_session_delete(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_sessions(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_snapshot_delete(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_snapshot_restore(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_snapshot_save(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_snapshots(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_admin_unload(ds41_http_exchange *ex, void *ctx);
 
 #endif

@@ -11,7 +11,7 @@
 #include "engine/text/json_schema.h"
 #include "ipc/api.h"
 #include "ipc/api_internal.h"
-#include "ipc/json_util.h"
+#include "config/json_util.h"
 
 #define MAX_STOP 16
 #define MAX_STOP_BYTES 1024
@@ -40,27 +40,6 @@ static int oom(ds41_svc_error *err) {
     return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
 }
 
-const char *ds41_api_json_type_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "object";
-    case JSON_ARRAY:
-        return "array";
-    case JSON_STRING:
-        return "string";
-    case JSON_INTEGER:
-        return "integer";
-    case JSON_REAL:
-        return "number";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "boolean";
-    case JSON_NULL:
-        return "null";
-    }
-    return "value";
-}
-
 /* "prefix.key" (or "key" at the top level) into out. */
 /* Field paths are for messages only: a path cut short still names the field. */
 static void join_path(char *out, size_t n, const char *prefix, const char *key) {
@@ -81,7 +60,7 @@ int ds41_api_parse_json(const char *body, size_t len, json_t **out, ds41_svc_err
                    je.line, je.column);
     if (!json_is_object(root)) {
         int rc = bad(err, NULL, "invalid_json", "the body must be a JSON object, not %s",
-                     ds41_api_json_type_name(root));
+                     ds41_json_kind_name(root));
         json_decref(root);
         return rc;
     }
@@ -116,7 +95,7 @@ static json_t *get(const json_t *obj, const char *key) {
 }
 
 static int type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v) {
-    return bad(err, path, "invalid_type", "'%s' must be %s, not %s", path, want, ds41_api_json_type_name(v));
+    return bad(err, path, "invalid_type", "'%s' must be %s, not %s", path, want, ds41_json_kind_name(v));
 }
 
 int ds41_api_get_string(const json_t *obj, const char *prefix, const char *key, bool required,

@@ -1,7 +1,7 @@
 /* HTTP/1.1 server over the listening sockets it is given: see http_server.h
  * for the model and ipc/http_parser.h for the request syntax it accepts.
  *
- * Layout of this file: metrics, exchanges and answers, streams, signals and
+ * Layout of this file (the metrics object is http_metrics.c): exchanges and answers, streams, signals and
  * waits, routing, writing answers, one connection's thread (read a request,
  * run its handler, write its answer, keep alive), the accept threads,
  * start/stop, in-memory dispatch. */
@@ -28,8 +28,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ipc/http_internal.h"
 #include "ipc/http_parser.h"
-#include "ipc/json_util.h"
+#include "config/json_util.h"
 
 #define DEFAULT_MAX_BODY (32u << 20)
 #define DEFAULT_MAX_CONNECTIONS 256u
@@ -53,115 +54,6 @@ static int64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-/* ================================================================ metrics */
-
-#define METRIC_SLOTS 160
-
-struct ds41_http_metrics {
-    pthread_mutex_t mu;
-    struct {
-        char route[48];
-        int status;
-        uint64_t count;
-    } req[METRIC_SLOTS];
-    size_t n_req;
-    uint64_t req_overflow;
-    uint64_t events[DS41_HTTP_EV_COUNT];
-    int64_t connections;
-    int64_t active;
-};
-
-static const char *const event_names[DS41_HTTP_EV_COUNT] = {
-    [DS41_HTTP_EV_CLIENT_GONE] = "client_gone",   [DS41_HTTP_EV_TIMEOUT] = "request_timeout",
-    [DS41_HTTP_EV_TOO_LARGE] = "body_too_large",  [DS41_HTTP_EV_STALLED] = "stream_stalled",
-    [DS41_HTTP_EV_REFUSED_PEER] = "refused_peer",
-};
-
-ds41_http_metrics *ds41_http_metrics_new(void) {
-    ds41_http_metrics *m = calloc(1, sizeof *m);
-    if (!m) return NULL;
-    pthread_mutex_init(&m->mu, NULL);
-    return m;
-}
-
-void ds41_http_metrics_free(ds41_http_metrics *m) {
-    if (!m) return;
-    pthread_mutex_destroy(&m->mu);
-    free(m);
-}
-
-void ds41_http_metrics_event(ds41_http_metrics *m, ds41_http_event ev) {
-    if (!m || (unsigned)ev >= DS41_HTTP_EV_COUNT) return;
-    pthread_mutex_lock(&m->mu);
-    m->events[ev]++;
-    pthread_mutex_unlock(&m->mu);
-}
-
-void ds41_http_metrics_request(ds41_http_metrics *m, const char *route, int status) {
-    if (!m) return;
-    if (!route) route = "unmatched";
-    pthread_mutex_lock(&m->mu);
-    size_t i;
-    for (i = 0; i < m->n_req; i++)
-        if (m->req[i].status == status && strcmp(m->req[i].route, route) == 0) break;
-    if (i == m->n_req) {
-        if (m->n_req == METRIC_SLOTS) {
-            m->req_overflow++;
-            pthread_mutex_unlock(&m->mu);
-            return;
-        }
-        snprintf(m->req[i].route, sizeof m->req[i].route, "%s", route);
-        m->req[i].status = status;
-        m->n_req++;
-    }
-    m->req[i].count++;
-    pthread_mutex_unlock(&m->mu);
-}
-
-enum gauge { GAUGE_CONNECTIONS, GAUGE_ACTIVE };
-
-static void metrics_gauge(ds41_http_metrics *m, enum gauge which, int delta) {
-    if (!m) return;
-    pthread_mutex_lock(&m->mu);
-    if (which == GAUGE_CONNECTIONS)
-        m->connections += delta;
-    else
-        m->active += delta;
-    pthread_mutex_unlock(&m->mu);
-}
-
-char *ds41_http_metrics_render(ds41_http_metrics *m, size_t *len) {
-    ds41_buf b = {0};
-    ds41_buf_put(&b, "", 0);
-    if (m) {
-        pthread_mutex_lock(&m->mu);
-        ds41_buf_printf(&b, "# HELP ds41_http_requests_total HTTP requests answered, by route and status.\n"
-                      "# TYPE ds41_http_requests_total counter\n");
-        for (size_t i = 0; i < m->n_req; i++)
-            ds41_buf_printf(&b, "ds41_http_requests_total{route=\"%s\",code=\"%d\"} %" PRIu64 "\n", m->req[i].route,
-                      m->req[i].status, m->req[i].count);
-        ds41_buf_printf(&b, "# HELP ds41_http_events_total Connections refused or cut, by reason.\n"
-                      "# TYPE ds41_http_events_total counter\n");
-        for (int e = 0; e < DS41_HTTP_EV_COUNT; e++)
-            ds41_buf_printf(&b, "ds41_http_events_total{event=\"%s\"} %" PRIu64 "\n", event_names[e], m->events[e]);
-        ds41_buf_printf(&b,
-                  "# HELP ds41_http_connections Open client connections.\n"
-                  "# TYPE ds41_http_connections gauge\n"
-                  "ds41_http_connections %" PRId64 "\n"
-                  "# HELP ds41_http_active_requests Requests being received, handled or streamed.\n"
-                  "# TYPE ds41_http_active_requests gauge\n"
-                  "ds41_http_active_requests %" PRId64 "\n",
-                  m->connections, m->active);
-        pthread_mutex_unlock(&m->mu);
-    }
-    if (b.oom) {
-        free(b.data);
-        return NULL;
-    }
-    if (len) *len = b.len;
-    return b.data;
 }
 
 /* ================================================================ server */
@@ -1152,7 +1044,7 @@ static void exchange_end(struct conn *c, ds41_http_exchange *ex) {
     if (ex->counted_active) srv->active--;
     pthread_cond_broadcast(&srv->cond);
     pthread_mutex_unlock(&srv->mu);
-    if (ex->counted_active) metrics_gauge(srv->router->metrics, GAUGE_ACTIVE, -1);
+    if (ex->counted_active) ds41_http_metrics_gauge(srv->router->metrics, GAUGE_ACTIVE, -1);
     exchange_free(ex);
 }
 
@@ -1229,7 +1121,7 @@ static bool serve_request(struct conn *c, int64_t deadline) {
     srv->active++;
     ex->counted_active = true;
     pthread_mutex_unlock(&srv->mu);
-    metrics_gauge(metrics, GAUGE_ACTIVE, +1);
+    ds41_http_metrics_gauge(metrics, GAUGE_ACTIVE, +1);
 
     bool body_pending = h->chunked || (h->has_length && h->content_length > 0);
     if (draining) {
@@ -1323,7 +1215,7 @@ static void *conn_main(void *arg) {
     }
     conn_linger(c);
     ds41_http_metrics *metrics = srv->router->metrics;
-    metrics_gauge(metrics, GAUGE_CONNECTIONS, -1);
+    ds41_http_metrics_gauge(metrics, GAUGE_CONNECTIONS, -1);
     pthread_mutex_lock(&srv->mu);
     if (c->prev) c->prev->next = c->next;
     if (c->next) c->next->prev = c->prev;
@@ -1386,7 +1278,7 @@ static void *accept_main(void *arg) {
             free(c);
             continue;
         }
-        metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, +1);
+        ds41_http_metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, +1);
         pthread_attr_t attr;
         pthread_t t;
         pthread_attr_init(&attr);
@@ -1395,7 +1287,7 @@ static void *accept_main(void *arg) {
         pthread_attr_destroy(&attr);
         if (rc != 0) {
             srv_log(srv, "cannot start a connection thread: %s", strerror(rc));
-            metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, -1);
+            ds41_http_metrics_gauge(srv->router->metrics, GAUGE_CONNECTIONS, -1);
             pthread_mutex_lock(&srv->mu);
             if (c->next) c->next->prev = c->prev;
             srv->conns = c->next;

@@ -312,7 +312,7 @@ static char *arena_copy(char **cursor, const char *s, size_t len) {
     return p;
 }
 
-/* The JSON part of ds41_st_parse_header: root is the header object. */
+/* The JSON part of ds41_checkpoint_parse_header: root is the header object. */
 static int parse_header_object(json_t *root, uint64_t data_start, uint64_t data_size,
                                ds41_st_header *out, ds41_error *err) {
     /* Pass 1: validate __metadata__, count entries and string bytes so one
@@ -411,8 +411,8 @@ static int parse_header_object(json_t *root, uint64_t data_start, uint64_t data_
     return 0;
 }
 
-int ds41_st_parse_header(const uint8_t *file_prefix, size_t prefix_len, uint64_t file_size,
-                         const char *file_label, ds41_st_header *out, ds41_error *err) {
+int ds41_checkpoint_parse_header(const uint8_t *file_prefix, size_t prefix_len, uint64_t file_size,
+                                 const char *file_label, ds41_st_header *out, ds41_error *err) {
     const char *label = file_label ? file_label : "<safetensors>";
     memset(out, 0, sizeof *out);
     if (file_size < 8)
@@ -446,13 +446,13 @@ int ds41_st_parse_header(const uint8_t *file_prefix, size_t prefix_len, uint64_t
     json_decref(root);
     if (rc != 0) {
         ds41_error_prefix(err, "%s", label);
-        ds41_st_header_free(out);
+        ds41_checkpoint_header_free(out);
         return -1;
     }
     return 0;
 }
 
-void ds41_st_header_free(ds41_st_header *h) {
+void ds41_checkpoint_header_free(ds41_st_header *h) {
     if (!h) return;
     free(h->tensors);
     free(h->metadata);
@@ -474,8 +474,8 @@ static int cmp_cstr(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-int ds41_st_parse_index(const uint8_t *json, size_t len, const char *file_label, ds41_st_index *out,
-                        ds41_error *err) {
+int ds41_checkpoint_parse_index(const uint8_t *json, size_t len, const char *file_label, ds41_st_index *out,
+                                ds41_error *err) {
     const char *label = file_label ? file_label : "<index>";
     memset(out, 0, sizeof *out);
     if (len > DS41_ST_MAX_HEADER_BYTES)
@@ -605,11 +605,11 @@ done:
     strtab_free(&shards);
     free(distinct);
     json_decref(root);
-    if (rc != 0) ds41_st_index_free(out);
+    if (rc != 0) ds41_checkpoint_index_free(out);
     return rc;
 }
 
-void ds41_st_index_free(ds41_st_index *idx) {
+void ds41_checkpoint_index_free(ds41_st_index *idx) {
     if (!idx) return;
     free(idx->entries);
     free(idx->shard_names);
@@ -697,7 +697,7 @@ static int read_index(const char *path, ds41_st_index *idx, ds41_error *err) {
         goto out;
     }
     if (pread_full(fd, buf, len, 0, path, err) != 0) goto out;
-    rc = ds41_st_parse_index(buf, len, path, idx, err);
+    rc = ds41_checkpoint_parse_index(buf, len, path, idx, err);
 out:
     free(buf);
     close(fd);
@@ -741,12 +741,12 @@ static int open_shard(shard *s, const char *first_tensor, ds41_error *err) {
     uint64_t n = first == 8 ? load_le64(len8) : 0;
     if (first < 8 || n > DS41_ST_MAX_HEADER_BYTES || n > s->size - 8) {
         /* The parser words the error. */
-        return ds41_st_parse_header(len8, first, s->size, s->path, &s->header, err);
+        return ds41_checkpoint_parse_header(len8, first, s->size, s->path, &s->header, err);
     }
     uint8_t *hbuf = malloc((size_t)(8 + n));
     if (!hbuf) return ds41_fail(err, "%s: out of memory for a %" PRIu64 "-byte header", s->path, n);
     int rc = pread_full(s->fd, hbuf, (size_t)(8 + n), 0, s->path, err);
-    if (rc == 0) rc = ds41_st_parse_header(hbuf, (size_t)(8 + n), s->size, s->path, &s->header, err);
+    if (rc == 0) rc = ds41_checkpoint_parse_header(hbuf, (size_t)(8 + n), s->size, s->path, &s->header, err);
     free(hbuf);
     if (rc != 0) return -1;
 
@@ -965,13 +965,13 @@ ds41_checkpoint *ds41_checkpoint_open(const char *dir, ds41_error *err) {
     if (merge_tensors(c, err) != 0) goto fail;
     if (indexed && check_index_agrees(c, &idx, index_path, err) != 0) goto fail;
 
-    ds41_st_index_free(&idx);
+    ds41_checkpoint_index_free(&idx);
     free(index_path);
     free(single_path);
     return c;
 
 fail:
-    ds41_st_index_free(&idx);
+    ds41_checkpoint_index_free(&idx);
     free(index_path);
     free(single_path);
     ds41_checkpoint_close(c);
@@ -985,7 +985,7 @@ void ds41_checkpoint_close(ds41_checkpoint *c) {
         ds41_map_guard_unregister(s->guard); /* before the range goes */
         if (s->map) munmap(s->map, (size_t)s->size);
         if (s->fd >= 0) close(s->fd);
-        ds41_st_header_free(&s->header);
+        ds41_checkpoint_header_free(&s->header);
         free(s->path);
     }
     free(c->shards);

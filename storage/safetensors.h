@@ -127,14 +127,14 @@ typedef struct ds41_st_header {
  *     payload are accepted too -- the safetensors library is stricter).
  *
  * On success fills *out (which the caller then owns: release it with
- * ds41_st_header_free) and returns 0.  On failure returns -1 and leaves *out
- * empty (safe to pass to ds41_st_header_free). */
-int ds41_st_parse_header(const uint8_t *file_prefix, size_t prefix_len, uint64_t file_size,
-                         const char *file_label, ds41_st_header *out, ds41_error *err);
+ * ds41_checkpoint_header_free) and returns 0.  On failure returns -1 and leaves *out
+ * empty (safe to pass to ds41_checkpoint_header_free). */
+int ds41_checkpoint_parse_header(const uint8_t *file_prefix, size_t prefix_len, uint64_t file_size,
+                                 const char *file_label, ds41_st_header *out, ds41_error *err);
 
-/* Release what ds41_st_parse_header allocated and zero *h.  NULL and an
+/* Release what ds41_checkpoint_parse_header allocated and zero *h.  NULL and an
  * already freed or zeroed header are fine. */
-void ds41_st_header_free(ds41_st_header *h);
+void ds41_checkpoint_header_free(ds41_st_header *h);
 
 /* -------------------------------------------------- index parser (pure) */
 
@@ -164,13 +164,13 @@ typedef struct ds41_st_index {
  * characters).  Other top-level keys are ignored.  Nothing is checked
  * against the file system here.
  *
- * Returns 0 with *out filled (release with ds41_st_index_free), or -1 with
+ * Returns 0 with *out filled (release with ds41_checkpoint_index_free), or -1 with
  * err filled and *out empty. */
-int ds41_st_parse_index(const uint8_t *json, size_t len, const char *file_label, ds41_st_index *out,
-                        ds41_error *err);
+int ds41_checkpoint_parse_index(const uint8_t *json, size_t len, const char *file_label, ds41_st_index *out,
+                                ds41_error *err);
 
-/* Release what ds41_st_parse_index allocated and zero *idx.  NULL is fine. */
-void ds41_st_index_free(ds41_st_index *idx);
+/* Release what ds41_checkpoint_parse_index allocated and zero *idx.  NULL is fine. */
+void ds41_checkpoint_index_free(ds41_st_index *idx);
 
 /* ------------------------------------------------------------ checkpoint */
 
@@ -181,7 +181,7 @@ typedef struct ds41_checkpoint ds41_checkpoint;
 
 /* Open the checkpoint in directory dir (see the top of this file for the two
  * layouts).  Reads the index and every shard header, maps every shard, and
- * validates, on top of ds41_st_parse_header's checks per shard:
+ * validates, on top of ds41_checkpoint_parse_header's checks per shard:
  *   - the index is a JSON object (duplicate keys rejected, at most
  *     DS41_ST_MAX_HEADER_BYTES long); "weight_map" is an object of strings;
  *     "metadata", if present, is an object; metadata.total_size, if present,
@@ -264,12 +264,12 @@ int ds41_checkpoint_check_mappings(const ds41_checkpoint *ckpt, ds41_error *err)
 /* Streaming checkpoint writer (storage/st_writer.c): the model generator
  * writes multi-GB checkpoints without holding them in memory.
  *
- *   w = ds41_st_writer_new(dir, target, &err);
- *   ds41_st_writer_declare(w, name, dtype, ndim, shape, &err);   (every tensor)
- *   ds41_st_writer_begin(w, &err);                   (headers + index on disk)
- *   ds41_st_writer_write(w, name, data, nbytes, &err);  (every tensor, same order)
- *   ds41_st_writer_finish(w, &err);                  (fsync, close)
- *   ds41_st_writer_free(w);
+ *   w = ds41_checkpoint_writer_new(dir, target, &err);
+ *   ds41_checkpoint_writer_declare(w, name, dtype, ndim, shape, &err);   (every tensor)
+ *   ds41_checkpoint_writer_begin(w, &err);                   (headers + index on disk)
+ *   ds41_checkpoint_writer_write(w, name, data, nbytes, &err);  (every tensor, same order)
+ *   ds41_checkpoint_writer_finish(w, &err);                  (fsync, close)
+ *   ds41_checkpoint_writer_free(w);
  *
  * Output is what Hugging Face writes: shards `model-%05d-of-%05d.safetensors`
  * (numbered from 1) plus `model.safetensors.index.json` (metadata.total_size
@@ -291,41 +291,41 @@ typedef struct ds41_st_writer ds41_st_writer;
  * shard_target_bytes of payload (a shard always holds at least one tensor, so
  * a bigger tensor gets a shard of its own); 0 means no limit.  Returns NULL
  * with err filled when dir is not a directory or memory runs out. */
-ds41_st_writer *ds41_st_writer_new(const char *dir, uint64_t shard_target_bytes, ds41_error *err);
+ds41_st_writer *ds41_checkpoint_writer_new(const char *dir, uint64_t shard_target_bytes, ds41_error *err);
 
 /* Switch to single-file mode: everything goes to `model.safetensors`, no
- * index; shard_target_bytes is ignored and ds41_st_writer_break_shard fails.
+ * index; shard_target_bytes is ignored and ds41_checkpoint_writer_break_shard fails.
  * Only before the first declare.  Returns 0 or -1. */
-int ds41_st_writer_single_file(ds41_st_writer *w, ds41_error *err);
+int ds41_checkpoint_writer_single_file(ds41_st_writer *w, ds41_error *err);
 
 /* Declare the next tensor (before begin).  name: non-empty UTF-8, not
  * "__metadata__", not declared before (copied).  shape: ndim (0..8)
  * non-negative dims; the byte size must fit in 64 bits.  Returns 0 or -1. */
-int ds41_st_writer_declare(ds41_st_writer *w, const char *name, ds41_dtype dtype, int ndim,
-                           const int64_t *shape, ds41_error *err);
+int ds41_checkpoint_writer_declare(ds41_st_writer *w, const char *name, ds41_dtype dtype, int ndim,
+                                   const int64_t *shape, ds41_error *err);
 
 /* Make the next declared tensor start a new shard (before begin; a break
  * before the first tensor or right after another break does nothing).
  * Returns 0, or -1 after begin or in single-file mode (the writer is then
  * failed, and the next call that takes an ds41_error reports why). */
-int ds41_st_writer_break_shard(ds41_st_writer *w);
+int ds41_checkpoint_writer_break_shard(ds41_st_writer *w);
 
 /* Assign shards, create the shard files with their headers and (sharded
  * mode) write the index.  Needs at least one declared tensor.  Returns 0 or -1. */
-int ds41_st_writer_begin(ds41_st_writer *w, ds41_error *err);
+int ds41_checkpoint_writer_begin(ds41_st_writer *w, ds41_error *err);
 
 /* Write the payload of the next tensor in declaration order: name must be
  * that tensor's name and nbytes its declared size (data may be NULL when
  * nbytes is 0).  Returns 0 or -1. */
-int ds41_st_writer_write(ds41_st_writer *w, const char *name, const void *data, size_t nbytes,
-                         ds41_error *err);
+int ds41_checkpoint_writer_write(ds41_st_writer *w, const char *name, const void *data, size_t nbytes,
+                                 ds41_error *err);
 
 /* Check that every declared tensor was written, fsync and close every file
  * and the directory.  Returns 0 or -1. */
-int ds41_st_writer_finish(ds41_st_writer *w, ds41_error *err);
+int ds41_checkpoint_writer_finish(ds41_st_writer *w, ds41_error *err);
 
 /* Free the writer and close any file it still has open (an unfinished
  * checkpoint stays on disk as it is).  NULL is fine. */
-void ds41_st_writer_free(ds41_st_writer *w);
+void ds41_checkpoint_writer_free(ds41_st_writer *w);
 
 #endif

@@ -84,7 +84,7 @@ static int check_state(ds41_st_writer *w, enum writer_state want, const char *ca
     return 0;
 }
 
-ds41_st_writer *ds41_st_writer_new(const char *dir, uint64_t shard_target_bytes, ds41_error *err) {
+ds41_st_writer *ds41_checkpoint_writer_new(const char *dir, uint64_t shard_target_bytes, ds41_error *err) {
     struct stat st;
     if (!dir || !*dir) {
         ds41_fail(err, "checkpoint writer: empty directory path");
@@ -104,7 +104,7 @@ ds41_st_writer *ds41_st_writer_new(const char *dir, uint64_t shard_target_bytes,
         w->names = json_object();
     }
     if (!w || !w->dir || !w->names) {
-        ds41_st_writer_free(w);
+        ds41_checkpoint_writer_free(w);
         ds41_fail(err, "%s: out of memory", dir);
         return NULL;
     }
@@ -113,17 +113,17 @@ ds41_st_writer *ds41_st_writer_new(const char *dir, uint64_t shard_target_bytes,
     return w;
 }
 
-int ds41_st_writer_single_file(ds41_st_writer *w, ds41_error *err) {
-    if (check_state(w, DECLARING, "ds41_st_writer_single_file", err) != 0) return -1;
+int ds41_checkpoint_writer_single_file(ds41_st_writer *w, ds41_error *err) {
+    if (check_state(w, DECLARING, "ds41_checkpoint_writer_single_file", err) != 0) return -1;
     if (w->count > 0)
         return wfail(w, err, "%s: single-file mode must be chosen before the first tensor is declared", w->dir);
     w->single = true;
     return 0;
 }
 
-int ds41_st_writer_declare(ds41_st_writer *w, const char *name, ds41_dtype dtype, int ndim,
-                           const int64_t *shape, ds41_error *err) {
-    if (check_state(w, DECLARING, "ds41_st_writer_declare", err) != 0) return -1;
+int ds41_checkpoint_writer_declare(ds41_st_writer *w, const char *name, ds41_dtype dtype, int ndim,
+                                   const int64_t *shape, ds41_error *err) {
+    if (check_state(w, DECLARING, "ds41_checkpoint_writer_declare", err) != 0) return -1;
     if (!name || !*name) return wfail(w, err, "%s: tensor %zu has an empty name", w->dir, w->count);
     if (strcmp(name, "__metadata__") == 0)
         return wfail(w, err, "%s: '__metadata__' is reserved, not a tensor name", w->dir);
@@ -173,8 +173,8 @@ int ds41_st_writer_declare(ds41_st_writer *w, const char *name, ds41_dtype dtype
     return 0;
 }
 
-int ds41_st_writer_break_shard(ds41_st_writer *w) {
-    if (check_state(w, DECLARING, "ds41_st_writer_break_shard", NULL) != 0) return -1;
+int ds41_checkpoint_writer_break_shard(ds41_st_writer *w) {
+    if (check_state(w, DECLARING, "ds41_checkpoint_writer_break_shard", NULL) != 0) return -1;
     if (w->single) return wfail(w, NULL, "%s: shard breaks are not allowed in single-file mode", w->dir);
     w->break_pending = true;
     return 0;
@@ -330,8 +330,8 @@ static int write_index(ds41_st_writer *w, ds41_error *err) {
     return rc;
 }
 
-int ds41_st_writer_begin(ds41_st_writer *w, ds41_error *err) {
-    if (check_state(w, DECLARING, "ds41_st_writer_begin", err) != 0) return -1;
+int ds41_checkpoint_writer_begin(ds41_st_writer *w, ds41_error *err) {
+    if (check_state(w, DECLARING, "ds41_checkpoint_writer_begin", err) != 0) return -1;
     if (w->count == 0) return wfail(w, err, "%s: no tensors were declared", w->dir);
 
     /* Assign shards in declaration order. */
@@ -390,9 +390,9 @@ static int close_current(ds41_st_writer *w, ds41_error *err) {
     return 0;
 }
 
-int ds41_st_writer_write(ds41_st_writer *w, const char *name, const void *data, size_t nbytes,
-                         ds41_error *err) {
-    if (check_state(w, WRITING, "ds41_st_writer_write", err) != 0) return -1;
+int ds41_checkpoint_writer_write(ds41_st_writer *w, const char *name, const void *data, size_t nbytes,
+                                 ds41_error *err) {
+    if (check_state(w, WRITING, "ds41_checkpoint_writer_write", err) != 0) return -1;
     if (!name) name = "(null)";
     if (w->next >= w->count)
         return wfail(w, err, "%s: tensor '%s' written after all %zu declared tensors", w->dir, name, w->count);
@@ -419,8 +419,8 @@ int ds41_st_writer_write(ds41_st_writer *w, const char *name, const void *data, 
     return 0;
 }
 
-int ds41_st_writer_finish(ds41_st_writer *w, ds41_error *err) {
-    if (check_state(w, WRITING, "ds41_st_writer_finish", err) != 0) return -1;
+int ds41_checkpoint_writer_finish(ds41_st_writer *w, ds41_error *err) {
+    if (check_state(w, WRITING, "ds41_checkpoint_writer_finish", err) != 0) return -1;
     if (w->next < w->count)
         return wfail(w, err, "%s: tensor '%s' was declared but not written (%zu of %zu written)", w->dir,
                      w->tensors[w->next].name, w->next, w->count);
@@ -448,7 +448,7 @@ int ds41_st_writer_finish(ds41_st_writer *w, ds41_error *err) {
     return 0;
 }
 
-void ds41_st_writer_free(ds41_st_writer *w) {
+void ds41_checkpoint_writer_free(ds41_st_writer *w) {
     if (!w) return;
     if (w->fd >= 0) close(w->fd);
     for (size_t i = 0; i < w->count; i++) free(w->tensors[i].name);

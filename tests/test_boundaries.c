@@ -442,9 +442,9 @@ static int st_header(const char *json, uint64_t data_bytes, char *msg, size_t ca
     memcpy(buf + 8, json, jl);
     ds41_st_header h;
     ds41_error e = {{0}};
-    const int rc = ds41_st_parse_header(buf, 8 + jl, 8 + jl + data_bytes, "mem.safetensors", &h, &e);
+    const int rc = ds41_checkpoint_parse_header(buf, 8 + jl, 8 + jl + data_bytes, "mem.safetensors", &h, &e);
     snprintf(msg, cap, "%s", rc ? e.msg : "");
-    ds41_st_header_free(&h);
+    ds41_checkpoint_header_free(&h);
     return rc;
 }
 

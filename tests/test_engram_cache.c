@@ -34,31 +34,31 @@ static uint64_t rnd(void) {
  * around them. */
 static int write_ckpt(void) {
     ds41_error err = {{0}};
-    ds41_st_writer *w = ds41_st_writer_new(dir, 0, &err);
+    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, &err);
     if (!w) return -1;
     static uint8_t pad[8192];
     const char *names[2][2] = {{"layers.1.engram.embed.weight", "layers.1.engram.embed.scale"},
                                {"layers.3.engram.embed.weight", "layers.3.engram.embed.scale"}};
     int rc = 0;
     for (int t = 0; t < 2 && rc == 0; t++) {
-        if (t) ds41_st_writer_break_shard(w);
+        if (t) ds41_checkpoint_writer_break_shard(w);
         const int64_t pshape[2] = {ROWS[t], RB}, sshape[2] = {ROWS[t], SB}, padshape[1] = {8192};
         char padname[32];
         snprintf(padname, sizeof padname, "pad.%d", t);
-        rc |= ds41_st_writer_declare(w, padname, DS41_U8, 1, padshape, &err);
-        rc |= ds41_st_writer_declare(w, names[t][0], DS41_F8_E4M3, 2, pshape, &err);
-        rc |= ds41_st_writer_declare(w, names[t][1], DS41_F8_E8M0, 2, sshape, &err);
+        rc |= ds41_checkpoint_writer_declare(w, padname, DS41_U8, 1, padshape, &err);
+        rc |= ds41_checkpoint_writer_declare(w, names[t][0], DS41_F8_E4M3, 2, pshape, &err);
+        rc |= ds41_checkpoint_writer_declare(w, names[t][1], DS41_F8_E8M0, 2, sshape, &err);
     }
-    rc = rc ? rc : ds41_st_writer_begin(w, &err);
+    rc = rc ? rc : ds41_checkpoint_writer_begin(w, &err);
     for (int t = 0; t < 2 && rc == 0; t++) {
         char padname[32];
         snprintf(padname, sizeof padname, "pad.%d", t);
-        rc |= ds41_st_writer_write(w, padname, pad, sizeof pad, &err);
-        rc |= ds41_st_writer_write(w, names[t][0], ref_p[t], (size_t)ROWS[t] * RB, &err);
-        rc |= ds41_st_writer_write(w, names[t][1], ref_s[t], (size_t)ROWS[t] * SB, &err);
+        rc |= ds41_checkpoint_writer_write(w, padname, pad, sizeof pad, &err);
+        rc |= ds41_checkpoint_writer_write(w, names[t][0], ref_p[t], (size_t)ROWS[t] * RB, &err);
+        rc |= ds41_checkpoint_writer_write(w, names[t][1], ref_s[t], (size_t)ROWS[t] * SB, &err);
     }
-    rc = rc ? rc : ds41_st_writer_finish(w, &err);
-    ds41_st_writer_free(w);
+    rc = rc ? rc : ds41_checkpoint_writer_finish(w, &err);
+    ds41_checkpoint_writer_free(w);
     if (rc) fprintf(stderr, "%s\n", err.msg);
     return rc;
 }

@@ -178,20 +178,20 @@ static void *thread_copy(void *p) {
 
 static int write_checkpoint(const char *dir, ds41_error *e) {
     static const int64_t shape_a[1] = {3 * 4096}, shape_b[1] = {5 * 4096};
-    ds41_st_writer *w = ds41_st_writer_new(dir, 0, e);
+    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, e);
     if (!w) return -1;
-    int rc = ds41_st_writer_declare(w, "a", DS41_U8, 1, shape_a, e);
-    if (rc == 0) rc = ds41_st_writer_break_shard(w);
-    if (rc == 0) rc = ds41_st_writer_declare(w, "b", DS41_U8, 1, shape_b, e);
-    if (rc == 0) rc = ds41_st_writer_begin(w, e);
+    int rc = ds41_checkpoint_writer_declare(w, "a", DS41_U8, 1, shape_a, e);
+    if (rc == 0) rc = ds41_checkpoint_writer_break_shard(w);
+    if (rc == 0) rc = ds41_checkpoint_writer_declare(w, "b", DS41_U8, 1, shape_b, e);
+    if (rc == 0) rc = ds41_checkpoint_writer_begin(w, e);
     uint8_t *buf = malloc(5 * 4096);
     if (!buf) rc = -1;
     for (size_t i = 0; rc == 0 && i < 5 * 4096; i++) buf[i] = pat(i);
-    if (rc == 0) rc = ds41_st_writer_write(w, "a", buf, 3 * 4096, e);
-    if (rc == 0) rc = ds41_st_writer_write(w, "b", buf, 5 * 4096, e);
-    if (rc == 0) rc = ds41_st_writer_finish(w, e);
+    if (rc == 0) rc = ds41_checkpoint_writer_write(w, "a", buf, 3 * 4096, e);
+    if (rc == 0) rc = ds41_checkpoint_writer_write(w, "b", buf, 5 * 4096, e);
+    if (rc == 0) rc = ds41_checkpoint_writer_finish(w, e);
     free(buf);
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
     return rc;
 }
 

@@ -171,22 +171,24 @@ static uint64_t decl_bytes(const decl *d) {
 }
 
 static int write_model(const char *dir, uint64_t target, bool single, ds41_error *e) {
-    ds41_st_writer *w = ds41_st_writer_new(dir, target, e);
+    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, target, e);
     if (!w) return -1;
-    int rc = single ? ds41_st_writer_single_file(w, e) : 0;
+    int rc = single ? ds41_checkpoint_writer_single_file(w, e) : 0;
     for (size_t i = 0; rc == 0 && i < MODEL_N; i++) {
-        if (model[i].break_before && !single) rc = ds41_st_writer_break_shard(w);
-        if (rc == 0) rc = ds41_st_writer_declare(w, model[i].name, model[i].dtype, model[i].ndim, model[i].shape, e);
+        if (model[i].break_before && !single) rc = ds41_checkpoint_writer_break_shard(w);
+        if (rc == 0)
+            rc = ds41_checkpoint_writer_declare(w, model[i].name, model[i].dtype, model[i].ndim,
+                                                model[i].shape, e);
     }
-    if (rc == 0) rc = ds41_st_writer_begin(w, e);
+    if (rc == 0) rc = ds41_checkpoint_writer_begin(w, e);
     for (size_t i = 0; rc == 0 && i < MODEL_N; i++) {
         size_t n = (size_t)decl_bytes(&model[i]);
         uint8_t *buf = pattern(model[i].name, n);
-        rc = ds41_st_writer_write(w, model[i].name, n ? buf : NULL, n, e);
+        rc = ds41_checkpoint_writer_write(w, model[i].name, n ? buf : NULL, n, e);
         free(buf);
     }
-    if (rc == 0) rc = ds41_st_writer_finish(w, e);
-    ds41_st_writer_free(w);
+    if (rc == 0) rc = ds41_checkpoint_writer_finish(w, e);
+    ds41_checkpoint_writer_free(w);
     return rc;
 }
 
@@ -247,13 +249,14 @@ static bool check_shard_layout(const char *path, char *why, size_t why_len) {
     ds41_st_header h;
     ds41_error e;
     bool ok = false;
-    if (ds41_st_parse_header(buf, len, len, path, &h, &e) != 0) {
+    if (ds41_checkpoint_parse_header(buf, len, len, path, &h, &e) != 0) {
         snprintf(why, why_len, "%s", e.msg);
     } else if (h.header_len % 8 != 0) {
         snprintf(why, why_len, "header length %" PRIu64 " not a multiple of 8", h.header_len);
     } else if (memcmp(buf + 8, "{\"__metadata__\":{\"format\":\"pt\"}", 31) != 0) {
         snprintf(why, why_len, "header does not start with __metadata__ format pt");
-    } else if (h.metadata_count != 1 || strcmp(h.metadata[0].key, "format") || strcmp(h.metadata[0].value, "pt")) {
+    } else if (h.metadata_count != 1 || strcmp(h.metadata[0].key, "format") ||
+               strcmp(h.metadata[0].value, "pt")) {
         snprintf(why, why_len, "metadata not parsed back");
     } else if (h.data_start + h.payload_bytes != len) {
         snprintf(why, why_len, "payload (%" PRIu64 ") does not fill the file exactly", h.payload_bytes);
@@ -269,7 +272,7 @@ static bool check_shard_layout(const char *path, char *why, size_t why_len) {
         ok = covered == h.data_size;
         if (!ok) snprintf(why, why_len, "data region has gaps");
     }
-    ds41_st_header_free(&h);
+    ds41_checkpoint_header_free(&h);
     free(buf);
     return ok;
 }
@@ -366,7 +369,7 @@ static void test_sharded_round_trip(void) {
     /* The pure index parser agrees. */
     ds41_st_index ix;
     tlen = read_file(ipath, &text);
-    rc = ds41_st_parse_index(text, tlen, ipath, &ix, &e);
+    rc = ds41_checkpoint_parse_index(text, tlen, ipath, &ix, &e);
     bool ix_ok = rc == 0 && ix.shard_count == ns && ix.entry_count == MODEL_N && ix.has_total_size &&
                  ix.total_size == ds41_checkpoint_payload_bytes(c);
     for (size_t i = 0; ix_ok && i < ns; i++) {
@@ -374,8 +377,9 @@ static void test_sharded_round_trip(void) {
         const ds41_tensor *t = ds41_checkpoint_find(c, ix.shard_first_tensor[i]);
         if (!t || t->shard != i) ix_ok = false;
     }
-    TAP_CHECK(ix_ok, "ds41_st_parse_index: shard names sorted, entries and first tensors match (%s)", rc ? e.msg : "ok");
-    ds41_st_index_free(&ix);
+    TAP_CHECK(ix_ok, "ds41_checkpoint_parse_index: shard names sorted, entries and first tensors match (%s)",
+              rc ? e.msg : "ok");
+    ds41_checkpoint_index_free(&ix);
     free(text);
     ds41_checkpoint_close(c);
 
@@ -421,90 +425,100 @@ static void test_writer_misuse(void) {
     ds41_error e = {{0}};
     int64_t shp[9] = {2, 2, 1, 1, 1, 1, 1, 1, 1};
 
-    TAP_CHECK(ds41_st_writer_new("/nonexistent/ds41", 0, &e) == NULL && strstr(e.msg, "/nonexistent/ds41"),
+    TAP_CHECK(ds41_checkpoint_writer_new("/nonexistent/ds41", 0, &e) == NULL &&
+                  strstr(e.msg, "/nonexistent/ds41"),
               "writer_new on a missing directory fails naming it");
 
-    ds41_st_writer *w = ds41_st_writer_new(dir, 0, &e);
-    TAP_CHECK(w && ds41_st_writer_declare(w, "a", DS41_F32, 9, shp, &e) != 0 && strstr(e.msg, "'a'"),
+    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, &e);
+    TAP_CHECK(w && ds41_checkpoint_writer_declare(w, "a", DS41_F32, 9, shp, &e) != 0 && strstr(e.msg, "'a'"),
               "declare with 9 dimensions fails naming the tensor");
-    TAP_CHECK(ds41_st_writer_declare(w, "b", DS41_F32, 1, shp, &e) != 0 && strstr(e.msg, "'a'"),
+    TAP_CHECK(ds41_checkpoint_writer_declare(w, "b", DS41_F32, 1, shp, &e) != 0 && strstr(e.msg, "'a'"),
               "a failed writer repeats its first failure");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
     int64_t neg[2] = {3, -1};
-    TAP_CHECK(ds41_st_writer_declare(w, "neg", DS41_F32, 2, neg, &e) != 0 && strstr(e.msg, "negative"),
+    TAP_CHECK(ds41_checkpoint_writer_declare(w, "neg", DS41_F32, 2, neg, &e) != 0 &&
+                  strstr(e.msg, "negative"),
               "declare with a negative dimension fails");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
     int64_t huge[3] = {INT64_C(1) << 40, INT64_C(1) << 40, 4};
-    TAP_CHECK(ds41_st_writer_declare(w, "huge", DS41_F32, 3, huge, &e) != 0 && strstr(e.msg, "overflow"),
+    TAP_CHECK(ds41_checkpoint_writer_declare(w, "huge", DS41_F32, 3, huge, &e) != 0 &&
+                  strstr(e.msg, "overflow"),
               "declare whose byte size overflows fails");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_declare(w, "x", DS41_U8, 1, shp, &e);
-    TAP_CHECK(ds41_st_writer_declare(w, "x", DS41_U8, 1, shp, &e) != 0 && strstr(e.msg, "'x'") &&
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_declare(w, "x", DS41_U8, 1, shp, &e);
+    TAP_CHECK(ds41_checkpoint_writer_declare(w, "x", DS41_U8, 1, shp, &e) != 0 && strstr(e.msg, "'x'") &&
                   strstr(e.msg, "twice"),
               "declaring a name twice fails");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    TAP_CHECK(ds41_st_writer_declare(w, "__metadata__", DS41_U8, 1, shp, &e) != 0, "'__metadata__' is not a tensor name");
-    ds41_st_writer_free(w);
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    TAP_CHECK(ds41_checkpoint_writer_declare(w, "__metadata__", DS41_U8, 1, shp, &e) != 0,
+              "'__metadata__' is not a tensor name");
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    TAP_CHECK(ds41_st_writer_begin(w, &e) != 0 && strstr(e.msg, "no tensors"), "begin without tensors fails");
-    ds41_st_writer_free(w);
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    TAP_CHECK(ds41_checkpoint_writer_begin(w, &e) != 0 && strstr(e.msg, "no tensors"),
+              "begin without tensors fails");
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_single_file(w, &e);
-    TAP_CHECK(ds41_st_writer_break_shard(w) != 0 && ds41_st_writer_declare(w, "y", DS41_U8, 1, shp, &e) != 0 &&
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_single_file(w, &e);
+    TAP_CHECK(ds41_checkpoint_writer_break_shard(w) != 0 &&
+                  ds41_checkpoint_writer_declare(w, "y", DS41_U8, 1, shp, &e) != 0 &&
                   strstr(e.msg, "single-file"),
               "a shard break in single-file mode fails, and the next call says why");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
     /* Write-phase errors: order, size, unwritten tensors, late declares. */
     uint8_t four[4] = {1, 2, 3, 4};
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
-    ds41_st_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
-    TAP_CHECK(ds41_st_writer_write(w, "first", four, 4, &e) != 0 && strstr(e.msg, "declaring"),
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
+    ds41_checkpoint_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
+    TAP_CHECK(ds41_checkpoint_writer_write(w, "first", four, 4, &e) != 0 && strstr(e.msg, "declaring"),
               "write before begin fails");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
-    ds41_st_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
-    ds41_st_writer_begin(w, &e);
-    TAP_CHECK(ds41_st_writer_declare(w, "third", DS41_U8, 1, shp, &e) != 0, "declare after begin fails");
-    ds41_st_writer_free(w);
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
+    ds41_checkpoint_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
+    ds41_checkpoint_writer_begin(w, &e);
+    TAP_CHECK(ds41_checkpoint_writer_declare(w, "third", DS41_U8, 1, shp, &e) != 0,
+              "declare after begin fails");
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
-    ds41_st_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
-    ds41_st_writer_begin(w, &e);
-    TAP_CHECK(ds41_st_writer_write(w, "second", four, 2, &e) != 0 && strstr(e.msg, "'second'") && strstr(e.msg, "'first'"),
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
+    ds41_checkpoint_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
+    ds41_checkpoint_writer_begin(w, &e);
+    TAP_CHECK(ds41_checkpoint_writer_write(w, "second", four, 2, &e) != 0 && strstr(e.msg, "'second'") &&
+                  strstr(e.msg, "'first'"),
               "writing out of declaration order fails naming both tensors");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
-    ds41_st_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
-    ds41_st_writer_begin(w, &e);
-    TAP_CHECK(ds41_st_writer_write(w, "first", four, 3, &e) != 0 && strstr(e.msg, "3 bytes given, 4 declared"),
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
+    ds41_checkpoint_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
+    ds41_checkpoint_writer_begin(w, &e);
+    TAP_CHECK(ds41_checkpoint_writer_write(w, "first", four, 3, &e) != 0 &&
+                  strstr(e.msg, "3 bytes given, 4 declared"),
               "writing the wrong byte count fails");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
 
-    w = ds41_st_writer_new(dir, 0, &e);
-    ds41_st_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
-    ds41_st_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
-    ds41_st_writer_begin(w, &e);
-    ds41_st_writer_write(w, "first", four, 4, &e);
-    TAP_CHECK(ds41_st_writer_finish(w, &e) != 0 && strstr(e.msg, "'second'") && strstr(e.msg, "not written"),
+    w = ds41_checkpoint_writer_new(dir, 0, &e);
+    ds41_checkpoint_writer_declare(w, "first", DS41_U8, 1, (int64_t[]){4}, &e);
+    ds41_checkpoint_writer_declare(w, "second", DS41_U8, 1, (int64_t[]){2}, &e);
+    ds41_checkpoint_writer_begin(w, &e);
+    ds41_checkpoint_writer_write(w, "first", four, 4, &e);
+    TAP_CHECK(ds41_checkpoint_writer_finish(w, &e) != 0 && strstr(e.msg, "'second'") &&
+                  strstr(e.msg, "not written"),
               "finish with an unwritten tensor fails naming it");
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
     /* That unfinished checkpoint must not open: its shard lacks a payload. */
     expect_fail(dir, "model-00001-of-00001.safetensors", "second", "unfinished writer output");
 }
@@ -807,7 +821,7 @@ static void test_parser_api(void) {
     ds41_st_header h;
     ds41_error e;
     /* 12 payload bytes plus 8 bytes of trailing file the header does not use. */
-    int rc = ds41_st_parse_header(buf, 8 + jl, 8 + jl + 20, "mem.safetensors", &h, &e);
+    int rc = ds41_checkpoint_parse_header(buf, 8 + jl, 8 + jl + 20, "mem.safetensors", &h, &e);
     TAP_CHECK(rc == 0, "parser accepts scalars, zero-size tensors with huge dims, gaps and trailing bytes (%s)",
               rc ? e.msg : "ok");
     if (rc == 0) {
@@ -821,12 +835,12 @@ static void test_parser_api(void) {
         TAP_CHECK(h.metadata_count == 2 && !strcmp(h.metadata[1].key, "k") && !strcmp(h.metadata[1].value, "v"),
                   "parser keeps __metadata__ in file order");
     }
-    ds41_st_header_free(&h);
-    ds41_st_header_free(&h);
-    rc = ds41_st_parse_header(buf, 8 + jl - 1, 8 + jl + 20, "mem.safetensors", &h, &e);
+    ds41_checkpoint_header_free(&h);
+    ds41_checkpoint_header_free(&h);
+    rc = ds41_checkpoint_parse_header(buf, 8 + jl - 1, 8 + jl + 20, "mem.safetensors", &h, &e);
     TAP_CHECK(rc != 0 && strstr(e.msg, "mem.safetensors") && h.tensors == NULL,
               "a prefix shorter than 8 + N is refused, *out left empty");
-    rc = ds41_st_parse_header(buf, 8 + jl, 8 + jl, NULL, &h, &e);
+    rc = ds41_checkpoint_parse_header(buf, 8 + jl, 8 + jl, NULL, &h, &e);
     TAP_CHECK(rc != 0 && strstr(e.msg, "<safetensors>") && strstr(e.msg, "'z'"),
               "NULL label reads <safetensors>; span past a data region of 0 bytes names the tensor");
 }
@@ -849,21 +863,21 @@ static void test_no_payload_read(void) {
         {"r.big1", DS41_F32, 2, {512, 1024}, false},   /* 2 MiB */
         {"r.big2", DS41_U8, 1, {3 << 20}, true},       /* 3 MiB, own shard */
     };
-    ds41_st_writer *w = ds41_st_writer_new(dir, 0, &e);
+    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, &e);
     int rc = w ? 0 : -1;
     for (size_t i = 0; rc == 0 && i < 4; i++) {
-        if (big[i].break_before) ds41_st_writer_break_shard(w);
-        rc = ds41_st_writer_declare(w, big[i].name, big[i].dtype, big[i].ndim, big[i].shape, &e);
+        if (big[i].break_before) ds41_checkpoint_writer_break_shard(w);
+        rc = ds41_checkpoint_writer_declare(w, big[i].name, big[i].dtype, big[i].ndim, big[i].shape, &e);
     }
-    if (rc == 0) rc = ds41_st_writer_begin(w, &e);
+    if (rc == 0) rc = ds41_checkpoint_writer_begin(w, &e);
     for (size_t i = 0; rc == 0 && i < 4; i++) {
         size_t n = (size_t)decl_bytes(&big[i]);
         uint8_t *b = pattern(big[i].name, n);
-        rc = ds41_st_writer_write(w, big[i].name, b, n, &e);
+        rc = ds41_checkpoint_writer_write(w, big[i].name, b, n, &e);
         free(b);
     }
-    if (rc == 0) rc = ds41_st_writer_finish(w, &e);
-    ds41_st_writer_free(w);
+    if (rc == 0) rc = ds41_checkpoint_writer_finish(w, &e);
+    ds41_checkpoint_writer_free(w);
     TAP_CHECK(rc == 0, "writer writes a 7 MiB two-shard checkpoint (%s)", rc ? e.msg : "ok");
     if (rc) return;
 

@@ -216,8 +216,8 @@ static void test_disk_tier(void) {
  * of the request that missed: another user's stored conversation is not restored for it. */
 static void test_disk_partitions(void) {
     ds41_sched_partition pa, pb;
-    ds41_sched_partition_make(1000, false, NULL, 0, &pa);
-    ds41_sched_partition_make(1001, false, NULL, 0, &pb);
+    ds41_scheduler_partition_make(1000, false, NULL, 0, &pa);
+    ds41_scheduler_partition_make(1001, false, NULL, 0, &pb);
     mem_disk d = {0};
     ds41_sched_config c = config(&d);
     ds41_scheduler *s = NULL;
@@ -360,7 +360,7 @@ static void test_export_import(void) {
                   memcmp(y.part.key, x.part.key, sizeof x.part.key) == 0 &&
                   y.part.owner_uid == x.part.owner_uid,
               "export of a cache entry, with the partition it was imported into (%s)", erc ? err.msg : "ok");
-    ds41_sched_export_free(&y);
+    ds41_scheduler_export_free(&y);
     TAP_CHECK(irc != 0 || ds41_scheduler_import(s, &x.part, kv, len, x.ids, x.n_ids - 1, NULL, &err) == -1,
               "import refuses ids that do not match the state (%s)", err.msg);
     if (kv && len > 20) kv[20] ^= 1;
@@ -375,7 +375,7 @@ static void test_export_import(void) {
         memcpy(more, x.ids, x.n_ids * sizeof *more);
         more[x.n_ids] = 9;
         ds41_sched_partition other;
-        ds41_sched_partition_make(4242, false, NULL, 0, &other);
+        ds41_scheduler_partition_make(4242, false, NULL, 0, &other);
         rec o;
         rec_init(&o);
         submit_in(s, &other, more, x.n_ids + 1, 3, &o, &id);
@@ -390,7 +390,7 @@ static void test_export_import(void) {
                   "a prompt extending the imported ids is served from it (%zu cached)", q.cached);
     }
     free(kv);
-    ds41_sched_export_free(&x);
+    ds41_scheduler_export_free(&x);
     ds41_scheduler_free(s, 1000);
 }
 

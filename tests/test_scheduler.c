@@ -391,15 +391,16 @@ static size_t run_in(ds41_scheduler *s, const ds41_sched_partition *part, const 
 
 static void test_prefix_partitions(void) {
     ds41_sched_partition a, a_salt, b, none, sh_a, sh_b, sh_b_salt, x1, x2;
-    ds41_sched_partition_make(1000, false, NULL, 0, &a);
-    ds41_sched_partition_make(1000, false, "s1", 2, &a_salt);
-    ds41_sched_partition_make(1001, false, NULL, 0, &b);
-    ds41_sched_partition_make(-1, false, NULL, 0, &none);
-    ds41_sched_partition_make(1000, true, NULL, 0, &sh_a);
-    ds41_sched_partition_make(1001, true, NULL, 0, &sh_b);
-    ds41_sched_partition_make(1001, true, "s1", 2, &sh_b_salt);
-    ds41_sched_partition_make(1, false, "23", 2, &x1); /* "uid 1" + "23" vs "uid 12" + "3": length prefixes */
-    ds41_sched_partition_make(12, false, "3", 1, &x2);
+    ds41_scheduler_partition_make(1000, false, NULL, 0, &a);
+    ds41_scheduler_partition_make(1000, false, "s1", 2, &a_salt);
+    ds41_scheduler_partition_make(1001, false, NULL, 0, &b);
+    ds41_scheduler_partition_make(-1, false, NULL, 0, &none);
+    ds41_scheduler_partition_make(1000, true, NULL, 0, &sh_a);
+    ds41_scheduler_partition_make(1001, true, NULL, 0, &sh_b);
+    ds41_scheduler_partition_make(1001, true, "s1", 2, &sh_b_salt);
+    ds41_scheduler_partition_make(1, false, "23", 2,
+                                  &x1); /* "uid 1" + "23" vs "uid 12" + "3": length prefixes */
+    ds41_scheduler_partition_make(12, false, "3", 1, &x2);
     const size_t kb = sizeof a.key;
     TAP_CHECK(memcmp(a.key, b.key, kb) && memcmp(a.key, a_salt.key, kb) && memcmp(a.key, none.key, kb) &&
                   memcmp(a.key, sh_a.key, kb) && !memcmp(sh_a.key, sh_b.key, kb) &&

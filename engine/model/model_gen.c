@@ -284,7 +284,7 @@ typedef struct gen_ctx {
 } gen_ctx;
 
 static int write_bytes(gen_ctx *g, const char *name, const void *data, size_t n) {
-    return ds41_st_writer_write(g->w, name, data, n, g->err);
+    return ds41_checkpoint_writer_write(g->w, name, data, n, g->err);
 }
 
 /* BF16 / F32 tensors. */
@@ -623,20 +623,21 @@ int ds41_model_generate(const char *outdir, const ds41_model_gen_opts *opts, ds4
         shard = rest / 2 + 1; /* at least two shards before the tables */
         if (shard > (2ull << 30)) shard = 2ull << 30;
     }
-    w = ds41_st_writer_new(outdir, shard, err);
+    w = ds41_checkpoint_writer_new(outdir, shard, err);
     if (!w) goto out;
     for (size_t j = 0; j < n_order; j++) {
         const ds41_planned_tensor *t = &plan.t[order[j]];
-        if (ds41_st_writer_declare(w, t->name, t->dtype, t->ndim, t->shape, err) != 0) goto out;
+        if (ds41_checkpoint_writer_declare(w, t->name, t->dtype, t->ndim, t->shape, err) != 0) goto out;
     }
     for (size_t i = 0; i < plan.n; i++) {
         if (plan.t[i].kind != DS41_KIND_ENGRAM_TABLES) continue;
-        if (ends_with(plan.t[i].name, ".weight")) ds41_st_writer_break_shard(w);
+        if (ends_with(plan.t[i].name, ".weight")) ds41_checkpoint_writer_break_shard(w);
         order[n_order++] = i;
-        if (ds41_st_writer_declare(w, plan.t[i].name, plan.t[i].dtype, plan.t[i].ndim, plan.t[i].shape, err) != 0)
+        if (ds41_checkpoint_writer_declare(w, plan.t[i].name, plan.t[i].dtype, plan.t[i].ndim,
+                                           plan.t[i].shape, err) != 0)
             goto out;
     }
-    if (ds41_st_writer_begin(w, err) != 0) goto out;
+    if (ds41_checkpoint_writer_begin(w, err) != 0) goto out;
 
     gen_ctx g = {.seed = opts->seed, .w = w, .err = err};
     for (size_t j = 0; j < n_order; j++) {
@@ -658,11 +659,11 @@ int ds41_model_generate(const char *outdir, const ds41_model_gen_opts *opts, ds4
         if ((j + 1) % 256 == 0 || j + 1 == n_order)
             progress(opts, "wrote %zu/%zu tensors", j + 1, n_order);
     }
-    if (ds41_st_writer_finish(w, err) != 0) goto out;
+    if (ds41_checkpoint_writer_finish(w, err) != 0) goto out;
     progress(opts, "%s: %zu tensors, %llu payload bytes", outdir, plan.n, (unsigned long long)total);
     rc = 0;
 out:
-    ds41_st_writer_free(w);
+    ds41_checkpoint_writer_free(w);
     free(order);
     ds41_tensor_plan_free(&plan);
     ds41_vocab_free(v);

@@ -603,7 +603,7 @@ static void run_jobs(ds41_scheduler *s) {
                 if (!x->seq || !x->ids || !x->sampler ||
                     ds41_sampler_snapshot(sm, x->sampler, x->sampler_len, &x->sampler_len, &j->err) != 0) {
                     if (!j->err.msg[0]) ds41_fail(&j->err, "out of memory");
-                    ds41_sched_export_free(x);
+                    ds41_scheduler_export_free(x);
                 } else {
                     memcpy(x->ids, ids, n * sizeof *ids);
                     x->n_ids = n;
@@ -916,8 +916,8 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     free(s);
 }
 
-void ds41_sched_partition_make(int64_t uid, bool share_across_users, const char *salt, size_t salt_len,
-                               ds41_sched_partition *out) {
+void ds41_scheduler_partition_make(int64_t uid, bool share_across_users, const char *salt, size_t salt_len,
+                                   ds41_sched_partition *out) {
     /* Length-prefixed fields after a domain tag: no two (owner, salt) pairs give the same bytes. */
     char owner[32];
     int on = share_across_users ? snprintf(owner, sizeof owner, "any user")
@@ -1135,7 +1135,7 @@ void ds41_scheduler_clear_cache(ds41_scheduler *s) {
 
 /* ---- snapshots: export and import ------------------------------------------------------------- */
 
-void ds41_sched_export_free(ds41_sched_export *x) {
+void ds41_scheduler_export_free(ds41_sched_export *x) {
     if (!x) return;
     ds41_kv_seq_free(x->seq);
     free(x->ids);
@@ -1172,7 +1172,7 @@ int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *
             out->ids = malloc(e->n_ids * sizeof *out->ids);
             if (!out->seq || !out->ids) {
                 if (out->seq) ds41_fail(err, "out of memory");
-                ds41_sched_export_free(out);
+                ds41_scheduler_export_free(out);
             } else {
                 memcpy(out->ids, e->ids, e->n_ids * sizeof *e->ids);
                 out->n_ids = e->n_ids;

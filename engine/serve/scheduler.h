@@ -35,7 +35,7 @@
  * memory and through the disk tier, whose callbacks get the partition to record and match.  Were
  * entries shared, cached_tokens (and the time to the first token) would tell one user whether
  * another user sent a guessed prompt.  ds41d derives the key from the peer's uid and the request's
- * cache_salt (ds41_sched_partition_make); the owner uid is kept for admin listings.
+ * cache_salt (ds41_scheduler_partition_make); the owner uid is kept for admin listings.
  *
  * Threads.  submit / cancel / stats / sessions may be called from any thread; sinks are called
  * on the engine thread only, one request's calls in order: any number of delta() calls, then
@@ -68,8 +68,8 @@ typedef struct ds41_sched_partition {
  * salt[0..salt_len) (NULL/0: none).  The key is SHA-256 over a domain tag, the uid -- or, with
  * share_across_users, one tag for every user -- and the salt, each length-prefixed: different
  * uids, or different salts, never share a key; with sharing on only the salt separates. */
-void ds41_sched_partition_make(int64_t uid, bool share_across_users, const char *salt, size_t salt_len,
-                               ds41_sched_partition *out);
+void ds41_scheduler_partition_make(int64_t uid, bool share_across_users, const char *salt, size_t salt_len,
+                                   ds41_sched_partition *out);
 
 /* The disk tier of the prefix cache (optional; ds41d implements it with storage/snapshot_store.h).
  * Both callbacks run with no forward pass in flight (so they may allocate from and read the
@@ -220,7 +220,7 @@ typedef struct ds41_sched_export {
  * next.  Errors: no such session, a queued request (nothing computed yet), a request with
  * nothing fed yet, the scheduler stopping, out of memory. */
 int ds41_scheduler_export(ds41_scheduler *s, const char *id, ds41_sched_export *out, ds41_error *err);
-void ds41_sched_export_free(ds41_sched_export *x);
+void ds41_scheduler_export_free(ds41_sched_export *x);
 
 /* Put a serialized sequence (ds41_kv_seq_deserialize bytes, borrowed) that consumed ids[0..n)
  * into the in-memory prefix cache as an entry of partition `part` (a snapshot's recorded one;

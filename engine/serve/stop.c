@@ -1,9 +1,10 @@
 /* Stop strings and token-level generation limits (see stop.h for the exact rules). */
 #include "engine/serve/stop.h"
 
+#include "config/utf8.h"
+
 #include <stdlib.h>
 #include <string.h>
-#include <utf8proc.h>
 
 typedef struct stop_string {
     unsigned char *bytes;
@@ -21,17 +22,6 @@ struct ds41_stop_matcher {
     int stopped, stop_index, finished;
 };
 
-static int valid_utf8(const unsigned char *s, size_t len) {
-    size_t at = 0;
-    while (at < len) {
-        utf8proc_int32_t cp;
-        const utf8proc_ssize_t n = utf8proc_iterate(s + at, (utf8proc_ssize_t)(len - at), &cp);
-        if (n <= 0) return 0;
-        at += (size_t)n;
-    }
-    return 1;
-}
-
 int ds41_stop_matcher_new(ds41_stop_matcher **out, const char *const *stops, const size_t *lens, size_t n,
                           ds41_error *err) {
     if (!out) return ds41_fail(err, "stop strings: no output pointer");
@@ -47,7 +37,7 @@ int ds41_stop_matcher_new(ds41_stop_matcher **out, const char *const *stops, con
             return ds41_fail(err, "stop strings: more than %u bytes in total (at string %zu)",
                              DS41_STOP_MAX_TOTAL_BYTES, i);
         total += lens[i];
-        if (!valid_utf8((const unsigned char *)stops[i], lens[i]))
+        if (!ds41_utf8_valid(stops[i], lens[i], NULL))
             return ds41_fail(err, "stop strings: string %zu is not valid UTF-8", i);
     }
     ds41_stop_matcher *m = calloc(1, sizeof *m);

@@ -1,6 +1,8 @@
 /* Tool parameter schemas and the byte-level JSON matcher (see json_schema.h). */
 #include "engine/text/json_schema.h"
 
+#include "config/json_util.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -228,7 +230,7 @@ static int compile_enum(cctx *c, const json_t *list, const char *path, uint8_t t
         char p[512];
         pathf(p, sizeof p, "%s[%zu]", path, i);
         if (!(value_types(v) & types)) return cfail(c, p, "the value is not of the schema's type");
-        char *d = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+        char *d = ds41_json_dump(v, NULL);
         if (!d) return cfail(c, p, "the value cannot be written as JSON (nested too deep?)");
         size_t dl = strlen(d);
         int bad = memmem(d, dl, DSML_MARK, strlen(DSML_MARK)) != NULL;

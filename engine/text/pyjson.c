@@ -648,6 +648,11 @@ ds41_py *ds41_py_from_json(const json_t *value, ds41_error *err) {
 
 void ds41_py_dumps_string(const char *s, size_t len, ds41_buf *out) {
     ds41_buf_putc(out, '"');
+    ds41_py_dumps_chars(s, len, out);
+    ds41_buf_putc(out, '"');
+}
+
+void ds41_py_dumps_chars(const char *s, size_t len, ds41_buf *out) {
     size_t run = 0;
     for (size_t i = 0; i < len; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -666,7 +671,6 @@ void ds41_py_dumps_string(const char *s, size_t len, ds41_buf *out) {
         }
     }
     ds41_buf_put(out, s + run, len - run);
-    ds41_buf_putc(out, '"');
 }
 
 void ds41_py_dumps(const ds41_py *v, ds41_buf *out) {

@@ -109,6 +109,8 @@ char *ds41_json_dumps_py(const json_t *value, size_t *len, ds41_error *err);
 
 /* Appends json.dumps of a string (quotes and escapes) to out. */
 void ds41_py_dumps_string(const char *s, size_t len, ds41_buf *out);
+/* The same without the quotes: the escaped characters only (to build one string of parts). */
+void ds41_py_dumps_chars(const char *s, size_t len, ds41_buf *out);
 
 /* ---- UTF-8 ---- */
 

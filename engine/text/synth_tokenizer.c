@@ -2,6 +2,7 @@
 
 #include "config/buf.h"
 
+#include "engine/text/pyjson.h"
 #include "engine/text/vocab.h"
 
 #include <errno.h>
@@ -193,48 +194,6 @@ static void buf_cp(ds41_buf *b, uint32_t cp) { /* one code point as UTF-8 */
         n = 4;
     }
     ds41_buf_put(b, u, n);
-}
-
-/* The characters of a JSON string as Python's json.dumps(ensure_ascii=False)
- * escapes them (no quotes). */
-static void buf_json_chars(ds41_buf *b, const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        switch (c) {
-        case '"':
-            ds41_buf_put(b, "\\\"", 2);
-            break;
-        case '\\':
-            ds41_buf_put(b, "\\\\", 2);
-            break;
-        case '\n':
-            ds41_buf_put(b, "\\n", 2);
-            break;
-        case '\r':
-            ds41_buf_put(b, "\\r", 2);
-            break;
-        case '\t':
-            ds41_buf_put(b, "\\t", 2);
-            break;
-        case '\b':
-            ds41_buf_put(b, "\\b", 2);
-            break;
-        case '\f':
-            ds41_buf_put(b, "\\f", 2);
-            break;
-        default:
-            if (c < 0x20)
-                ds41_buf_printf(b, "\\u%04x", c);
-            else
-                ds41_buf_put(b, &s[i], 1);
-        }
-    }
-}
-
-static void buf_json_string(ds41_buf *b, const char *s, size_t n) {
-    ds41_buf_put(b, "\"", 1);
-    buf_json_chars(b, s, n);
-    ds41_buf_put(b, "\"", 1);
 }
 
 /* Strings with ids 0..n-1 and a hash index (token strings, word types). */
@@ -931,7 +890,7 @@ static const char components_json[] =
 
 static void emit_added(ds41_buf *out, uint32_t id, const char *content, bool normalized, bool special, bool last) {
     ds41_buf_printf(out, "    {\n      \"id\": %u,\n      \"content\": ", id);
-    buf_json_string(out, content, strlen(content));
+    ds41_py_dumps_string(content, strlen(content), out);
     ds41_buf_printf(out,
                ",\n      \"single_word\": false,\n      \"lstrip\": false,\n      \"rstrip\": false,\n"
                "      \"normalized\": %s,\n      \"special\": %s\n    }%s\n",
@@ -954,7 +913,7 @@ static void emit(const synth *g, ds41_buf *out) {
                   "    \"fuse_unk\": false,\n    \"byte_fallback\": false,\n    \"vocab\": {\n");
     for (uint32_t id = 0; id < g->tokens.n; id++) {
         ds41_buf_puts(out, "      ");
-        buf_json_string(out, g->tokens.text.data + g->tokens.off[id], g->tokens.len[id]);
+        ds41_py_dumps_string(g->tokens.text.data + g->tokens.off[id], g->tokens.len[id], out);
         ds41_buf_printf(out, ": %u%s\n", id, id + 1 == g->tokens.n ? "" : ",");
     }
     ds41_buf_puts(out, "    },\n    \"merges\": [");
@@ -962,9 +921,9 @@ static void emit(const synth *g, ds41_buf *out) {
         uint32_t a = g->merges[m].a, b = g->merges[m].b;
         /* One string "a b": byte-level tokens never hold a space. */
         ds41_buf_puts(out, m ? ",\n      \"" : "\n      \"");
-        buf_json_chars(out, g->tokens.text.data + g->tokens.off[a], g->tokens.len[a]);
+        ds41_py_dumps_chars(g->tokens.text.data + g->tokens.off[a], g->tokens.len[a], out);
         ds41_buf_put(out, " ", 1);
-        buf_json_chars(out, g->tokens.text.data + g->tokens.off[b], g->tokens.len[b]);
+        ds41_py_dumps_chars(g->tokens.text.data + g->tokens.off[b], g->tokens.len[b], out);
         ds41_buf_put(out, "\"", 1);
     }
     ds41_buf_puts(out, g->n_merges ? "\n    ]\n  }\n}\n" : "]\n  }\n}\n");

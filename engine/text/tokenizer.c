@@ -3,6 +3,9 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "engine/text/tokenizer.h"
 
+#include "config/buf.h"
+#include "config/utf8.h"
+
 #include "engine/text/unicode_tables.h"
 
 #include <jansson.h>
@@ -15,52 +18,6 @@
 /* ======================================================================
  * UTF-8
  * ====================================================================== */
-
-/* Length of the valid UTF-8 sequence at S (N bytes left), 0 if none starts
- * there.  When 0, *sub (if not NULL) gets the length of the maximal subpart
- * (>= 1) and *incomplete whether that subpart reaches the end of the buffer
- * (so more bytes might still complete it). */
-static size_t utf8_seq(const uint8_t *s, size_t n, size_t *sub, bool *incomplete) {
-    uint8_t b = s[0];
-    size_t len;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b < 0x80) return 1;
-    if (b >= 0xC2 && b <= 0xDF) {
-        len = 2;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-        len = 3;
-        if (b == 0xE0) lo = 0xA0;
-        if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-        len = 4;
-        if (b == 0xF0) lo = 0x90;
-        if (b == 0xF4) hi = 0x8F;
-    } else {
-        if (sub) *sub = 1;
-        if (incomplete) *incomplete = false;
-        return 0;
-    }
-    size_t k = 1;
-    while (k < len && k < n && s[k] >= (k == 1 ? lo : 0x80) && s[k] <= (k == 1 ? hi : 0xBF)) k++;
-    if (k == len) return len;
-    if (sub) *sub = k;
-    if (incomplete) *incomplete = (k == n);
-    return 0;
-}
-
-static bool utf8_valid(const uint8_t *s, size_t n) {
-    size_t i = 0;
-    while (i < n) {
-        if (s[i] < 0x80) {
-            i++;
-            continue;
-        }
-        size_t k = utf8_seq(s + i, n - i, NULL, NULL);
-        if (!k) return false;
-        i += k;
-    }
-    return true;
-}
 
 /* Code point at S (valid UTF-8, N > 0 bytes left); *len gets its length. */
 static uint32_t utf8_get(const uint8_t *s, size_t n, size_t *len) {
@@ -195,9 +152,7 @@ static void set_invert(cpset *s) {
 typedef struct class_defs class_defs;
 
 typedef struct strbuf {
-    char *s;
-    size_t n, cap;
-    bool oom;
+    ds41_buf out;
     class_defs *defs; /* not NULL: classes outside brackets become subroutine calls */
 } strbuf;
 
@@ -208,41 +163,6 @@ struct class_defs {
     char **text;
     size_t n;
 };
-
-static bool sb_reserve(strbuf *b, size_t extra) {
-    if (b->oom) return false;
-    if (b->n + extra + 1 <= b->cap) return true;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->n + extra + 1) cap *= 2;
-    char *p = realloc(b->s, cap);
-    if (!p) {
-        b->oom = true;
-        return false;
-    }
-    b->s = p;
-    b->cap = cap;
-    return true;
-}
-
-static void sb_put(strbuf *b, const char *s, size_t n) {
-    if (!sb_reserve(b, n)) return;
-    memcpy(b->s + b->n, s, n);
-    b->n += n;
-    b->s[b->n] = 0;
-}
-
-static void sb_str(strbuf *b, const char *s) {
-    sb_put(b, s, strlen(s));
-}
-
-__attribute__((format(printf, 2, 3))) static void sb_fmt(strbuf *b, const char *fmt, ...) {
-    char tmp[64];
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (k > 0) sb_put(b, tmp, (size_t)k < sizeof tmp ? (size_t)k : sizeof tmp - 1);
-}
 
 typedef struct cprange {
     uint32_t first, last;
@@ -262,7 +182,7 @@ static void sb_set_items(strbuf *b, const cpset *s) {
     size_t n = 0, cap = 256;
     cprange *r = malloc(cap * sizeof *r);
     if (!r) {
-        b->oom = true;
+        b->out.oom = true;
         return;
     }
     uint32_t c = 0;
@@ -277,7 +197,7 @@ static void sb_set_items(strbuf *b, const cpset *s) {
             cprange *p = realloc(r, 2 * cap * sizeof *r);
             if (!p) {
                 free(r);
-                b->oom = true;
+                b->out.oom = true;
                 return;
             }
             r = p;
@@ -288,9 +208,9 @@ static void sb_set_items(strbuf *b, const cpset *s) {
     qsort(r, n, sizeof *r, by_size_desc);
     for (size_t i = 0; i < n; i++) {
         if (r[i].first == r[i].last)
-            sb_fmt(b, "\\x{%X}", r[i].first);
+            ds41_buf_printf(&b->out, "\\x{%X}", r[i].first);
         else
-            sb_fmt(b, "\\x{%X}-\\x{%X}", r[i].first, r[i].last);
+            ds41_buf_printf(&b->out, "\\x{%X}-\\x{%X}", r[i].first, r[i].last);
     }
     free(r);
 }
@@ -375,12 +295,12 @@ typedef enum { CLS_SPACE, CLS_WORD, CLS_DIGIT, CLS_HEX, CLS_PROP } cls_kind;
  * inside one (a negation inside brackets becomes the complement's items). */
 static void emit_class(strbuf *b, cls_kind kind, prop_kind pk, uint32_t mask, bool negate, bool in_class) {
     if (kind == CLS_HEX && !(in_class && negate)) {
-        sb_str(b, in_class ? "0-9A-Fa-f" : negate ? "[^0-9A-Fa-f]" : "[0-9A-Fa-f]");
+        ds41_buf_puts(&b->out, in_class ? "0-9A-Fa-f" : negate ? "[^0-9A-Fa-f]" : "[0-9A-Fa-f]");
         return;
     }
     cpset *s = calloc(1, sizeof *s);
     if (!s) {
-        b->oom = true;
+        b->out.oom = true;
         return;
     }
     switch (kind) {
@@ -402,29 +322,29 @@ static void emit_class(strbuf *b, cls_kind kind, prop_kind pk, uint32_t mask, bo
         if (negate) set_invert(s);
         sb_set_items(b, s);
     } else if (!b->defs) {
-        sb_str(b, negate ? "[^" : "[");
+        ds41_buf_puts(&b->out, negate ? "[^" : "[");
         sb_set_items(b, s);
-        sb_str(b, "]");
+        ds41_buf_puts(&b->out, "]");
     } else {
         strbuf c = {0};
-        sb_str(&c, negate ? "[^" : "[");
+        ds41_buf_puts(&c.out, negate ? "[^" : "[");
         sb_set_items(&c, s);
-        sb_str(&c, "]");
+        ds41_buf_puts(&c.out, "]");
         class_defs *d = b->defs;
         size_t k = 0;
-        while (!c.oom && k < d->n && strcmp(d->text[k], c.s)) k++;
-        if (!c.oom && k == d->n) {
+        while (!c.out.oom && k < d->n && strcmp(d->text[k], c.out.data)) k++;
+        if (!c.out.oom && k == d->n) {
             char **p = realloc(d->text, (d->n + 1) * sizeof *p);
-            if (!p) c.oom = true;
+            if (!p) c.out.oom = true;
             else {
                 d->text = p;
-                d->text[d->n++] = c.s;
-                c.s = NULL;
+                d->text[d->n++] = c.out.data;
+                c.out.data = NULL;
             }
         }
-        if (c.oom) b->oom = true;
-        free(c.s);
-        sb_fmt(b, "(?&ds41c%zu)", k);
+        if (c.out.oom) b->out.oom = true;
+        ds41_buf_free(&c.out);
+        ds41_buf_printf(&b->out, "(?&ds41c%zu)", k);
     }
     free(s);
 }
@@ -454,51 +374,51 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
     case 'D': emit_class(b, CLS_DIGIT, PROP_NONE, 0, e == 'D', in_class); return j;
     case 'h':
     case 'H': emit_class(b, CLS_HEX, PROP_NONE, 0, e == 'H', in_class); return j;
-    case 'v': sb_str(b, "\\x{0B}"); return j; /* Oniguruma: the vertical tab, not a class */
+    case 'v': ds41_buf_puts(&b->out, "\\x{0B}"); return j; /* Oniguruma: the vertical tab, not a class */
     case 'b':
     case 'B':
         if (in_class) {
             if (e == 'B') break;
-            sb_str(b, "\\x{08}");
+            ds41_buf_puts(&b->out, "\\x{08}");
             return j;
         }
         {
             strbuf w = {.defs = b->defs};
             emit_class(&w, CLS_WORD, PROP_NONE, 0, false, false);
-            if (w.oom) {
-                free(w.s);
-                b->oom = true;
+            if (w.out.oom) {
+                ds41_buf_free(&w.out);
+                b->out.oom = true;
                 return j;
             }
             if (e == 'b') {
-                sb_str(b, "(?:(?<=");
-                sb_str(b, w.s);
-                sb_str(b, ")(?!");
-                sb_str(b, w.s);
-                sb_str(b, ")|(?<!");
-                sb_str(b, w.s);
-                sb_str(b, ")(?=");
-                sb_str(b, w.s);
-                sb_str(b, "))");
+                ds41_buf_puts(&b->out, "(?:(?<=");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, ")(?!");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, ")|(?<!");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, ")(?=");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, "))");
             } else {
-                sb_str(b, "(?:(?<=");
-                sb_str(b, w.s);
-                sb_str(b, ")(?=");
-                sb_str(b, w.s);
-                sb_str(b, ")|(?<!");
-                sb_str(b, w.s);
-                sb_str(b, ")(?!");
-                sb_str(b, w.s);
-                sb_str(b, "))");
+                ds41_buf_puts(&b->out, "(?:(?<=");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, ")(?=");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, ")|(?<!");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, ")(?!");
+                ds41_buf_puts(&b->out, w.out.data);
+                ds41_buf_puts(&b->out, "))");
             }
-            free(w.s);
+            ds41_buf_free(&w.out);
         }
         return j;
     case 'u':
         if (j + 4 > n || !is_hex(p[j]) || !is_hex(p[j + 1]) || !is_hex(p[j + 2]) || !is_hex(p[j + 3])) break;
-        sb_str(b, "\\x{");
-        sb_put(b, p + j, 4);
-        sb_str(b, "}");
+        ds41_buf_puts(&b->out, "\\x{");
+        ds41_buf_put(&b->out, p + j, 4);
+        ds41_buf_puts(&b->out, "}");
         return j + 4;
     case 'p':
     case 'P': {
@@ -517,7 +437,7 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
         uint32_t mask = 0;
         prop_kind pk = resolve_property(name, len, &mask);
         if (pk == PROP_NONE) /* a script or another property: PCRE2's tables */
-            sb_put(b, p + i, close + 1 - i);
+            ds41_buf_put(&b->out, p + i, close + 1 - i);
         else
             emit_class(b, CLS_PROP, pk, mask, neg, in_class);
         return close + 1;
@@ -528,20 +448,20 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
             size_t close = j;
             while (close < n && p[close] != '}') close++;
             if (close >= n) break;
-            sb_put(b, p + i, close + 1 - i);
+            ds41_buf_put(&b->out, p + i, close + 1 - i);
             return close + 1;
         }
         if (e == 'o') break;
-        sb_put(b, p + i, 2);
+        ds41_buf_put(&b->out, p + i, 2);
         return j;
     case 'c':
         if (j >= n) break;
-        sb_put(b, p + i, 3);
+        ds41_buf_put(&b->out, p + i, 3);
         return j + 1;
     case 'k':
     case 'g':
         if (in_class) break;
-        sb_put(b, p + i, 2);
+        ds41_buf_put(&b->out, p + i, 2);
         return j;
     case 'A':
     case 'z':
@@ -552,7 +472,7 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
     case 'X':
     case 'N':
         if (in_class) break;
-        sb_put(b, p + i, 2);
+        ds41_buf_put(&b->out, p + i, 2);
         return j;
     case 'n':
     case 't':
@@ -560,11 +480,11 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
     case 'f':
     case 'e':
     case 'a':
-        sb_put(b, p + i, 2);
+        ds41_buf_put(&b->out, p + i, 2);
         return j;
     default:
         if (is_digit(e)) { /* backreference or octal escape: same in both */
-            sb_put(b, p + i, 2);
+            ds41_buf_put(&b->out, p + i, 2);
             return j;
         }
         if ((e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z')) break;
@@ -572,7 +492,7 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
         {
             size_t k = 1;
             if ((uint8_t)e >= 0x80) utf8_get((const uint8_t *)p + i + 1, n - i - 1, &k);
-            sb_put(b, p + i, 1 + k);
+            ds41_buf_put(&b->out, p + i, 1 + k);
             return i + 1 + k;
         }
     }
@@ -583,10 +503,9 @@ static size_t translate_escape(const char *p, size_t n, size_t i, bool in_class,
 
 static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *err) {
     strbuf b = {.defs = defs};
-    sb_reserve(&b, n + 16);
     size_t i = 0;
     bool in_class = false, class_first = false;
-    while (i < n && !b.oom) {
+    while (i < n && !b.out.oom) {
         char c = p[i];
         if (c == '\\') {
             size_t next = translate_escape(p, n, i, in_class, &b, err);
@@ -598,7 +517,7 @@ static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *er
         if (in_class) {
             if (c == ']' && !class_first) {
                 in_class = false;
-                sb_put(&b, "]", 1);
+                ds41_buf_put(&b.out, "]", 1);
                 i++;
                 continue;
             }
@@ -612,17 +531,17 @@ static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *er
                 goto fail;
             }
             class_first = false;
-            sb_put(&b, p + i, 1);
+            ds41_buf_put(&b.out, p + i, 1);
             i++;
             continue;
         }
         if (c == '[') {
             in_class = true;
             class_first = true;
-            sb_put(&b, "[", 1);
+            ds41_buf_put(&b.out, "[", 1);
             i++;
             if (i < n && p[i] == '^') {
-                sb_put(&b, "^", 1);
+                ds41_buf_put(&b.out, "^", 1);
                 i++;
             }
             continue;
@@ -645,13 +564,13 @@ static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *er
                 if ((d >= 'a' && d <= 'z') || (d >= 'A' && d <= 'Z') || d == '-') {
                     /* an option group: Oniguruma's m is PCRE2's s (dot-all) */
                     size_t k = i + 2;
-                    sb_put(&b, "(?", 2);
+                    ds41_buf_put(&b.out, "(?", 2);
                     while (k < n && p[k] != ':' && p[k] != ')') {
                         char o = p[k];
                         if (o == 'i' || o == 'x' || o == '-')
-                            sb_put(&b, &o, 1);
+                            ds41_buf_put(&b.out, &o, 1);
                         else if (o == 'm')
-                            sb_put(&b, "s", 1);
+                            ds41_buf_put(&b.out, "s", 1);
                         else {
                             ds41_fail(err, "the option (?%c) is not supported", o);
                             goto fail;
@@ -662,12 +581,12 @@ static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *er
                         ds41_fail(err, "an unterminated option group");
                         goto fail;
                     }
-                    sb_put(&b, p + k, 1);
+                    ds41_buf_put(&b.out, p + k, 1);
                     i = k + 1;
                     continue;
                 }
             }
-            sb_put(&b, "(", 1);
+            ds41_buf_put(&b.out, "(", 1);
             i++;
             continue;
         }
@@ -687,45 +606,41 @@ static char *translate(const char *p, size_t n, class_defs *defs, ds41_error *er
                     ds41_fail(err, "'{n}?' (Oniguruma: an optional fixed repeat) is not supported");
                     goto fail;
                 }
-                if (!a_len) sb_put(&b, "{0", 2), sb_put(&b, p + b0 - 1, close + 1 - (b0 - 1));
+                if (!a_len) ds41_buf_put(&b.out, "{0", 2), ds41_buf_put(&b.out, p + b0 - 1, close + 1 - (b0 - 1));
                 else
-                    sb_put(&b, p + i, close + 1 - i);
+                    ds41_buf_put(&b.out, p + i, close + 1 - i);
                 i = close + 1;
                 continue;
             }
-            sb_put(&b, "\\{", 2);
+            ds41_buf_put(&b.out, "\\{", 2);
             i++;
             continue;
         }
-        sb_put(&b, p + i, 1);
+        ds41_buf_put(&b.out, p + i, 1);
         i++;
     }
-    if (in_class && !b.oom) {
+    if (in_class && !b.out.oom) {
         ds41_fail(err, "an unterminated character class");
         goto fail;
     }
-    if (b.oom) {
+    if (b.out.oom) {
         ds41_fail(err, "out of memory translating a regex");
         goto fail;
     }
     if (defs && defs->n) {
-        sb_str(&b, "(?(DEFINE)");
+        ds41_buf_puts(&b.out, "(?(DEFINE)");
         for (size_t k = 0; k < defs->n; k++) {
-            sb_fmt(&b, "(?<ds41c%zu>", k);
-            sb_str(&b, defs->text[k]);
-            sb_str(&b, ")");
+            ds41_buf_printf(&b.out, "(?<ds41c%zu>", k);
+            ds41_buf_puts(&b.out, defs->text[k]);
+            ds41_buf_puts(&b.out, ")");
         }
-        sb_str(&b, ")");
+        ds41_buf_puts(&b.out, ")");
     }
-    if (!b.s) sb_reserve(&b, 1);
-    if (!b.s || b.oom) {
-        ds41_fail(err, "out of memory translating a regex");
-        goto fail;
-    }
-    b.s[b.n] = 0;
-    return b.s;
+    char *text = ds41_buf_take(&b.out, NULL);
+    if (!text) ds41_fail(err, "out of memory translating a regex");
+    return text;
 fail:
-    free(b.s);
+    ds41_buf_free(&b.out);
     return NULL;
 }
 
@@ -1628,7 +1543,7 @@ int ds41_tokenizer_encode(const ds41_tokenizer *t, const char *text, size_t len,
     if (len == 0) return 0;
     size_t n0 = out->n;
     char *fixed = NULL;
-    if (!utf8_valid((const uint8_t *)text, len)) {
+    if (!ds41_utf8_valid(text, len, NULL)) {
         fixed = ds41_utf8_lossy((const uint8_t *)text, len, &len);
         if (!fixed) return ds41_fail(err, "out of memory while encoding");
         text = fixed;
@@ -1746,16 +1661,15 @@ int ds41_detok_push(ds41_detok *d, uint32_t id, const char **text, size_t *len) 
     size_t i = 0, o = 0;
     d->n_pending = 0;
     while (i < m) {
-        size_t sub;
-        bool incomplete;
-        size_t k = utf8_seq(d->in + i, m - i, &sub, &incomplete);
+        size_t sub = 1;
+        size_t k = ds41_utf8_sequence(d->in + i, m - i, &sub);
         if (k) {
             memcpy(d->out + o, d->in + i, k);
             o += k;
             i += k;
             continue;
         }
-        if (incomplete) { /* may still become a character: hold it */
+        if (ds41_utf8_truncated(d->in + i, m - i)) { /* may still become a character: hold it */
             memcpy(d->pending, d->in + i, m - i);
             d->n_pending = m - i;
             break;

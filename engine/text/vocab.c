@@ -1,5 +1,8 @@
 #include "engine/text/vocab.h"
 
+#include "config/json_util.h"
+#include "config/utf8.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -39,52 +42,6 @@ int ds41_byte_level_rank(uint8_t byte) {
     if (byte >= 0xAE) return 106 + (byte - 0xAE);                /* 82 */
     return 188 + (int)(ds41_byte_level_char(byte) - 0x100);
 }
-
-/* ======================================================================
- * UTF-8
- * ====================================================================== */
-
-/* Decode one well-formed UTF-8 character at s[0..n); returns its length and
- * sets *cp, or 0 if the bytes there are not a well-formed character. */
-static size_t utf8_next(const uint8_t *s, size_t n, uint32_t *cp) {
-    if (n == 0) return 0;
-    uint8_t b0 = s[0];
-    if (b0 < 0x80) {
-        *cp = b0;
-        return 1;
-    }
-    size_t need;
-    uint32_t c;
-    uint8_t lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
-    if (b0 >= 0xC2 && b0 <= 0xDF) {
-        need = 2;
-        c = b0 & 0x1F;
-    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-        need = 3;
-        c = b0 & 0x0F;
-        if (b0 == 0xE0) lo = 0xA0;
-        if (b0 == 0xED) hi = 0x9F;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-        need = 4;
-        c = b0 & 0x07;
-        if (b0 == 0xF0) lo = 0x90;
-        if (b0 == 0xF4) hi = 0x8F;
-    } else {
-        return 0;
-    }
-    if (n < need) return 0;
-    if (s[1] < lo || s[1] > hi) return 0;
-    c = (c << 6) | (s[1] & 0x3F);
-    for (size_t k = 2; k < need; k++) {
-        if ((s[k] & 0xC0) != 0x80) return 0;
-        c = (c << 6) | (s[k] & 0x3F);
-    }
-    *cp = c;
-    return need;
-}
-
-
-
 
 /* ======================================================================
  * The vocabulary
@@ -376,7 +333,7 @@ static int check_decoder(const json_t *d, const char *label, ds41_error *err) {
 
 static int keep_component(ds41_vocab *v, ds41_vocab_component c, const json_t *j, const char *label,
                           ds41_error *err) {
-    v->component[c] = absent(j) ? strdup("null") : json_dumps(j, JSON_COMPACT | JSON_ENCODE_ANY);
+    v->component[c] = absent(j) ? strdup("null") : ds41_json_dump(j, NULL);
     if (!v->component[c]) return ds41_fail(err, "%s: out of memory", label);
     return 0;
 }
@@ -1102,7 +1059,7 @@ int ds41_vocab_decode_id(const ds41_vocab *v, uint32_t id, uint8_t *buf, size_t 
     bool all_mapped = true;
     while (i < n) {
         uint32_t cp;
-        size_t k = utf8_next(s + i, n - i, &cp);
+        size_t k = ds41_utf8_decode(s + i, n - i, &cp);
         int byte = k ? ds41_byte_level_byte(cp) : -1;
         if (byte < 0) {
             all_mapped = false;

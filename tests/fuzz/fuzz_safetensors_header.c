@@ -1,5 +1,5 @@
 /* Fuzz target 'safetensors_header': arbitrary bytes are a whole safetensors
- * file (file_size = input size) given to ds41_st_parse_header.  It must
+ * file (file_size = input size) given to ds41_checkpoint_parse_header.  It must
  * never crash or leak, and whatever it accepts must satisfy the promises of
  * storage/safetensors.h (checked here; a broken promise traps). */
 #include "storage/safetensors.h"
@@ -17,7 +17,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     ds41_st_header h;
     ds41_error err;
-    if (ds41_st_parse_header(data, size, size, "fuzz.safetensors", &h, &err) == 0) {
+    if (ds41_checkpoint_parse_header(data, size, size, "fuzz.safetensors", &h, &err) == 0) {
         PROMISE(h.data_start == 8 + h.header_len && h.data_start <= size);
         PROMISE(h.data_size == size - h.data_start);
         uint64_t sum = 0;
@@ -43,7 +43,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         PROMISE(h.tensors == NULL && h.tensor_count == 0 && err.msg[0]);
         PROMISE(strstr(err.msg, "fuzz.safetensors") != NULL);
     }
-    ds41_st_header_free(&h);
+    ds41_checkpoint_header_free(&h);
 
     /* The dtype lookup takes an unterminated span. */
     ds41_dtype d;
