@@ -409,8 +409,8 @@ static void test_prefix_partitions(void) {
               "partition keys: one per uid and salt; with sharing one per salt; the owner uid kept");
     /* salts of one length: their bytes make the key, not only their length */
     ds41_sched_partition a_salt2, sh_b_salt2;
-    ds41_sched_partition_make(1000, false, "s2", 2, &a_salt2);
-    ds41_sched_partition_make(1001, true, "s2", 2, &sh_b_salt2);
+    ds41_scheduler_partition_make(1000, false, "s2", 2, &a_salt2);
+    ds41_scheduler_partition_make(1001, true, "s2", 2, &sh_b_salt2);
     TAP_CHECK(memcmp(a_salt.key, a_salt2.key, kb) && memcmp(sh_b_salt.key, sh_b_salt2.key, kb),
               "partition keys: cache_salt \"s1\" and \"s2\" (same length) are two partitions, shared or not");
 
