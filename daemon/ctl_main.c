@@ -5,6 +5,7 @@
 #include "ds41_version.h"
 #include "engine/serve/auto_budget.h"
 #include "engine/backend/backend.h"
+#include "engine/backend/cpu/cpu_backend.h"
 #include "engine/text/pyjson.h"
 #include "engine/backend/cpu/threadpool.h"
 #include "storage/safetensors.h"

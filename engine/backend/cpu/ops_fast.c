@@ -1,7 +1,8 @@
 /* The fast CPU backend: the op table over the level kernels
- * (engine/backend/cpu/ops_fast.h), the thread pool, scratch and counters, CPU feature
+ * (engine/backend/cpu/fast_kernels.h), the thread pool, scratch and counters, CPU feature
  * detection, and the reference and wrapper backends of engine/backend/backend.h. */
-#include "engine/backend/cpu/ops_fast.h"
+#include "engine/backend/cpu/cpu_backend.h"
+#include "engine/backend/cpu/fast_kernels.h"
 
 #include "engine/backend/refmath.h"
 #include "engine/backend/cpu/threadpool.h"
