@@ -14,12 +14,14 @@
  * the first round's sequences gave back), the experts and Engram rows stay
  * resident on the mapping. */
 #include "engine/backend/cpu/cpu_backend.h"
+#include "engine/backend/scratch.h"
 #include "engine/forward/forward.h"
 #include "engine/model/model_gen.h"
 #include "tests/tap.h"
 #include "tests/tmpdir.h"
 
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,7 +72,47 @@ int __wrap_posix_memalign(void **p, size_t align, size_t n) {
     return __real_posix_memalign(p, align, n);
 }
 
-/* ---- the fwd_round of forward calls ------------------------------------------------------ */
+/* ---- the scratch stack itself ------------------------------------------------------ */
+
+/* A step's worth of nested requests: aligned, disjoint, kept while live. */
+static int scratch_step(ds41_scratch *s) {
+    static const size_t sizes[] = {100, 70000, 5, 1 << 20, 0, 300000};
+    const ds41_scratch_mark m0 = ds41_scratch_mark_now(s);
+    unsigned char *p[6];
+    int ok = 1;
+    for (size_t i = 0; i < 6; i++) {
+        if (i == 4) {
+            /* A nested frame released before the next request. */
+            const ds41_scratch_mark m = ds41_scratch_mark_now(s);
+            ok &= ds41_scratch_get(s, 4096) != NULL;
+            ds41_scratch_release(s, m);
+        }
+        p[i] = ds41_scratch_get(s, sizes[i]);
+        ok &= p[i] != NULL && (uintptr_t)p[i] % 64 == 0;
+        if (p[i]) memset(p[i], (int)i + 1, sizes[i]);
+    }
+    for (size_t i = 0; i < 6 && ok; i++)
+        for (size_t k = 0; k < sizes[i]; k++) ok &= p[i][k] == (unsigned char)(i + 1);
+    ds41_scratch_release(s, m0);
+    return ok;
+}
+
+static void check_scratch(void) {
+    ds41_scratch s = {0};
+    TAP_CHECK(scratch_step(&s), "scratch: buffers 64-byte aligned, disjoint, kept until released");
+    TAP_CHECK(s.n == 1 && ds41_scratch_bytes(&s) == s.peak,
+              "scratch: released to empty, one block as deep as the stack was (%d blocks, %zu of %zu bytes)",
+              s.n, ds41_scratch_bytes(&s), s.peak);
+    atomic_store(&n_allocs, 0);
+    atomic_store(&counting, true);
+    const int ok = scratch_step(&s);
+    atomic_store(&counting, false);
+    TAP_CHECK(ok && atomic_load(&n_allocs) == 0, "scratch: the same requests again allocate nothing (%lu)",
+              atomic_load(&n_allocs));
+    ds41_scratch_free(&s);
+}
+
+/* ---- the round of forward calls ------------------------------------------------------- */
 
 #define N_SEQ 3
 #define MAX_IDS 16
@@ -171,6 +213,7 @@ int main(void) {
     snprintf(dir, sizeof dir, "%s/tiny", root);
     ds41_model_gen_opts g = {.preset = "tiny", .seed = 3};
     ds41_error err;
+    check_scratch();
     if (TAP_CHECK(ds41_model_generate(dir, &g, NULL, &err) == 0, "tiny checkpoint generated")) {
         ds41_engine_opts ref = {.reference = true};
         check_mode(dir, "reference", &ref);

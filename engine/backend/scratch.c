@@ -25,6 +25,13 @@ static int add_block(ds41_scratch *s, size_t need) {
     return 0;
 }
 
+/* The bytes handed out, as one block would hold them (without the ends of
+ * blocks that a request skipped). */
+static void grew(ds41_scratch *s, size_t need) {
+    s->depth += need;
+    if (s->depth > s->peak) s->peak = s->depth;
+}
+
 void *ds41_scratch_get(ds41_scratch *s, size_t bytes) {
     const size_t need = round_up(bytes ? bytes : 1);
     if (need == 0) return NULL;
@@ -33,6 +40,7 @@ void *ds41_scratch_get(ds41_scratch *s, size_t bytes) {
         if (b->cap - b->used >= need) {
             void *p = b->p + b->used;
             b->used += need;
+            grew(s, need);
             return p;
         }
         if (s->cur + 1 == s->n) break;
@@ -40,21 +48,21 @@ void *ds41_scratch_get(ds41_scratch *s, size_t bytes) {
     }
     if (add_block(s, need) != 0) return NULL;
     s->blocks[s->cur].used = need;
+    grew(s, need);
     return s->blocks[s->cur].p;
 }
 
 ds41_scratch_mark ds41_scratch_mark_now(const ds41_scratch *s) {
-    if (s->n == 0) return (ds41_scratch_mark){0, 0};
-    return (ds41_scratch_mark){s->cur, s->blocks[s->cur].used};
+    if (s->n == 0) return (ds41_scratch_mark){0, 0, 0};
+    return (ds41_scratch_mark){s->cur, s->blocks[s->cur].used, s->depth};
 }
 
-/* One block of the total size instead of several (contents are dropped:
- * only called when the stack is empty). */
+/* One block as deep as the stack has been instead of several (contents are
+ * dropped: only called when the stack is empty). */
 static void consolidate(ds41_scratch *s) {
-    const size_t total = ds41_scratch_bytes(s);
     for (int i = 0; i < s->n; i++) free(s->blocks[i].p);
     s->n = s->cur = 0;
-    (void)add_block(s, total); /* out of memory: the next get tries again */
+    (void)add_block(s, s->peak); /* out of memory: the next get tries again */
 }
 
 void ds41_scratch_release(ds41_scratch *s, ds41_scratch_mark m) {
@@ -62,6 +70,7 @@ void ds41_scratch_release(ds41_scratch *s, ds41_scratch_mark m) {
     for (int i = m.block + 1; i < s->n; i++) s->blocks[i].used = 0;
     s->cur = m.block;
     s->blocks[m.block].used = m.used;
+    s->depth = m.depth;
     if (m.block == 0 && m.used == 0 && s->n > 1) consolidate(s);
 }
 
@@ -74,4 +83,5 @@ size_t ds41_scratch_bytes(const ds41_scratch *s) {
 void ds41_scratch_free(ds41_scratch *s) {
     for (int i = 0; i < s->n; i++) free(s->blocks[i].p);
     s->n = s->cur = 0;
+    s->depth = s->peak = 0;
 }

@@ -6,9 +6,10 @@
  *
  * Memory comes in blocks; a request that fits no block adds one at least as
  * large as all before it.  When the stack is released to empty (the end of
- * a step) and holds more than one block, the blocks are replaced by one of
- * their total size: the step that grew the stack pays for the allocation,
- * the next step of the same shape finds everything in place.
+ * a step) and holds more than one block, the blocks are replaced by one as
+ * large as the deepest the stack has been: the step that grew the stack
+ * pays for the allocation, the next step of the same shape finds everything
+ * in place.
  *
  * Every buffer is 64-byte aligned; its contents are undefined (as malloc's).
  * Not thread-safe: one per engine thread (the reference backend has its
@@ -27,14 +28,16 @@ typedef struct ds41_scratch_block {
 
 typedef struct ds41_scratch {
     ds41_scratch_block blocks[DS41_SCRATCH_BLOCKS];
-    int n;      /* blocks allocated */
-    int cur;    /* the block requests are cut from; blocks after it are unused */
-} ds41_scratch; /* zero-initialised = empty */
+    int n;        /* blocks allocated */
+    int cur;      /* the block requests are cut from; blocks after it are unused */
+    size_t depth; /* bytes handed out and not released */
+    size_t peak;  /* the largest depth so far */
+} ds41_scratch;   /* zero-initialised = empty */
 
 /* A position of the stack to release back to. */
 typedef struct ds41_scratch_mark {
     int block;
-    size_t used;
+    size_t used, depth;
 } ds41_scratch_mark;
 
 /* bytes of scratch (0 is fine), or NULL when out of memory. */
