@@ -7,6 +7,7 @@
 #include "daemon/ctl_internal.h"
 #include "engine/serve/auto_budget.h"
 #include "engine/backend/backend.h"
+#include "engine/backend/cpu/cpu_backend.h"
 #include "engine/backend/cpu/threadpool.h"
 #include "storage/safetensors.h"
 
@@ -233,7 +234,7 @@ int cmd_doctor(int argc, char **argv) {
         ds41_buf_free(&f);
     }
 
-    /* the fast CPU path this machine gets (engine/backend/backend.h), and its default thread count */
+    /* the fast CPU path this machine gets (engine/backend/cpu/cpu_backend.h), and its default thread count */
     {
         ds41_cpu_level lv = ds41_cpu_level_detect();
         const char *cap = getenv("DS41_CPU_LEVEL");

@@ -6,6 +6,7 @@
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
 #include "engine/backend/backend.h"
+#include "engine/backend/cpu/cpu_backend.h"
 #include "engine/forward/forward.h"
 #include "engine/backend/cpu/threadpool.h"
 #include "storage/safetensors.h"

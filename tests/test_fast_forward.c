@@ -1,4 +1,4 @@
-/* Batch and chunk invariance of the fast CPU path (engine/backend/cpu/ops_fast.h), on
+/* Batch and chunk invariance of the fast CPU path (engine/backend/cpu/cpu_backend.h), on
  * generated tiny and long checkpoints: a sequence's logits are bit-identical
  * whether it runs alone, in decode batches of 4 and 16 with different
  * companions (other prompts, other lengths, other positions), with its prompt
@@ -6,6 +6,7 @@
  * other prompts; with one thread or two; at the best SIMD level and at the
  * scalar level.  Also: the default engine is the fast path, --reference is
  * not, and the backend's counters see the weights a step touches. */
+#include "engine/backend/cpu/cpu_backend.h"
 #include "engine/forward/forward.h"
 #include "engine/model/model_gen.h"
 #include "tests/tap.h"

@@ -53,8 +53,8 @@ static void test_index_rank(void) {
      * lower index */
     const int32_t expect[] = {1, 4, 2, 3, 6, 0, 7, 8, 5};
     const size_t n = sizeof score / sizeof score[0];
-    int32_t order[sizeof score / sizeof score[0]];
-    ds41__index_rank(score, order, n);
+    int32_t order[sizeof score / sizeof score[0]], tmp[sizeof score / sizeof score[0]];
+    ds41__index_rank(score, order, tmp, n);
     TAP_CHECK(memcmp(order, expect, sizeof expect) == 0,
               "indexer ranking: NaN scores first (torch.topk), then descending, ties by lower index");
     if (memcmp(order, expect, sizeof expect) != 0)

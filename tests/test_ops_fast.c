@@ -1,4 +1,4 @@
-/* The fast CPU backend's kernels (engine/backend/cpu/ops_fast.h), at every SIMD level
+/* The fast CPU backend's kernels (engine/backend/cpu/fast_kernels.h), at every SIMD level
  * this machine has (amx, avx512, avx2, scalar), on random inputs of awkward
  * sizes (one row, one column, K not a multiple of the vector width or of the
  * 32-blocks where the format allows):
@@ -14,7 +14,8 @@
  *    gathers) against the reference within their rounding. */
 #include "engine/backend/backend.h"
 #include "engine/backend/ops.h"
-#include "engine/backend/cpu/ops_fast.h"
+#include "engine/backend/cpu/cpu_backend.h"
+#include "engine/backend/cpu/fast_kernels.h"
 #include "engine/model/quant.h"
 #include "engine/backend/refmath.h"
 #include "tests/tap.h"

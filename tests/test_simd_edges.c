@@ -6,6 +6,7 @@
  * 0 * inf into NaN).  Both are compared with the reference backend bit for
  * bit where the reference is NaN, and by NaN-ness elsewhere. */
 #include "engine/backend/backend.h"
+#include "engine/backend/cpu/cpu_backend.h"
 #include "engine/backend/ops.h"
 #include "engine/model/quant.h"
 #include "tests/tap.h"

@@ -23,7 +23,7 @@
  * Backends here:
  *  - the reference (ds41_backend_reference_new): ds41_ops_reference, the
  *    canonical arithmetic of REFERENCE.md §10, scalar and single-threaded;
- *  - the fast CPU path (ds41_backend_cpu_new, engine/backend/cpu/ops_fast.h): threads and
+ *  - the fast CPU path (ds41_backend_cpu_new, engine/backend/cpu/cpu_backend.h): threads and
  *    SIMD kernels, batch- and chunk-invariant, checked layer by layer against
  *    the reference;
  *  - any op table (ds41_backend_from_ops): a backend with the CPU's
@@ -86,60 +86,9 @@ struct ds41_backend {
     void *impl; /* private */
 };
 
-/* SIMD levels of the fast CPU kernels, lowest to highest. */
-typedef enum ds41_cpu_level {
-    DS41_CPU_AUTO = 0,   /* the best the CPU and OS support (and DS41_CPU_LEVEL allows) */
-    DS41_CPU_SCALAR = 1, /* portable C */
-    DS41_CPU_AVX2 = 2,   /* AVX2 + FMA + F16C: fp32 FMA kernels */
-    DS41_CPU_AVX512 = 3, /* AVX-512 F/BW/VL/DQ/VBMI + AVX512_BF16: bf16 dot-product kernels */
-    DS41_CPU_AMX = 4,    /* the AVX-512 level + AMX-TILE/AMX-BF16: bf16 tile products for the linears */
-} ds41_cpu_level;
-
-/* Options of the fast CPU backend. */
-typedef struct ds41_cpu_opts {
-    int threads;          /* 0 = one per CPU the process may use */
-    bool pin;             /* pin the pool's threads to CPUs (engine/backend/cpu/threadpool.h) */
-    ds41_cpu_level level; /* DS41_CPU_AUTO or a cap */
-} ds41_cpu_opts;          /* zero-initialised = the defaults */
-
-/* The best level this machine supports: cpuid feature bits, the OS's saved
- * register state (xgetbv) and, for AMX, the kernel's permission for tile
- * data; capped by the environment variable DS41_CPU_LEVEL (scalar, avx2,
- * avx512 or amx) when set. */
-ds41_cpu_level ds41_cpu_level_detect(void);
-
-/* "scalar", "avx2", "avx512", "amx" ("auto" for DS41_CPU_AUTO). */
-const char *ds41_cpu_level_name(ds41_cpu_level level);
-
-/* The fast CPU backend (engine/backend/cpu/ops_fast.h).  opts NULL = defaults; a level
- * above what the machine supports is lowered to it.  Errors: thread
- * creation, out of memory. */
-ds41_backend *ds41_backend_cpu_new(const ds41_cpu_opts *opts, ds41_error *err);
-
-/* The level a fast CPU backend runs at, DS41_CPU_AUTO for other backends. */
-ds41_cpu_level ds41_backend_cpu_level(const ds41_backend *be);
-/* Its thread count (1 for other backends). */
+/* How many host threads the backend computes on (1 for the reference and
+ * wrapped op tables). */
 int ds41_backend_threads(const ds41_backend *be);
-
-/* Machine figures measured on a fast CPU backend's threads (ds41-bench). */
-typedef struct ds41_cpu_measure {
-    uint64_t read_bytes; /* size of the buffer read */
-    int read_passes;
-    double read_gbs; /* best pass: bytes / s / 1e9, every thread streaming its own slice at once */
-    double
-        fma_gflops; /* best of 3: every thread running 12 independent fp32 FMA chains of the level's width */
-} ds41_cpu_measure;
-
-/* Read bandwidth: a buffer of buffer_bytes anonymous memory (4 KiB pages, as
- * the checkpoint's file mapping has) is written once, then read `passes`
- * times start to end by all the pool's threads, each streaming its own slice
- * with the widest loads of the backend's level.  A cache line is read again
- * only after the whole buffer has gone through the caches, so a buffer much
- * larger than the last-level cache (ds41-bench uses >= 4 GiB against a few
- * hundred MiB of L3) measures memory.  FMA peak: 12 independent FMA chains
- * per thread for ~0.2 s.  Errors: not a fast CPU backend, out of memory. */
-int ds41_backend_cpu_measure(ds41_backend *be, uint64_t buffer_bytes, int passes, ds41_cpu_measure *out,
-                             ds41_error *err);
 
 /* The reference backend (ds41_ops_reference, host placement and pool). */
 ds41_backend *ds41_backend_reference_new(ds41_error *err);

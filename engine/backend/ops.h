@@ -1,6 +1,6 @@
 /* ds41_ops: the small set of numeric operations the forward pass is built
  * from, behind a table of function pointers, so that backends (the canonical
- * reference below, the fast SIMD/threaded CPU path of engine/backend/cpu/ops_fast.h, later
+ * reference below, the fast SIMD/threaded CPU path of engine/backend/cpu/cpu_backend.h, later
  * the CUDA backend) slot in without touching engine/forward/forward.c.  What else a
  * backend owns (weight placement, the KV page pool) is in engine/backend/backend.h.
  *
@@ -43,7 +43,7 @@ typedef enum ds41_linear_out {
      * KV or index source).  One bf16 ulp there
      * flips an FP4 code of an index query or key, which moves an index score
      * by several percent and swaps top-k entries that are far from a tie
-     * (engine/backend/cpu/ops_fast.h, "Decisions"). */
+     * (engine/backend/cpu/cpu_backend.h, "Decisions"). */
     DS41_OUT_BF16_EXACT = 2,
     DS41_OUT_F32_EXACT = 3,
 } ds41_linear_out;

@@ -4,17 +4,45 @@
  * order of the reference's expression (the build disables FMA contraction). */
 #include "engine/backend/ops.h"
 
-#include "engine/model/quant.h"
 #include "engine/backend/refmath.h"
+#include "engine/backend/scratch.h"
+#include "engine/model/quant.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Scratch allocation: the ops cannot fail, so running out of memory for a
- * few KB of scratch is fatal rather than silently wrong. */
-static void *scratch(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
+/* Scratch of the ops: a stack per thread (engine/backend/scratch.h) that grows
+ * while an engine warms up and is then reused, so that a step allocates
+ * nothing.  Per thread because the table keeps no state of its own (the fast
+ * backend calls some of these ops with its own context); freed when the
+ * thread exits.  The ops cannot fail, so running out of memory for scratch
+ * is fatal rather than silently wrong. */
+static _Thread_local ds41_scratch tls_stack;
+static pthread_key_t tls_key;
+static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
+
+static void tls_free(void *unused) {
+    (void)unused;
+    ds41_scratch_free(&tls_stack);
+}
+
+static void tls_init(void) {
+    if (pthread_key_create(&tls_key, tls_free) != 0) abort();
+}
+
+static ds41_scratch *ref_stack(void) {
+    if (tls_stack.n == 0) {
+        /* First use on this thread: free the stack when it exits. */
+        pthread_once(&tls_once, tls_init);
+        pthread_setspecific(tls_key, &tls_stack);
+    }
+    return &tls_stack;
+}
+
+static void *scratch(ds41_scratch *st, size_t bytes) {
+    void *p = ds41_scratch_get(st, bytes);
     if (!p) abort();
     return p;
 }
@@ -31,12 +59,14 @@ static void linear_quant(const ds41_linear *w, const float *x, size_t M, float *
     const size_t nkb = (K + 31) / 32;
     const int fp4 = w->kind == DS41_LINEAR_FP4;
     const size_t row_bytes = fp4 ? (K + 1) / 2 : K;
-    float *av = scratch(M * K * sizeof *av);
-    float *as = scratch(M * nkb * sizeof *as);
-    float *ws = scratch(nkb * sizeof *ws);
-    float *wv = scratch(K * sizeof *wv);
-    uint8_t *codes = scratch(K);
-    uint8_t *sbytes = scratch(nkb);
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *av = scratch(st, M * K * sizeof *av);
+    float *as = scratch(st, M * nkb * sizeof *as);
+    float *ws = scratch(st, nkb * sizeof *ws);
+    float *wv = scratch(st, K * sizeof *wv);
+    uint8_t *codes = scratch(st, K);
+    uint8_t *sbytes = scratch(st, nkb);
     for (size_t m = 0; m < M; m++) {
         ds41_act_quant(x + m * K, K, codes, sbytes);
         for (size_t k = 0; k < K; k++) av[m * K + k] = ds41_e4m3_table[codes[k]];
@@ -75,12 +105,7 @@ static void linear_quant(const ds41_linear *w, const float *x, size_t M, float *
             y[m * N + n] = ds41_bf16_round(acc);
         }
     }
-    free(av);
-    free(as);
-    free(ws);
-    free(wv);
-    free(codes);
-    free(sbytes);
+    ds41_scratch_release(st, st_mark);
 }
 
 static void ref_linear(const ds41_ops *self, const ds41_linear *w, const float *x, size_t M, float *y, ds41_linear_out out) {
@@ -123,7 +148,9 @@ static void ref_hc_mix(const ds41_ops *self, const float *fn, const float *scale
     (void)self;
     const size_t n = (size_t)hc * dim;
     const int n_mix = (2 + hc) * hc;
-    float *mix = scratch((size_t)n_mix * sizeof *mix);
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *mix = scratch(st, (size_t)n_mix * sizeof *mix);
     for (size_t m = 0; m < M; m++) {
         const float *hr = h + m * n;
         const float ms = ds41_mean_sq_f32(hr, n);
@@ -132,7 +159,7 @@ static void ref_hc_mix(const ds41_ops *self, const float *fn, const float *scale
         ds41_rm_hc_sinkhorn(mix, scale, base, hc, iters, hc_eps, pre + m * (size_t)hc, post + m * (size_t)hc,
                  comb + m * (size_t)hc * (size_t)hc);
     }
-    free(mix);
+    ds41_scratch_release(st, st_mark);
 }
 
 static void ref_hc_pre(const ds41_ops *self, const float *h, const float *pre, size_t M, int hc, size_t dim, float *out) {
@@ -188,8 +215,10 @@ static float relu(float s) {
 static void ref_index_scores(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
                              const uint8_t *const *keys, size_t n_keys, float *out) {
     (void)self;
-    float *key = scratch((size_t)dim * sizeof *key);
-    float *terms = scratch((size_t)n_heads * sizeof *terms);
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *key = scratch(st, (size_t)dim * sizeof *key);
+    float *terms = scratch(st, (size_t)n_heads * sizeof *terms);
     for (size_t t = 0; t < n_keys; t++) {
         ds41_kv_decode_index_key(layout, keys[t], key);
         for (int h = 0; h < n_heads; h++) {
@@ -198,8 +227,7 @@ static void ref_index_scores(const ds41_ops *self, const float *q, const float *
         }
         out[t] = ds41_bf16_round(ds41_xsum_f32(terms, (size_t)n_heads));
     }
-    free(key);
-    free(terms);
+    ds41_scratch_release(st, st_mark);
 }
 
 #define ATTN_CHUNK 64
@@ -209,10 +237,12 @@ static void ref_sparse_attn(const ds41_ops *self, const float *q, int n_heads, i
     (void)self;
     const size_t hd = (size_t)head_dim, H = (size_t)n_heads;
     const size_t total = rows->n_window + rows->n_comp;
-    float *kv = scratch(ATTN_CHUNK * hd * sizeof *kv);
-    float *mx = scratch(H * sizeof *mx);
-    float *den = scratch(H * sizeof *den);
-    float *acc = scratch(H * hd * sizeof *acc);
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *kv = scratch(st, ATTN_CHUNK * hd * sizeof *kv);
+    float *mx = scratch(st, H * sizeof *mx);
+    float *den = scratch(st, H * sizeof *den);
+    float *acc = scratch(st, H * hd * sizeof *acc);
     float z[ATTN_CHUNK], p[ATTN_CHUNK], pb[ATTN_CHUNK];
     double terms[ATTN_CHUNK];
     for (size_t h = 0; h < H; h++) {
@@ -258,10 +288,7 @@ static void ref_sparse_attn(const ds41_ops *self, const float *q, int n_heads, i
         const float d = den[h] + ds41_rm_exp(sink[h] - mx[h]);
         for (size_t i = 0; i < hd; i++) out[h * hd + i] = ds41_bf16_round(acc[h * hd + i] / d);
     }
-    free(kv);
-    free(mx);
-    free(den);
-    free(acc);
+    ds41_scratch_release(st, st_mark);
 }
 
 /* ---- MoE ------------------------------------------------------------------------------ */
@@ -285,9 +312,11 @@ static void ref_swiglu(const ds41_ops *self, const float *g, const float *u, siz
 static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale,
                        int32_t *sel, float *weight) {
     (void)self;
-    float *score = scratch((size_t)E * sizeof *score);
-    float *biased = scratch((size_t)E * sizeof *biased);
-    unsigned char *taken = scratch((size_t)E);
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *score = scratch(st, (size_t)E * sizeof *score);
+    float *biased = scratch(st, (size_t)E * sizeof *biased);
+    unsigned char *taken = scratch(st, (size_t)E);
     for (size_t m = 0; m < M; m++) {
         for (int e = 0; e < E; e++) {
             score[e] = ds41_rm_sqrt(ds41_rm_softplus(logits[m * (size_t)E + (size_t)e]));
@@ -312,9 +341,7 @@ static void ref_router(const ds41_ops *self, const float *logits, const float *b
         }
         for (int i = 0; i < k; i++) w[i] = w[i] * route_scale;
     }
-    free(score);
-    free(biased);
-    free(taken);
+    ds41_scratch_release(st, st_mark);
 }
 
 /* ---- Engram ------------------------------------------------------------------------------ */
@@ -322,7 +349,9 @@ static void ref_router(const ds41_ops *self, const float *logits, const float *b
 static void ref_engram_mix(const ds41_ops *self, float *h, const float *kv, const float *wqk, size_t M, int hc, size_t dim, float eps,
                            float dim_scale) {
     (void)self;
-    double *terms = scratch(dim * sizeof *terms);
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    double *terms = scratch(st, dim * sizeof *terms);
     for (size_t m = 0; m < M; m++) {
         const float *kvr = kv + m * (size_t)(hc + 1) * dim;
         const float *value = kvr + (size_t)hc * dim;
@@ -350,7 +379,7 @@ static void ref_engram_mix(const ds41_ops *self, float *h, const float *kv, cons
             }
         }
     }
-    free(terms);
+    ds41_scratch_release(st, st_mark);
 }
 
 /* ---- gathers ------------------------------------------------------------------------------ */

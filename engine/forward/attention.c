@@ -10,8 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void *xmalloc(size_t bytes) {
-    return malloc(bytes ? bytes : 1);
+/* Scratch of the step (forward_internal.h: ds41_engine.scratch). */
+static void *step_buf(ds41_engine *e, size_t bytes) {
+    return ds41_scratch_get(&e->scratch, bytes);
 }
 
 void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L) {
@@ -43,15 +44,13 @@ static int emit_entry(ds41_engine *e, int L, ds41_kv_seq *seq, int src, uint64_t
     if (ds41_kv_seq_entries(seq, src) != group)
         return ds41_fail(err, "forward: layer %d: compressed entry %llu out of order (have %llu)", L,
                          (unsigned long long)group, (unsigned long long)ds41_kv_seq_entries(seq, src));
-    float *key_raw = xmalloc(ihd * sizeof *key_raw);
-    float *key = xmalloc(ihd * sizeof *key);
-    float *rot = xmalloc(hd * sizeof *rot);
-    float *cs = xmalloc((size_t)rd * sizeof *cs);
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    float *key_raw = step_buf(e, ihd * sizeof *key_raw);
+    float *key = step_buf(e, ihd * sizeof *key);
+    float *rot = step_buf(e, hd * sizeof *rot);
+    float *cs = step_buf(e, (size_t)rd * sizeof *cs);
     if (!key_raw || !key || !rot || !cs) {
-        free(key_raw);
-        free(key);
-        free(rot);
-        free(cs);
+        ds41_scratch_release(&e->scratch, mark);
         return ds41_fail(err, "forward: out of memory");
     }
     ops->linear(ops, &lw->idx_wk, latent, 1, key_raw, DS41_OUT_BF16_EXACT);
@@ -61,10 +60,7 @@ static int emit_entry(ds41_engine *e, int L, ds41_kv_seq *seq, int src, uint64_t
     memcpy(rot, latent, hd * sizeof *rot);
     ops->rope(ops, rot + hd - (size_t)rd, rd / 2, cs, 0);
     int rc = ds41_kv_seq_append(seq, src, rot, key, err);
-    free(key_raw);
-    free(key);
-    free(rot);
-    free(cs);
+    ds41_scratch_release(&e->scratch, mark);
     return rc;
 }
 
@@ -95,32 +91,31 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
     const int ratio = c->roles[L].ratio;
     const ds41_kv_layout *lay = ds41_kv_pool_layout(ds41_kv_seq_pool(b->items[0].seq));
     const int src = lay->source_of_layer[L];
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
     int rc = 0;
     if (ratio == 1) {
         /* latent = norm(wkv(x)): bf16 linear, RMSNorm; one per token. */
-        float *raw = xmalloc(M * hd * sizeof *raw);
-        float *lat = xmalloc(M * hd * sizeof *lat);
+        float *raw = step_buf(e, M * hd * sizeof *raw);
+        float *lat = step_buf(e, M * hd * sizeof *lat);
         if (!raw || !lat) {
-            free(raw);
-            free(lat);
+            ds41_scratch_release(&e->scratch, mark);
             return ds41_fail(err, "forward: out of memory");
         }
         ops->linear(ops, &lw->cmp_wkv, xn, M, raw, DS41_OUT_BF16_EXACT);
         ops->rmsnorm(ops, lw->cmp_norm, raw, M, hd, e->norm_eps, lat);
         for (size_t r = 0; r < M && rc == 0; r++)
             rc = emit_entry(e, L, b->items[b->row_item[r]].seq, src, b->row_pos[r], lat + r * hd, err);
-        free(raw);
-        free(lat);
+        ds41_scratch_release(&e->scratch, mark);
         return rc;
     }
     /* ratio > 1: fp32 kv and gate scores, carried per slot (position mod
      * ratio); a completed group is pooled with a per-channel softmax over
      * its tokens (§2.9, §10.4 short sums, decision 12 of the numpy side). */
-    float *kv = xmalloc(M * hd * sizeof *kv);
-    float *sc = xmalloc(M * hd * sizeof *sc);
-    float *pooled = xmalloc(hd * sizeof *pooled);
-    float *lat = xmalloc(hd * sizeof *lat);
-    float *ex = xmalloc((size_t)ratio * sizeof *ex);
+    float *kv = step_buf(e, M * hd * sizeof *kv);
+    float *sc = step_buf(e, M * hd * sizeof *sc);
+    float *pooled = step_buf(e, hd * sizeof *pooled);
+    float *lat = step_buf(e, hd * sizeof *lat);
+    float *ex = step_buf(e, (size_t)ratio * sizeof *ex);
     if (!kv || !sc || !pooled || !lat || !ex) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -141,26 +136,16 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         rc = emit_entry(e, L, seq, src, a / (uint64_t)ratio, lat, err);
     }
 out:
-    free(kv);
-    free(sc);
-    free(pooled);
-    free(lat);
-    free(ex);
+    ds41_scratch_release(&e->scratch, mark);
     return rc;
 }
 
 /* ---- indexer (§2.10, §2.11, §9.2, decision 8 of the numpy side) ------------------- */
 
-typedef struct rank_ctx {
-    const float *score;
-} rank_ctx;
-
 /* Descending score, equal scores: lower index first.  NaN ranks above
  * everything (torch.topk treats NaN as the largest value). */
-static int cmp_rank(const void *pa, const void *pb, void *pc) {
-    const rank_ctx *ctx = pc;
-    const int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
-    const float sa = ctx->score[a], sb = ctx->score[b];
+static int cmp_rank(int32_t a, int32_t b, const float *score) {
+    const float sa = score[a], sb = score[b];
     const int na = isnan(sa), nb = isnan(sb);
     if (na != nb) return na ? -1 : 1;
     if (!na) {
@@ -170,15 +155,48 @@ static int cmp_rank(const void *pa, const void *pb, void *pc) {
     return a < b ? -1 : (a > b ? 1 : 0);
 }
 
-static int cmp_i32(const void *pa, const void *pb) {
-    const int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
+/* Ascending index. */
+static int cmp_index(int32_t a, int32_t b, const float *unused) {
+    (void)unused;
     return a < b ? -1 : (a > b ? 1 : 0);
 }
 
-void ds41__index_rank(const float *score, int32_t *order, size_t n) {
+/* Sort a[0..n) of distinct indices by cmp, a total order on them (ties are
+ * broken by index), so any correct sort gives the same result as qsort did.
+ * A bottom-up merge sort through tmp[n] of the step's scratch: glibc's qsort
+ * allocates a buffer of its own for arrays over 1 KiB. */
+static void sort_i32(int32_t *a, int32_t *tmp, size_t n, int (*cmp)(int32_t, int32_t, const float *),
+                     const float *score) {
+    int32_t *src = a, *dst = tmp;
+    for (size_t w = 1; w < n; w *= 2) {
+        for (size_t lo = 0; lo < n; lo += 2 * w) {
+            const size_t mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) dst[k++] = cmp(src[j], src[i], score) < 0 ? src[j++] : src[i++];
+            while (i < mid) dst[k++] = src[i++];
+            while (j < hi) dst[k++] = src[j++];
+        }
+        int32_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a) memcpy(a, src, n * sizeof *a);
+}
+
+/* order[0..n) <- 0..n-1 ranked by score (see cmp_rank); tmp[n] scratch. */
+void ds41__index_rank(const float *score, int32_t *order, int32_t *tmp, size_t n) {
     for (size_t i = 0; i < n; i++) order[i] = (int32_t)i;
-    rank_ctx ctx = {score};
-    qsort_r(order, n, sizeof *order, cmp_rank, &ctx);
+    sort_i32(order, tmp, n, cmp_rank, score);
+}
+
+/* The most compressed entries a row of the step reaches at ratio. */
+static uint64_t step_max_reach(const fwd_batch *b, int ratio) {
+    uint64_t max_reach = 0;
+    for (size_t r = 0; r < b->M; r++) {
+        const uint64_t reach = (b->row_pos[r] + 1) / (uint64_t)ratio;
+        if (reach > max_reach) max_reach = reach;
+    }
+    return max_reach;
 }
 
 static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const float *qr, ds41_error *err) {
@@ -195,37 +213,24 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
     const int ks = lay->source_of_layer[role->index_keys_from];
     const size_t B = role->candidate_source || role->candidate_user ? (size_t)c->candidate_block_size : 1;
 
-    uint64_t max_reach = 0;
-    for (size_t r = 0; r < M; r++) {
-        uint64_t reach = (b->row_pos[r] + 1) / (uint64_t)ratio;
-        if (reach > max_reach) max_reach = reach;
-    }
+    const uint64_t max_reach = step_max_reach(b, ratio);
     int rc = 0;
-    float *q = xmalloc(M * qw * sizeof *q);
-    float *w = xmalloc(M * (size_t)nh * sizeof *w);
-    float *score = xmalloc((size_t)max_reach * sizeof *score);
-    int32_t *order = xmalloc((size_t)max_reach * sizeof *order);
-    const uint8_t **keys = xmalloc((size_t)max_reach * sizeof *keys);
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    float *q = step_buf(e, M * qw * sizeof *q);
+    float *w = step_buf(e, M * (size_t)nh * sizeof *w);
+    float *score = step_buf(e, (size_t)max_reach * sizeof *score);
+    int32_t *order = step_buf(e, (size_t)max_reach * sizeof *order);
+    int32_t *sort_tmp = step_buf(e, (size_t)max_reach * sizeof *sort_tmp);
+    const uint8_t **keys = step_buf(e, (size_t)max_reach * sizeof *keys);
     const size_t n_blocks_max = (size_t)((max_reach + B - 1) / B);
-    float *bscore = xmalloc(n_blocks_max * sizeof *bscore);
-    int32_t *border = xmalloc(n_blocks_max * sizeof *border);
-    if (!b->idx_list[L]) {
-        b->idx_list[L] = xmalloc(M * (topk ? topk : 1) * sizeof *b->idx_list[L]);
-        b->idx_count[L] = xmalloc(M * sizeof *b->idx_count[L]);
-    }
-    if (!q || !w || !score || !order || !keys || !bscore || !border || !b->idx_list[L] || !b->idx_count[L]) {
+    float *bscore = step_buf(e, n_blocks_max * sizeof *bscore);
+    int32_t *border = step_buf(e, n_blocks_max * sizeof *border);
+    if (!q || !w || !score || !order || !sort_tmp || !keys || !bscore || !border) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
-    if (role->candidate_source) {
-        free(b->cand);
-        b->cand_stride = n_blocks_max ? n_blocks_max : 1;
-        b->cand = calloc(M * b->cand_stride, 1);
-        if (!b->cand) {
-            rc = ds41_fail(err, "forward: out of memory");
-            goto out;
-        }
-    }
+    /* No candidate block is kept until this source's top-k says so. */
+    if (role->candidate_source) memset(b->cand, 0, M * b->cand_stride);
 
     /* Query side: q = wq_b(qr), rope at the query position, FP4 1x32 QDQ;
      * w = bf16(weights_proj(x) * scale). */
@@ -258,7 +263,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
                 bscore[blk] = mx;
             }
             bscore[(reach - 1) / B] = INFINITY;
-            ds41__index_rank(bscore, border, nb);
+            ds41__index_rank(bscore, border, sort_tmp, nb);
             size_t take = (size_t)c->candidate_topk_blocks < nb ? (size_t)c->candidate_topk_blocks : nb;
             uint8_t *allow = b->cand + r * b->cand_stride;
             for (size_t i = 0; i < take; i++)
@@ -278,22 +283,38 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
         /* Top min(index_topk, reach), lower position on ties; -inf picks of
          * a candidate user are kept (§2.10 step 7); then ascending. */
         const size_t k = topk < reach ? topk : reach;
-        ds41__index_rank(score, order, reach);
+        ds41__index_rank(score, order, sort_tmp, reach);
         int32_t *list = b->idx_list[L] + r * topk;
         memcpy(list, order, k * sizeof *list);
-        qsort(list, k, sizeof *list, cmp_i32);
+        sort_i32(list, sort_tmp, k, cmp_index, NULL);
         b->idx_count[L][r] = (uint32_t)k;
         ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, k, score, reach);
     }
 out:
-    free(q);
-    free(w);
-    free(score);
-    free(order);
-    free(keys);
-    free(bscore);
-    free(border);
+    ds41_scratch_release(&e->scratch, mark);
     return rc;
+}
+
+int ds41__attention_prepare(ds41_engine *e, fwd_batch *b, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    const size_t M = b->M, topk = (size_t)c->index_topk;
+    b->cand_stride = 1;
+    for (size_t L = 0; L < (size_t)c->n_layers; L++) {
+        const ds41_layer_role *role = &c->roles[L];
+        if (role->ratio <= 0 || !role->index_source) continue; /* as ds41__attention runs it */
+        b->idx_list[L] = step_buf(e, M * (topk ? topk : 1) * sizeof *b->idx_list[L]);
+        b->idx_count[L] = step_buf(e, M * sizeof *b->idx_count[L]);
+        if (!b->idx_list[L] || !b->idx_count[L]) return ds41_fail(err, "forward: out of memory");
+        if (role->candidate_source) {
+            /* One row of flags per row wide enough for every candidate
+             * source's blocks (the rows' reach in blocks, as the indexer). */
+            const uint64_t B = (uint64_t)c->candidate_block_size;
+            const size_t nb = (size_t)((step_max_reach(b, role->ratio) + B - 1) / B);
+            if (nb > b->cand_stride) b->cand_stride = nb;
+        }
+    }
+    b->cand = step_buf(e, M * b->cand_stride);
+    return b->cand ? 0 : ds41_fail(err, "forward: out of memory");
 }
 
 /* ---- the sub-layer ------------------------------------------------------------------------ */
@@ -313,18 +334,19 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     int rc = 0;
 
     ds41__rope_rows(e, b, L);
-    float *qa = xmalloc(M * qlr * sizeof *qa);
-    float *qr = xmalloc(M * qlr * sizeof *qr);
-    float *q = xmalloc(M * H * hd * sizeof *q);
-    float *kvraw = xmalloc(M * hd * sizeof *kvraw);
-    float *kv = xmalloc(M * hd * sizeof *kv);
-    uint8_t *chunk_rows = xmalloc(M * row_bytes);
-    float *o = xmalloc(M * H * hd * sizeof *o);
-    float *xg = xmalloc(M * Kg * sizeof *xg);
-    float *yg = xmalloc(M * olr * sizeof *yg);
-    float *ya = xmalloc(M * G * olr * sizeof *ya);
-    const uint8_t **wrows = xmalloc((W ? W : 1) * sizeof *wrows);
-    const uint8_t **crows = xmalloc(((size_t)c->index_topk ? (size_t)c->index_topk : 1) * sizeof *crows);
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    float *qa = step_buf(e, M * qlr * sizeof *qa);
+    float *qr = step_buf(e, M * qlr * sizeof *qr);
+    float *q = step_buf(e, M * H * hd * sizeof *q);
+    float *kvraw = step_buf(e, M * hd * sizeof *kvraw);
+    float *kv = step_buf(e, M * hd * sizeof *kv);
+    uint8_t *chunk_rows = step_buf(e, M * row_bytes);
+    float *o = step_buf(e, M * H * hd * sizeof *o);
+    float *xg = step_buf(e, M * Kg * sizeof *xg);
+    float *yg = step_buf(e, M * olr * sizeof *yg);
+    float *ya = step_buf(e, M * G * olr * sizeof *ya);
+    const uint8_t **wrows = step_buf(e, (W ? W : 1) * sizeof *wrows);
+    const uint8_t **crows = step_buf(e, ((size_t)c->index_topk ? (size_t)c->index_topk : 1) * sizeof *crows);
     if (!qa || !qr || !q || !kvraw || !kv || !chunk_rows || !o || !xg || !yg || !ya || !wrows || !crows) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -401,17 +423,6 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     }
     ops->linear(ops, &lw->wo_b, ya, M, out, DS41_OUT_BF16);
 out:
-    free(qa);
-    free(qr);
-    free(q);
-    free(kvraw);
-    free(kv);
-    free(chunk_rows);
-    free(o);
-    free(xg);
-    free(yg);
-    free(ya);
-    free(wrows);
-    free(crows);
+    ds41_scratch_release(&e->scratch, mark);
     return rc;
 }

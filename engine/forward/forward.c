@@ -196,6 +196,7 @@ void ds41_engine_free(ds41_engine *e) {
     if (!e) return;
     ds41_expert_cache_free(e->xc);
     pthread_mutex_destroy(&e->xc_mu);
+    ds41_scratch_free(&e->scratch);
     if (e->wqk)
         for (size_t s = 0; s < e->cfg.engram_layer_ids.n; s++) free(e->wqk[s]);
     free(e->wqk);
@@ -471,22 +472,19 @@ static void report(const ds41_fwd_hooks *hooks, const fwd_batch *b, ds41_stream_
 static int engram_stream_rows(ds41_engine *e, int slot, int L, int64_t *ids, size_t n, size_t ehd, float *rows,
                               ds41_error *err) {
     const size_t sb = (ehd + 31) / 32;
-    uint8_t *q = malloc(n * ehd), *sc = malloc(n * sb);
-    if (!q || !sc) {
-        free(q);
-        free(sc);
-        return ds41_fail(err, "forward: out of memory");
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    uint8_t *q = ds41_scratch_get(&e->scratch, n * ehd), *sc = ds41_scratch_get(&e->scratch, n * sb);
+    int rc = 0;
+    if (!q || !sc)
+        rc = ds41_fail(err, "forward: out of memory");
+    else if (ds41_engram_cache_gather(e->ecache, (uint32_t)slot, ids, n, q, sc, err) != 0)
+        rc = ds41_error_prefix(err, "forward: layer %d", L);
+    if (rc == 0) {
+        for (size_t i = 0; i < n; i++) ids[i] = (int64_t)i;
+        e->ops->fp8_rows(e->ops, q, sc, ids, n, ehd, rows);
     }
-    if (ds41_engram_cache_gather(e->ecache, (uint32_t)slot, ids, n, q, sc, err) != 0) {
-        free(q);
-        free(sc);
-        return ds41_error_prefix(err, "forward: layer %d", L);
-    }
-    for (size_t i = 0; i < n; i++) ids[i] = (int64_t)i;
-    e->ops->fp8_rows(e->ops, q, sc, ids, n, ehd, rows);
-    free(q);
-    free(sc);
-    return 0;
+    ds41_scratch_release(&e->scratch, mark);
+    return rc;
 }
 
 /* Ask the row cache for every row of the call (all positions, all Engram
@@ -494,7 +492,8 @@ static int engram_stream_rows(ds41_engine *e, int slot, int L, int64_t *ids, siz
  * Engram layer, and rows already prefetched are pinned for the step. */
 static int engram_request(ds41_engine *e, const fwd_batch *b, const int64_t *hash_ids, ds41_error *err) {
     const size_t nsl = (size_t)e->eng.n_layers, ncols = (size_t)e->eng.n_cols, M = b->M;
-    int64_t *ids = malloc(M * ncols * sizeof *ids);
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    int64_t *ids = ds41_scratch_get(&e->scratch, M * ncols * sizeof *ids);
     if (!ids) return ds41_fail(err, "forward: out of memory");
     int rc = 0;
     for (size_t s = 0; s < nsl && rc == 0; s++) {
@@ -502,8 +501,26 @@ static int engram_request(ds41_engine *e, const fwd_batch *b, const int64_t *has
             memcpy(ids + r * ncols, hash_ids + (r * nsl + s) * ncols, ncols * sizeof *ids);
         rc = ds41_engram_cache_request(e->ecache, (uint32_t)s, ids, M * ncols, err);
     }
-    free(ids);
+    ds41_scratch_release(&e->scratch, mark);
     return rc == 0 ? 0 : ds41_error_prefix(err, "forward: Engram rows");
+}
+
+/* The table rows of layer L's slot that the step's hashes select, as ids
+ * into its table: ids[M * ncols].  Errors: a row outside the table. */
+static int engram_row_ids(const ds41_engine *e, const fwd_batch *b, int L, const int64_t *hash_ids,
+                          int64_t *ids, ds41_error *err) {
+    const ds41_layer_weights *lw = &e->w.layers[L];
+    const size_t slot = (size_t)e->cfg.roles[L].engram_slot;
+    const size_t ncols = (size_t)e->eng.n_cols, nsl = (size_t)e->eng.n_layers;
+    for (size_t r = 0; r < b->M; r++)
+        for (size_t col = 0; col < ncols; col++) {
+            const int64_t id = hash_ids[(r * nsl + slot) * ncols + col];
+            if (id < 0 || id >= lw->eng_rows)
+                return ds41_fail(err, "forward: layer %d: engram row %lld outside the table (%lld rows)", L,
+                                 (long long)id, (long long)lw->eng_rows);
+            ids[r * ncols + col] = id;
+        }
+    return 0;
 }
 
 /* Engram before block L (§6.4): rows of the hashed ids, wkv, gating. */
@@ -512,54 +529,30 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
     const ds41_layer_weights *lw = &e->w.layers[L];
     const int slot = c->roles[L].engram_slot;
     const size_t M = b->M, ncols = (size_t)e->eng.n_cols, ehd = (size_t)c->engram_head_dim;
-    const size_t nsl = (size_t)e->eng.n_layers;
     const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim;
-    float *rows = malloc(M * ncols * ehd * sizeof *rows);
-    float *kv = malloc(M * (hc + 1) * D * sizeof *kv);
-    if (!rows || !kv) {
-        free(rows);
-        free(kv);
-        return ds41_fail(err, "forward: out of memory");
-    }
-    int64_t *ids = malloc(M * ncols * sizeof *ids);
-    if (!ids) {
-        free(rows);
-        free(kv);
-        return ds41_fail(err, "forward: out of memory");
-    }
-    for (size_t r = 0; r < M; r++)
-        for (size_t col = 0; col < ncols; col++) {
-            const int64_t id = hash_ids[(r * nsl + (size_t)slot) * ncols + col];
-            if (id < 0 || id >= lw->eng_rows) {
-                free(rows);
-                free(kv);
-                free(ids);
-                return ds41_fail(err, "forward: layer %d: engram row %lld outside the table (%lld rows)", L,
-                                 (long long)id, (long long)lw->eng_rows);
-            }
-            ids[r * ncols + col] = id;
-        }
-    if (e->ecache) {
-        if (engram_stream_rows(e, slot, L, ids, M * ncols, ehd, rows, err) != 0) {
-            free(rows);
-            free(kv);
-            free(ids);
-            return -1;
-        }
-    } else {
+    ds41_scratch *st = &e->scratch;
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
+    float *rows = ds41_scratch_get(st, M * ncols * ehd * sizeof *rows);
+    float *kv = ds41_scratch_get(st, M * (hc + 1) * D * sizeof *kv);
+    int64_t *ids = ds41_scratch_get(st, M * ncols * sizeof *ids);
+    int rc = !rows || !kv || !ids ? ds41_fail(err, "forward: out of memory") : 0;
+    if (rc == 0) rc = engram_row_ids(e, b, L, hash_ids, ids, err);
+    if (rc == 0 && e->ecache)
+        rc = engram_stream_rows(e, slot, L, ids, M * ncols, ehd, rows, err);
+    else if (rc == 0)
         e->ops->fp8_rows(e->ops, lw->eng_table, lw->eng_table_scale, ids, M * ncols, ehd, rows);
+    if (rc == 0) {
+        /* At a layer that computes index keys or index scores the Engram
+         * output is one of the indexer's inputs: the reference's
+         * accumulation there (DS41_OUT_BF16_EXACT, engine/backend/ops.h). */
+        const ds41_layer_role *role = &e->cfg.roles[L];
+        const int feeds_indexer = role->ratio > 0 && (role->kv_source || role->index_source);
+        e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv,
+                       feeds_indexer ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
+        e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
     }
-    free(ids);
-    /* At a layer that computes index keys or index scores the Engram output
-     * is one of the indexer's inputs: the reference's accumulation there
-     * (DS41_OUT_BF16_EXACT, engine/backend/ops.h). */
-    const ds41_layer_role *role = &e->cfg.roles[L];
-    const int feeds_indexer = role->ratio > 0 && (role->kv_source || role->index_source);
-    e->ops->linear(e->ops, &lw->eng_wkv, rows, M, kv, feeds_indexer ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
-    e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
-    free(rows);
-    free(kv);
-    return 0;
+    ds41_scratch_release(st, mark);
+    return rc;
 }
 
 /* Hash every token of the batch for every Engram layer, pushing the tokens
@@ -641,36 +634,42 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
     for (size_t i = 0; i < n_items; i++)
         if (items[i].logits) n_logit_rows += items[i].logits_last_only ? 1 : items[i].n_ids;
 
-    b.item_row0 = malloc(n_items * sizeof *b.item_row0);
-    b.item_pos0 = malloc(n_items * sizeof *b.item_pos0);
-    b.row_item = malloc(M * sizeof *b.row_item);
-    b.row_pos = malloc(M * sizeof *b.row_pos);
-    b.row_token = malloc(M * sizeof *b.row_token);
-    b.rope_cs = malloc(M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
-    b.idx_list = calloc(c->n_roles, sizeof *b.idx_list);
-    b.idx_count = calloc(c->n_roles, sizeof *b.idx_count);
+    /* Every buffer of the step from the engine's scratch, released at the end. */
+    ds41_scratch *st = &e->scratch;
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
+    b.item_row0 = ds41_scratch_get(st, n_items * sizeof *b.item_row0);
+    b.item_pos0 = ds41_scratch_get(st, n_items * sizeof *b.item_pos0);
+    b.row_item = ds41_scratch_get(st, M * sizeof *b.row_item);
+    b.row_pos = ds41_scratch_get(st, M * sizeof *b.row_pos);
+    b.row_token = ds41_scratch_get(st, M * sizeof *b.row_token);
+    b.rope_cs = ds41_scratch_get(st, M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
+    b.idx_list = ds41_scratch_get(st, c->n_roles * sizeof *b.idx_list);
+    b.idx_count = ds41_scratch_get(st, c->n_roles * sizeof *b.idx_count);
     const size_t nsl = c->engram_enabled ? (size_t)e->eng.n_layers : 0, ncols = (size_t)e->eng.n_cols;
     const size_t n_hash = M * nsl * ncols;
-    int64_t *hash_ids = malloc((n_hash > 0 ? n_hash : 1) * sizeof *hash_ids);
-    float *h = malloc(M * hc * D * sizeof *h);
-    float *h2 = malloc(M * hc * D * sizeof *h2);
-    float *pre_mix = malloc(M * hc * sizeof *pre_mix);
-    float *a_pre = malloc(M * hc * sizeof *a_pre);
-    float *a_post = malloc(M * hc * sizeof *a_post);
-    float *a_comb = malloc(M * hc * hc * sizeof *a_comb);
-    float *f_post = malloc(M * hc * sizeof *f_post);
-    float *f_comb = malloc(M * hc * hc * sizeof *f_comb);
-    float *x = malloc(M * D * sizeof *x);
-    float *xn = malloc(M * D * sizeof *xn);
-    float *br = malloc(M * D * sizeof *br);
-    float *lx = malloc((n_logit_rows ? n_logit_rows : 1) * D * sizeof *lx);
-    float *lg = malloc((n_logit_rows ? n_logit_rows : 1) * V * sizeof *lg);
-    if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.row_token || !b.rope_cs || !b.idx_list || !b.idx_count ||
-        !hash_ids || !h || !h2 || !pre_mix || !a_pre || !a_post || !a_comb || !f_post || !f_comb || !x || !xn ||
-        !br || !lx || !lg) {
+    int64_t *hash_ids = ds41_scratch_get(st, n_hash * sizeof *hash_ids);
+    float *h = ds41_scratch_get(st, M * hc * D * sizeof *h);
+    float *h2 = ds41_scratch_get(st, M * hc * D * sizeof *h2);
+    float *pre_mix = ds41_scratch_get(st, M * hc * sizeof *pre_mix);
+    float *a_pre = ds41_scratch_get(st, M * hc * sizeof *a_pre);
+    float *a_post = ds41_scratch_get(st, M * hc * sizeof *a_post);
+    float *a_comb = ds41_scratch_get(st, M * hc * hc * sizeof *a_comb);
+    float *f_post = ds41_scratch_get(st, M * hc * sizeof *f_post);
+    float *f_comb = ds41_scratch_get(st, M * hc * hc * sizeof *f_comb);
+    float *x = ds41_scratch_get(st, M * D * sizeof *x);
+    float *xn = ds41_scratch_get(st, M * D * sizeof *xn);
+    float *br = ds41_scratch_get(st, M * D * sizeof *br);
+    float *lx = ds41_scratch_get(st, n_logit_rows * D * sizeof *lx);
+    float *normed = ds41_scratch_get(st, n_logit_rows * D * sizeof *normed);
+    float *lg = ds41_scratch_get(st, n_logit_rows * V * sizeof *lg);
+    if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.row_token || !b.rope_cs ||
+        !b.idx_list || !b.idx_count || !hash_ids || !h || !h2 || !pre_mix || !a_pre || !a_post || !a_comb ||
+        !f_post || !f_comb || !x || !xn || !br || !lx || !normed || !lg) {
         ds41_fail(err, "forward: out of memory");
         goto out;
     }
+    memset(b.idx_list, 0, c->n_roles * sizeof *b.idx_list);
+    memset(b.idx_count, 0, c->n_roles * sizeof *b.idx_count);
     for (size_t i = 0, r = 0; i < n_items; i++) {
         b.item_row0[i] = r;
         b.item_pos0[i] = ds41_kv_seq_tokens(items[i].seq);
@@ -679,6 +678,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
             b.row_pos[r] = b.item_pos0[i] + t;
         }
     }
+    if (ds41__attention_prepare(e, &b, err) != 0) goto out;
     if (nsl && engram_hash(e, &b, hash_ids, err) != 0) goto out;
     if (nsl && e->ecache && engram_request(e, &b, hash_ids, err) != 0) goto out;
 
@@ -746,14 +746,8 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
             for (size_t t = first; t < items[i].n_ids; t++, k++)
                 memcpy(lx + k * D, x + (b.item_row0[i] + t) * D, D * sizeof *lx);
         }
-        float *normed = malloc(n_logit_rows * D * sizeof *normed);
-        if (!normed) {
-            ds41_fail(err, "forward: out of memory");
-            goto out;
-        }
         ops->rmsnorm(ops, e->w.norm, lx, n_logit_rows, D, e->norm_eps, normed);
         ops->linear(ops, &e->w.head, normed, n_logit_rows, lg, DS41_OUT_F32);
-        free(normed);
         k = 0;
         for (size_t i = 0; i < n_items; i++) {
             if (!items[i].logits) continue;
@@ -769,33 +763,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
 out:
     if (e->xc) ds41_expert_cache_end_step(e->xc);
     ds41_engram_cache_unpin_all(e->ecache);
-    if (b.idx_list)
-        for (size_t l = 0; l < c->n_roles; l++) free(b.idx_list[l]);
-    if (b.idx_count)
-        for (size_t l = 0; l < c->n_roles; l++) free(b.idx_count[l]);
-    free(b.idx_list);
-    free(b.idx_count);
-    free(b.cand);
-    free(b.item_row0);
-    free(b.item_pos0);
-    free(b.row_item);
-    free(b.row_pos);
-    free(b.row_token);
-    free(b.rope_cs);
-    free(hash_ids);
-    free(h);
-    free(h2);
-    free(pre_mix);
-    free(a_pre);
-    free(a_post);
-    free(a_comb);
-    free(f_post);
-    free(f_comb);
-    free(x);
-    free(xn);
-    free(br);
-    free(lx);
-    free(lg);
+    ds41_scratch_release(st, mark);
     return rc;
 }
 

@@ -27,7 +27,7 @@
  *
  * Modes: the reference mode (opts.reference) is the canonical arithmetic of
  * REFERENCE §10, bit-exact against the numpy reference; the default is the
- * fast CPU backend (engine/backend/cpu/ops_fast.h): threads and SIMD, the same rounding
+ * fast CPU backend (engine/backend/cpu/cpu_backend.h): threads and SIMD, the same rounding
  * points, fp32 sums in its own fixed order, checked layer by layer against
  * the reference.  In both, a sequence's results do not depend on how its
  * tokens are chunked or what shares its batch. */
@@ -37,6 +37,7 @@
 #include "config/error.h"
 #include "config/model_config.h"
 #include "engine/backend/backend.h"
+#include "engine/backend/cpu/cpu_backend.h"
 #include "engine/model/kv_cache.h"
 #include "engine/backend/ops.h"
 #include "engine/model/weights.h"

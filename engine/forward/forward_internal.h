@@ -3,8 +3,9 @@
 #ifndef DS41_ENGINE_FORWARD_INTERNAL_H
 #define DS41_ENGINE_FORWARD_INTERNAL_H
 
-#include "engine/model/engram_layout.h"
+#include "engine/backend/scratch.h"
 #include "engine/forward/forward.h"
+#include "engine/model/engram_layout.h"
 #include "storage/expert_cache.h"
 #include "storage/safetensors.h"
 
@@ -50,6 +51,12 @@ struct ds41_engine {
     uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
     bool budget_pending;         /* under xc_mu: a requested budget for the next forward */
     uint64_t budget_requested;
+
+    /* Scratch of the forward pass: every per-step buffer of forward.c,
+     * attention.c and moe.c comes from this stack, marked on entry to a
+     * function and released on its return; it grows while the engine warms
+     * up, then a step allocates nothing (tests/test_forward_alloc.c). */
+    ds41_scratch scratch;
 };
 
 /* One forward call's rows (tokens) and per-call state. */
@@ -83,6 +90,11 @@ static inline void ds41__report_decision(const fwd_batch *b, ds41_decision_kind 
     b->hooks->decision(b->hooks->ctx, kind, layer, it, r - b->item_row0[it], sel, n_sel, score, n_score);
 }
 
+/* The indexer's outputs for the whole step (idx_list / idx_count of every
+ * index source, cand), taken from the pass's scratch frame before the layer
+ * loop: later layers read them.  Errors: out of memory. */
+int ds41__attention_prepare(ds41_engine *e, fwd_batch *b, ds41_error *err);
+
 /* Attention sub-layer of layer L on xn [M][dim] (normed input): writes
  * out [M][dim]; updates the batch sequences' rings and (kv sources) their
  * compressed entries and carries.  Errors: out of memory, KV cache full. */
@@ -110,8 +122,9 @@ void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);
 void ds41__compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex, float *pooled);
 
 /* The indexer's ranking (torch.topk's order, §9.2): order[0..n) <- 0..n-1 by score descending,
- * equal scores by lower index, NaN above everything (ties among NaN by lower index). */
-void ds41__index_rank(const float *score, int32_t *order, size_t n);
+ * equal scores by lower index, NaN above everything (ties among NaN by lower index).  tmp: n
+ * int32 of scratch (the sort allocates nothing). */
+void ds41__index_rank(const float *score, int32_t *order, int32_t *tmp, size_t n);
 
 /* The MoE combine (§2.6, fp32 per §1.7): oe holds `total` routed expert outputs [total][D] in slot order
  * (expert by expert in increasing id, so each token meets its experts in increasing id), rows[i] the token of

@@ -35,12 +35,15 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
     const int k2 = (int)((uint64_t)c->roles[L2].n_active_experts + e->expert_predict_extra < (uint64_t)E2
                              ? c->roles[L2].n_active_experts + (int64_t)e->expert_predict_extra
                              : E2);
-    float *logits = malloc(M * (size_t)E2 * sizeof *logits);
-    int32_t *sel = malloc(M * (size_t)k2 * sizeof *sel);
-    float *wts = malloc(M * (size_t)k2 * sizeof *wts);
-    uint8_t *want = calloc((size_t)E2, 1);
-    int32_t *list = malloc((size_t)E2 * sizeof *list);
+    ds41_scratch *st = &e->scratch;
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
+    float *logits = ds41_scratch_get(st, M * (size_t)E2 * sizeof *logits);
+    int32_t *sel = ds41_scratch_get(st, M * (size_t)k2 * sizeof *sel);
+    float *wts = ds41_scratch_get(st, M * (size_t)k2 * sizeof *wts);
+    uint8_t *want = ds41_scratch_get(st, (size_t)E2);
+    int32_t *list = ds41_scratch_get(st, (size_t)E2 * sizeof *list);
     if (logits && sel && wts && want && list) {
+        memset(want, 0, (size_t)E2);
         e->ops->linear(e->ops, &lw2->gate, xn, M, logits, DS41_OUT_F32);
         if (e->gate_temp != 1.0f)
             for (size_t i = 0; i < M * (size_t)E2; i++) logits[i] = logits[i] / e->gate_temp;
@@ -58,11 +61,7 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
             }
         ds41_expert_cache_predict(e->xc, L2, list, n);
     }
-    free(logits);
-    free(sel);
-    free(wts);
-    free(want);
-    free(list);
+    ds41_scratch_release(st, mark);
 }
 
 /* What one layer's expert arithmetic works on (see ds41__moe). */
@@ -139,14 +138,15 @@ void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const fl
     const ds41_model_config *c = &e->cfg;
     if (!e->xc || !e->expert_predict_early || !c->roles[L].present || c->roles[L].n_experts <= 0) return;
     const size_t M = b->M, D = (size_t)c->dim;
-    float *x = malloc(M * D * sizeof *x), *xn = malloc(M * D * sizeof *xn);
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    float *x = ds41_scratch_get(&e->scratch, M * D * sizeof *x);
+    float *xn = ds41_scratch_get(&e->scratch, M * D * sizeof *xn);
     if (x && xn) {
         e->ops->hc_pre(e->ops, h, ffn_pre, M, (int)c->hc_mult, D, x);
         e->ops->rmsnorm(e->ops, e->w.layers[L].ffn_norm, x, M, D, e->norm_eps, xn);
         predict_layer(e, b, L, xn);
     }
-    free(x);
-    free(xn);
+    ds41_scratch_release(&e->scratch, mark);
 }
 
 int ds41_expert_predict_parse(const char *s) {
@@ -189,36 +189,40 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     const size_t hid = SI > I ? SI : I;
     int rc = 0;
 
-    float *logits = malloc(M * (size_t)E * sizeof *logits);
-    int32_t *sel = malloc(M * (size_t)k * sizeof *sel);
-    float *wts = malloc(M * (size_t)k * sizeof *wts);
-    float *y = malloc(M * D * sizeof *y);
-    size_t *count = calloc((size_t)E, sizeof *count), *first = malloc((size_t)E * sizeof *first);
+    ds41_scratch *st = &e->scratch;
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
+    float *logits = ds41_scratch_get(st, M * (size_t)E * sizeof *logits);
+    int32_t *sel = ds41_scratch_get(st, M * (size_t)k * sizeof *sel);
+    float *wts = ds41_scratch_get(st, M * (size_t)k * sizeof *wts);
+    float *y = ds41_scratch_get(st, M * D * sizeof *y);
+    size_t *count = ds41_scratch_get(st, (size_t)E * sizeof *count);
+    size_t *first = ds41_scratch_get(st, (size_t)E * sizeof *first);
     /* Every expert's rows gathered one after the other (expert order), then
      * the shared expert's M rows. */
-    float *xe = malloc(total * D * sizeof *xe);
-    float *route = malloc(total * sizeof *route);
-    size_t *rows = malloc(total * sizeof *rows);
-    float *g = malloc((total + M) * hid * sizeof *g);
-    float *u = malloc((total + M) * hid * sizeof *u);
-    float *h = malloc((total + M) * hid * sizeof *h);
-    float *oe = malloc((total + M) * D * sizeof *oe);
+    float *xe = ds41_scratch_get(st, total * D * sizeof *xe);
+    float *route = ds41_scratch_get(st, total * sizeof *route);
+    size_t *rows = ds41_scratch_get(st, total * sizeof *rows);
+    float *g = ds41_scratch_get(st, (total + M) * hid * sizeof *g);
+    float *u = ds41_scratch_get(st, (total + M) * hid * sizeof *u);
+    float *h = ds41_scratch_get(st, (total + M) * hid * sizeof *h);
+    float *oe = ds41_scratch_get(st, (total + M) * D * sizeof *oe);
     const size_t nl = 2 * ((size_t)E + 1);
-    const ds41_linear **lin = malloc(nl * sizeof *lin);
-    const float **lx = malloc(nl * sizeof *lx);
-    float **ly = malloc(nl * sizeof *ly);
-    size_t *lm = malloc(nl * sizeof *lm);
-    int32_t *pending = malloc(((size_t)E + 1) * sizeof *pending);
-    uint8_t *got = malloc((size_t)E + 1);
-    uint8_t *done = malloc((size_t)E + 1);
-    int32_t *group = malloc(((size_t)E + 1) * sizeof *group);
-    ds41_expert_view *views = malloc(((size_t)E + 1) * sizeof *views);
-    ds41_linear *xl = malloc(((size_t)E + 1) * 3 * sizeof *xl);
+    const ds41_linear **lin = ds41_scratch_get(st, nl * sizeof *lin);
+    const float **lx = ds41_scratch_get(st, nl * sizeof *lx);
+    float **ly = ds41_scratch_get(st, nl * sizeof *ly);
+    size_t *lm = ds41_scratch_get(st, nl * sizeof *lm);
+    int32_t *pending = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *pending);
+    uint8_t *got = ds41_scratch_get(st, (size_t)E + 1);
+    uint8_t *done = ds41_scratch_get(st, (size_t)E + 1);
+    int32_t *group = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *group);
+    ds41_expert_view *views = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *views);
+    ds41_linear *xl = ds41_scratch_get(st, ((size_t)E + 1) * 3 * sizeof *xl);
     if (!pending || !got || !done || !group || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
         !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
+    memset(count, 0, (size_t)E * sizeof *count);
 
     /* Router: fp32 matmul against the (exactly upcast) bf16 gate weight. */
     ops->linear(ops, &lw->gate, xn, M, logits, DS41_OUT_F32);
@@ -329,28 +333,6 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
 combine:
     ds41__moe_combine(oe, rows, total, M, D, y, out);
 out:
-    free(logits);
-    free(sel);
-    free(wts);
-    free(y);
-    free(count);
-    free(first);
-    free(xe);
-    free(route);
-    free(rows);
-    free(g);
-    free(u);
-    free(h);
-    free(oe);
-    free(lin);
-    free(lx);
-    free(ly);
-    free(lm);
-    free(pending);
-    free(got);
-    free(done);
-    free(group);
-    free(views);
-    free(xl);
+    ds41_scratch_release(st, mark);
     return rc;
 }

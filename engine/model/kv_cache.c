@@ -245,9 +245,22 @@ oom:
     return NULL;
 }
 
+/* Page-table entries a new sequence starts with: its first pages are taken
+ * inside a forward step, which should not allocate (issue 14). */
+#define FIRST_PAGES 8
+
 ds41_kv_seq *ds41_kv_seq_new(ds41_kv_pool *pool, ds41_error *err) {
     ds41_kv_seq *s = seq_alloc(pool, err);
     if (!s) return NULL;
+    for (int src = 0; src < pool->layout.n_sources; src++) {
+        s->src[src].pages = malloc(FIRST_PAGES * sizeof *s->src[src].pages);
+        if (!s->src[src].pages) {
+            ds41_kv_seq_free(s);
+            ds41_fail(err, "kv cache: out of memory for a new sequence");
+            return NULL;
+        }
+        s->src[src].cap = FIRST_PAGES;
+    }
     reset_carries(s);
     ds41_engram_history_init(&s->engram);
     return s;
@@ -325,7 +338,7 @@ int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const fl
     if (slot == 0) {
         /* A fresh page. */
         if (t->n_pages == t->cap) {
-            uint32_t cap = t->cap ? t->cap * 2 : 8;
+            uint32_t cap = t->cap ? t->cap * 2 : FIRST_PAGES;
             uint32_t *np = realloc(t->pages, cap * sizeof *np);
             if (!np) return ds41_fail(err, "kv cache: out of memory");
             t->pages = np;

@@ -1732,7 +1732,7 @@ def result_json(ids, prefill, greedy):
     return ''.join(parts)
 
 
-# The fast path's documented error of a routing selection score (engine/backend/cpu/ops_fast.h, "Decisions").
+# The fast path's documented error of a routing selection score (engine/backend/cpu/cpu_backend.h, "Decisions").
 ROUTE_ERROR_REL = 2.0 ** -8
 
 
@@ -1766,7 +1766,7 @@ def boundary_margin(scores, k):
 
 def compare_decisions(kind, L, part, s, cand, own, stats, examples):
     """One row's decision of the candidate (dump) against the reference's own on the same inputs.
-    Index and candidate-block scores have no documented error on the fast path (engine/backend/cpu/ops_fast.h):
+    Index and candidate-block scores have no documented error on the fast path (engine/backend/cpu/cpu_backend.h):
     any difference is a violation.  Expert choices may differ within the route error
     (route_error_bound): the candidate's ranking must fit scores within it of the reference's."""
     st = stats.setdefault(kind, {'compared': 0, 'differ': 0, 'admissible': 0, 'violations': 0})

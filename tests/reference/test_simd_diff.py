@@ -17,7 +17,7 @@ by decode steps (sometimes prefilled in chunks):
      tolerance (2e-2 per row, 5e-3 median per layer; REFERENCE §10), rows whose routed experts
      differ admissibly at that layer excepted (counted); branches and pre-mixes reported;
    - index scores and candidate block scores: bit-identical (the documented error is 0,
-     engine/backend/cpu/ops_fast.h "Decisions"), and so the index top-k and the kept blocks;
+     engine/backend/cpu/cpu_backend.h "Decisions"), and so the index top-k and the kept blocks;
    - expert selection scores within the sum of both levels' documented route error
      (ds41_ref.route_error_bound: 2^-8 * (1 + |score|)), and the routed experts either the scalar
      level's or a ranking admissible within those errors (REFERENCE §10.1 decision contract);

@@ -1,7 +1,8 @@
 /* The fast CPU backend: the op table over the level kernels
- * (engine/backend/cpu/ops_fast.h), the thread pool, scratch and counters, CPU feature
+ * (engine/backend/cpu/fast_kernels.h), the thread pool, scratch and counters, CPU feature
  * detection, and the reference and wrapper backends of engine/backend/backend.h. */
-#include "engine/backend/cpu/ops_fast.h"
+#include "engine/backend/cpu/cpu_backend.h"
+#include "engine/backend/cpu/fast_kernels.h"
 
 #include "engine/backend/refmath.h"
 #include "engine/backend/cpu/threadpool.h"
@@ -145,6 +146,7 @@ typedef struct fast_ctx {
     ds41_threadpool *pool;
     int n_threads;
     buf act, work, work2;
+    buf lin_starts, lin_act; /* run_linears' task tables, kept between calls */
     buf *scratch; /* [n_threads] */
     ds41_backend_stats st;
     unsigned brk;
@@ -318,9 +320,8 @@ static uint64_t linear_weight_bytes(const ds41_linear *w) {
 static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, const float *const *xs,
                         const size_t *Ms, float *const *ys, ds41_linear_out out, int prof_kind) {
     PROF_BEGIN(c);
-    size_t *starts = malloc(2 * (n + 1) * sizeof *starts);
-    uint8_t **act = malloc((n ? n : 1) * sizeof *act);
-    if (!starts || !act) abort();
+    size_t *starts = ensure(&c->lin_starts, 2 * (n + 1) * sizeof *starts);
+    uint8_t **act = ensure(&c->lin_act, (n ? n : 1) * sizeof *act);
     lin_job j = {.c = c,
                  .n = n,
                  .ws = ws,
@@ -374,8 +375,6 @@ static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, con
         const size_t runs = (size_t)c->n_threads * 4;
         ds41_threadpool_run(c->pool, tasks, (tasks + runs - 1) / runs, lin_task, &j);
     }
-    free(starts);
-    free(act);
     PROF_END(c, prof_kind, bytes);
 }
 
@@ -985,6 +984,8 @@ static void fast_destroy(ds41_backend *be) {
         free(c->act.p);
         free(c->work.p);
         free(c->work2.p);
+        free(c->lin_starts.p);
+        free(c->lin_act.p);
         free(c);
     }
     free(be);

@@ -1,4 +1,4 @@
-/* AVX2 kernels of the fast CPU backend (engine/backend/cpu/ops_fast.h), for x86-64 CPUs
+/* AVX2 kernels of the fast CPU backend (fast_kernels.h, cpu_backend.h), for x86-64 CPUs
  * with AVX2, FMA and F16C (Haswell and later, and AVX-512 CPUs without
  * AVX512_BF16/VBMI).  Compiled for that target with function attributes;
  * only called after cpuid said the CPU has it.
@@ -10,7 +10,7 @@
  * output element is one 8-lane accumulator over K in order, then a fixed
  * horizontal tree, whatever the tile shape (the invariance rule).
  * Activations are the exact fp32 values in K order. */
-#include "engine/backend/cpu/ops_fast.h"
+#include "engine/backend/cpu/fast_kernels.h"
 
 #include "engine/backend/refmath.h"
 

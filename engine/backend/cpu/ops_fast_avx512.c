@@ -1,4 +1,4 @@
-/* AVX-512 kernels of the fast CPU backend (engine/backend/cpu/ops_fast.h): two levels.
+/* AVX-512 kernels of the fast CPU backend (fast_kernels.h, cpu_backend.h): two levels.
  *
  *  - DS41_CPU_AVX512: AVX-512 F/BW/VL/DQ, VBMI and AVX512_BF16 (Zen 4,
  *    Sapphire Rapids): linear layers on vdpbf16ps.
@@ -45,8 +45,8 @@
  * rows (below 16 rows the activations are packed narrow); one with many rows
  * (prefill) decodes its rows once into a whole panel.  Either way the decoded values and the
  * chunk order are the same, and an element's sequence of operations does
- * not depend on the tile it shares (the invariance rule of ops_fast.h). */
-#include "engine/backend/cpu/ops_fast.h"
+ * not depend on the tile it shares (the invariance rule of cpu_backend.h). */
+#include "engine/backend/cpu/fast_kernels.h"
 
 #if defined(__x86_64__)
 

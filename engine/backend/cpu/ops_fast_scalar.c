@@ -1,4 +1,4 @@
-/* Scalar kernels of the fast CPU backend (engine/backend/cpu/ops_fast.h): portable C,
+/* Scalar kernels of the fast CPU backend (fast_kernels.h, cpu_backend.h): portable C,
  * used where neither AVX2 nor AVX-512 is available and as the baseline the
  * SIMD kernels are tested against.
  *
@@ -7,7 +7,7 @@
  * by room for the quantizer's codes.  A task decodes each weight row of its
  * columns once into fp32 (scales folded in: exact) and takes the dot product
  * with every row: eight interleaved fp32 partial sums, then a fixed tree. */
-#include "engine/backend/cpu/ops_fast.h"
+#include "engine/backend/cpu/fast_kernels.h"
 
 #include "engine/backend/refmath.h"
 

@@ -7,7 +7,7 @@
  * returns when every chunk has run.  Which thread runs which chunk is not
  * fixed, so a job must not let its results depend on that: every index's
  * work has to be a pure function of the index (this is what keeps the fast
- * path's results independent of the thread count; see engine/backend/cpu/ops_fast.h).
+ * path's results independent of the thread count; see engine/backend/cpu/cpu_backend.h).
  *
  * Overhead: workers spin on the job counter for a short while after each job
  * (a few tens of microseconds) before they sleep on a futex, so the dozens of
