@@ -1233,6 +1233,28 @@ static void *conn_main(void *arg) {
 
 /* ================================================================ accept */
 
+/* A connection over max_connections (or one that arrives while the server drains) gets a 503 with
+ * Retry-After before it is closed, so a client can tell "busy, retry" from a crash.  One write on
+ * the non-blocking socket, before reading anything: it fits the socket's buffer, and a client that
+ * sent its request meanwhile still reads the answer. */
+static void refuse_busy(int fd, bool draining, unsigned limit) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "too many open connections (%u on this socket); retry later", limit);
+    size_t blen = 0;
+    char *body = ds41_http_error_json(503, NULL, draining ? "shutting_down" : "too_many_connections", NULL,
+                                      draining ? "the server is shutting down" : msg, &blen);
+    if (!body) return;
+    char head[256];
+    int hl = snprintf(head, sizeof head,
+                      "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                      "Content-Length: %zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n",
+                      blen);
+    struct iovec iov[2] = {{.iov_base = head, .iov_len = (size_t)hl}, {.iov_base = body, .iov_len = blen}};
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
+    (void)!sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    free(body);
+}
+
 static void *accept_main(void *arg) {
     struct listener_state *ls = arg;
     ds41_http_server *srv = ls->srv;
@@ -1273,6 +1295,7 @@ static void *accept_main(void *arg) {
         pthread_mutex_unlock(&srv->mu);
         if (refuse) {
             ds41_http_metrics_event(srv->router->metrics, DS41_HTTP_EV_REFUSED_PEER);
+            if (buf) refuse_busy(fd, srv->draining, srv->cfg.max_connections);
             close(fd);
             free(buf);
             free(c);

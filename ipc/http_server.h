@@ -63,8 +63,10 @@
  *     expiry the client gets 408 and the connection is closed.
  *   - idle_timeout_s: a connection that makes no progress for this long is
  *     closed (idle keep-alive, or a client that stops reading a response).
- *   - max_connections: further connections are closed at once (counted as
- *     refused_peer).
+ *   - max_connections: a further connection is answered 503 (code
+ *     too_many_connections, Retry-After: 1) without reading its request and
+ *     closed (counted as refused_peer); while the server drains, 503
+ *     shutting_down.
  *   - a stream whose client does not read while max_stream_buffer bytes pile
  *     up is cut off and its generation cancelled.
  *   - an answer given before the body was read (404, 405, 403, 413, 415)

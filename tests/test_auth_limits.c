@@ -261,25 +261,34 @@ static void test_body_limit(void) {
 }
 
 /* max_connections at exactly the limit and one past: two open connections are both served, a third
- * is closed unanswered while they stay open. */
+ * is answered 503 and closed while they stay open. */
 static void test_connection_limit(void) {
     fixture fx;
     if (!fixture_start(&fx, 2)) return;
     static const char get[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
     int fds[3] = {-1, -1, -1};
     bool served[3] = {false, false, false};
-    char buf[4096];
+    char buf[4096], third[4096] = "";
     for (int i = 0; i < 3; i++) {
         fds[i] = connect_sock();
-        /* MSG_NOSIGNAL: the refused one may already be closed */
-        if (fds[i] < 0 || send(fds[i], get, sizeof get - 1, MSG_NOSIGNAL) != (ssize_t)sizeof get - 1)
-            continue;
-        /* keep-alive: the answer comes, the connection stays */
-        size_t got = read_all(fds[i], buf, sizeof buf, i < 2 ? 10000 : 3000, true);
+        if (fds[i] < 0) continue;
+        /* MSG_NOSIGNAL: the refused one may already be closed; its answer is read all the same */
+        (void)!send(fds[i], get, sizeof get - 1, MSG_NOSIGNAL);
+        /* keep-alive: the answer comes, the connection stays; the refused one's ends at close */
+        size_t got = read_all(fds[i], buf, sizeof buf - 1, i < 2 ? 10000 : 3000, i < 2);
+        buf[got] = 0;
         served[i] = got >= 12 && strncmp(buf, "HTTP/1.1 200", 12) == 0;
+        if (i == 2) memcpy(third, buf, got + 1);
     }
     TAP_CHECK(served[0] && served[1], "max_connections 2: two open connections are both served");
-    TAP_CHECK(!served[2], "max_connections 2: a third connection while both are open is closed unanswered");
+    const char *body = strstr(third, "\r\n\r\n");
+    json_t *j = body ? json_loads(body + 4, 0, NULL) : NULL;
+    TAP_CHECK(!served[2] && strncmp(third, "HTTP/1.1 503", 12) == 0 && strstr(third, "\r\nRetry-After: 1\r\n") &&
+                  is_error_shape(j, "server_error", "too_many_connections", NULL),
+              "max_connections 2: a third connection while both are open is answered 503 too_many_connections "
+              "with Retry-After, then closed (got '%.12s')",
+              third);
+    json_decref(j);
     for (int i = 0; i < 3; i++)
         if (fds[i] >= 0) close(fds[i]);
     fixture_stop(&fx);
