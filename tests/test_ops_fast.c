@@ -372,6 +372,45 @@ static void test_norms_and_hc(void) {
     }
 }
 
+/* Rope and compressor pooling over a whole step: bit for bit the reference (the same
+ * per-row arithmetic), rows at strides with gaps, an odd number of rows and groups. */
+static void test_rope_and_pool(void) {
+    enum { M = 5, H = 3, NP = 8, OFF = 3, HS = 2 * NP + OFF, RS = H * HS + 1, RATIO = 4, HD = 37, G = 5 };
+    uint64_t pos[M];
+    float freqs[NP], cs_r[M * 2 * NP], cs[M * 2 * NP];
+    static float x[M * RS], xr[M * RS], x0[M * RS];
+    static float kv[G * RATIO * HD], sc[G * RATIO * HD], pooled[G * HD], pooled_r[G * HD];
+    for (int m = 0; m < M; m++) pos[m] = (uint64_t)(m * 977 + 3);
+    for (int i = 0; i < NP; i++) freqs[i] = (float)pow(10000.0, -2.0 * i / (2.0 * NP));
+    fill_bf16(x0, M * RS, 2.0);
+    for (int i = 0; i < G * RATIO * HD; i++) {
+        kv[i] = (float)urand();
+        sc[i] = (float)(urand() * 8.0);
+    }
+    ds41_ops_reference.rope_table(&ds41_ops_reference, freqs, NP, pos, M, cs_r);
+    ds41_ops_reference.compress_pool(&ds41_ops_reference, kv, sc, G, RATIO, HD, pooled_r);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        const char *ln = ds41_cpu_level_name(levels[li]);
+        ops->rope_table(ops, freqs, NP, pos, M, cs);
+        int ok = memcmp(cs, cs_r, sizeof cs) == 0;
+        for (int inverse = 0; inverse < 2; inverse++) {
+            memcpy(x, x0, sizeof x);
+            memcpy(xr, x0, sizeof x);
+            ds41_ops_reference.rope(&ds41_ops_reference, xr + OFF, M, H, RS, HS, NP, cs_r, inverse);
+            ops->rope(ops, x + OFF, M, H, RS, HS, NP, cs_r, inverse);
+            ok &= memcmp(x, xr, sizeof x) == 0;
+        }
+        TAP_CHECK(ok,
+                  "%s rope_table + rope (%d rows x %d heads, forward and inverse): bit for bit the reference",
+                  ln, M, H);
+        memset(pooled, 0xff, sizeof pooled);
+        ops->compress_pool(ops, kv, sc, G, RATIO, HD, pooled);
+        TAP_CHECK(memcmp(pooled, pooled_r, sizeof pooled) == 0,
+                  "%s compress_pool (%d groups of %d x %d): bit for bit the reference", ln, G, RATIO, HD);
+    }
+}
+
 static void test_attention(void) {
     ds41_kv_layout lay = {0};
     lay.latent_dim = 64;
@@ -410,12 +449,20 @@ static void test_attention(void) {
     ds41_attn_rows with_nan = {.layout = &lay, .n_window = NW, .window = wp, .n_comp = 3, .comp = cp};
     ds41_attn_rows one = {.layout = &lay, .n_window = 0, .window = wp, .n_comp = 1, .comp = cp};
     ds41_ops_reference.sparse_attn(&ds41_ops_reference, q, H, hd, sink, scale, &rows, ref);
-    enum { NH = 4, ID = 32 };
-    float iq[NH * ID], iw[NH], sc[NC], sc_r[NC];
-    fill_bf16(iq, NH * ID, 1.0);
-    ds41_fp4_act_quant_ue8m0_qdq(iq, NH * ID);
-    for (int h = 0; h < NH; h++) iw[h] = bfr(urand() / 64.0);
-    ds41_ops_reference.index_scores(&ds41_ops_reference, iq, iw, NH, ID, &lay, cp, NC, sc_r);
+    /* Index scores of 4 rows over pages of 8 entries (a full reach, none, part, one entry). */
+    enum { NH = 4, ID = 32, IM = 4, PER = 8, NP = (NC + PER - 1) / PER };
+    static float iq[IM * NH * ID], iw[IM * NH], sc[IM * NC], sc_r[IM * NC];
+    fill_bf16(iq, IM * NH * ID, 1.0);
+    for (int m = 0; m < IM; m++) ds41_fp4_act_quant_ue8m0_qdq(iq + m * NH * ID, NH * ID);
+    for (int i = 0; i < IM * NH; i++) iw[i] = bfr(urand() / 64.0);
+    const uint8_t *pages[NP];
+    for (int p = 0; p < NP; p++) pages[p] = ent[p * PER];
+    lay.entries_per_page = PER;
+    const size_t row_table[IM] = {0, 0, 0, 0};
+    const uint32_t reach[IM] = {NC, 0, 41, 1};
+    const ds41_kv_pages keys = {.layout = &lay, .pages = pages, .row_table = row_table, .row_reach = reach};
+    for (int i = 0; i < IM * NC; i++) sc_r[i] = 1234.0f;
+    ds41_ops_reference.index_scores(&ds41_ops_reference, iq, iw, IM, NH, ID, &keys, sc_r, NC);
     for (int li = 0; li < n_levels; li++) {
         const ds41_ops *ops = ops_of(li);
         const char *ln = ds41_cpu_level_name(levels[li]);
@@ -442,11 +489,15 @@ static void test_attention(void) {
             all_nan && memcmp(r1, f1, sizeof r1) == 0,
             "%s attention: a NaN row makes every output NaN; one row and no sink mass give the row exactly",
             ln);
-        ops->index_scores(ops, iq, iw, NH, ID, &lay, cp, NC, sc);
+        for (int i = 0; i < IM * NC; i++) sc[i] = 1234.0f;
+        ops->index_scores(ops, iq, iw, IM, NH, ID, &keys, sc, NC);
         int ok_idx = 1;
-        for (int j = 0; j < NC; j++)
+        for (int j = 0; j < IM * NC; j++)
             ok_idx &= fabsf(sc[j] - sc_r[j]) <= 2 * 0x1p-8 * fmaxf(fabsf(sc_r[j]), 1e-3f);
-        TAP_CHECK(ok_idx, "%s index scores: within the reference's bf16 roundings", ln);
+        TAP_CHECK(ok_idx,
+                  "%s index scores of %d rows over paged keys: within the reference's bf16 roundings, "
+                  "nothing past a row's reach",
+                  ln, IM);
     }
 }
 
@@ -689,6 +740,7 @@ int main(void) {
     test_fp8_scale_extremes();
     test_linear_batch();
     test_norms_and_hc();
+    test_rope_and_pool();
     test_attention();
     test_moe_engram_gathers();
     for (int i = 0; i < n_levels; i++) {

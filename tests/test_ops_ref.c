@@ -253,27 +253,40 @@ static void test_attention(void) {
     for (int d = 0; d < hd; d++) tiny &= fabsf(out[d]) < 1e-9f;
     TAP_CHECK(tiny, "a large sink takes the probability mass (numerator unchanged)");
 
-    /* Index scores: bf16(sum_h bf16(relu(bf16(q_h.K)) * w_h)). */
-    enum { NH = 4, ID = 32 };
-    float iq[NH * ID], iw[NH], sc[NC];
-    fill_bf16(iq, NH * ID, 1.0);
-    ds41_fp4_act_quant_ue8m0_qdq(iq, NH * ID);
-    for (int h = 0; h < NH; h++) iw[h] = bfr(urand() / 64.0);
-    const uint8_t *keys[NC];
-    for (int j = 0; j < NC; j++) keys[j] = ent[j];
-    ops->index_scores(ops, iq, iw, NH, ID, &lay, keys, NC, sc);
+    /* Index scores: bf16(sum_h bf16(relu(bf16(q_h.K)) * w_h)), three rows in one call over pages of
+     * 16 entries (the last partly filled): a full reach, none, part; scores past a reach untouched. */
+    enum { NH = 4, ID = 32, IM = 3, PER = 16, NP = (NC + PER - 1) / PER };
+    static float iq[IM * NH * ID], iw[IM * NH], sc[IM * NC];
+    fill_bf16(iq, IM * NH * ID, 1.0);
+    for (int m = 0; m < IM; m++) ds41_fp4_act_quant_ue8m0_qdq(iq + m * NH * ID, NH * ID);
+    for (int i = 0; i < IM * NH; i++) iw[i] = bfr(urand() / 64.0);
+    const uint8_t *pages[NP];
+    for (int p = 0; p < NP; p++) pages[p] = ent[p * PER];
+    lay.entries_per_page = PER;
+    const size_t row_table[IM] = {0, 0, 0};
+    const uint32_t reach[IM] = {NC, 0, 37};
+    const ds41_kv_pages keys = {.layout = &lay, .pages = pages, .row_table = row_table, .row_reach = reach};
+    for (int i = 0; i < IM * NC; i++) sc[i] = 1234.0f;
+    ops->index_scores(ops, iq, iw, IM, NH, ID, &keys, sc, NC);
     int ok_idx = 1;
-    for (int j = 0; j < NC; j++) {
-        float k[ID];
-        ds41_kv_decode_index_key(&lay, ent[j], k);
-        float terms[NH];
-        for (int h = 0; h < NH; h++) {
-            float s = ds41_bf16_round(ds41_xdot_f32(iq + h * ID, k, ID));
-            terms[h] = ds41_bf16_round((s > 0 ? s : 0.0f) * iw[h]);
+    for (int m = 0; m < IM; m++)
+        for (int j = 0; j < NC; j++) {
+            if ((uint32_t)j >= reach[m]) {
+                ok_idx &= sc[m * NC + j] == 1234.0f;
+                continue;
+            }
+            float k[ID];
+            ds41_kv_decode_index_key(&lay, ent[j], k);
+            float terms[NH];
+            for (int h = 0; h < NH; h++) {
+                float s = ds41_bf16_round(ds41_xdot_f32(iq + (m * NH + h) * ID, k, ID));
+                terms[h] = ds41_bf16_round((s > 0 ? s : 0.0f) * iw[m * NH + h]);
+            }
+            ok_idx &= bits(sc[m * NC + j]) == bits(ds41_bf16_round(ds41_xsum_f32(terms, NH)));
         }
-        ok_idx &= bits(sc[j]) == bits(ds41_bf16_round(ds41_xsum_f32(terms, NH)));
-    }
-    TAP_CHECK(ok_idx, "index scores: relu per head, times w, summed in bf16 (§2.10 step 4)");
+    TAP_CHECK(ok_idx,
+              "index scores of 3 rows over paged keys: relu per head, times w, summed in bf16 (§2.10 step "
+              "4); nothing past a row's reach");
 }
 
 static void test_moe_parts(void) {
@@ -336,10 +349,35 @@ static void test_engram_mix(void) {
     TAP_CHECK(memcmp(h, h0, sizeof h) == 0, "engram with a zero value leaves the stream unchanged");
 }
 
+/* Rope of a whole step in one call: M rows of H heads at strides with gaps, against
+ * ds41_rope_apply head by head; values outside the rotated pairs stay as they were. */
+static void test_rope(void) {
+    enum { M = 3, H = 2, NP = 4, OFF = 2, HS = 11, RS = H * HS + 3 };
+    const uint64_t pos[M] = {0, 5, 12345};
+    float freqs[NP], cs[M * 2 * NP], want_cs[M * 2 * NP];
+    for (int i = 0; i < NP; i++) freqs[i] = (float)pow(10000.0, -2.0 * i / (2.0 * NP));
+    ops->rope_table(ops, freqs, NP, pos, M, cs);
+    for (int m = 0; m < M; m++) ds41_rope_cos_sin(freqs, NP, pos[m], want_cs + m * 2 * NP);
+    TAP_CHECK(memcmp(cs, want_cs, sizeof cs) == 0, "rope_table: each row's cos/sin at its own position");
+    for (int inverse = 0; inverse < 2; inverse++) {
+        float x[M * RS], want[M * RS];
+        fill_bf16(x, M * RS, 2.0);
+        memcpy(want, x, sizeof x);
+        for (int m = 0; m < M; m++)
+            for (int h = 0; h < H; h++)
+                ds41_rope_apply(want + m * RS + h * HS + OFF, NP, want_cs + m * 2 * NP, inverse);
+        ops->rope(ops, x + OFF, M, H, RS, HS, NP, cs, inverse);
+        TAP_CHECK(memcmp(x, want, sizeof x) == 0,
+                  "rope (%s) over %d rows x %d heads in one call = per head and row, the rest untouched",
+                  inverse ? "inverse" : "forward", M, H);
+    }
+}
+
 int main(void) {
     test_linear();
     test_rmsnorm();
     test_hc();
+    test_rope();
     test_attention();
     test_moe_parts();
     test_engram_mix();

@@ -19,7 +19,13 @@
  *    engine's life; wo_a is passed as row ranges of the bound tensor, one per
  *    o_group).  A backend that placed its own copies finds them by these.
  *  - Batches: the forward pass hands an op all rows of all sequences of a
- *    step at once (M), so a backend reads each weight once per step.
+ *    step at once (M), so a backend reads each weight once per step.  The
+ *    step-wide ops (rope, compress_pool, index_*) take per-row metadata
+ *    arrays (positions, reaches, offsets into page tables) and row strides,
+ *    never a callback into the engine or a host pointer per row or entry:
+ *    that is what one device launch over the step can take.  Decisions
+ *    (index selections, candidate blocks) are written to arrays the caller
+ *    passes, which a device backend keeps in its own memory.
  *
  * The reference backend (ds41_ops_reference) implements REFERENCE.md §10
  * exactly: scalar, single-threaded, exact reductions (engine/backend/refmath.h). */
@@ -66,6 +72,28 @@ typedef struct ds41_attn_rows {
     const uint8_t *const *comp;
 } ds41_attn_rows;
 
+/* Where the rows of a step find their sequences' compressed entries: the
+ * KV pool's pages (engine/model/kv_cache.h), one page table per sequence
+ * and per row an offset into them and a reach.  Entry t of row m (t <
+ * row_reach[m]) is entry t % entries_per_page of page
+ * pages[row_table[m] + t / entries_per_page].  Per page, not per entry or
+ * per row: the rows of a sequence share its table (ds41_kv_seq_page_ids),
+ * so the description is metadata a device backend builds the same way over
+ * its own page pool (a block table), and no op reaches into the engine or
+ * the cache's structures. */
+typedef struct ds41_kv_pages {
+    const ds41_kv_layout *layout;
+    const uint8_t *const *pages; /* the step's page tables, concatenated */
+    const size_t *row_table;     /* [M] start of row m's table in pages */
+    const uint32_t *row_reach;   /* [M] entries row m sees (its first ones); 0: none */
+} ds41_kv_pages;
+
+/* The packed entry t of row m (t < k->row_reach[m]). */
+static inline const uint8_t *ds41_kv_pages_entry(const ds41_kv_pages *k, size_t m, size_t t) {
+    const uint32_t per = k->layout->entries_per_page;
+    return k->pages[k->row_table[m] + t / per] + (size_t)(t % per) * k->layout->entry_bytes;
+}
+
 typedef struct ds41_ops ds41_ops;
 
 struct ds41_ops {
@@ -101,15 +129,73 @@ struct ds41_ops {
     void (*hc_post)(const ds41_ops *self, const float *o, const float *h, const float *post, const float *comb, size_t M, int hc,
                     size_t dim, float *out);
 
-    /* Rope on n_pairs adjacent pairs of x (in place), cs from
-     * ds41_rope_cos_sin; inverse != 0 rotates back.  bf16 write-back. */
-    void (*rope)(const ds41_ops *self, float *x, int n_pairs, const float *cs, int inverse);
+    /* The rotation table of M rows (§2.6, §10.6): cs[m][0..2*n_pairs) =
+     * ds41_rope_cos_sin(freqs, n_pairs, pos[m]) (cos, sin per pair; angles
+     * evaluated in double).  An op so that the table is computed where the
+     * rope op reads it (device memory on a device backend), from metadata the
+     * host has anyway (positions); freqs [n_pairs] is the layer's fixed
+     * frequency table. */
+    void (*rope_table)(const ds41_ops *self, const float *freqs, int n_pairs, const uint64_t *pos, size_t M,
+                       float *cs);
 
-    /* Index scores of one query against n_keys packed index keys (kv cache
-     * entries, §2.10 step 4): out[t] = bf16(sum_h bf16(relu(bf16(q_h . K_t)) * w_h)),
-     * q [n_heads][dim] (FP4-QDQ'd), w [n_heads] (bf16 values). */
-    void (*index_scores)(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
-                         const uint8_t *const *keys, size_t n_keys, float *out);
+    /* Rope of a whole step (§10.6), in place: for every row m < M and head
+     * h < n_heads the n_pairs adjacent pairs at x + m*row_stride +
+     * h*head_stride are rotated with row m's table cs + m*2*n_pairs
+     * (rope_table); inverse != 0 rotates back; bf16 write-back.  x points
+     * at the first rotated value of row 0, head 0 (the caller adds the
+     * offset of the rope part inside a head), so the q heads, the window KV,
+     * the index queries, compressed entries and the inverse rope of the
+     * attention output are one call each: strides instead of a call per
+     * head and row keep the op one launch over M x n_heads independent
+     * rotations. */
+    void (*rope)(const ds41_ops *self, float *x, size_t M, int n_heads, size_t row_stride, size_t head_stride,
+                 int n_pairs, const float *cs, int inverse);
+
+    /* Compressor pooling of a step's n completed groups (§2.9, the numpy
+     * side's decision 12): kv and score [n][ratio][hd] are each group's fp32
+     * kv and gate scores slot by slot (position mod ratio); per group and
+     * channel a softmax over the ratio scores shifted by their maximum, the
+     * kv weighted by it and summed in slot order, bf16 into pooled[n][hd]
+     * (ds41_rm_compress_pool, engine/backend/refmath.h).  Every group of the
+     * step in one call: the engine stages each completed group (its carry
+     * slots) contiguously, so the op needs no per-sequence pointers. */
+    void (*compress_pool)(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
+                          size_t hd, float *pooled);
+
+    /* Index scores of a step (§2.10 step 4): for each row m < M and entry
+     * t < keys->row_reach[m], score[m*score_stride + t] =
+     * bf16(sum_h bf16(relu(bf16(q_h . K_t)) * w_h)) with K_t the entry's
+     * packed index key, q [M][n_heads][dim] (FP4-QDQ'd), w [M][n_heads]
+     * (bf16 values).  Scores past a row's reach are not written.  One call
+     * for all rows: the work is sum of the reaches x n_heads x dim, spread
+     * over (row, entry) pairs. */
+    void (*index_scores)(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads, int dim,
+                         const ds41_kv_pages *keys, float *score, size_t score_stride);
+
+    /* Candidate blocks of a step (§2.11), the candidate source's decision:
+     * for each row m with reach[m] >= 1, its scores score[m*score_stride ..
+     * + reach[m]) give block scores bscore[m*bscore_stride + j] (j <
+     * ceil(reach/block): the max over the block, NaN winning; the newest
+     * block pinned +inf) and allow[m*allow_stride + j] = 1 for the top
+     * n_take blocks (torch.topk's order, lower block on ties) that are not
+     * -inf; every other allow flag of the row (up to allow_stride) is 0.
+     * The decisions stay in the arrays the caller gives (backend memory on
+     * a device backend); the host only reads them to report them. */
+    void (*index_blocks)(const ds41_ops *self, const float *score, size_t score_stride, const uint32_t *reach,
+                         size_t M, size_t block, size_t n_take, float *bscore, size_t bscore_stride,
+                         uint8_t *allow, size_t allow_stride);
+
+    /* Index top-k of a step (§2.10 steps 6-8, §9.2): for each row m, with
+     * allow non-NULL (a candidate user) the scores of entries in blocks
+     * whose flag allow[m*allow_stride + t/block] is 0 first become -inf in
+     * place (so the scores left are the ones ranked); then the top
+     * min(k, reach[m]) entries in torch.topk's order (descending, lower
+     * index on ties, NaN first; -inf picks kept) go ascending into
+     * sel[m*k ..] and their number into count[m] (0 for a row that reaches
+     * nothing). */
+    void (*index_topk)(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
+                       size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
+                       int32_t *sel, uint32_t *count);
 
     /* Sparse attention of one query position (§2.4, §10.7): q [n_heads][head_dim]
      * bf16 values, sink [n_heads], scale = fp32(head_dim^-0.5); out

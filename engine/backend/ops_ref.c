@@ -4,6 +4,7 @@
  * order of the reference's expression (the build disables FMA contraction). */
 #include "engine/backend/ops.h"
 
+#include "engine/backend/index_select.h"
 #include "engine/backend/refmath.h"
 #include "engine/backend/scratch.h"
 #include "engine/model/quant.h"
@@ -200,9 +201,33 @@ static void ref_hc_post(const ds41_ops *self, const float *o, const float *h, co
     }
 }
 
-static void ref_rope(const ds41_ops *self, float *x, int n_pairs, const float *cs, int inverse) {
+static void ref_rope_table(const ds41_ops *self, const float *freqs, int n_pairs, const uint64_t *pos,
+                           size_t M, float *cs) {
     (void)self;
-    ds41_rope_apply(x, n_pairs, cs, inverse);
+    for (size_t m = 0; m < M; m++) ds41_rope_cos_sin(freqs, n_pairs, pos[m], cs + m * 2 * (size_t)n_pairs);
+}
+
+static void ref_rope(const ds41_ops *self, float *x, size_t M, int n_heads, size_t row_stride,
+                     size_t head_stride, int n_pairs, const float *cs, int inverse) {
+    (void)self;
+    for (size_t m = 0; m < M; m++)
+        for (int h = 0; h < n_heads; h++)
+            ds41_rope_apply(x + m * row_stride + (size_t)h * head_stride, n_pairs,
+                            cs + m * 2 * (size_t)n_pairs, inverse);
+}
+
+/* ---- compressor ------------------------------------------------------------------ */
+
+static void ref_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
+                              size_t hd, float *pooled) {
+    (void)self;
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *ex = scratch(st, (size_t)ratio * sizeof *ex);
+    const size_t group = (size_t)ratio * hd;
+    for (size_t g = 0; g < n; g++)
+        ds41_rm_compress_pool(kv + g * group, score + g * group, ratio, hd, ex, pooled + g * hd);
+    ds41_scratch_release(st, st_mark);
 }
 
 /* ---- indexer and attention ------------------------------------------------------- */
@@ -212,21 +237,61 @@ static float relu(float s) {
     return s > 0.0f ? s : 0.0f;
 }
 
-static void ref_index_scores(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
-                             const uint8_t *const *keys, size_t n_keys, float *out) {
+static void ref_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
+                             int dim, const ds41_kv_pages *keys, float *score, size_t score_stride) {
     (void)self;
     ds41_scratch *st = ref_stack();
     const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
     float *key = scratch(st, (size_t)dim * sizeof *key);
     float *terms = scratch(st, (size_t)n_heads * sizeof *terms);
-    for (size_t t = 0; t < n_keys; t++) {
-        ds41_kv_decode_index_key(layout, keys[t], key);
-        for (int h = 0; h < n_heads; h++) {
-            const float s = ds41_bf16_round(ds41_xdot_f32(q + (size_t)h * (size_t)dim, key, (size_t)dim));
-            terms[h] = ds41_bf16_round(relu(s) * w[h]);
+    const size_t qw = (size_t)n_heads * (size_t)dim;
+    for (size_t m = 0; m < M; m++) {
+        const float *qm = q + m * qw, *wm = w + m * (size_t)n_heads;
+        for (size_t t = 0; t < keys->row_reach[m]; t++) {
+            ds41_kv_decode_index_key(keys->layout, ds41_kv_pages_entry(keys, m, t), key);
+            for (int h = 0; h < n_heads; h++) {
+                const float s =
+                    ds41_bf16_round(ds41_xdot_f32(qm + (size_t)h * (size_t)dim, key, (size_t)dim));
+                terms[h] = ds41_bf16_round(relu(s) * wm[h]);
+            }
+            score[m * score_stride + t] = ds41_bf16_round(ds41_xsum_f32(terms, (size_t)n_heads));
         }
-        out[t] = ds41_bf16_round(ds41_xsum_f32(terms, (size_t)n_heads));
     }
+    ds41_scratch_release(st, st_mark);
+}
+
+static void ref_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
+                             const uint32_t *reach, size_t M, size_t block, size_t n_take, float *bscore,
+                             size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
+    (void)self;
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    int32_t *order = scratch(st, (bscore_stride ? bscore_stride : 1) * sizeof *order);
+    int32_t *tmp = scratch(st, (bscore_stride ? bscore_stride : 1) * sizeof *tmp);
+    for (size_t m = 0; m < M; m++) {
+        memset(allow + m * allow_stride, 0, allow_stride);
+        if (reach[m])
+            ds41_index_blocks_row(score + m * score_stride, reach[m], block, n_take,
+                                  bscore + m * bscore_stride, allow + m * allow_stride, order, tmp);
+    }
+    ds41_scratch_release(st, st_mark);
+}
+
+static void ref_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
+                           size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
+                           int32_t *sel, uint32_t *count) {
+    (void)self;
+    size_t max_reach = 1;
+    for (size_t m = 0; m < M; m++)
+        if (reach[m] > max_reach) max_reach = reach[m];
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    int32_t *order = scratch(st, max_reach * sizeof *order);
+    int32_t *tmp = scratch(st, max_reach * sizeof *tmp);
+    for (size_t m = 0; m < M; m++)
+        count[m] = (uint32_t)ds41_index_topk_row(score + m * score_stride, reach[m],
+                                                 allow ? allow + m * allow_stride : NULL, block, k,
+                                                 sel + m * k, order, tmp);
     ds41_scratch_release(st, st_mark);
 }
 
@@ -412,8 +477,12 @@ const ds41_ops ds41_ops_reference = {
     .hc_mix = ref_hc_mix,
     .hc_pre = ref_hc_pre,
     .hc_post = ref_hc_post,
+    .rope_table = ref_rope_table,
     .rope = ref_rope,
+    .compress_pool = ref_compress_pool,
     .index_scores = ref_index_scores,
+    .index_blocks = ref_index_blocks,
+    .index_topk = ref_index_topk,
     .sparse_attn = ref_sparse_attn,
     .swiglu = ref_swiglu,
     .router = ref_router,

@@ -370,6 +370,15 @@ int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const fl
     return 0;
 }
 
+const uint32_t *ds41_kv_seq_page_ids(const ds41_kv_seq *s, int source, uint32_t *n_pages) {
+    *n_pages = s->src[source].n_pages;
+    return s->src[source].pages;
+}
+
+const uint8_t *ds41_kv_pool_page(const ds41_kv_pool *pool, uint32_t id) {
+    return page_ptr(pool, id);
+}
+
 const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *s, int source, uint64_t entry) {
     const ds41_kv_layout *l = &s->pool->layout;
     uint32_t id = s->src[source].pages[entry / l->entries_per_page];

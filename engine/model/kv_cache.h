@@ -118,6 +118,17 @@ int ds41_kv_seq_append(ds41_kv_seq *seq, int source, const float *latent, const 
  * the next append to the sequence or its release. */
 const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t entry);
 
+/* The page table of a source: the ids of the pages holding entries 0, 1, ...
+ * (entries_per_page each), *n_pages of them; valid until the next append to
+ * the sequence or its release.  With ds41_kv_pool_page the forward pass
+ * describes every row's entries to an op per page, not per entry
+ * (engine/backend/ops.h: ds41_kv_pages). */
+const uint32_t *ds41_kv_seq_page_ids(const ds41_kv_seq *seq, int source, uint32_t *n_pages);
+
+/* The bytes of page `id` of the pool (entries_per_page packed entries of
+ * entry_bytes); valid for the pool's life. */
+const uint8_t *ds41_kv_pool_page(const ds41_kv_pool *pool, uint32_t id);
+
 /* Decode a packed entry's latent / index key to its exact values. */
 void ds41_kv_decode_latent(const ds41_kv_layout *l, const uint8_t *entry, float *out);
 void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, float *out);
