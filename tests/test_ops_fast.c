@@ -411,6 +411,35 @@ static void test_rope_and_pool(void) {
     }
 }
 
+/* The step's activation quantizers: bit for bit the reference over 5 rows (N not a multiple of
+ * 32, so a partial block per row), rows at a stride. */
+static void test_step_quant(void) {
+    enum { M = 5, N = 70, STRIDE = N + 3 + 2, QN = 96, WN = 5 };
+    static float x[M * N], q[M * QN], w[M * WN], qr[M * QN], wr[M * WN];
+    static uint8_t out[M * STRIDE], out_r[M * STRIDE];
+    fill_bf16(x, M * N, 50.0);
+    fill_bf16(qr, M * QN, 2.0);
+    fill_bf16(wr, M * WN, 1.0);
+    memset(out_r, 0x5a, sizeof out_r);
+    ds41_ops_reference.act_quant_fp8(&ds41_ops_reference, x, M, N, out_r, STRIDE);
+    static float q0[M * QN], w0[M * WN];
+    memcpy(q0, qr, sizeof q0);
+    memcpy(w0, wr, sizeof w0);
+    ds41_ops_reference.index_query(&ds41_ops_reference, qr, QN, wr, WN, M, 0.0625f);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        memset(out, 0x5a, sizeof out);
+        ops->act_quant_fp8(ops, x, M, N, out, STRIDE);
+        memcpy(q, q0, sizeof q);
+        memcpy(w, w0, sizeof w);
+        ops->index_query(ops, q, QN, w, WN, M, 0.0625f);
+        TAP_CHECK(memcmp(out, out_r, sizeof out) == 0 && memcmp(q, qr, sizeof q) == 0 &&
+                      memcmp(w, wr, sizeof w) == 0,
+                  "%s act_quant_fp8 and index_query of %d rows: bit for bit the reference",
+                  ds41_cpu_level_name(levels[li]), M);
+    }
+}
+
 static void test_attention(void) {
     ds41_kv_layout lay = {0};
     lay.latent_dim = 64;
@@ -741,6 +770,7 @@ int main(void) {
     test_linear_batch();
     test_norms_and_hc();
     test_rope_and_pool();
+    test_step_quant();
     test_attention();
     test_moe_engram_gathers();
     for (int i = 0; i < n_levels; i++) {

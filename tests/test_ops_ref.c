@@ -373,11 +373,40 @@ static void test_rope(void) {
     }
 }
 
+/* The step's activation quantizers: FP8 rows written at a stride with a gap (the gap untouched),
+ * the index queries' FP4 QDQ and weight scaling, each row as the single-row codec does it. */
+static void test_step_quant(void) {
+    enum { M = 3, N = 70, NS = (N + 31) / 32, STRIDE = N + NS + 5, QN = 64, WN = 3 };
+    static float x[M * N], q[M * QN], w[M * WN], q0[M * QN], w0[M * WN];
+    static uint8_t out[M * STRIDE], want[M * STRIDE];
+    fill_bf16(x, M * N, 100.0);
+    memset(out, 0xa5, sizeof out);
+    memset(want, 0xa5, sizeof want);
+    for (int m = 0; m < M; m++) ds41_act_quant(x + m * N, N, want + m * STRIDE, want + m * STRIDE + N);
+    ops->act_quant_fp8(ops, x, M, N, out, STRIDE);
+    TAP_CHECK(memcmp(out, want, sizeof out) == 0,
+              "act_quant_fp8 of %d rows at a stride: codes + ue8m0 scales per row, the gap untouched", M);
+    fill_bf16(q0, M * QN, 3.0);
+    fill_bf16(w0, M * WN, 1.0);
+    memcpy(q, q0, sizeof q);
+    memcpy(w, w0, sizeof w);
+    ops->index_query(ops, q, QN, w, WN, M, 0.125f * 1.5f);
+    int ok = 1;
+    for (int m = 0; m < M; m++) {
+        ds41_fp4_act_quant_ue8m0_qdq(q0 + m * QN, QN);
+        for (int i = 0; i < WN; i++)
+            ok &= bits(w[m * WN + i]) == bits(ds41_bf16_round(w0[m * WN + i] * (0.125f * 1.5f)));
+    }
+    TAP_CHECK(ok && memcmp(q, q0, sizeof q) == 0,
+              "index_query of %d rows: FP4 1x32 QDQ of each query row, w = bf16(w * scale)", M);
+}
+
 int main(void) {
     test_linear();
     test_rmsnorm();
     test_hc();
     test_rope();
+    test_step_quant();
     test_attention();
     test_moe_parts();
     test_engram_mix();

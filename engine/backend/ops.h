@@ -151,6 +151,20 @@ struct ds41_ops {
     void (*rope)(const ds41_ops *self, float *x, size_t M, int n_heads, size_t row_stride, size_t head_stride,
                  int n_pairs, const float *cs, int inverse);
 
+    /* FP8 activation quantization of a step (§2.2 act_quant, 1x32 blocks,
+     * ue8m0 scales): row m of x (n bf16 values) becomes n e4m3 codes then
+     * ceil(n/32) scale bytes at out + m*out_stride (the window ring's row
+     * format, engine/model/kv_cache.h), as ds41_act_quant.  The window KV of
+     * a step stays packed like this for its queries. */
+    void (*act_quant_fp8)(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
+                          size_t out_stride);
+
+    /* The index queries of a step (§2.10 steps 2-3), in place: each row of
+     * q [M][qn] gets the FP4 1x32 ue8m0 QDQ (ds41_fp4_act_quant_ue8m0_qdq)
+     * and each of w [M][wn] becomes bf16(w * scale). */
+    void (*index_query)(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
+                        float scale);
+
     /* Compressor pooling of a step's n completed groups (§2.9, the numpy
      * side's decision 12): kv and score [n][ratio][hd] are each group's fp32
      * kv and gate scores slot by slot (position mod ratio); per group and

@@ -216,6 +216,24 @@ static void ref_rope(const ds41_ops *self, float *x, size_t M, int n_heads, size
                             cs + m * 2 * (size_t)n_pairs, inverse);
 }
 
+/* ---- activation quantization ---------------------------------------------------- */
+
+static void ref_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
+                              size_t out_stride) {
+    (void)self;
+    for (size_t m = 0; m < M; m++)
+        ds41_act_quant(x + m * n, n, out + m * out_stride, out + m * out_stride + n);
+}
+
+static void ref_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
+                            float scale) {
+    (void)self;
+    for (size_t m = 0; m < M; m++) {
+        ds41_fp4_act_quant_ue8m0_qdq(q + m * qn, qn);
+        for (size_t i = 0; i < wn; i++) w[m * wn + i] = ds41_bf16_round(w[m * wn + i] * scale);
+    }
+}
+
 /* ---- compressor ------------------------------------------------------------------ */
 
 static void ref_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
@@ -479,6 +497,8 @@ const ds41_ops ds41_ops_reference = {
     .hc_post = ref_hc_post,
     .rope_table = ref_rope_table,
     .rope = ref_rope,
+    .act_quant_fp8 = ref_act_quant_fp8,
+    .index_query = ref_index_query,
     .compress_pool = ref_compress_pool,
     .index_scores = ref_index_scores,
     .index_blocks = ref_index_blocks,

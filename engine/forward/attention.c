@@ -3,11 +3,6 @@
  * (REFERENCE.md §2.8-2.11, §9, §10.7). */
 #include "engine/forward/forward_internal.h"
 
-#include "engine/model/quant.h"
-#include "engine/backend/refmath.h"
-
-#include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* Scratch of the step (forward_internal.h: ds41_engine.scratch). */
@@ -229,10 +224,7 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
     ops->linear(ops, &lw->idx_wq_b, qr, M, q, DS41_OUT_BF16_EXACT);
     ops->linear(ops, &lw->idx_weights_proj, xn, M, w, DS41_OUT_BF16_EXACT);
     ops->rope(ops, q + (size_t)(ihd - rd), M, nh, qw, (size_t)ihd, rd / 2, b->rope_cs, 0);
-    for (size_t r = 0; r < M; r++) {
-        ds41_fp4_act_quant_ue8m0_qdq(q + r * qw, qw);
-        for (int h = 0; h < nh; h++) w[r * (size_t)nh + (size_t)h] = ds41_bf16_round(w[r * (size_t)nh + (size_t)h] * e->index_scale);
-    }
+    ops->index_query(ops, q, qw, w, (size_t)nh, M, e->index_scale);
 
     /* Metadata: each row's reach and its sequence's page table (the
      * entries the compressor appended this step included). */
@@ -345,8 +337,7 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     ops->linear(ops, &lw->wkv, xn, M, kvraw, DS41_OUT_BF16);
     ops->rmsnorm(ops, lw->kv_norm, kvraw, M, hd, e->norm_eps, kv);
     ops->rope(ops, kv + hd - (size_t)rd, M, 1, hd, hd, rd / 2, b->rope_cs, 0);
-    for (size_t r = 0; r < M; r++)
-        ds41_act_quant(kv + r * hd, hd, chunk_rows + r * row_bytes, chunk_rows + r * row_bytes + hd);
+    ops->act_quant_fp8(ops, kv, M, hd, chunk_rows, row_bytes);
 
     if (role->kv_source && (rc = compressor(e, b, L, xn, err)) != 0) goto out;
     if (role->ratio > 0 && role->index_source && (rc = indexer(e, b, L, xn, qr, err)) != 0) goto out;

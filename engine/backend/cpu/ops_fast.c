@@ -743,6 +743,47 @@ static void fast_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t 
     ds41_ops_reference.fp8_rows(self, q, scale, rows, n, cols, out);
 }
 
+/* ---- activation quantization ----------------------------------------------------------------- */
+
+typedef struct quant_job {
+    const float *x;
+    float *q, *w;
+    size_t n, wn;
+    uint8_t *out;
+    size_t out_stride;
+    float scale;
+} quant_job;
+
+static void act_quant_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    quant_job *j = p;
+    for (size_t m = b; m < e; m++)
+        ds41_act_quant(j->x + m * j->n, j->n, j->out + m * j->out_stride, j->out + m * j->out_stride + j->n);
+}
+
+/* Rows in parallel, each the reference's quantizer (bit for bit). */
+static void fast_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
+                               size_t out_stride) {
+    quant_job j = {.x = x, .n = n, .out = out, .out_stride = out_stride};
+    rows_parallel(ctx_of(self), M, 8 * n, act_quant_task, &j);
+}
+
+static void index_query_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    quant_job *j = p;
+    for (size_t m = b; m < e; m++) {
+        ds41_fp4_act_quant_ue8m0_qdq(j->q + m * j->n, j->n);
+        for (size_t i = 0; i < j->wn; i++)
+            j->w[m * j->wn + i] = fast_bf16_round(j->w[m * j->wn + i] * j->scale);
+    }
+}
+
+static void fast_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
+                             float scale) {
+    quant_job j = {.q = q, .w = w, .n = qn, .wn = wn, .scale = scale};
+    rows_parallel(ctx_of(self), M, 8 * qn, index_query_task, &j);
+}
+
 /* ---- compressor ------------------------------------------------------------------------------ */
 
 typedef struct pool_job {
@@ -1105,6 +1146,8 @@ static const ds41_ops fast_ops_template = {
     .hc_post = fast_hc_post,
     .rope_table = fast_rope_table,
     .rope = fast_rope,
+    .act_quant_fp8 = fast_act_quant_fp8,
+    .index_query = fast_index_query,
     .compress_pool = fast_compress_pool,
     .index_scores = fast_index_scores,
     .index_blocks = fast_index_blocks,
