@@ -223,6 +223,15 @@ struct ds41_ops {
      * bf16(h). */
     void (*swiglu)(const ds41_ops *self, const float *g, const float *u, size_t M, size_t n, float limit, const float *route, float *out);
 
+    /* MoE combine of M tokens (§2.6, fp32 per §1.7): token m's k routed
+     * expert outputs are the rows oe[slot[m*k + j]] ([D] each), j < k, in
+     * increasing expert id; out[m][d] = bf16(y + shared[m][d]) with y their
+     * fp32 sum from 0 in that order (ds41_rm_moe_combine_token).  A gather
+     * per token through slot indices (no scatter into shared rows, no order
+     * between threads), so tokens run in parallel on any backend. */
+    void (*moe_combine)(const ds41_ops *self, const float *oe, const uint32_t *slot, size_t k,
+                        const float *shared, size_t M, size_t D, float *out);
+
     /* Router of M tokens over E experts (§2.6 Gate, §9.2, §10.4): logits
      * [M][E] are the fp32 gate matmul outputs (already divided by gate_temp);
      * score = sqrt(softplus(logit)); the k experts with the highest

@@ -392,6 +392,13 @@ static void ref_swiglu(const ds41_ops *self, const float *g, const float *u, siz
         }
 }
 
+static void ref_moe_combine(const ds41_ops *self, const float *oe, const uint32_t *slot, size_t k,
+                            const float *shared, size_t M, size_t D, float *out) {
+    (void)self;
+    for (size_t m = 0; m < M; m++)
+        ds41_rm_moe_combine_token(oe, slot + m * k, k, shared + m * D, D, out + m * D);
+}
+
 static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale,
                        int32_t *sel, float *weight) {
     (void)self;
@@ -505,6 +512,7 @@ const ds41_ops ds41_ops_reference = {
     .index_topk = ref_index_topk,
     .sparse_attn = ref_sparse_attn,
     .swiglu = ref_swiglu,
+    .moe_combine = ref_moe_combine,
     .router = ref_router,
     .engram_mix = ref_engram_mix,
     .embed = ref_embed,

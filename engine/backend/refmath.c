@@ -484,6 +484,17 @@ void ds41_rope_apply(float *x, int n_pairs, const float *cs, int inverse) {
 }
 
 /* see refmath.h */
+void ds41_rm_moe_combine_token(const float *oe, const uint32_t *slot, size_t n, const float *shared, size_t D,
+                               float *out) {
+    for (size_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (size_t j = 0; j < n; j++) {
+        const float *o = oe + (size_t)slot[j] * D;
+        for (size_t d = 0; d < D; d++) out[d] = out[d] + o[d];
+    }
+    for (size_t d = 0; d < D; d++) out[d] = ds41_bf16_round(out[d] + shared[d]);
+}
+
+/* see refmath.h */
 void ds41_rm_compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex,
                            float *pooled) {
     for (size_t ch = 0; ch < hd; ch++) {

@@ -112,15 +112,8 @@ void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const fl
 /* cos/sin for layer L at every row's position into b->rope_cs (cached per layer). */
 void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);
 
-/* The step below is a sub-layer's arithmetic as a pure function, so tests can give it inputs the
- * generated checkpoints never produce (magnitudes 2^24 apart).  (Compressor pooling and the
- * indexer's decisions are backend ops: engine/backend/ops.h, engine/backend/index_select.h.) */
-
-/* The MoE combine (§2.6, fp32 per §1.7): oe holds `total` routed expert outputs [total][D] in slot order
- * (expert by expert in increasing id, so each token meets its experts in increasing id), rows[i] the token of
- * slot i, then the shared expert's M rows.  y[M][D] <- fp32 sum of each token's routed outputs in that order,
- * starting from 0; out[M][D] <- bf16(y + shared). */
-void ds41__moe_combine(const float *oe, const size_t *rows, size_t total, size_t M, size_t D, float *y,
-                       float *out);
+/* Compressor pooling, the indexer's decisions and the MoE combine are backend ops
+ * (engine/backend/ops.h; per row engine/backend/index_select.h, engine/backend/refmath.h), which
+ * tests give inputs the generated checkpoints never produce (tests/test_forward_steps.c). */
 
 #endif

@@ -1088,6 +1088,28 @@ static void fast_swiglu(const ds41_ops *self, const float *g, const float *u, si
     PROF_END(c, P_SWIGLU, 0);
 }
 
+typedef struct combine_job {
+    const float *oe, *shared;
+    const uint32_t *slot;
+    size_t k, D;
+    float *out;
+} combine_job;
+
+static void combine_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    combine_job *j = p;
+    for (size_t m = b; m < e; m++)
+        ds41_rm_moe_combine_token(j->oe, j->slot + m * j->k, j->k, j->shared + m * j->D, j->D,
+                                  j->out + m * j->D);
+}
+
+/* Tokens in parallel, each the reference's combine (bit for bit). */
+static void fast_moe_combine(const ds41_ops *self, const float *oe, const uint32_t *slot, size_t k,
+                             const float *shared, size_t M, size_t D, float *out) {
+    combine_job j = {.oe = oe, .shared = shared, .slot = slot, .k = k, .D = D, .out = out};
+    rows_parallel(ctx_of(self), M, (k + 1) * D, combine_task, &j);
+}
+
 /* The reference's Engram gating (§6.4, §10.6) with double sums. */
 static void engram_task(void *p, size_t b, size_t e, int th) {
     elem_job *j = p;
@@ -1154,6 +1176,7 @@ static const ds41_ops fast_ops_template = {
     .index_topk = fast_index_topk,
     .sparse_attn = fast_sparse_attn,
     .swiglu = fast_swiglu,
+    .moe_combine = fast_moe_combine,
     .router = fast_router,
     .engram_mix = fast_engram_mix,
     .embed = fast_embed,
