@@ -13,11 +13,12 @@
  *  - the other ops (norms, hc mixes, attention, index scores, SwiGLU, Engram,
  *    gathers) against the reference within their rounding. */
 #include "engine/backend/backend.h"
-#include "engine/backend/ops.h"
 #include "engine/backend/cpu/cpu_backend.h"
 #include "engine/backend/cpu/fast_kernels.h"
-#include "engine/model/quant.h"
+#include "engine/backend/ops.h"
 #include "engine/backend/refmath.h"
+#include "engine/model/quant.h"
+#include "tests/index_pages.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -481,12 +482,9 @@ static void test_attention(void) {
     /* Index scores of 4 rows over pages of 8 entries (a full reach, none, part, one entry). */
     enum { NH = 4, ID = 32, IM = 4, PER = 8, NP = (NC + PER - 1) / PER };
     static float iq[IM * NH * ID], iw[IM * NH], sc[IM * NC], sc_r[IM * NC];
-    fill_bf16(iq, IM * NH * ID, 1.0);
-    for (int m = 0; m < IM; m++) ds41_fp4_act_quant_ue8m0_qdq(iq + m * NH * ID, NH * ID);
-    for (int i = 0; i < IM * NH; i++) iw[i] = bfr(urand() / 64.0);
+    index_test_queries(iq, iw, IM, NH, ID, urand);
     const uint8_t *pages[NP];
-    for (int p = 0; p < NP; p++) pages[p] = ent[p * PER];
-    lay.entries_per_page = PER;
+    index_test_pages(&lay, ent[0], NC, PER, pages);
     const size_t row_table[IM] = {0, 0, 0, 0};
     const uint32_t reach[IM] = {NC, 0, 41, 1};
     const ds41_kv_pages keys = {.layout = &lay, .pages = pages, .row_table = row_table, .row_reach = reach};

@@ -3,8 +3,9 @@
  * rounding points allow) and against the exact rules of §10 where a value is
  * determined bit for bit. */
 #include "engine/backend/ops.h"
-#include "engine/model/quant.h"
 #include "engine/backend/refmath.h"
+#include "engine/model/quant.h"
+#include "tests/index_pages.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -257,12 +258,9 @@ static void test_attention(void) {
      * 16 entries (the last partly filled): a full reach, none, part; scores past a reach untouched. */
     enum { NH = 4, ID = 32, IM = 3, PER = 16, NP = (NC + PER - 1) / PER };
     static float iq[IM * NH * ID], iw[IM * NH], sc[IM * NC];
-    fill_bf16(iq, IM * NH * ID, 1.0);
-    for (int m = 0; m < IM; m++) ds41_fp4_act_quant_ue8m0_qdq(iq + m * NH * ID, NH * ID);
-    for (int i = 0; i < IM * NH; i++) iw[i] = bfr(urand() / 64.0);
+    index_test_queries(iq, iw, IM, NH, ID, urand);
     const uint8_t *pages[NP];
-    for (int p = 0; p < NP; p++) pages[p] = ent[p * PER];
-    lay.entries_per_page = PER;
+    index_test_pages(&lay, ent[0], NC, PER, pages);
     const size_t row_table[IM] = {0, 0, 0};
     const uint32_t reach[IM] = {NC, 0, 37};
     const ds41_kv_pages keys = {.layout = &lay, .pages = pages, .row_table = row_table, .row_reach = reach};
