@@ -539,7 +539,7 @@ static void test_moe_engram_gathers(void) {
     int32_t sr[M * K], sf[M * K];
     for (int i = 0; i < M * E; i++) logits[i] = (float)(urand() * 4);
     for (int i = 0; i < E; i++) bias[i] = (float)(urand() * 0.1);
-    ds41_ops_reference.router(&ds41_ops_reference, logits, bias, M, E, K, 1.5f, sr, wr);
+    ds41_ops_reference.router(&ds41_ops_reference, logits, bias, M, E, K, 1.0f, 1.5f, sr, wr, NULL);
     enum { hc = 4, D = 48 };
     static float h[M * hc * D], h0[M * hc * D], href[M * hc * D], kv[M * (hc + 1) * D], wqk[hc * D];
     fill_bf16(h0, M * hc * D, 1.0);
@@ -568,7 +568,7 @@ static void test_moe_engram_gathers(void) {
         int ok = 1;
         for (int i = 0; i < M * I; i++) ok &= fabsf(hf[i] - hr[i]) <= 0x1p-8 * fabsf(hr[i]) + 1e-30f;
         TAP_CHECK(ok, "%s swiglu: clamps, route weight, bf16 output within a bf16 ulp of the reference", ln);
-        ops->router(ops, logits, bias, M, E, K, 1.5f, sf, wf);
+        ops->router(ops, logits, bias, M, E, K, 1.0f, 1.5f, sf, wf, NULL);
         TAP_CHECK(memcmp(sr, sf, sizeof sr) == 0 && memcmp(wr, wf, sizeof wr) == 0, "%s router = reference",
                   ln);
         memcpy(h, h0, sizeof h0);

@@ -294,7 +294,8 @@ static void test_moe_parts(void) {
     float bias[E] = {0, 0, 0, 0, 10.0f, 0};
     int32_t sel[K];
     float w[K];
-    ops->router(ops, logits, bias, 1, E, K, 1.5f, sel, w);
+    float selection[E];
+    ops->router(ops, logits, bias, 1, E, K, 1.0f, 1.5f, sel, w, selection);
     TAP_CHECK(sel[0] == 4 && sel[1] == 5 && sel[2] == 1, "router: bias only selects, ties go to the lower id (got %d %d %d)",
               sel[0], sel[1], sel[2]);
     float s4 = ds41_rm_sqrt(ds41_rm_softplus(-1.0f)), s5 = ds41_rm_sqrt(ds41_rm_softplus(3.0f)),
@@ -303,9 +304,23 @@ static void test_moe_parts(void) {
     float d = sum + 1e-20f;
     TAP_CHECK(bits(w[0]) == bits((s4 / d) * 1.5f) && bits(w[2]) == bits((s1 / d) * 1.5f),
               "router weights: unbiased sqrt(softplus), normalised in choice order, times route_scale");
+    int ok_sel = 1;
+    for (int e = 0; e < E; e++)
+        ok_sel &= bits(selection[e]) == bits(ds41_rm_sqrt(ds41_rm_softplus(logits[e])) + bias[e]);
+    TAP_CHECK(
+        ok_sel,
+        "router: the selection scores it ranked, sqrt(softplus(logit)) + bias, come out with the choice");
+    /* gate_temp divides the logits: logits x4 at temperature 4 are the same decision, bit for bit. */
+    float logits4[E], w4[K], selection4[E];
+    int32_t sel4[K];
+    for (int e = 0; e < E; e++) logits4[e] = logits[e] * 4.0f;
+    ops->router(ops, logits4, bias, 1, E, K, 4.0f, 1.5f, sel4, w4, selection4);
+    TAP_CHECK(memcmp(sel4, sel, sizeof sel) == 0 && memcmp(w4, w, sizeof w) == 0 &&
+                  memcmp(selection4, selection, sizeof selection) == 0,
+              "router: gate_temp divides the logits (x4 at temperature 4 = x1 at 1, bit for bit)");
     float w1[1];
     int32_t sel1[1];
-    ops->router(ops, logits, bias, 1, E, 1, 1.5f, sel1, w1);
+    ops->router(ops, logits, bias, 1, E, 1, 1.0f, 1.5f, sel1, w1, NULL);
     TAP_CHECK(sel1[0] == 4 && bits(w1[0]) == bits(s4 * 1.5f), "router with k = 1: no normalisation, route_scale applied");
 
     float g[4] = {12.0f, -3.0f, 1.0f, 0.5f}, u[4] = {20.0f, -30.0f, 2.0f, -1.0f}, route[1] = {0.5f}, h[4];

@@ -233,14 +233,17 @@ struct ds41_ops {
                         const float *shared, size_t M, size_t D, float *out);
 
     /* Router of M tokens over E experts (§2.6 Gate, §9.2, §10.4): logits
-     * [M][E] are the fp32 gate matmul outputs (already divided by gate_temp);
-     * score = sqrt(softplus(logit)); the k experts with the highest
+     * [M][E] are the fp32 gate matmul outputs; score =
+     * sqrt(softplus(fp32(logit / gate_temp))); the k experts with the highest
      * fp32(score + bias) are chosen (ties: lower expert id), in that order
      * (descending biased score, equal: lower id first) into sel[m][k];
      * weight[m][k] = score at the choice, divided by fp32(short sum in choice
-     * order + 1e-20) when k > 1, then times route_scale. */
-    void (*router)(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale, int32_t *sel,
-                   float *weight);
+     * order + 1e-20) when k > 1, then times route_scale.  selection, when not
+     * NULL, receives [M][E] the fp32(score + bias) the choice ranked: the
+     * decision's scores (the §10.1 dump's expert_score), from the op, so the
+     * host computes nothing to report them. */
+    void (*router)(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k,
+                   float gate_temp, float route_scale, int32_t *sel, float *weight, float *selection);
 
     /* Engram gating (§6.4 steps 3-5, §10.6) of M tokens, in place on
      * h[m] ([hc][dim] bf16 values): kv[m] is the wkv output

@@ -399,8 +399,8 @@ static void ref_moe_combine(const ds41_ops *self, const float *oe, const uint32_
         ds41_rm_moe_combine_token(oe, slot + m * k, k, shared + m * D, D, out + m * D);
 }
 
-static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale,
-                       int32_t *sel, float *weight) {
+static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k,
+                       float gate_temp, float route_scale, int32_t *sel, float *weight, float *selection) {
     (void)self;
     ds41_scratch *st = ref_stack();
     const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
@@ -409,9 +409,11 @@ static void ref_router(const ds41_ops *self, const float *logits, const float *b
     unsigned char *taken = scratch(st, (size_t)E);
     for (size_t m = 0; m < M; m++) {
         for (int e = 0; e < E; e++) {
-            score[e] = ds41_rm_sqrt(ds41_rm_softplus(logits[m * (size_t)E + (size_t)e]));
+            const float z = logits[m * (size_t)E + (size_t)e] / gate_temp;
+            score[e] = ds41_rm_sqrt(ds41_rm_softplus(z));
             biased[e] = score[e] + bias[e];
             taken[e] = 0;
+            if (selection) selection[m * (size_t)E + (size_t)e] = biased[e];
         }
         int32_t *s = sel + m * (size_t)k;
         float *w = weight + m * (size_t)k;

@@ -45,9 +45,8 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
     if (logits && sel && wts && want && list) {
         memset(want, 0, (size_t)E2);
         e->ops->linear(e->ops, &lw2->gate, xn, M, logits, DS41_OUT_F32);
-        if (e->gate_temp != 1.0f)
-            for (size_t i = 0; i < M * (size_t)E2; i++) logits[i] = logits[i] / e->gate_temp;
-        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->route_scale, sel, wts);
+        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->gate_temp, e->route_scale, sel, wts,
+                       NULL);
         /* In rank order (every token's first choice, then its second, ...)
          * so the likeliest experts are read first and extra candidates last. */
         size_t n = 0;
@@ -216,19 +215,15 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
 
     /* Router: fp32 matmul against the (exactly upcast) bf16 gate weight. */
     ops->linear(ops, &lw->gate, xn, M, logits, DS41_OUT_F32);
-    if (e->gate_temp != 1.0f)
-        for (size_t i = 0; i < M * (size_t)E; i++) logits[i] = logits[i] / e->gate_temp;
-    ops->router(ops, logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
-    if (b->hooks && b->hooks->decision) {
-        /* The selection scores the router ranked (ops.h router). */
-        for (size_t r = 0; r < M; r++) {
-            float *sc = logits + r * (size_t)E;
-            for (int ex = 0; ex < E; ex++)
-                sc[ex] = ds41_rm_sqrt(ds41_rm_softplus(sc[ex])) + lw->gate_bias[ex];
-            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k, sc,
-                                  (size_t)E);
-        }
-    }
+    /* The selection scores the router ranked (ops.h router) are wanted only
+     * to report the decision; they overwrite the logits, read no more. */
+    const bool report = b->hooks && b->hooks->decision;
+    ops->router(ops, logits, lw->gate_bias, M, E, k, e->gate_temp, e->route_scale, sel, wts,
+                report ? logits : NULL);
+    if (report)
+        for (size_t r = 0; r < M; r++)
+            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k,
+                                  logits + r * (size_t)E, (size_t)E);
 
     /* Gather: expert by expert in increasing id, its tokens in row order. */
     for (size_t i = 0; i < total; i++) count[sel[i]]++;

@@ -726,9 +726,9 @@ static void fast_rope(const ds41_ops *self, float *x, size_t M, int n_heads, siz
 }
 
 static void fast_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k,
-                        float route_scale, int32_t *sel, float *weight) {
+                        float gate_temp, float route_scale, int32_t *sel, float *weight, float *selection) {
     ctx_of(self)->st.weight_bytes += (uint64_t)E * sizeof(float);
-    ds41_ops_reference.router(self, logits, bias, M, E, k, route_scale, sel, weight);
+    ds41_ops_reference.router(self, logits, bias, M, E, k, gate_temp, route_scale, sel, weight, selection);
 }
 
 static void fast_embed(const ds41_ops *self, const uint16_t *table, const int32_t *ids, size_t M, int hc,
