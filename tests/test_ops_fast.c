@@ -18,6 +18,7 @@
 #include "engine/backend/ops.h"
 #include "engine/backend/refmath.h"
 #include "engine/model/quant.h"
+#include "tests/attn_step.h"
 #include "tests/index_pages.h"
 #include "tests/tap.h"
 
@@ -525,6 +526,12 @@ static void test_attention(void) {
                   "%s index scores of %d rows over paged keys: within the reference's bf16 roundings, "
                   "nothing past a row's reach",
                   ln, IM);
+        static attn_step_case t;
+        static float sq[ATTN_STEP_M * H * hd], so[ATTN_STEP_M * H * hd], sw[ATTN_STEP_M * H * hd];
+        attn_step_case_init(&t, &lay, wrow[0], ent[0], NC);
+        fill_bf16(sq, ATTN_STEP_M * H * hd, 0.5);
+        TAP_CHECK(attn_step_check(ops, &t, sq, H, hd, sink, scale, so, sw),
+                  "%s attend over a step of 2 sequences = sparse_attn row by row, bit for bit", ln);
     }
 }
 

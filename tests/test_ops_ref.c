@@ -5,6 +5,7 @@
 #include "engine/backend/ops.h"
 #include "engine/backend/refmath.h"
 #include "engine/model/quant.h"
+#include "tests/attn_step.h"
 #include "tests/index_pages.h"
 #include "tests/tap.h"
 
@@ -285,6 +286,15 @@ static void test_attention(void) {
     TAP_CHECK(ok_idx,
               "index scores of 3 rows over paged keys: relu per head, times w, summed in bf16 (§2.10 step "
               "4); nothing past a row's reach");
+
+    /* attend: a step of two sequences (ring rows, this step's rows, paged entries). */
+    static attn_step_case t;
+    static float sq[ATTN_STEP_M * H * hd], so[ATTN_STEP_M * H * hd], sw[ATTN_STEP_M * H * hd];
+    attn_step_case_init(&t, &lay, wrow[0], ent[0], NC);
+    fill_bf16(sq, ATTN_STEP_M * H * hd, 0.5);
+    TAP_CHECK(
+        attn_step_check(ops, &t, sq, H, hd, sink, scale, so, sw),
+        "attend over a step of 2 sequences (rings, the step's rows, paged entries) = sparse_attn row by row");
 }
 
 static void test_moe_parts(void) {

@@ -94,6 +94,48 @@ static inline const uint8_t *ds41_kv_pages_entry(const ds41_kv_pages *k, size_t 
     return k->pages[k->row_table[m] + t / per] + (size_t)(t % per) * k->layout->entry_bytes;
 }
 
+/* What every query row of a step attends (§2.4, §10.7, the canonical
+ * order): its window, positions max(0, pos+1-window) .. pos ascending, then
+ * its compressed entries, the index selection ascending.  Metadata and a
+ * few bases, no pointer per row: window position p of row m (item i =
+ * row_item[m]) is the step's own packed row chunk + (item_row0[i] + p -
+ * item_pos0[i]) * ring_row_bytes when p >= item_pos0[i] (this step wrote
+ * it), else slot p % window of the item's ring, rings[i] + slot *
+ * ring_row_bytes (engine/model/kv_cache.h); compressed entry sel[m *
+ * sel_stride + j], j < count[m], through comp's page tables (row_reach not
+ * read).  sel NULL: a window-only layer. */
+typedef struct ds41_attn_step {
+    const ds41_kv_layout *layout;
+    uint32_t window;
+    const uint8_t *chunk;        /* [M][ring_row_bytes] the step's window rows */
+    const uint8_t *const *rings; /* [n_items] each sequence's ring of the layer */
+    const size_t *row_item;      /* [M] */
+    const uint64_t *row_pos;     /* [M] */
+    const size_t *item_row0;     /* [n_items] first row of each item */
+    const uint64_t *item_pos0;   /* [n_items] its position */
+    const int32_t *sel;          /* [M][sel_stride] or NULL */
+    const uint32_t *count;       /* [M] */
+    size_t sel_stride;
+    ds41_kv_pages comp;
+} ds41_attn_step;
+
+/* Row m of a step as the per-query list sparse_attn takes (wrows: window
+ * pointers, crows: sel_stride pointers of the caller's scratch). */
+static inline ds41_attn_rows ds41_attn_step_rows(const ds41_attn_step *s, size_t m, const uint8_t **wrows,
+                                                 const uint8_t **crows) {
+    const size_t it = s->row_item[m], rb = s->layout->ring_row_bytes;
+    const uint64_t a = s->row_pos[m], p0 = s->item_pos0[it], W = s->window;
+    const uint64_t first = a + 1 > W ? a + 1 - W : 0;
+    ds41_attn_rows rows = {.layout = s->layout, .window = wrows, .comp = crows};
+    for (uint64_t pos = first; pos <= a; pos++)
+        wrows[rows.n_window++] = pos >= p0 ? s->chunk + (s->item_row0[it] + (size_t)(pos - p0)) * rb
+                                           : s->rings[it] + (size_t)(pos % W) * rb;
+    if (s->sel)
+        for (uint32_t j = 0; j < s->count[m]; j++)
+            crows[rows.n_comp++] = ds41_kv_pages_entry(&s->comp, m, (size_t)s->sel[m * s->sel_stride + j]);
+    return rows;
+}
+
 typedef struct ds41_ops ds41_ops;
 
 struct ds41_ops {
@@ -211,11 +253,22 @@ struct ds41_ops {
                        size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
                        int32_t *sel, uint32_t *count);
 
-    /* Sparse attention of one query position (§2.4, §10.7): q [n_heads][head_dim]
+    /* The per-query kernel attend is defined by (the CPU backends run it
+     * row by row; tests check it directly).
+     * Sparse attention of one query position (§2.4, §10.7): q [n_heads][head_dim]
      * bf16 values, sink [n_heads], scale = fp32(head_dim^-0.5); out
      * [n_heads][head_dim] bf16 values.  rows->n_window + n_comp >= 1. */
     void (*sparse_attn)(const ds41_ops *self, const float *q, int n_heads, int head_dim, const float *sink, float scale,
                         const ds41_attn_rows *rows, float *out);
+
+    /* Sparse attention of a whole step: row m's query q + m*n_heads*head_dim
+     * attends the rows `step` describes for it (ds41_attn_step), out + m *
+     * n_heads*head_dim as sparse_attn.  The op the forward pass calls: one
+     * call per layer with per-row metadata; the CPU backends run their
+     * sparse_attn kernel row by row through ds41_attn_step_rows, a device
+     * backend one launch over the step. */
+    void (*attend)(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
+                   const float *sink, float scale, const ds41_attn_step *step, float *out);
 
     /* SwiGLU of M rows of n (§2.6): g, u bf16 values (w1, w3 outputs);
      * limit > 0 clamps u to [-limit, limit] and g from above; h = silu(g) * u;

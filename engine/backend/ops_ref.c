@@ -374,6 +374,22 @@ static void ref_sparse_attn(const ds41_ops *self, const float *q, int n_heads, i
     ds41_scratch_release(st, st_mark);
 }
 
+/* Row by row through the table's sparse_attn (a wrapping backend sees each
+ * query, tests/test_forward.c). */
+static void ref_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
+                       const float *sink, float scale, const ds41_attn_step *step, float *out) {
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    const uint8_t **wrows = scratch(st, step->window * sizeof *wrows);
+    const uint8_t **crows = scratch(st, (step->sel_stride ? step->sel_stride : 1) * sizeof *crows);
+    const size_t qo = (size_t)n_heads * (size_t)head_dim;
+    for (size_t m = 0; m < M; m++) {
+        const ds41_attn_rows rows = ds41_attn_step_rows(step, m, wrows, crows);
+        self->sparse_attn(self, q + m * qo, n_heads, head_dim, sink, scale, &rows, out + m * qo);
+    }
+    ds41_scratch_release(st, st_mark);
+}
+
 /* ---- MoE ------------------------------------------------------------------------------ */
 
 static void ref_swiglu(const ds41_ops *self, const float *g, const float *u, size_t M, size_t n, float limit, const float *route,
@@ -513,6 +529,7 @@ const ds41_ops ds41_ops_reference = {
     .index_blocks = ref_index_blocks,
     .index_topk = ref_index_topk,
     .sparse_attn = ref_sparse_attn,
+    .attend = ref_attend,
     .swiglu = ref_swiglu,
     .moe_combine = ref_moe_combine,
     .router = ref_router,

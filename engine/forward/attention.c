@@ -165,6 +165,32 @@ static uint64_t step_max_reach(const fwd_batch *b, int ratio) {
     return max_reach;
 }
 
+/* The page tables of source `src` for the step's rows: pages (the items'
+ * tables concatenated, from the step's scratch) and row_table[M] (where
+ * each row's table starts), as ds41_kv_pages describes them.  NULL on out
+ * of memory. */
+static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, size_t *row_table) {
+    const ds41_kv_pool *pool = ds41_kv_seq_pool(b->items[0].seq);
+    size_t *item_table = step_buf(e, b->n_items * sizeof *item_table);
+    if (!item_table) return NULL;
+    size_t n_ids = 0;
+    for (size_t it = 0; it < b->n_items; it++) {
+        uint32_t np;
+        (void)ds41_kv_seq_page_ids(b->items[it].seq, src, &np);
+        item_table[it] = n_ids;
+        n_ids += np;
+    }
+    const uint8_t **pages = step_buf(e, (n_ids ? n_ids : 1) * sizeof *pages);
+    if (!pages) return NULL;
+    for (size_t it = 0; it < b->n_items; it++) {
+        uint32_t np;
+        const uint32_t *ids = ds41_kv_seq_page_ids(b->items[it].seq, src, &np);
+        for (uint32_t i = 0; i < np; i++) pages[item_table[it] + i] = ds41_kv_pool_page(pool, ids[i]);
+    }
+    for (size_t r = 0; r < b->M; r++) row_table[r] = item_table[b->row_item[r]];
+    return pages;
+}
+
 /* Report the step's candidate blocks (kept block ids ascending, with the
  * block scores) and index selections to the batch's hook.  The decisions
  * themselves were made by the ops; this only reads them. */
@@ -210,11 +236,9 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
     float *score = step_buf(e, M * stride * sizeof *score);
     uint32_t *reach = step_buf(e, M * sizeof *reach);
     size_t *row_table = step_buf(e, M * sizeof *row_table);
-    size_t *item_table = step_buf(e, b->n_items * sizeof *item_table);
     float *bscore = role->candidate_source ? step_buf(e, M * nb_stride * sizeof *bscore) : NULL;
     int32_t *kept = role->candidate_source ? step_buf(e, nb_stride * sizeof *kept) : NULL;
-    if (!q || !w || !score || !reach || !row_table || !item_table ||
-        (role->candidate_source && (!bscore || !kept))) {
+    if (!q || !w || !score || !reach || !row_table || (role->candidate_source && (!bscore || !kept))) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -228,28 +252,12 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
 
     /* Metadata: each row's reach and its sequence's page table (the
      * entries the compressor appended this step included). */
-    size_t n_ids = 0;
-    for (size_t it = 0; it < b->n_items; it++) {
-        uint32_t np;
-        (void)ds41_kv_seq_page_ids(b->items[it].seq, ks, &np);
-        item_table[it] = n_ids;
-        n_ids += np;
-    }
-    const uint8_t **pages = step_buf(e, (n_ids ? n_ids : 1) * sizeof *pages);
+    const uint8_t **pages = step_pages(e, b, ks, row_table);
     if (!pages) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
-    const ds41_kv_pool *pool = ds41_kv_seq_pool(b->items[0].seq);
-    for (size_t it = 0; it < b->n_items; it++) {
-        uint32_t np;
-        const uint32_t *ids = ds41_kv_seq_page_ids(b->items[it].seq, ks, &np);
-        for (uint32_t i = 0; i < np; i++) pages[item_table[it] + i] = ds41_kv_pool_page(pool, ids[i]);
-    }
-    for (size_t r = 0; r < M; r++) {
-        reach[r] = (uint32_t)((b->row_pos[r] + 1) / (uint64_t)ratio);
-        row_table[r] = item_table[b->row_item[r]];
-    }
+    for (size_t r = 0; r < M; r++) reach[r] = (uint32_t)((b->row_pos[r] + 1) / (uint64_t)ratio);
     const ds41_kv_pages keys = {.layout = lay, .pages = pages, .row_table = row_table, .row_reach = reach};
 
     /* Scores, candidate blocks (the source), the mask (a user), top-k:
@@ -316,9 +324,9 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     float *xg = step_buf(e, M * Kg * sizeof *xg);
     float *yg = step_buf(e, M * olr * sizeof *yg);
     float *ya = step_buf(e, M * G * olr * sizeof *ya);
-    const uint8_t **wrows = step_buf(e, (W ? W : 1) * sizeof *wrows);
-    const uint8_t **crows = step_buf(e, ((size_t)c->index_topk ? (size_t)c->index_topk : 1) * sizeof *crows);
-    if (!qa || !qr || !q || !kvraw || !kv || !chunk_rows || !o || !xg || !yg || !ya || !wrows || !crows) {
+    const uint8_t **rings = step_buf(e, b->n_items * sizeof *rings);
+    size_t *row_table = step_buf(e, M * sizeof *row_table);
+    if (!qa || !qr || !q || !kvraw || !kv || !chunk_rows || !o || !xg || !yg || !ya || !rings || !row_table) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -349,25 +357,34 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         rc = ds41_fail(err, "forward: layer %d: index source %d produced no indices", L, role->index_from);
         goto out;
     }
-    for (size_t r = 0; r < M; r++) {
-        const size_t it = b->row_item[r];
-        ds41_kv_seq *seq = b->items[it].seq;
-        const uint64_t p0 = b->item_pos0[it], a = b->row_pos[r];
-        const uint64_t first = a + 1 > W ? a + 1 - W : 0;
-        ds41_attn_rows rows = {.layout = lay, .window = wrows, .comp = crows};
-        for (uint64_t pos = first; pos <= a; pos++)
-            wrows[rows.n_window++] = pos >= p0 ? chunk_rows + (b->item_row0[it] + (size_t)(pos - p0)) * row_bytes
-                                               : ds41_kv_ring_row(seq, L, (uint32_t)(pos % W));
-        if (role->ratio > 0) {
-            const int32_t *list = lists + r * (size_t)c->index_topk;
-            for (uint32_t j = 0; j < counts[r]; j++) crows[rows.n_comp++] = ds41_kv_seq_entry(seq, src, (uint64_t)list[j]);
-            /* (An index source reported its list with its scores.) */
-            if (!role->index_source)
-                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, counts[r], NULL, 0);
+    /* Every row's window and compressed list, described by metadata
+     * (engine/backend/ops.h: ds41_attn_step), attended in one call. */
+    ds41_attn_step step = {.layout = lay,
+                           .window = (uint32_t)W,
+                           .chunk = chunk_rows,
+                           .rings = rings,
+                           .row_item = b->row_item,
+                           .row_pos = b->row_pos,
+                           .item_row0 = b->item_row0,
+                           .item_pos0 = b->item_pos0,
+                           .sel = lists,
+                           .count = counts,
+                           .sel_stride = (size_t)c->index_topk};
+    for (size_t it = 0; it < b->n_items; it++) rings[it] = ds41_kv_ring_row(b->items[it].seq, L, 0);
+    if (role->ratio > 0) {
+        const uint8_t **pages = step_pages(e, b, src, row_table);
+        if (!pages) {
+            rc = ds41_fail(err, "forward: out of memory");
+            goto out;
         }
-        ops->sparse_attn(ops, q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows,
-                         o + r * H * hd);
+        step.comp = (ds41_kv_pages){.layout = lay, .pages = pages, .row_table = row_table};
+        /* (An index source reported its lists with their scores.) */
+        if (!role->index_source)
+            for (size_t r = 0; r < M; r++)
+                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, lists + r * (size_t)c->index_topk,
+                                      counts[r], NULL, 0);
     }
+    ops->attend(ops, q, M, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &step, o);
     ops->rope(ops, o + hd - (size_t)rd, M, (int)H, H * hd, hd, rd / 2, b->rope_cs, 1);
 
     /* The chunk's last min(n, W) window rows go to the ring now that every

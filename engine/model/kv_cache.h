@@ -139,7 +139,9 @@ void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, flo
  * bf16-representable) in slot pos % window as e4m3 + ue8m0 per 32 (the
  * reference's act_quant QDQ). */
 void ds41_kv_ring_write(ds41_kv_seq *seq, int layer, uint64_t pos, const float *kv);
-/* The packed row in a slot, and its decoding (exact values). */
+/* The packed row in a slot, and its decoding (exact values).  A ring's
+ * slots are contiguous: slot s is ds41_kv_ring_row(seq, layer, 0) +
+ * s * ring_row_bytes (a backend op reaches a ring from its base). */
 const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *seq, int layer, uint32_t slot);
 void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float *out);
 

@@ -148,6 +148,7 @@ typedef struct fast_ctx {
     int n_threads;
     buf act, work, work2;
     buf lin_starts, lin_act; /* run_linears' task tables, kept between calls */
+    buf attn_rows;           /* attend's per-row pointer lists */
     buf *scratch; /* [n_threads] */
     ds41_backend_stats st;
     unsigned brk;
@@ -1047,6 +1048,19 @@ static void fast_sparse_attn(const ds41_ops *self, const float *q, int n_heads, 
     PROF_END(c, P_ATTN, 0);
 }
 
+/* Row by row, each row's heads and rows in parallel as sparse_attn. */
+static void fast_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
+                        const float *sink, float scale, const ds41_attn_step *step, float *out) {
+    fast_ctx *c = ctx_of(self);
+    const size_t nw = step->window, nc = step->sel_stride ? step->sel_stride : 1;
+    const uint8_t **wrows = ensure(&c->attn_rows, (nw + nc) * sizeof *wrows), **crows = wrows + nw;
+    const size_t qo = (size_t)n_heads * (size_t)head_dim;
+    for (size_t m = 0; m < M; m++) {
+        const ds41_attn_rows rows = ds41_attn_step_rows(step, m, wrows, crows);
+        fast_sparse_attn(self, q + m * qo, n_heads, head_dim, sink, scale, &rows, out + m * qo);
+    }
+}
+
 /* ---- MoE and Engram ----------------------------------------------------------------------- */
 
 typedef struct elem_job {
@@ -1175,6 +1189,7 @@ static const ds41_ops fast_ops_template = {
     .index_blocks = fast_index_blocks,
     .index_topk = fast_index_topk,
     .sparse_attn = fast_sparse_attn,
+    .attend = fast_attend,
     .swiglu = fast_swiglu,
     .moe_combine = fast_moe_combine,
     .router = fast_router,
@@ -1219,6 +1234,7 @@ static void fast_destroy(ds41_backend *be) {
         free(c->work2.p);
         free(c->lin_starts.p);
         free(c->lin_act.p);
+        free(c->attn_rows.p);
         free(c);
     }
     free(be);
