@@ -532,6 +532,15 @@ static void test_attention(void) {
         fill_bf16(sq, ATTN_STEP_M * H * hd, 0.5);
         TAP_CHECK(attn_step_check(ops, &t, sq, H, hd, sink, scale, so, sw),
                   "%s attend over a step of 2 sequences = sparse_attn row by row, bit for bit", ln);
+        enum { NE = 5 };
+        static float plat[NE * hd], pkey[NE * 32];
+        static uint8_t pk[NE * (36 + 17)], pr[NE * (36 + 17)];
+        fill_bf16(plat, NE * hd, 2.0);
+        fill_bf16(pkey, NE * 32, 1.0);
+        ds41_ops_reference.kv_pack(&ds41_ops_reference, &lay, plat, pkey, NE, pr);
+        ops->kv_pack(ops, &lay, plat, pkey, NE, pk);
+        TAP_CHECK(memcmp(pk, pr, sizeof pk) == 0, "%s kv_pack of %d entries: bit for bit the reference", ln,
+                  NE);
     }
 }
 

@@ -295,6 +295,18 @@ static void test_attention(void) {
     TAP_CHECK(
         attn_step_check(ops, &t, sq, H, hd, sink, scale, so, sw),
         "attend over a step of 2 sequences (rings, the step's rows, paged entries) = sparse_attn row by row");
+
+    /* kv_pack: a step's entries packed entry_bytes apart, each as the cache packs it. */
+    enum { NE = 3 };
+    static float plat[NE * hd], pkey[NE * 32];
+    static uint8_t pk[NE * (36 + 17)], pw[NE * (36 + 17)];
+    fill_bf16(plat, NE * hd, 2.0);
+    fill_bf16(pkey, NE * 32, 1.0);
+    for (int i = 0; i < NE; i++)
+        ds41_kv_pack_entry(&lay, plat + i * hd, pkey + i * 32, pw + i * lay.entry_bytes);
+    ops->kv_pack(ops, &lay, plat, pkey, NE, pk);
+    TAP_CHECK(memcmp(pk, pw, sizeof pk) == 0,
+              "kv_pack of %d entries: each the cache's packed entry, entry_bytes apart", NE);
 }
 
 static void test_moe_parts(void) {

@@ -207,6 +207,16 @@ struct ds41_ops {
     void (*index_query)(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
                         float scale);
 
+    /* Quantize-on-append of a step's n compressed entries (§2.9, the KV
+     * cache's packed format): entry i of out (entry_bytes apart) is
+     * ds41_kv_pack_entry(layout, latent + i*latent_dim, key + i*index_dim)
+     * (engine/model/kv_cache.h: FP4 latent with e4m3 scales per 16, FP4
+     * index key with ue8m0 scales per 32).  The cache then only places the
+     * bytes (ds41_kv_seq_append_packed); a device backend packs straight
+     * into its page pool. */
+    void (*kv_pack)(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent, const float *key,
+                    size_t n, uint8_t *out);
+
     /* Compressor pooling of a step's n completed groups (§2.9, the numpy
      * side's decision 12): kv and score [n][ratio][hd] are each group's fp32
      * kv and gate scores slot by slot (position mod ratio); per group and

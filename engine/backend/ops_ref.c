@@ -234,6 +234,14 @@ static void ref_index_query(const ds41_ops *self, float *q, size_t qn, float *w,
     }
 }
 
+static void ref_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
+                        const float *key, size_t n, uint8_t *out) {
+    (void)self;
+    for (size_t i = 0; i < n; i++)
+        ds41_kv_pack_entry(layout, latent + i * layout->latent_dim, key + i * layout->index_dim,
+                           out + i * layout->entry_bytes);
+}
+
 /* ---- compressor ------------------------------------------------------------------ */
 
 static void ref_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
@@ -524,6 +532,7 @@ const ds41_ops ds41_ops_reference = {
     .rope = ref_rope,
     .act_quant_fp8 = ref_act_quant_fp8,
     .index_query = ref_index_query,
+    .kv_pack = ref_kv_pack,
     .compress_pool = ref_compress_pool,
     .index_scores = ref_index_scores,
     .index_blocks = ref_index_blocks,

@@ -44,8 +44,10 @@ static int emit_entries(ds41_engine *e, fwd_batch *b, int L, int src, const floa
     float *key = step_buf(e, n * ihd * sizeof *key);
     float *rot = step_buf(e, n * hd * sizeof *rot);
     float *cs = step_buf(e, n * (size_t)rd * sizeof *cs);
+    const ds41_kv_layout *lay = ds41_kv_pool_layout(ds41_kv_seq_pool(b->items[0].seq));
+    uint8_t *packed = step_buf(e, n * lay->entry_bytes);
     int rc = 0;
-    if (!key_raw || !key || !rot || !cs) {
+    if (!key_raw || !key || !rot || !cs || !packed) {
         ds41_scratch_release(&e->scratch, mark);
         return ds41_fail(err, "forward: out of memory");
     }
@@ -55,6 +57,7 @@ static int emit_entries(ds41_engine *e, fwd_batch *b, int L, int src, const floa
     ops->rope(ops, key + ihd - (size_t)rd, n, 1, ihd, ihd, rd / 2, cs, 0);
     memcpy(rot, lat, n * hd * sizeof *rot);
     ops->rope(ops, rot + hd - (size_t)rd, n, 1, hd, hd, rd / 2, cs, 0);
+    ops->kv_pack(ops, lay, rot, key, n, packed);
     for (size_t i = 0; i < n && rc == 0; i++) {
         ds41_kv_seq *seq = b->items[b->row_item[row[i]]].seq;
         const uint64_t group = pos[i] / (uint64_t)ratio;
@@ -62,7 +65,7 @@ static int emit_entries(ds41_engine *e, fwd_batch *b, int L, int src, const floa
             rc = ds41_fail(err, "forward: layer %d: compressed entry %llu out of order (have %llu)", L,
                            (unsigned long long)group, (unsigned long long)ds41_kv_seq_entries(seq, src));
         else
-            rc = ds41_kv_seq_append(seq, src, rot + i * hd, key + i * ihd, err);
+            rc = ds41_kv_seq_append_packed(seq, src, packed + i * lay->entry_bytes, err);
     }
     ds41_scratch_release(&e->scratch, mark);
     return rc;
@@ -393,7 +396,8 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         const ds41_fwd_item *item = &b->items[it];
         const size_t n = item->n_ids, start = n > W ? n - W : 0;
         for (size_t i = start; i < n; i++)
-            ds41_kv_ring_write(item->seq, L, b->item_pos0[it] + i, kv + (b->item_row0[it] + i) * hd);
+            ds41_kv_ring_put(item->seq, L, b->item_pos0[it] + i,
+                             chunk_rows + (b->item_row0[it] + i) * row_bytes);
     }
 
     /* Grouped wo_a (bf16, block-diagonal over o_groups) then wo_b. */

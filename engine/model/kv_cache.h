@@ -114,6 +114,15 @@ uint64_t ds41_kv_seq_entries(const ds41_kv_seq *seq, int source);
 int ds41_kv_seq_append(ds41_kv_seq *seq, int source, const float *latent, const float *index_key,
                        ds41_error *err);
 
+/* The same with the entry already packed (entry_bytes, as
+ * ds41_kv_pack_entry writes it): the quantization ran elsewhere (a backend
+ * op over all of a step's entries), the cache only places the bytes.  Same
+ * errors. */
+int ds41_kv_seq_append_packed(ds41_kv_seq *seq, int source, const uint8_t *entry, ds41_error *err);
+
+/* The packed form of one entry (the format above) into entry[entry_bytes]. */
+void ds41_kv_pack_entry(const ds41_kv_layout *l, const float *latent, const float *index_key, uint8_t *entry);
+
 /* The packed entry `entry` (< ds41_kv_seq_entries) of a source; valid until
  * the next append to the sequence or its release. */
 const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t entry);
@@ -139,6 +148,10 @@ void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, flo
  * bf16-representable) in slot pos % window as e4m3 + ue8m0 per 32 (the
  * reference's act_quant QDQ). */
 void ds41_kv_ring_write(ds41_kv_seq *seq, int layer, uint64_t pos, const float *kv);
+/* The same for a row already packed in the ring's format (ring_row_bytes,
+ * as ds41_act_quant writes it): a copy into slot pos % window. */
+void ds41_kv_ring_put(ds41_kv_seq *seq, int layer, uint64_t pos, const uint8_t *row);
+
 /* The packed row in a slot, and its decoding (exact values).  A ring's
  * slots are contiguous: slot s is ds41_kv_ring_row(seq, layer, 0) +
  * s * ring_row_bytes (a backend op reaches a ring from its base). */

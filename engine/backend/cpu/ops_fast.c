@@ -785,6 +785,27 @@ static void fast_index_query(const ds41_ops *self, float *q, size_t qn, float *w
     rows_parallel(ctx_of(self), M, 8 * qn, index_query_task, &j);
 }
 
+typedef struct pack_job {
+    const ds41_kv_layout *l;
+    const float *latent, *key;
+    uint8_t *out;
+} pack_job;
+
+static void pack_entries_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    pack_job *j = p;
+    for (size_t i = b; i < e; i++)
+        ds41_kv_pack_entry(j->l, j->latent + i * j->l->latent_dim, j->key + i * j->l->index_dim,
+                           j->out + i * j->l->entry_bytes);
+}
+
+/* Entries in parallel, each the cache's own packer (bit for bit). */
+static void fast_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
+                         const float *key, size_t n, uint8_t *out) {
+    pack_job j = {layout, latent, key, out};
+    rows_parallel(ctx_of(self), n, 8 * (layout->latent_dim + layout->index_dim), pack_entries_task, &j);
+}
+
 /* ---- compressor ------------------------------------------------------------------------------ */
 
 typedef struct pool_job {
@@ -1184,6 +1205,7 @@ static const ds41_ops fast_ops_template = {
     .rope = fast_rope,
     .act_quant_fp8 = fast_act_quant_fp8,
     .index_query = fast_index_query,
+    .kv_pack = fast_kv_pack,
     .compress_pool = fast_compress_pool,
     .index_scores = fast_index_scores,
     .index_blocks = fast_index_blocks,
