@@ -12,9 +12,6 @@
  * ds41_linear views point into the pinned slots until the layer is done. */
 #include "engine/forward/forward_internal.h"
 
-#include "engine/model/quant.h"
-#include "engine/backend/refmath.h"
-
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
