@@ -142,7 +142,7 @@ static void test_router_two(void) {
     const float logits[E] = {0.25f, 1.5f, -0.5f, 2.5f, 1.0f}, bias[E] = {0};
     int32_t sel[2];
     float w[2];
-    ops->router(ops, logits, bias, 1, E, 2, 2.5f, sel, w);
+    ops->router(ops, logits, bias, 1, E, 2, 1.0f, 2.5f, sel, w, NULL);
     const float s3 = ds41_rm_sqrt(ds41_rm_softplus(2.5f)), s1 = ds41_rm_sqrt(ds41_rm_softplus(1.5f));
     const float d = (s3 + s1) + 1e-20f;
     TAP_CHECK(sel[0] == 3 && sel[1] == 1 && same(w[0], (s3 / d) * 2.5f) && same(w[1], (s1 / d) * 2.5f),

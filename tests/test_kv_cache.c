@@ -79,6 +79,40 @@ int main(void) {
         ring &= memcmp(out, lat, sizeof lat) == 0;
     }
     TAP_CHECK(ring, "window ring rows decode to act_quant QDQ values, slot = pos %% window");
+
+    /* The packed forms a backend op hands over: append_packed of ds41_kv_pack_entry = append (across
+     * a page boundary), ring_put of act_quant = ring_write; page ids + pool pages reach the entries. */
+    {
+        ds41_kv_seq *a = ds41_kv_seq_new(pool, &err), *pk = ds41_kv_seq_new(pool, &err);
+        uint8_t packed[356], row[512 + 16];
+        int same = a && pk;
+        for (uint64_t i = 0; i < 70 && same; i++) {
+            fill(lat, 512);
+            fill(key, 128);
+            ds41_kv_pack_entry(l, lat, key, packed);
+            same &= ds41_kv_seq_append(a, 1, lat, key, &err) == 0 &&
+                    ds41_kv_seq_append_packed(pk, 1, packed, &err) == 0;
+            same &= memcmp(ds41_kv_seq_entry(a, 1, i), ds41_kv_seq_entry(pk, 1, i), l->entry_bytes) == 0;
+        }
+        uint32_t np = 0;
+        const uint32_t *ids = same ? ds41_kv_seq_page_ids(pk, 1, &np) : NULL;
+        same &= np == 2 &&
+                ds41_kv_pool_page(pool, ids[1]) + 5 * (size_t)l->entry_bytes == ds41_kv_seq_entry(pk, 1, 69);
+        TAP_CHECK(same,
+                  "append_packed of a packed entry = append; page ids and pool pages reach the entries");
+        int rows_same = same;
+        for (uint64_t pos = 0; pos < 300 && rows_same; pos++) {
+            fill(lat, 512);
+            ds41_kv_ring_write(a, 5, pos, lat);
+            ds41_act_quant(lat, 512, row, row + 512);
+            ds41_kv_ring_put(pk, 5, pos, row);
+            rows_same &= memcmp(ds41_kv_ring_row(a, 5, (uint32_t)(pos % 128)),
+                                ds41_kv_ring_row(pk, 5, (uint32_t)(pos % 128)), l->ring_row_bytes) == 0;
+        }
+        TAP_CHECK(rows_same, "ring_put of an act_quant row = ring_write of the values");
+        ds41_kv_seq_free(a);
+        ds41_kv_seq_free(pk);
+    }
     TAP_CHECK(ds41_kv_carry_kv(r, 3) == NULL && ds41_kv_carry_score(r, 0)[0] == -INFINITY &&
                   ds41_kv_carry_kv(r, 0)[1023] == 0.0f,
               "carries: none for ratio 1; kv 0, score -inf for ratio 2");

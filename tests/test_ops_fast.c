@@ -13,11 +13,13 @@
  *  - the other ops (norms, hc mixes, attention, index scores, SwiGLU, Engram,
  *    gathers) against the reference within their rounding. */
 #include "engine/backend/backend.h"
-#include "engine/backend/ops.h"
 #include "engine/backend/cpu/cpu_backend.h"
 #include "engine/backend/cpu/fast_kernels.h"
-#include "engine/model/quant.h"
+#include "engine/backend/ops.h"
 #include "engine/backend/refmath.h"
+#include "engine/model/quant.h"
+#include "tests/attn_step.h"
+#include "tests/index_pages.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -372,6 +374,74 @@ static void test_norms_and_hc(void) {
     }
 }
 
+/* Rope and compressor pooling over a whole step: bit for bit the reference (the same
+ * per-row arithmetic), rows at strides with gaps, an odd number of rows and groups. */
+static void test_rope_and_pool(void) {
+    enum { M = 5, H = 3, NP = 8, OFF = 3, HS = 2 * NP + OFF, RS = H * HS + 1, RATIO = 4, HD = 37, G = 5 };
+    uint64_t pos[M];
+    float freqs[NP], cs_r[M * 2 * NP], cs[M * 2 * NP];
+    static float x[M * RS], xr[M * RS], x0[M * RS];
+    static float kv[G * RATIO * HD], sc[G * RATIO * HD], pooled[G * HD], pooled_r[G * HD];
+    for (int m = 0; m < M; m++) pos[m] = (uint64_t)(m * 977 + 3);
+    for (int i = 0; i < NP; i++) freqs[i] = (float)pow(10000.0, -2.0 * i / (2.0 * NP));
+    fill_bf16(x0, M * RS, 2.0);
+    for (int i = 0; i < G * RATIO * HD; i++) {
+        kv[i] = (float)urand();
+        sc[i] = (float)(urand() * 8.0);
+    }
+    ds41_ops_reference.rope_table(&ds41_ops_reference, freqs, NP, pos, M, cs_r);
+    ds41_ops_reference.compress_pool(&ds41_ops_reference, kv, sc, G, RATIO, HD, pooled_r);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        const char *ln = ds41_cpu_level_name(levels[li]);
+        ops->rope_table(ops, freqs, NP, pos, M, cs);
+        int ok = memcmp(cs, cs_r, sizeof cs) == 0;
+        for (int inverse = 0; inverse < 2; inverse++) {
+            memcpy(x, x0, sizeof x);
+            memcpy(xr, x0, sizeof x);
+            ds41_ops_reference.rope(&ds41_ops_reference, xr + OFF, M, H, RS, HS, NP, cs_r, inverse);
+            ops->rope(ops, x + OFF, M, H, RS, HS, NP, cs_r, inverse);
+            ok &= memcmp(x, xr, sizeof x) == 0;
+        }
+        TAP_CHECK(ok,
+                  "%s rope_table + rope (%d rows x %d heads, forward and inverse): bit for bit the reference",
+                  ln, M, H);
+        memset(pooled, 0xff, sizeof pooled);
+        ops->compress_pool(ops, kv, sc, G, RATIO, HD, pooled);
+        TAP_CHECK(memcmp(pooled, pooled_r, sizeof pooled) == 0,
+                  "%s compress_pool (%d groups of %d x %d): bit for bit the reference", ln, G, RATIO, HD);
+    }
+}
+
+/* The step's activation quantizers: bit for bit the reference over 5 rows (N not a multiple of
+ * 32, so a partial block per row), rows at a stride. */
+static void test_step_quant(void) {
+    enum { M = 5, N = 70, STRIDE = N + 3 + 2, QN = 96, WN = 5 };
+    static float x[M * N], q[M * QN], w[M * WN], qr[M * QN], wr[M * WN];
+    static uint8_t out[M * STRIDE], out_r[M * STRIDE];
+    fill_bf16(x, M * N, 50.0);
+    fill_bf16(qr, M * QN, 2.0);
+    fill_bf16(wr, M * WN, 1.0);
+    memset(out_r, 0x5a, sizeof out_r);
+    ds41_ops_reference.act_quant_fp8(&ds41_ops_reference, x, M, N, out_r, STRIDE);
+    static float q0[M * QN], w0[M * WN];
+    memcpy(q0, qr, sizeof q0);
+    memcpy(w0, wr, sizeof w0);
+    ds41_ops_reference.index_query(&ds41_ops_reference, qr, QN, wr, WN, M, 0.0625f);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        memset(out, 0x5a, sizeof out);
+        ops->act_quant_fp8(ops, x, M, N, out, STRIDE);
+        memcpy(q, q0, sizeof q);
+        memcpy(w, w0, sizeof w);
+        ops->index_query(ops, q, QN, w, WN, M, 0.0625f);
+        TAP_CHECK(memcmp(out, out_r, sizeof out) == 0 && memcmp(q, qr, sizeof q) == 0 &&
+                      memcmp(w, wr, sizeof w) == 0,
+                  "%s act_quant_fp8 and index_query of %d rows: bit for bit the reference",
+                  ds41_cpu_level_name(levels[li]), M);
+    }
+}
+
 static void test_attention(void) {
     ds41_kv_layout lay = {0};
     lay.latent_dim = 64;
@@ -410,12 +480,17 @@ static void test_attention(void) {
     ds41_attn_rows with_nan = {.layout = &lay, .n_window = NW, .window = wp, .n_comp = 3, .comp = cp};
     ds41_attn_rows one = {.layout = &lay, .n_window = 0, .window = wp, .n_comp = 1, .comp = cp};
     ds41_ops_reference.sparse_attn(&ds41_ops_reference, q, H, hd, sink, scale, &rows, ref);
-    enum { NH = 4, ID = 32 };
-    float iq[NH * ID], iw[NH], sc[NC], sc_r[NC];
-    fill_bf16(iq, NH * ID, 1.0);
-    ds41_fp4_act_quant_ue8m0_qdq(iq, NH * ID);
-    for (int h = 0; h < NH; h++) iw[h] = bfr(urand() / 64.0);
-    ds41_ops_reference.index_scores(&ds41_ops_reference, iq, iw, NH, ID, &lay, cp, NC, sc_r);
+    /* Index scores of 4 rows over pages of 8 entries (a full reach, none, part, one entry). */
+    enum { NH = 4, ID = 32, IM = 4, PER = 8, NP = (NC + PER - 1) / PER };
+    static float iq[IM * NH * ID], iw[IM * NH], sc[IM * NC], sc_r[IM * NC];
+    index_test_queries(iq, iw, IM, NH, ID, urand);
+    const uint8_t *pages[NP];
+    index_test_pages(&lay, ent[0], NC, PER, pages);
+    const size_t row_table[IM] = {0, 0, 0, 0};
+    const uint32_t reach[IM] = {NC, 0, 41, 1};
+    const ds41_kv_pages keys = {.layout = &lay, .pages = pages, .row_table = row_table, .row_reach = reach};
+    for (int i = 0; i < IM * NC; i++) sc_r[i] = 1234.0f;
+    ds41_ops_reference.index_scores(&ds41_ops_reference, iq, iw, IM, NH, ID, &keys, sc_r, NC);
     for (int li = 0; li < n_levels; li++) {
         const ds41_ops *ops = ops_of(li);
         const char *ln = ds41_cpu_level_name(levels[li]);
@@ -442,11 +517,30 @@ static void test_attention(void) {
             all_nan && memcmp(r1, f1, sizeof r1) == 0,
             "%s attention: a NaN row makes every output NaN; one row and no sink mass give the row exactly",
             ln);
-        ops->index_scores(ops, iq, iw, NH, ID, &lay, cp, NC, sc);
+        for (int i = 0; i < IM * NC; i++) sc[i] = 1234.0f;
+        ops->index_scores(ops, iq, iw, IM, NH, ID, &keys, sc, NC);
         int ok_idx = 1;
-        for (int j = 0; j < NC; j++)
+        for (int j = 0; j < IM * NC; j++)
             ok_idx &= fabsf(sc[j] - sc_r[j]) <= 2 * 0x1p-8 * fmaxf(fabsf(sc_r[j]), 1e-3f);
-        TAP_CHECK(ok_idx, "%s index scores: within the reference's bf16 roundings", ln);
+        TAP_CHECK(ok_idx,
+                  "%s index scores of %d rows over paged keys: within the reference's bf16 roundings, "
+                  "nothing past a row's reach",
+                  ln, IM);
+        static attn_step_case t;
+        static float sq[ATTN_STEP_M * H * hd], so[ATTN_STEP_M * H * hd], sw[ATTN_STEP_M * H * hd];
+        attn_step_case_init(&t, &lay, wrow[0], ent[0], NC);
+        fill_bf16(sq, ATTN_STEP_M * H * hd, 0.5);
+        TAP_CHECK(attn_step_check(ops, &t, sq, H, hd, sink, scale, so, sw),
+                  "%s attend over a step of 2 sequences = sparse_attn row by row, bit for bit", ln);
+        enum { NE = 5 };
+        static float plat[NE * hd], pkey[NE * 32];
+        static uint8_t pk[NE * (36 + 17)], pr[NE * (36 + 17)];
+        fill_bf16(plat, NE * hd, 2.0);
+        fill_bf16(pkey, NE * 32, 1.0);
+        ds41_ops_reference.kv_pack(&ds41_ops_reference, &lay, plat, pkey, NE, pr);
+        ops->kv_pack(ops, &lay, plat, pkey, NE, pk);
+        TAP_CHECK(memcmp(pk, pr, sizeof pk) == 0, "%s kv_pack of %d entries: bit for bit the reference", ln,
+                  NE);
     }
 }
 
@@ -461,7 +555,7 @@ static void test_moe_engram_gathers(void) {
     int32_t sr[M * K], sf[M * K];
     for (int i = 0; i < M * E; i++) logits[i] = (float)(urand() * 4);
     for (int i = 0; i < E; i++) bias[i] = (float)(urand() * 0.1);
-    ds41_ops_reference.router(&ds41_ops_reference, logits, bias, M, E, K, 1.5f, sr, wr);
+    ds41_ops_reference.router(&ds41_ops_reference, logits, bias, M, E, K, 1.0f, 1.5f, sr, wr, NULL);
     enum { hc = 4, D = 48 };
     static float h[M * hc * D], h0[M * hc * D], href[M * hc * D], kv[M * (hc + 1) * D], wqk[hc * D];
     fill_bf16(h0, M * hc * D, 1.0);
@@ -490,7 +584,7 @@ static void test_moe_engram_gathers(void) {
         int ok = 1;
         for (int i = 0; i < M * I; i++) ok &= fabsf(hf[i] - hr[i]) <= 0x1p-8 * fabsf(hr[i]) + 1e-30f;
         TAP_CHECK(ok, "%s swiglu: clamps, route weight, bf16 output within a bf16 ulp of the reference", ln);
-        ops->router(ops, logits, bias, M, E, K, 1.5f, sf, wf);
+        ops->router(ops, logits, bias, M, E, K, 1.0f, 1.5f, sf, wf, NULL);
         TAP_CHECK(memcmp(sr, sf, sizeof sr) == 0 && memcmp(wr, wf, sizeof wr) == 0, "%s router = reference",
                   ln);
         memcpy(h, h0, sizeof h0);
@@ -689,6 +783,8 @@ int main(void) {
     test_fp8_scale_extremes();
     test_linear_batch();
     test_norms_and_hc();
+    test_rope_and_pool();
+    test_step_quant();
     test_attention();
     test_moe_engram_gathers();
     for (int i = 0; i < n_levels; i++) {

@@ -3,8 +3,10 @@
  * rounding points allow) and against the exact rules of §10 where a value is
  * determined bit for bit. */
 #include "engine/backend/ops.h"
-#include "engine/model/quant.h"
 #include "engine/backend/refmath.h"
+#include "engine/model/quant.h"
+#include "tests/attn_step.h"
+#include "tests/index_pages.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -253,27 +255,58 @@ static void test_attention(void) {
     for (int d = 0; d < hd; d++) tiny &= fabsf(out[d]) < 1e-9f;
     TAP_CHECK(tiny, "a large sink takes the probability mass (numerator unchanged)");
 
-    /* Index scores: bf16(sum_h bf16(relu(bf16(q_h.K)) * w_h)). */
-    enum { NH = 4, ID = 32 };
-    float iq[NH * ID], iw[NH], sc[NC];
-    fill_bf16(iq, NH * ID, 1.0);
-    ds41_fp4_act_quant_ue8m0_qdq(iq, NH * ID);
-    for (int h = 0; h < NH; h++) iw[h] = bfr(urand() / 64.0);
-    const uint8_t *keys[NC];
-    for (int j = 0; j < NC; j++) keys[j] = ent[j];
-    ops->index_scores(ops, iq, iw, NH, ID, &lay, keys, NC, sc);
+    /* Index scores: bf16(sum_h bf16(relu(bf16(q_h.K)) * w_h)), three rows in one call over pages of
+     * 16 entries (the last partly filled): a full reach, none, part; scores past a reach untouched. */
+    enum { NH = 4, ID = 32, IM = 3, PER = 16, NP = (NC + PER - 1) / PER };
+    static float iq[IM * NH * ID], iw[IM * NH], sc[IM * NC];
+    index_test_queries(iq, iw, IM, NH, ID, urand);
+    const uint8_t *pages[NP];
+    index_test_pages(&lay, ent[0], NC, PER, pages);
+    const size_t row_table[IM] = {0, 0, 0};
+    const uint32_t reach[IM] = {NC, 0, 37};
+    const ds41_kv_pages keys = {.layout = &lay, .pages = pages, .row_table = row_table, .row_reach = reach};
+    for (int i = 0; i < IM * NC; i++) sc[i] = 1234.0f;
+    ops->index_scores(ops, iq, iw, IM, NH, ID, &keys, sc, NC);
     int ok_idx = 1;
-    for (int j = 0; j < NC; j++) {
-        float k[ID];
-        ds41_kv_decode_index_key(&lay, ent[j], k);
-        float terms[NH];
-        for (int h = 0; h < NH; h++) {
-            float s = ds41_bf16_round(ds41_xdot_f32(iq + h * ID, k, ID));
-            terms[h] = ds41_bf16_round((s > 0 ? s : 0.0f) * iw[h]);
+    for (int m = 0; m < IM; m++)
+        for (int j = 0; j < NC; j++) {
+            if ((uint32_t)j >= reach[m]) {
+                ok_idx &= sc[m * NC + j] == 1234.0f;
+                continue;
+            }
+            float k[ID];
+            ds41_kv_decode_index_key(&lay, ent[j], k);
+            float terms[NH];
+            for (int h = 0; h < NH; h++) {
+                float s = ds41_bf16_round(ds41_xdot_f32(iq + (m * NH + h) * ID, k, ID));
+                terms[h] = ds41_bf16_round((s > 0 ? s : 0.0f) * iw[m * NH + h]);
+            }
+            ok_idx &= bits(sc[m * NC + j]) == bits(ds41_bf16_round(ds41_xsum_f32(terms, NH)));
         }
-        ok_idx &= bits(sc[j]) == bits(ds41_bf16_round(ds41_xsum_f32(terms, NH)));
-    }
-    TAP_CHECK(ok_idx, "index scores: relu per head, times w, summed in bf16 (§2.10 step 4)");
+    TAP_CHECK(ok_idx,
+              "index scores of 3 rows over paged keys: relu per head, times w, summed in bf16 (§2.10 step "
+              "4); nothing past a row's reach");
+
+    /* attend: a step of two sequences (ring rows, this step's rows, paged entries). */
+    static attn_step_case t;
+    static float sq[ATTN_STEP_M * H * hd], so[ATTN_STEP_M * H * hd], sw[ATTN_STEP_M * H * hd];
+    attn_step_case_init(&t, &lay, wrow[0], ent[0], NC);
+    fill_bf16(sq, ATTN_STEP_M * H * hd, 0.5);
+    TAP_CHECK(
+        attn_step_check(ops, &t, sq, H, hd, sink, scale, so, sw),
+        "attend over a step of 2 sequences (rings, the step's rows, paged entries) = sparse_attn row by row");
+
+    /* kv_pack: a step's entries packed entry_bytes apart, each as the cache packs it. */
+    enum { NE = 3 };
+    static float plat[NE * hd], pkey[NE * 32];
+    static uint8_t pk[NE * (36 + 17)], pw[NE * (36 + 17)];
+    fill_bf16(plat, NE * hd, 2.0);
+    fill_bf16(pkey, NE * 32, 1.0);
+    for (int i = 0; i < NE; i++)
+        ds41_kv_pack_entry(&lay, plat + i * hd, pkey + i * 32, pw + i * lay.entry_bytes);
+    ops->kv_pack(ops, &lay, plat, pkey, NE, pk);
+    TAP_CHECK(memcmp(pk, pw, sizeof pk) == 0,
+              "kv_pack of %d entries: each the cache's packed entry, entry_bytes apart", NE);
 }
 
 static void test_moe_parts(void) {
@@ -283,7 +316,8 @@ static void test_moe_parts(void) {
     float bias[E] = {0, 0, 0, 0, 10.0f, 0};
     int32_t sel[K];
     float w[K];
-    ops->router(ops, logits, bias, 1, E, K, 1.5f, sel, w);
+    float selection[E];
+    ops->router(ops, logits, bias, 1, E, K, 1.0f, 1.5f, sel, w, selection);
     TAP_CHECK(sel[0] == 4 && sel[1] == 5 && sel[2] == 1, "router: bias only selects, ties go to the lower id (got %d %d %d)",
               sel[0], sel[1], sel[2]);
     float s4 = ds41_rm_sqrt(ds41_rm_softplus(-1.0f)), s5 = ds41_rm_sqrt(ds41_rm_softplus(3.0f)),
@@ -292,9 +326,23 @@ static void test_moe_parts(void) {
     float d = sum + 1e-20f;
     TAP_CHECK(bits(w[0]) == bits((s4 / d) * 1.5f) && bits(w[2]) == bits((s1 / d) * 1.5f),
               "router weights: unbiased sqrt(softplus), normalised in choice order, times route_scale");
+    int ok_sel = 1;
+    for (int e = 0; e < E; e++)
+        ok_sel &= bits(selection[e]) == bits(ds41_rm_sqrt(ds41_rm_softplus(logits[e])) + bias[e]);
+    TAP_CHECK(
+        ok_sel,
+        "router: the selection scores it ranked, sqrt(softplus(logit)) + bias, come out with the choice");
+    /* gate_temp divides the logits: logits x4 at temperature 4 are the same decision, bit for bit. */
+    float logits4[E], w4[K], selection4[E];
+    int32_t sel4[K];
+    for (int e = 0; e < E; e++) logits4[e] = logits[e] * 4.0f;
+    ops->router(ops, logits4, bias, 1, E, K, 4.0f, 1.5f, sel4, w4, selection4);
+    TAP_CHECK(memcmp(sel4, sel, sizeof sel) == 0 && memcmp(w4, w, sizeof w) == 0 &&
+                  memcmp(selection4, selection, sizeof selection) == 0,
+              "router: gate_temp divides the logits (x4 at temperature 4 = x1 at 1, bit for bit)");
     float w1[1];
     int32_t sel1[1];
-    ops->router(ops, logits, bias, 1, E, 1, 1.5f, sel1, w1);
+    ops->router(ops, logits, bias, 1, E, 1, 1.0f, 1.5f, sel1, w1, NULL);
     TAP_CHECK(sel1[0] == 4 && bits(w1[0]) == bits(s4 * 1.5f), "router with k = 1: no normalisation, route_scale applied");
 
     float g[4] = {12.0f, -3.0f, 1.0f, 0.5f}, u[4] = {20.0f, -30.0f, 2.0f, -1.0f}, route[1] = {0.5f}, h[4];
@@ -336,10 +384,64 @@ static void test_engram_mix(void) {
     TAP_CHECK(memcmp(h, h0, sizeof h) == 0, "engram with a zero value leaves the stream unchanged");
 }
 
+/* Rope of a whole step in one call: M rows of H heads at strides with gaps, against
+ * ds41_rope_apply head by head; values outside the rotated pairs stay as they were. */
+static void test_rope(void) {
+    enum { M = 3, H = 2, NP = 4, OFF = 2, HS = 11, RS = H * HS + 3 };
+    const uint64_t pos[M] = {0, 5, 12345};
+    float freqs[NP], cs[M * 2 * NP], want_cs[M * 2 * NP];
+    for (int i = 0; i < NP; i++) freqs[i] = (float)pow(10000.0, -2.0 * i / (2.0 * NP));
+    ops->rope_table(ops, freqs, NP, pos, M, cs);
+    for (int m = 0; m < M; m++) ds41_rope_cos_sin(freqs, NP, pos[m], want_cs + m * 2 * NP);
+    TAP_CHECK(memcmp(cs, want_cs, sizeof cs) == 0, "rope_table: each row's cos/sin at its own position");
+    for (int inverse = 0; inverse < 2; inverse++) {
+        float x[M * RS], want[M * RS];
+        fill_bf16(x, M * RS, 2.0);
+        memcpy(want, x, sizeof x);
+        for (int m = 0; m < M; m++)
+            for (int h = 0; h < H; h++)
+                ds41_rope_apply(want + m * RS + h * HS + OFF, NP, want_cs + m * 2 * NP, inverse);
+        ops->rope(ops, x + OFF, M, H, RS, HS, NP, cs, inverse);
+        TAP_CHECK(memcmp(x, want, sizeof x) == 0,
+                  "rope (%s) over %d rows x %d heads in one call = per head and row, the rest untouched",
+                  inverse ? "inverse" : "forward", M, H);
+    }
+}
+
+/* The step's activation quantizers: FP8 rows written at a stride with a gap (the gap untouched),
+ * the index queries' FP4 QDQ and weight scaling, each row as the single-row codec does it. */
+static void test_step_quant(void) {
+    enum { M = 3, N = 70, NS = (N + 31) / 32, STRIDE = N + NS + 5, QN = 64, WN = 3 };
+    static float x[M * N], q[M * QN], w[M * WN], q0[M * QN], w0[M * WN];
+    static uint8_t out[M * STRIDE], want[M * STRIDE];
+    fill_bf16(x, M * N, 100.0);
+    memset(out, 0xa5, sizeof out);
+    memset(want, 0xa5, sizeof want);
+    for (int m = 0; m < M; m++) ds41_act_quant(x + m * N, N, want + m * STRIDE, want + m * STRIDE + N);
+    ops->act_quant_fp8(ops, x, M, N, out, STRIDE);
+    TAP_CHECK(memcmp(out, want, sizeof out) == 0,
+              "act_quant_fp8 of %d rows at a stride: codes + ue8m0 scales per row, the gap untouched", M);
+    fill_bf16(q0, M * QN, 3.0);
+    fill_bf16(w0, M * WN, 1.0);
+    memcpy(q, q0, sizeof q);
+    memcpy(w, w0, sizeof w);
+    ops->index_query(ops, q, QN, w, WN, M, 0.125f * 1.5f);
+    int ok = 1;
+    for (int m = 0; m < M; m++) {
+        ds41_fp4_act_quant_ue8m0_qdq(q0 + m * QN, QN);
+        for (int i = 0; i < WN; i++)
+            ok &= bits(w[m * WN + i]) == bits(ds41_bf16_round(w0[m * WN + i] * (0.125f * 1.5f)));
+    }
+    TAP_CHECK(ok && memcmp(q, q0, sizeof q) == 0,
+              "index_query of %d rows: FP4 1x32 QDQ of each query row, w = bf16(w * scale)", M);
+}
+
 int main(void) {
     test_linear();
     test_rmsnorm();
     test_hc();
+    test_rope();
+    test_step_quant();
     test_attention();
     test_moe_parts();
     test_engram_mix();

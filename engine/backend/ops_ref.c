@@ -4,6 +4,7 @@
  * order of the reference's expression (the build disables FMA contraction). */
 #include "engine/backend/ops.h"
 
+#include "engine/backend/index_select.h"
 #include "engine/backend/refmath.h"
 #include "engine/backend/scratch.h"
 #include "engine/model/quant.h"
@@ -200,9 +201,59 @@ static void ref_hc_post(const ds41_ops *self, const float *o, const float *h, co
     }
 }
 
-static void ref_rope(const ds41_ops *self, float *x, int n_pairs, const float *cs, int inverse) {
+static void ref_rope_table(const ds41_ops *self, const float *freqs, int n_pairs, const uint64_t *pos,
+                           size_t M, float *cs) {
     (void)self;
-    ds41_rope_apply(x, n_pairs, cs, inverse);
+    for (size_t m = 0; m < M; m++) ds41_rope_cos_sin(freqs, n_pairs, pos[m], cs + m * 2 * (size_t)n_pairs);
+}
+
+static void ref_rope(const ds41_ops *self, float *x, size_t M, int n_heads, size_t row_stride,
+                     size_t head_stride, int n_pairs, const float *cs, int inverse) {
+    (void)self;
+    for (size_t m = 0; m < M; m++)
+        for (int h = 0; h < n_heads; h++)
+            ds41_rope_apply(x + m * row_stride + (size_t)h * head_stride, n_pairs,
+                            cs + m * 2 * (size_t)n_pairs, inverse);
+}
+
+/* ---- activation quantization ---------------------------------------------------- */
+
+static void ref_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
+                              size_t out_stride) {
+    (void)self;
+    for (size_t m = 0; m < M; m++)
+        ds41_act_quant(x + m * n, n, out + m * out_stride, out + m * out_stride + n);
+}
+
+static void ref_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
+                            float scale) {
+    (void)self;
+    for (size_t m = 0; m < M; m++) {
+        ds41_fp4_act_quant_ue8m0_qdq(q + m * qn, qn);
+        for (size_t i = 0; i < wn; i++) w[m * wn + i] = ds41_bf16_round(w[m * wn + i] * scale);
+    }
+}
+
+static void ref_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
+                        const float *key, size_t n, uint8_t *out) {
+    (void)self;
+    for (size_t i = 0; i < n; i++)
+        ds41_kv_pack_entry(layout, latent + i * layout->latent_dim, key + i * layout->index_dim,
+                           out + i * layout->entry_bytes);
+}
+
+/* ---- compressor ------------------------------------------------------------------ */
+
+static void ref_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
+                              size_t hd, float *pooled) {
+    (void)self;
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    float *ex = scratch(st, (size_t)ratio * sizeof *ex);
+    const size_t group = (size_t)ratio * hd;
+    for (size_t g = 0; g < n; g++)
+        ds41_rm_compress_pool(kv + g * group, score + g * group, ratio, hd, ex, pooled + g * hd);
+    ds41_scratch_release(st, st_mark);
 }
 
 /* ---- indexer and attention ------------------------------------------------------- */
@@ -212,21 +263,61 @@ static float relu(float s) {
     return s > 0.0f ? s : 0.0f;
 }
 
-static void ref_index_scores(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim, const ds41_kv_layout *layout,
-                             const uint8_t *const *keys, size_t n_keys, float *out) {
+static void ref_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
+                             int dim, const ds41_kv_pages *keys, float *score, size_t score_stride) {
     (void)self;
     ds41_scratch *st = ref_stack();
     const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
     float *key = scratch(st, (size_t)dim * sizeof *key);
     float *terms = scratch(st, (size_t)n_heads * sizeof *terms);
-    for (size_t t = 0; t < n_keys; t++) {
-        ds41_kv_decode_index_key(layout, keys[t], key);
-        for (int h = 0; h < n_heads; h++) {
-            const float s = ds41_bf16_round(ds41_xdot_f32(q + (size_t)h * (size_t)dim, key, (size_t)dim));
-            terms[h] = ds41_bf16_round(relu(s) * w[h]);
+    const size_t qw = (size_t)n_heads * (size_t)dim;
+    for (size_t m = 0; m < M; m++) {
+        const float *qm = q + m * qw, *wm = w + m * (size_t)n_heads;
+        for (size_t t = 0; t < keys->row_reach[m]; t++) {
+            ds41_kv_decode_index_key(keys->layout, ds41_kv_pages_entry(keys, m, t), key);
+            for (int h = 0; h < n_heads; h++) {
+                const float s =
+                    ds41_bf16_round(ds41_xdot_f32(qm + (size_t)h * (size_t)dim, key, (size_t)dim));
+                terms[h] = ds41_bf16_round(relu(s) * wm[h]);
+            }
+            score[m * score_stride + t] = ds41_bf16_round(ds41_xsum_f32(terms, (size_t)n_heads));
         }
-        out[t] = ds41_bf16_round(ds41_xsum_f32(terms, (size_t)n_heads));
     }
+    ds41_scratch_release(st, st_mark);
+}
+
+static void ref_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
+                             const uint32_t *reach, size_t M, size_t block, size_t n_take, float *bscore,
+                             size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
+    (void)self;
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    int32_t *order = scratch(st, (bscore_stride ? bscore_stride : 1) * sizeof *order);
+    int32_t *tmp = scratch(st, (bscore_stride ? bscore_stride : 1) * sizeof *tmp);
+    for (size_t m = 0; m < M; m++) {
+        memset(allow + m * allow_stride, 0, allow_stride);
+        if (reach[m])
+            ds41_index_blocks_row(score + m * score_stride, reach[m], block, n_take,
+                                  bscore + m * bscore_stride, allow + m * allow_stride, order, tmp);
+    }
+    ds41_scratch_release(st, st_mark);
+}
+
+static void ref_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
+                           size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
+                           int32_t *sel, uint32_t *count) {
+    (void)self;
+    size_t max_reach = 1;
+    for (size_t m = 0; m < M; m++)
+        if (reach[m] > max_reach) max_reach = reach[m];
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    int32_t *order = scratch(st, max_reach * sizeof *order);
+    int32_t *tmp = scratch(st, max_reach * sizeof *tmp);
+    for (size_t m = 0; m < M; m++)
+        count[m] = (uint32_t)ds41_index_topk_row(score + m * score_stride, reach[m],
+                                                 allow ? allow + m * allow_stride : NULL, block, k,
+                                                 sel + m * k, order, tmp);
     ds41_scratch_release(st, st_mark);
 }
 
@@ -291,6 +382,22 @@ static void ref_sparse_attn(const ds41_ops *self, const float *q, int n_heads, i
     ds41_scratch_release(st, st_mark);
 }
 
+/* Row by row through the table's sparse_attn (a wrapping backend sees each
+ * query, tests/test_forward.c). */
+static void ref_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
+                       const float *sink, float scale, const ds41_attn_step *step, float *out) {
+    ds41_scratch *st = ref_stack();
+    const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
+    const uint8_t **wrows = scratch(st, step->window * sizeof *wrows);
+    const uint8_t **crows = scratch(st, (step->sel_stride ? step->sel_stride : 1) * sizeof *crows);
+    const size_t qo = (size_t)n_heads * (size_t)head_dim;
+    for (size_t m = 0; m < M; m++) {
+        const ds41_attn_rows rows = ds41_attn_step_rows(step, m, wrows, crows);
+        self->sparse_attn(self, q + m * qo, n_heads, head_dim, sink, scale, &rows, out + m * qo);
+    }
+    ds41_scratch_release(st, st_mark);
+}
+
 /* ---- MoE ------------------------------------------------------------------------------ */
 
 static void ref_swiglu(const ds41_ops *self, const float *g, const float *u, size_t M, size_t n, float limit, const float *route,
@@ -309,8 +416,15 @@ static void ref_swiglu(const ds41_ops *self, const float *g, const float *u, siz
         }
 }
 
-static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k, float route_scale,
-                       int32_t *sel, float *weight) {
+static void ref_moe_combine(const ds41_ops *self, const float *oe, const uint32_t *slot, size_t k,
+                            const float *shared, size_t M, size_t D, float *out) {
+    (void)self;
+    for (size_t m = 0; m < M; m++)
+        ds41_rm_moe_combine_token(oe, slot + m * k, k, shared + m * D, D, out + m * D);
+}
+
+static void ref_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k,
+                       float gate_temp, float route_scale, int32_t *sel, float *weight, float *selection) {
     (void)self;
     ds41_scratch *st = ref_stack();
     const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
@@ -319,9 +433,11 @@ static void ref_router(const ds41_ops *self, const float *logits, const float *b
     unsigned char *taken = scratch(st, (size_t)E);
     for (size_t m = 0; m < M; m++) {
         for (int e = 0; e < E; e++) {
-            score[e] = ds41_rm_sqrt(ds41_rm_softplus(logits[m * (size_t)E + (size_t)e]));
+            const float z = logits[m * (size_t)E + (size_t)e] / gate_temp;
+            score[e] = ds41_rm_sqrt(ds41_rm_softplus(z));
             biased[e] = score[e] + bias[e];
             taken[e] = 0;
+            if (selection) selection[m * (size_t)E + (size_t)e] = biased[e];
         }
         int32_t *s = sel + m * (size_t)k;
         float *w = weight + m * (size_t)k;
@@ -412,10 +528,19 @@ const ds41_ops ds41_ops_reference = {
     .hc_mix = ref_hc_mix,
     .hc_pre = ref_hc_pre,
     .hc_post = ref_hc_post,
+    .rope_table = ref_rope_table,
     .rope = ref_rope,
+    .act_quant_fp8 = ref_act_quant_fp8,
+    .index_query = ref_index_query,
+    .kv_pack = ref_kv_pack,
+    .compress_pool = ref_compress_pool,
     .index_scores = ref_index_scores,
+    .index_blocks = ref_index_blocks,
+    .index_topk = ref_index_topk,
     .sparse_attn = ref_sparse_attn,
+    .attend = ref_attend,
     .swiglu = ref_swiglu,
+    .moe_combine = ref_moe_combine,
     .router = ref_router,
     .engram_mix = ref_engram_mix,
     .embed = ref_embed,

@@ -484,6 +484,38 @@ void ds41_rope_apply(float *x, int n_pairs, const float *cs, int inverse) {
 }
 
 /* see refmath.h */
+void ds41_rm_moe_combine_token(const float *oe, const uint32_t *slot, size_t n, const float *shared, size_t D,
+                               float *out) {
+    for (size_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (size_t j = 0; j < n; j++) {
+        const float *o = oe + (size_t)slot[j] * D;
+        for (size_t d = 0; d < D; d++) out[d] = out[d] + o[d];
+    }
+    for (size_t d = 0; d < D; d++) out[d] = ds41_bf16_round(out[d] + shared[d]);
+}
+
+/* see refmath.h */
+void ds41_rm_compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex,
+                           float *pooled) {
+    for (size_t ch = 0; ch < hd; ch++) {
+        float mx = csc[ch];
+        for (int t = 1; t < ratio; t++) mx = csc[(size_t)t * hd + ch] > mx ? csc[(size_t)t * hd + ch] : mx;
+        float sum = 0.0f;
+        for (int t = 0; t < ratio; t++) {
+            ex[t] = ds41_rm_exp(csc[(size_t)t * hd + ch] - mx);
+            sum = t ? sum + ex[t] : ex[t];
+        }
+        float acc = 0.0f;
+        for (int t = 0; t < ratio; t++) {
+            const float w = ex[t] / sum;
+            const float term = ckv[(size_t)t * hd + ch] * w;
+            acc = t ? acc + term : term;
+        }
+        pooled[ch] = ds41_bf16_round(acc);
+    }
+}
+
+/* see refmath.h */
 void ds41_rm_hc_sinkhorn(const float *mix, const float *scale, const float *base, int hc, int iters, float eps,
                          float *pre, float *post, float *c) {
     for (int i = 0; i < hc; i++) {

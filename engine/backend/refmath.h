@@ -117,6 +117,24 @@ void ds41_rope_cos_sin(const float *f, int n_pairs, uint64_t pos, float *cs);
  * each result rounded to bf16 (the write-back). */
 void ds41_rope_apply(float *x, int n_pairs, const float *cs, int inverse);
 
+/* Compressor pooling of one completed group (§2.9): ckv and csc hold the
+ * group's fp32 kv and gate scores slot by slot ([ratio][hd]); per channel a
+ * softmax over the ratio scores (shifted by their maximum, so no exp
+ * overflows: exp in double rounded to fp32, the sum a short fp32 sum in slot
+ * order), the kv weighted by it and summed in slot order, rounded to bf16
+ * into pooled[hd].  ex: ratio floats of scratch.  Shared by every CPU
+ * backend's compress_pool op (engine/backend/ops.h). */
+void ds41_rm_compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex,
+                           float *pooled);
+
+/* The MoE combine of one token (§2.6, fp32 per §1.7): out[d] = bf16(y[d] +
+ * shared[d]) with y[d] the fp32 sum, from 0, of oe[slot[j]*D + d] over
+ * j < n in that order (the token's routed outputs in increasing expert id).
+ * out is the accumulator, so no scratch.  Shared by every CPU backend's
+ * moe_combine op. */
+void ds41_rm_moe_combine_token(const float *oe, const uint32_t *slot, size_t n, const float *shared, size_t D,
+                               float *out);
+
 /* Hyper-connection mixes of one token (REFERENCE §2.5), in the reference's
  * fp32 expression order: pre = sigmoid(mix*scale0 + base) + eps, post =
  * 2 sigmoid(...), comb = Sinkhorn-normalised exp of the hc x hc block (row

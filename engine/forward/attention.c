@@ -3,11 +3,6 @@
  * (REFERENCE.md §2.8-2.11, §9, §10.7). */
 #include "engine/forward/forward_internal.h"
 
-#include "engine/model/quant.h"
-#include "engine/backend/refmath.h"
-
-#include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* Scratch of the step (forward_internal.h: ds41_engine.scratch). */
@@ -24,63 +19,61 @@ void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L) {
         b->rope_layer = L; /* same frequencies: same table */
         return;
     }
-    for (size_t r = 0; r < b->M; r++) ds41_rope_cos_sin(f, rd / 2, b->row_pos[r], b->rope_cs + r * (size_t)rd);
+    e->ops->rope_table(e->ops, f, rd / 2, b->row_pos, b->M, b->rope_cs);
     b->rope_layer = L;
 }
 
 /* ---- compressor and index keys (kv source layers, §2.9, §2.10 step 1) ------------- */
 
-/* A latent of group j (first token position j*ratio) is complete: derive its
- * index key from the unrotated latent, rotate both at the group's first
- * position, and append them (packed FP4) to the sequence's entries. */
-static int emit_entry(ds41_engine *e, int L, ds41_kv_seq *seq, int src, uint64_t group, const float *latent,
-                      ds41_error *err) {
+/* The step's n completed latents lat[n][hd] (entry i of group pos[i] /
+ * ratio, completed by row row[i], in row order): derive each index key from
+ * the unrotated latent, rotate both at the group's first position, and
+ * append them (packed FP4) to the sequences' entries.  Every entry of the
+ * step goes through each op once. */
+static int emit_entries(ds41_engine *e, fwd_batch *b, int L, int src, const float *lat, size_t n,
+                        const size_t *row, const uint64_t *pos, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
     const ds41_layer_weights *lw = &e->w.layers[L];
     const ds41_ops *ops = e->ops;
     const size_t hd = (size_t)c->head_dim, ihd = (size_t)c->index_head_dim;
     const int rd = (int)c->rope_head_dim;
     const int ratio = c->roles[L].ratio;
-    if (ds41_kv_seq_entries(seq, src) != group)
-        return ds41_fail(err, "forward: layer %d: compressed entry %llu out of order (have %llu)", L,
-                         (unsigned long long)group, (unsigned long long)ds41_kv_seq_entries(seq, src));
+    if (n == 0) return 0;
     const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    float *key_raw = step_buf(e, ihd * sizeof *key_raw);
-    float *key = step_buf(e, ihd * sizeof *key);
-    float *rot = step_buf(e, hd * sizeof *rot);
-    float *cs = step_buf(e, (size_t)rd * sizeof *cs);
-    if (!key_raw || !key || !rot || !cs) {
+    float *key_raw = step_buf(e, n * ihd * sizeof *key_raw);
+    float *key = step_buf(e, n * ihd * sizeof *key);
+    float *rot = step_buf(e, n * hd * sizeof *rot);
+    float *cs = step_buf(e, n * (size_t)rd * sizeof *cs);
+    const ds41_kv_layout *lay = ds41_kv_pool_layout(ds41_kv_seq_pool(b->items[0].seq));
+    uint8_t *packed = step_buf(e, n * lay->entry_bytes);
+    int rc = 0;
+    if (!key_raw || !key || !rot || !cs || !packed) {
         ds41_scratch_release(&e->scratch, mark);
         return ds41_fail(err, "forward: out of memory");
     }
-    ops->linear(ops, &lw->idx_wk, latent, 1, key_raw, DS41_OUT_BF16_EXACT);
-    ops->rmsnorm(ops, lw->idx_k_norm, key_raw, 1, ihd, e->norm_eps, key);
-    ds41_rope_cos_sin(e->rope_freqs[L], rd / 2, group * (uint64_t)ratio, cs);
-    ops->rope(ops, key + ihd - (size_t)rd, rd / 2, cs, 0);
-    memcpy(rot, latent, hd * sizeof *rot);
-    ops->rope(ops, rot + hd - (size_t)rd, rd / 2, cs, 0);
-    int rc = ds41_kv_seq_append(seq, src, rot, key, err);
+    ops->linear(ops, &lw->idx_wk, lat, n, key_raw, DS41_OUT_BF16_EXACT);
+    ops->rmsnorm(ops, lw->idx_k_norm, key_raw, n, ihd, e->norm_eps, key);
+    ops->rope_table(ops, e->rope_freqs[L], rd / 2, pos, n, cs);
+    ops->rope(ops, key + ihd - (size_t)rd, n, 1, ihd, ihd, rd / 2, cs, 0);
+    memcpy(rot, lat, n * hd * sizeof *rot);
+    ops->rope(ops, rot + hd - (size_t)rd, n, 1, hd, hd, rd / 2, cs, 0);
+    ops->kv_pack(ops, lay, rot, key, n, packed);
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        ds41_kv_seq *seq = b->items[b->row_item[row[i]]].seq;
+        const uint64_t group = pos[i] / (uint64_t)ratio;
+        if (ds41_kv_seq_entries(seq, src) != group)
+            rc = ds41_fail(err, "forward: layer %d: compressed entry %llu out of order (have %llu)", L,
+                           (unsigned long long)group, (unsigned long long)ds41_kv_seq_entries(seq, src));
+        else
+            rc = ds41_kv_seq_append_packed(seq, src, packed + i * lay->entry_bytes, err);
+    }
     ds41_scratch_release(&e->scratch, mark);
     return rc;
 }
 
-void ds41__compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex, float *pooled) {
-    for (size_t ch = 0; ch < hd; ch++) {
-        float mx = csc[ch];
-        for (int t = 1; t < ratio; t++) mx = csc[(size_t)t * hd + ch] > mx ? csc[(size_t)t * hd + ch] : mx;
-        float sum = 0.0f;
-        for (int t = 0; t < ratio; t++) {
-            ex[t] = ds41_rm_exp(csc[(size_t)t * hd + ch] - mx);
-            sum = t ? sum + ex[t] : ex[t];
-        }
-        float acc = 0.0f;
-        for (int t = 0; t < ratio; t++) {
-            const float w = ex[t] / sum;
-            const float term = ckv[(size_t)t * hd + ch] * w;
-            acc = t ? acc + term : term;
-        }
-        pooled[ch] = ds41_bf16_round(acc);
-    }
+/* Position a completes its group of ratio tokens (the group is pooled there). */
+static int group_completes(uint64_t a, int ratio) {
+    return (a + 1) % (uint64_t)ratio == 0;
 }
 
 static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41_error *err) {
@@ -93,36 +86,52 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
     const int src = lay->source_of_layer[L];
     const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
     int rc = 0;
+    /* Entries completed by this step: at most one per row. */
+    size_t *row = step_buf(e, M * sizeof *row);
+    uint64_t *pos = step_buf(e, M * sizeof *pos);
+    float *lat = step_buf(e, M * hd * sizeof *lat);
+    if (!row || !pos || !lat) {
+        rc = ds41_fail(err, "forward: out of memory");
+        goto out;
+    }
     if (ratio == 1) {
         /* latent = norm(wkv(x)): bf16 linear, RMSNorm; one per token. */
         float *raw = step_buf(e, M * hd * sizeof *raw);
-        float *lat = step_buf(e, M * hd * sizeof *lat);
-        if (!raw || !lat) {
-            ds41_scratch_release(&e->scratch, mark);
-            return ds41_fail(err, "forward: out of memory");
+        if (!raw) {
+            rc = ds41_fail(err, "forward: out of memory");
+            goto out;
         }
         ops->linear(ops, &lw->cmp_wkv, xn, M, raw, DS41_OUT_BF16_EXACT);
         ops->rmsnorm(ops, lw->cmp_norm, raw, M, hd, e->norm_eps, lat);
-        for (size_t r = 0; r < M && rc == 0; r++)
-            rc = emit_entry(e, L, b->items[b->row_item[r]].seq, src, b->row_pos[r], lat + r * hd, err);
-        ds41_scratch_release(&e->scratch, mark);
-        return rc;
+        for (size_t r = 0; r < M; r++) {
+            row[r] = r;
+            pos[r] = b->row_pos[r];
+        }
+        rc = emit_entries(e, b, L, src, lat, M, row, pos, err);
+        goto out;
     }
     /* ratio > 1: fp32 kv and gate scores, carried per slot (position mod
      * ratio); a completed group is pooled with a per-channel softmax over
-     * its tokens (§2.9, §10.4 short sums, decision 12 of the numpy side). */
+     * its tokens (§2.9, §10.4 short sums, decision 12 of the numpy side).
+     * A group completes at its last position: its carry is staged then, as
+     * later rows of a long chunk reuse the slots. */
+    size_t n = 0;
+    for (size_t r = 0; r < M; r++)
+        if (group_completes(b->row_pos[r], ratio)) n++;
+    const size_t group = (size_t)ratio * hd;
     float *kv = step_buf(e, M * hd * sizeof *kv);
     float *sc = step_buf(e, M * hd * sizeof *sc);
-    float *pooled = step_buf(e, hd * sizeof *pooled);
-    float *lat = step_buf(e, hd * sizeof *lat);
-    float *ex = step_buf(e, (size_t)ratio * sizeof *ex);
-    if (!kv || !sc || !pooled || !lat || !ex) {
+    float *gkv = step_buf(e, (n ? n : 1) * group * sizeof *gkv);
+    float *gsc = step_buf(e, (n ? n : 1) * group * sizeof *gsc);
+    float *pooled = step_buf(e, (n ? n : 1) * hd * sizeof *pooled);
+    if (!kv || !sc || !gkv || !gsc || !pooled) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
     ops->linear(ops, &lw->cmp_wkv, xn, M, kv, DS41_OUT_F32_EXACT);
     ops->linear(ops, &lw->cmp_wgate, xn, M, sc, DS41_OUT_F32_EXACT);
-    for (size_t r = 0; r < M && rc == 0; r++) {
+    n = 0;
+    for (size_t r = 0; r < M; r++) {
         ds41_kv_seq *seq = b->items[b->row_item[r]].seq;
         float *ckv = ds41_kv_carry_kv(seq, src);
         float *csc = ds41_kv_carry_score(seq, src);
@@ -130,64 +139,24 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         const size_t slot = (size_t)(a % (uint64_t)ratio);
         memcpy(ckv + slot * hd, kv + r * hd, hd * sizeof *kv);
         memcpy(csc + slot * hd, sc + r * hd, hd * sizeof *sc);
-        if ((a + 1) % (uint64_t)ratio != 0) continue;
-        ds41__compress_pool(ckv, csc, ratio, hd, ex, pooled);
-        ops->rmsnorm(ops, lw->cmp_norm, pooled, 1, hd, e->norm_eps, lat);
-        rc = emit_entry(e, L, seq, src, a / (uint64_t)ratio, lat, err);
+        if (!group_completes(a, ratio)) continue;
+        memcpy(gkv + n * group, ckv, group * sizeof *gkv);
+        memcpy(gsc + n * group, csc, group * sizeof *gsc);
+        row[n] = r;
+        pos[n] = a + 1 - (uint64_t)ratio;
+        n++;
     }
+    if (n) {
+        ops->compress_pool(ops, gkv, gsc, n, ratio, hd, pooled);
+        ops->rmsnorm(ops, lw->cmp_norm, pooled, n, hd, e->norm_eps, lat);
+    }
+    rc = emit_entries(e, b, L, src, lat, n, row, pos, err);
 out:
     ds41_scratch_release(&e->scratch, mark);
     return rc;
 }
 
 /* ---- indexer (§2.10, §2.11, §9.2, decision 8 of the numpy side) ------------------- */
-
-/* Descending score, equal scores: lower index first.  NaN ranks above
- * everything (torch.topk treats NaN as the largest value). */
-static int cmp_rank(int32_t a, int32_t b, const float *score) {
-    const float sa = score[a], sb = score[b];
-    const int na = isnan(sa), nb = isnan(sb);
-    if (na != nb) return na ? -1 : 1;
-    if (!na) {
-        if (sa > sb) return -1;
-        if (sa < sb) return 1;
-    }
-    return a < b ? -1 : (a > b ? 1 : 0);
-}
-
-/* Ascending index. */
-static int cmp_index(int32_t a, int32_t b, const float *unused) {
-    (void)unused;
-    return a < b ? -1 : (a > b ? 1 : 0);
-}
-
-/* Sort a[0..n) of distinct indices by cmp, a total order on them (ties are
- * broken by index), so any correct sort gives the same result as qsort did.
- * A bottom-up merge sort through tmp[n] of the step's scratch: glibc's qsort
- * allocates a buffer of its own for arrays over 1 KiB. */
-static void sort_i32(int32_t *a, int32_t *tmp, size_t n, int (*cmp)(int32_t, int32_t, const float *),
-                     const float *score) {
-    int32_t *src = a, *dst = tmp;
-    for (size_t w = 1; w < n; w *= 2) {
-        for (size_t lo = 0; lo < n; lo += 2 * w) {
-            const size_t mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
-            size_t i = lo, j = mid, k = lo;
-            while (i < mid && j < hi) dst[k++] = cmp(src[j], src[i], score) < 0 ? src[j++] : src[i++];
-            while (i < mid) dst[k++] = src[i++];
-            while (j < hi) dst[k++] = src[j++];
-        }
-        int32_t *t = src;
-        src = dst;
-        dst = t;
-    }
-    if (src != a) memcpy(a, src, n * sizeof *a);
-}
-
-/* order[0..n) <- 0..n-1 ranked by score (see cmp_rank); tmp[n] scratch. */
-void ds41__index_rank(const float *score, int32_t *order, int32_t *tmp, size_t n) {
-    for (size_t i = 0; i < n; i++) order[i] = (int32_t)i;
-    sort_i32(order, tmp, n, cmp_rank, score);
-}
 
 /* The most compressed entries a row of the step reaches at ratio. */
 static uint64_t step_max_reach(const fwd_batch *b, int ratio) {
@@ -197,6 +166,53 @@ static uint64_t step_max_reach(const fwd_batch *b, int ratio) {
         if (reach > max_reach) max_reach = reach;
     }
     return max_reach;
+}
+
+/* The page tables of source `src` for the step's rows: pages (the items'
+ * tables concatenated, from the step's scratch) and row_table[M] (where
+ * each row's table starts), as ds41_kv_pages describes them.  NULL on out
+ * of memory. */
+static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, size_t *row_table) {
+    const ds41_kv_pool *pool = ds41_kv_seq_pool(b->items[0].seq);
+    size_t *item_table = step_buf(e, b->n_items * sizeof *item_table);
+    if (!item_table) return NULL;
+    size_t n_ids = 0;
+    for (size_t it = 0; it < b->n_items; it++) {
+        uint32_t np;
+        (void)ds41_kv_seq_page_ids(b->items[it].seq, src, &np);
+        item_table[it] = n_ids;
+        n_ids += np;
+    }
+    const uint8_t **pages = step_buf(e, (n_ids ? n_ids : 1) * sizeof *pages);
+    if (!pages) return NULL;
+    for (size_t it = 0; it < b->n_items; it++) {
+        uint32_t np;
+        const uint32_t *ids = ds41_kv_seq_page_ids(b->items[it].seq, src, &np);
+        for (uint32_t i = 0; i < np; i++) pages[item_table[it] + i] = ds41_kv_pool_page(pool, ids[i]);
+    }
+    for (size_t r = 0; r < b->M; r++) row_table[r] = item_table[b->row_item[r]];
+    return pages;
+}
+
+/* Report the step's candidate blocks (kept block ids ascending, with the
+ * block scores) and index selections to the batch's hook.  The decisions
+ * themselves were made by the ops; this only reads them. */
+static void report_indexer(fwd_batch *b, int L, const ds41_layer_role *role, const uint32_t *reach,
+                           const float *score, size_t stride, const float *bscore, size_t nb_stride,
+                           int32_t *kept, size_t B, size_t topk) {
+    for (size_t r = 0; r < b->M; r++) {
+        if (reach[r] == 0) continue; /* nothing compressed is visible yet (§2.10 step 8) */
+        if (role->candidate_source && b->hooks && b->hooks->decision) {
+            const size_t nb = (reach[r] + B - 1) / B;
+            const uint8_t *allow = b->cand + r * b->cand_stride;
+            size_t n_kept = 0;
+            for (size_t blk = 0; blk < nb; blk++)
+                if (allow[blk]) kept[n_kept++] = (int32_t)blk;
+            ds41__report_decision(b, DS41_DECISION_CAND, L, r, kept, n_kept, bscore + r * nb_stride, nb);
+        }
+        ds41__report_decision(b, DS41_DECISION_INDEX, L, r, b->idx_list[L] + r * topk, b->idx_count[L][r],
+                              score + r * stride, reach[r]);
+    }
 }
 
 static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const float *qr, ds41_error *err) {
@@ -213,83 +229,49 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
     const int ks = lay->source_of_layer[role->index_keys_from];
     const size_t B = role->candidate_source || role->candidate_user ? (size_t)c->candidate_block_size : 1;
 
-    const uint64_t max_reach = step_max_reach(b, ratio);
+    const size_t max_reach = (size_t)step_max_reach(b, ratio);
+    const size_t stride = max_reach ? max_reach : 1;
+    const size_t nb_stride = (max_reach + B - 1) / B ? (max_reach + B - 1) / B : 1;
     int rc = 0;
     const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
     float *q = step_buf(e, M * qw * sizeof *q);
     float *w = step_buf(e, M * (size_t)nh * sizeof *w);
-    float *score = step_buf(e, (size_t)max_reach * sizeof *score);
-    int32_t *order = step_buf(e, (size_t)max_reach * sizeof *order);
-    int32_t *sort_tmp = step_buf(e, (size_t)max_reach * sizeof *sort_tmp);
-    const uint8_t **keys = step_buf(e, (size_t)max_reach * sizeof *keys);
-    const size_t n_blocks_max = (size_t)((max_reach + B - 1) / B);
-    float *bscore = step_buf(e, n_blocks_max * sizeof *bscore);
-    int32_t *border = step_buf(e, n_blocks_max * sizeof *border);
-    if (!q || !w || !score || !order || !sort_tmp || !keys || !bscore || !border) {
+    float *score = step_buf(e, M * stride * sizeof *score);
+    uint32_t *reach = step_buf(e, M * sizeof *reach);
+    size_t *row_table = step_buf(e, M * sizeof *row_table);
+    float *bscore = role->candidate_source ? step_buf(e, M * nb_stride * sizeof *bscore) : NULL;
+    int32_t *kept = role->candidate_source ? step_buf(e, nb_stride * sizeof *kept) : NULL;
+    if (!q || !w || !score || !reach || !row_table || (role->candidate_source && (!bscore || !kept))) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
-    /* No candidate block is kept until this source's top-k says so. */
-    if (role->candidate_source) memset(b->cand, 0, M * b->cand_stride);
 
     /* Query side: q = wq_b(qr), rope at the query position, FP4 1x32 QDQ;
      * w = bf16(weights_proj(x) * scale). */
     ops->linear(ops, &lw->idx_wq_b, qr, M, q, DS41_OUT_BF16_EXACT);
     ops->linear(ops, &lw->idx_weights_proj, xn, M, w, DS41_OUT_BF16_EXACT);
-    for (size_t r = 0; r < M; r++) {
-        for (int h = 0; h < nh; h++)
-            ops->rope(ops, q + r * qw + (size_t)h * (size_t)ihd + (size_t)(ihd - rd), rd / 2,
-                      b->rope_cs + r * (size_t)rd, 0);
-        ds41_fp4_act_quant_ue8m0_qdq(q + r * qw, qw);
-        for (int h = 0; h < nh; h++) w[r * (size_t)nh + (size_t)h] = ds41_bf16_round(w[r * (size_t)nh + (size_t)h] * e->index_scale);
-    }
+    ops->rope(ops, q + (size_t)(ihd - rd), M, nh, qw, (size_t)ihd, rd / 2, b->rope_cs, 0);
+    ops->index_query(ops, q, qw, w, (size_t)nh, M, e->index_scale);
 
-    for (size_t r = 0; r < M; r++) {
-        ds41_kv_seq *seq = b->items[b->row_item[r]].seq;
-        const size_t reach = (size_t)((b->row_pos[r] + 1) / (uint64_t)ratio);
-        b->idx_count[L][r] = 0;
-        if (reach == 0) continue; /* nothing compressed is visible yet (§2.10 step 8) */
-        for (size_t t = 0; t < reach; t++) keys[t] = ds41_kv_seq_entry(seq, ks, t);
-        ops->index_scores(ops, q + r * qw, w + r * (size_t)nh, nh, ihd, lay, keys, reach, score);
-
-        if (role->candidate_source) {
-            /* Block max over reachable positions, newest block pinned, top
-             * candidate_topk_blocks, -inf picks dropped (§2.11). */
-            const size_t nb = (reach + B - 1) / B;
-            for (size_t blk = 0; blk < nb; blk++) {
-                float mx = -INFINITY;
-                for (size_t t = blk * B; t < reach && t < (blk + 1) * B; t++)
-                    if (score[t] > mx || isnan(score[t])) mx = score[t];
-                bscore[blk] = mx;
-            }
-            bscore[(reach - 1) / B] = INFINITY;
-            ds41__index_rank(bscore, border, sort_tmp, nb);
-            size_t take = (size_t)c->candidate_topk_blocks < nb ? (size_t)c->candidate_topk_blocks : nb;
-            uint8_t *allow = b->cand + r * b->cand_stride;
-            for (size_t i = 0; i < take; i++)
-                if (!(bscore[border[i]] == -INFINITY)) allow[border[i]] = 1;
-            if (b->hooks && b->hooks->decision) {
-                size_t n_kept = 0;
-                for (size_t blk = 0; blk < nb; blk++)
-                    if (allow[blk]) border[n_kept++] = (int32_t)blk;
-                ds41__report_decision(b, DS41_DECISION_CAND, L, r, border, n_kept, bscore, nb);
-            }
-        }
-        if (role->candidate_user) {
-            const uint8_t *allow = b->cand + r * b->cand_stride;
-            for (size_t t = 0; t < reach; t++)
-                if (!allow[t / B]) score[t] = -INFINITY;
-        }
-        /* Top min(index_topk, reach), lower position on ties; -inf picks of
-         * a candidate user are kept (§2.10 step 7); then ascending. */
-        const size_t k = topk < reach ? topk : reach;
-        ds41__index_rank(score, order, sort_tmp, reach);
-        int32_t *list = b->idx_list[L] + r * topk;
-        memcpy(list, order, k * sizeof *list);
-        sort_i32(list, sort_tmp, k, cmp_index, NULL);
-        b->idx_count[L][r] = (uint32_t)k;
-        ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, k, score, reach);
+    /* Metadata: each row's reach and its sequence's page table (the
+     * entries the compressor appended this step included). */
+    const uint8_t **pages = step_pages(e, b, ks, row_table);
+    if (!pages) {
+        rc = ds41_fail(err, "forward: out of memory");
+        goto out;
     }
+    for (size_t r = 0; r < M; r++) reach[r] = (uint32_t)((b->row_pos[r] + 1) / (uint64_t)ratio);
+    const ds41_kv_pages keys = {.layout = lay, .pages = pages, .row_table = row_table, .row_reach = reach};
+
+    /* Scores, candidate blocks (the source), the mask (a user), top-k:
+     * the decisions land in b->cand and b->idx_list/idx_count. */
+    ops->index_scores(ops, q, w, M, nh, ihd, &keys, score, stride);
+    if (role->candidate_source)
+        ops->index_blocks(ops, score, stride, reach, M, B, (size_t)c->candidate_topk_blocks, bscore,
+                          nb_stride, b->cand, b->cand_stride);
+    ops->index_topk(ops, score, stride, reach, M, role->candidate_user ? b->cand : NULL, b->cand_stride, B,
+                    topk, b->idx_list[L], b->idx_count[L]);
+    report_indexer(b, L, role, reach, score, stride, bscore, nb_stride, kept, B, topk);
 out:
     ds41_scratch_release(&e->scratch, mark);
     return rc;
@@ -345,9 +327,9 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     float *xg = step_buf(e, M * Kg * sizeof *xg);
     float *yg = step_buf(e, M * olr * sizeof *yg);
     float *ya = step_buf(e, M * G * olr * sizeof *ya);
-    const uint8_t **wrows = step_buf(e, (W ? W : 1) * sizeof *wrows);
-    const uint8_t **crows = step_buf(e, ((size_t)c->index_topk ? (size_t)c->index_topk : 1) * sizeof *crows);
-    if (!qa || !qr || !q || !kvraw || !kv || !chunk_rows || !o || !xg || !yg || !ya || !wrows || !crows) {
+    const uint8_t **rings = step_buf(e, b->n_items * sizeof *rings);
+    size_t *row_table = step_buf(e, M * sizeof *row_table);
+    if (!qa || !qr || !q || !kvraw || !kv || !chunk_rows || !o || !xg || !yg || !ya || !rings || !row_table) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -359,18 +341,14 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
                 role->ratio > 0 && role->index_source ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
     ops->rmsnorm(ops, lw->q_norm, qa, M, qlr, e->norm_eps, qr);
     ops->linear(ops, &lw->wq_b, qr, M, q, DS41_OUT_BF16);
-    for (size_t r = 0; r < M; r++)
-        for (size_t h = 0; h < H; h++)
-            ops->rope(ops, q + (r * H + h) * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 0);
+    ops->rope(ops, q + hd - (size_t)rd, M, (int)H, H * hd, hd, rd / 2, b->rope_cs, 0);
 
     /* Window KV: kv_norm(wkv(x)), rope, FP8 1x32 QDQ (kept packed, in the
      * ring's row format, for this chunk's queries). */
     ops->linear(ops, &lw->wkv, xn, M, kvraw, DS41_OUT_BF16);
     ops->rmsnorm(ops, lw->kv_norm, kvraw, M, hd, e->norm_eps, kv);
-    for (size_t r = 0; r < M; r++) {
-        ops->rope(ops, kv + r * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 0);
-        ds41_act_quant(kv + r * hd, hd, chunk_rows + r * row_bytes, chunk_rows + r * row_bytes + hd);
-    }
+    ops->rope(ops, kv + hd - (size_t)rd, M, 1, hd, hd, rd / 2, b->rope_cs, 0);
+    ops->act_quant_fp8(ops, kv, M, hd, chunk_rows, row_bytes);
 
     if (role->kv_source && (rc = compressor(e, b, L, xn, err)) != 0) goto out;
     if (role->ratio > 0 && role->index_source && (rc = indexer(e, b, L, xn, qr, err)) != 0) goto out;
@@ -382,26 +360,35 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         rc = ds41_fail(err, "forward: layer %d: index source %d produced no indices", L, role->index_from);
         goto out;
     }
-    for (size_t r = 0; r < M; r++) {
-        const size_t it = b->row_item[r];
-        ds41_kv_seq *seq = b->items[it].seq;
-        const uint64_t p0 = b->item_pos0[it], a = b->row_pos[r];
-        const uint64_t first = a + 1 > W ? a + 1 - W : 0;
-        ds41_attn_rows rows = {.layout = lay, .window = wrows, .comp = crows};
-        for (uint64_t pos = first; pos <= a; pos++)
-            wrows[rows.n_window++] = pos >= p0 ? chunk_rows + (b->item_row0[it] + (size_t)(pos - p0)) * row_bytes
-                                               : ds41_kv_ring_row(seq, L, (uint32_t)(pos % W));
-        if (role->ratio > 0) {
-            const int32_t *list = lists + r * (size_t)c->index_topk;
-            for (uint32_t j = 0; j < counts[r]; j++) crows[rows.n_comp++] = ds41_kv_seq_entry(seq, src, (uint64_t)list[j]);
-            /* (An index source reported its list with its scores.) */
-            if (!role->index_source)
-                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list, counts[r], NULL, 0);
+    /* Every row's window and compressed list, described by metadata
+     * (engine/backend/ops.h: ds41_attn_step), attended in one call. */
+    ds41_attn_step step = {.layout = lay,
+                           .window = (uint32_t)W,
+                           .chunk = chunk_rows,
+                           .rings = rings,
+                           .row_item = b->row_item,
+                           .row_pos = b->row_pos,
+                           .item_row0 = b->item_row0,
+                           .item_pos0 = b->item_pos0,
+                           .sel = lists,
+                           .count = counts,
+                           .sel_stride = (size_t)c->index_topk};
+    for (size_t it = 0; it < b->n_items; it++) rings[it] = ds41_kv_ring_row(b->items[it].seq, L, 0);
+    if (role->ratio > 0) {
+        const uint8_t **pages = step_pages(e, b, src, row_table);
+        if (!pages) {
+            rc = ds41_fail(err, "forward: out of memory");
+            goto out;
         }
-        ops->sparse_attn(ops, q + r * H * hd, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &rows, o + r * H * hd);
-        for (size_t h = 0; h < H; h++)
-            ops->rope(ops, o + (r * H + h) * hd + hd - (size_t)rd, rd / 2, b->rope_cs + r * (size_t)rd, 1);
+        step.comp = (ds41_kv_pages){.layout = lay, .pages = pages, .row_table = row_table};
+        /* (An index source reported its lists with their scores.) */
+        if (!role->index_source)
+            for (size_t r = 0; r < M; r++)
+                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, lists + r * (size_t)c->index_topk,
+                                      counts[r], NULL, 0);
     }
+    ops->attend(ops, q, M, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &step, o);
+    ops->rope(ops, o + hd - (size_t)rd, M, (int)H, H * hd, hd, rd / 2, b->rope_cs, 1);
 
     /* The chunk's last min(n, W) window rows go to the ring now that every
      * query of the chunk has read what it needs. */
@@ -409,7 +396,8 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         const ds41_fwd_item *item = &b->items[it];
         const size_t n = item->n_ids, start = n > W ? n - W : 0;
         for (size_t i = start; i < n; i++)
-            ds41_kv_ring_write(item->seq, L, b->item_pos0[it] + i, kv + (b->item_row0[it] + i) * hd);
+            ds41_kv_ring_put(item->seq, L, b->item_pos0[it] + i,
+                             chunk_rows + (b->item_row0[it] + i) * row_bytes);
     }
 
     /* Grouped wo_a (bf16, block-diagonal over o_groups) then wo_b. */

@@ -112,25 +112,8 @@ void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const fl
 /* cos/sin for layer L at every row's position into b->rope_cs (cached per layer). */
 void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);
 
-/* The steps below are the sub-layers' decisions as pure functions, so tests can give them inputs
- * the generated checkpoints never produce (scores 100 apart, NaN, magnitudes 2^24 apart).
- *
- * Compressor pooling of one completed group (§2.9): ckv and csc hold the group's fp32 kv and gate
- * scores slot by slot ([ratio][hd]); per channel a softmax over the ratio scores (shifted by their
- * maximum, so no exp overflows), the kv weighted by it and summed in slot order, rounded to bf16
- * into pooled[hd].  ex: ratio floats of scratch. */
-void ds41__compress_pool(const float *ckv, const float *csc, int ratio, size_t hd, float *ex, float *pooled);
-
-/* The indexer's ranking (torch.topk's order, §9.2): order[0..n) <- 0..n-1 by score descending,
- * equal scores by lower index, NaN above everything (ties among NaN by lower index).  tmp: n
- * int32 of scratch (the sort allocates nothing). */
-void ds41__index_rank(const float *score, int32_t *order, int32_t *tmp, size_t n);
-
-/* The MoE combine (§2.6, fp32 per §1.7): oe holds `total` routed expert outputs [total][D] in slot order
- * (expert by expert in increasing id, so each token meets its experts in increasing id), rows[i] the token of
- * slot i, then the shared expert's M rows.  y[M][D] <- fp32 sum of each token's routed outputs in that order,
- * starting from 0; out[M][D] <- bf16(y + shared). */
-void ds41__moe_combine(const float *oe, const size_t *rows, size_t total, size_t M, size_t D, float *y,
-                       float *out);
+/* Compressor pooling, the indexer's decisions and the MoE combine are backend ops
+ * (engine/backend/ops.h; per row engine/backend/index_select.h, engine/backend/refmath.h), which
+ * tests give inputs the generated checkpoints never produce (tests/test_forward_steps.c). */
 
 #endif

@@ -12,9 +12,6 @@
  * ds41_linear views point into the pinned slots until the layer is done. */
 #include "engine/forward/forward_internal.h"
 
-#include "engine/model/quant.h"
-#include "engine/backend/refmath.h"
-
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,9 +42,8 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
     if (logits && sel && wts && want && list) {
         memset(want, 0, (size_t)E2);
         e->ops->linear(e->ops, &lw2->gate, xn, M, logits, DS41_OUT_F32);
-        if (e->gate_temp != 1.0f)
-            for (size_t i = 0; i < M * (size_t)E2; i++) logits[i] = logits[i] / e->gate_temp;
-        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->route_scale, sel, wts);
+        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->gate_temp, e->route_scale, sel, wts,
+                       NULL);
         /* In rank order (every token's first choice, then its second, ...)
          * so the likeliest experts are read first and extra candidates last. */
         size_t n = 0;
@@ -166,17 +162,6 @@ const char *ds41_expert_predict_name(ds41_expert_predict p) {
     return "early";
 }
 
-void ds41__moe_combine(const float *oe, const size_t *rows, size_t total, size_t M, size_t D, float *y,
-                       float *out) {
-    for (size_t i = 0; i < M * D; i++) y[i] = 0.0f;
-    for (size_t i = 0; i < total; i++) {
-        float *yr = y + rows[i] * D;
-        for (size_t d = 0; d < D; d++) yr[d] = yr[d] + oe[i * D + d];
-    }
-    const float *shared = oe + total * D;
-    for (size_t i = 0; i < M * D; i++) out[i] = ds41_bf16_round(y[i] + shared[i]);
-}
-
 int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
     const ds41_layer_role *role = &c->roles[L];
@@ -194,14 +179,15 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     float *logits = ds41_scratch_get(st, M * (size_t)E * sizeof *logits);
     int32_t *sel = ds41_scratch_get(st, M * (size_t)k * sizeof *sel);
     float *wts = ds41_scratch_get(st, M * (size_t)k * sizeof *wts);
-    float *y = ds41_scratch_get(st, M * D * sizeof *y);
+    size_t *fill = ds41_scratch_get(st, M * sizeof *fill);
     size_t *count = ds41_scratch_get(st, (size_t)E * sizeof *count);
     size_t *first = ds41_scratch_get(st, (size_t)E * sizeof *first);
     /* Every expert's rows gathered one after the other (expert order), then
      * the shared expert's M rows. */
     float *xe = ds41_scratch_get(st, total * D * sizeof *xe);
     float *route = ds41_scratch_get(st, total * sizeof *route);
-    size_t *rows = ds41_scratch_get(st, total * sizeof *rows);
+    uint32_t *tslot =
+        ds41_scratch_get(st, total * sizeof *tslot); /* [M][k] each token's slots, increasing id */
     float *g = ds41_scratch_get(st, (total + M) * hid * sizeof *g);
     float *u = ds41_scratch_get(st, (total + M) * hid * sizeof *u);
     float *h = ds41_scratch_get(st, (total + M) * hid * sizeof *h);
@@ -217,8 +203,8 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     int32_t *group = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *group);
     ds41_expert_view *views = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *views);
     ds41_linear *xl = ds41_scratch_get(st, ((size_t)E + 1) * 3 * sizeof *xl);
-    if (!pending || !got || !done || !group || !views || !xl || !logits || !sel || !wts || !y || !count || !first || !xe || !route || !rows || !g || !u || !h || !oe || !lin ||
-        !lx || !ly || !lm) {
+    if (!pending || !got || !done || !group || !views || !xl || !logits || !sel || !wts || !fill || !count ||
+        !first || !xe || !route || !tslot || !g || !u || !h || !oe || !lin || !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -226,19 +212,15 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
 
     /* Router: fp32 matmul against the (exactly upcast) bf16 gate weight. */
     ops->linear(ops, &lw->gate, xn, M, logits, DS41_OUT_F32);
-    if (e->gate_temp != 1.0f)
-        for (size_t i = 0; i < M * (size_t)E; i++) logits[i] = logits[i] / e->gate_temp;
-    ops->router(ops, logits, lw->gate_bias, M, E, k, e->route_scale, sel, wts);
-    if (b->hooks && b->hooks->decision) {
-        /* The selection scores the router ranked (ops.h router). */
-        for (size_t r = 0; r < M; r++) {
-            float *sc = logits + r * (size_t)E;
-            for (int ex = 0; ex < E; ex++)
-                sc[ex] = ds41_rm_sqrt(ds41_rm_softplus(sc[ex])) + lw->gate_bias[ex];
-            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k, sc,
-                                  (size_t)E);
-        }
-    }
+    /* The selection scores the router ranked (ops.h router) are wanted only
+     * to report the decision; they overwrite the logits, read no more. */
+    const bool report = b->hooks && b->hooks->decision;
+    ops->router(ops, logits, lw->gate_bias, M, E, k, e->gate_temp, e->route_scale, sel, wts,
+                report ? logits : NULL);
+    if (report)
+        for (size_t r = 0; r < M; r++)
+            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k,
+                                  logits + r * (size_t)E, (size_t)E);
 
     /* Gather: expert by expert in increasing id, its tokens in row order. */
     for (size_t i = 0; i < total; i++) count[sel[i]]++;
@@ -248,11 +230,12 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     }
     {
         size_t n = 0;
+        memset(fill, 0, M * sizeof *fill);
         for (int ex = 0; ex < E; ex++)
             for (size_t r = 0; r < M; r++)
                 for (int j = 0; j < k; j++)
                     if (sel[r * (size_t)k + (size_t)j] == ex) {
-                        rows[n] = r;
+                        tslot[r * (size_t)k + fill[r]++] = (uint32_t)n;
                         route[n] = wts[r * (size_t)k + (size_t)j];
                         memcpy(xe + n * D, xn + r * D, D * sizeof *xe);
                         n++;
@@ -331,7 +314,7 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     } while (n_pending > 0);
 
 combine:
-    ds41__moe_combine(oe, rows, total, M, D, y, out);
+    ops->moe_combine(ops, oe, tslot, (size_t)k, oe + total * D, M, D, out);
 out:
     ds41_scratch_release(st, mark);
     return rc;

@@ -328,8 +328,15 @@ uint64_t ds41_kv_seq_entries(const ds41_kv_seq *s, int source) {
     return s->src[source].n_entries;
 }
 
-int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const float *index_key,
-                       ds41_error *err) {
+void ds41_kv_pack_entry(const ds41_kv_layout *l, const float *latent, const float *index_key, uint8_t *e) {
+    ds41_fp4_act_quant_e4m3(latent, l->latent_dim, e, e + l->latent_dim / 2);
+    uint8_t *k = e + l->latent_bytes;
+    ds41_fp4_act_quant_ue8m0(index_key, l->index_dim, k, k + l->index_dim / 2);
+}
+
+/* The next entry's bytes of a source (a fresh page, or the last one, copied
+ * first when a fork shares it); the caller fills them and counts the entry. */
+static uint8_t *append_slot(ds41_kv_seq *s, int source, ds41_error *err) {
     ds41_kv_pool *p = s->pool;
     const ds41_kv_layout *l = &p->layout;
     page_table *t = &s->src[source];
@@ -340,34 +347,62 @@ int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const fl
         if (t->n_pages == t->cap) {
             uint32_t cap = t->cap ? t->cap * 2 : FIRST_PAGES;
             uint32_t *np = realloc(t->pages, cap * sizeof *np);
-            if (!np) return ds41_fail(err, "kv cache: out of memory");
+            if (!np) {
+                ds41_fail(err, "kv cache: out of memory");
+                return NULL;
+            }
             t->pages = np;
             t->cap = cap;
         }
-        if (page_alloc(p, &id) != 0)
-            return ds41_fail(err, "KV cache full (%llu pages of %u bytes)", (unsigned long long)p->pages_max,
-                             l->page_bytes);
+        if (page_alloc(p, &id) != 0) {
+            ds41_fail(err, "KV cache full (%llu pages of %u bytes)", (unsigned long long)p->pages_max,
+                      l->page_bytes);
+            return NULL;
+        }
         t->pages[t->n_pages++] = id;
     } else {
         id = t->pages[t->n_pages - 1];
         if (page_refcount(p, id) > 1) {
             /* Shared with a fork: copy before writing. */
             uint32_t copy;
-            if (page_alloc(p, &copy) != 0)
-                return ds41_fail(err, "KV cache full (%llu pages of %u bytes)",
-                                 (unsigned long long)p->pages_max, l->page_bytes);
+            if (page_alloc(p, &copy) != 0) {
+                ds41_fail(err, "KV cache full (%llu pages of %u bytes)", (unsigned long long)p->pages_max,
+                          l->page_bytes);
+                return NULL;
+            }
             memcpy(page_ptr(p, copy), page_ptr(p, id), (size_t)slot * l->entry_bytes);
             page_unref(p, id);
             t->pages[t->n_pages - 1] = copy;
             id = copy;
         }
     }
-    uint8_t *e = page_ptr(p, id) + (size_t)slot * l->entry_bytes;
-    ds41_fp4_act_quant_e4m3(latent, l->latent_dim, e, e + l->latent_dim / 2);
-    uint8_t *k = e + l->latent_bytes;
-    ds41_fp4_act_quant_ue8m0(index_key, l->index_dim, k, k + l->index_dim / 2);
-    t->n_entries++;
+    return page_ptr(p, id) + (size_t)slot * l->entry_bytes;
+}
+
+int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const float *index_key,
+                       ds41_error *err) {
+    uint8_t *e = append_slot(s, source, err);
+    if (!e) return -1;
+    ds41_kv_pack_entry(&s->pool->layout, latent, index_key, e);
+    s->src[source].n_entries++;
     return 0;
+}
+
+int ds41_kv_seq_append_packed(ds41_kv_seq *s, int source, const uint8_t *entry, ds41_error *err) {
+    uint8_t *e = append_slot(s, source, err);
+    if (!e) return -1;
+    memcpy(e, entry, s->pool->layout.entry_bytes);
+    s->src[source].n_entries++;
+    return 0;
+}
+
+const uint32_t *ds41_kv_seq_page_ids(const ds41_kv_seq *s, int source, uint32_t *n_pages) {
+    *n_pages = s->src[source].n_pages;
+    return s->src[source].pages;
+}
+
+const uint8_t *ds41_kv_pool_page(const ds41_kv_pool *pool, uint32_t id) {
+    return page_ptr(pool, id);
 }
 
 const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *s, int source, uint64_t entry) {
@@ -398,6 +433,11 @@ void ds41_kv_ring_write(ds41_kv_seq *s, int layer, uint64_t pos, const float *kv
     const ds41_kv_layout *l = &s->pool->layout;
     uint8_t *row = ring_row(s, layer, (uint32_t)(pos % l->window));
     ds41_act_quant(kv, l->latent_dim, row, row + l->latent_dim);
+}
+
+void ds41_kv_ring_put(ds41_kv_seq *s, int layer, uint64_t pos, const uint8_t *row) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    memcpy(ring_row(s, layer, (uint32_t)(pos % l->window)), row, l->ring_row_bytes);
 }
 
 const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *s, int layer, uint32_t slot) {

@@ -114,9 +114,29 @@ uint64_t ds41_kv_seq_entries(const ds41_kv_seq *seq, int source);
 int ds41_kv_seq_append(ds41_kv_seq *seq, int source, const float *latent, const float *index_key,
                        ds41_error *err);
 
+/* The same with the entry already packed (entry_bytes, as
+ * ds41_kv_pack_entry writes it): the quantization ran elsewhere (a backend
+ * op over all of a step's entries), the cache only places the bytes.  Same
+ * errors. */
+int ds41_kv_seq_append_packed(ds41_kv_seq *seq, int source, const uint8_t *entry, ds41_error *err);
+
+/* The packed form of one entry (the format above) into entry[entry_bytes]. */
+void ds41_kv_pack_entry(const ds41_kv_layout *l, const float *latent, const float *index_key, uint8_t *entry);
+
 /* The packed entry `entry` (< ds41_kv_seq_entries) of a source; valid until
  * the next append to the sequence or its release. */
 const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t entry);
+
+/* The page table of a source: the ids of the pages holding entries 0, 1, ...
+ * (entries_per_page each), *n_pages of them; valid until the next append to
+ * the sequence or its release.  With ds41_kv_pool_page the forward pass
+ * describes every row's entries to an op per page, not per entry
+ * (engine/backend/ops.h: ds41_kv_pages). */
+const uint32_t *ds41_kv_seq_page_ids(const ds41_kv_seq *seq, int source, uint32_t *n_pages);
+
+/* The bytes of page `id` of the pool (entries_per_page packed entries of
+ * entry_bytes); valid for the pool's life. */
+const uint8_t *ds41_kv_pool_page(const ds41_kv_pool *pool, uint32_t id);
 
 /* Decode a packed entry's latent / index key to its exact values. */
 void ds41_kv_decode_latent(const ds41_kv_layout *l, const uint8_t *entry, float *out);
@@ -128,7 +148,13 @@ void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, flo
  * bf16-representable) in slot pos % window as e4m3 + ue8m0 per 32 (the
  * reference's act_quant QDQ). */
 void ds41_kv_ring_write(ds41_kv_seq *seq, int layer, uint64_t pos, const float *kv);
-/* The packed row in a slot, and its decoding (exact values). */
+/* The same for a row already packed in the ring's format (ring_row_bytes,
+ * as ds41_act_quant writes it): a copy into slot pos % window. */
+void ds41_kv_ring_put(ds41_kv_seq *seq, int layer, uint64_t pos, const uint8_t *row);
+
+/* The packed row in a slot, and its decoding (exact values).  A ring's
+ * slots are contiguous: slot s is ds41_kv_ring_row(seq, layer, 0) +
+ * s * ring_row_bytes (a backend op reaches a ring from its base). */
 const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *seq, int layer, uint32_t slot);
 void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float *out);
 

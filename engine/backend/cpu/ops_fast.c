@@ -4,8 +4,9 @@
 #include "engine/backend/cpu/cpu_backend.h"
 #include "engine/backend/cpu/fast_kernels.h"
 
-#include "engine/backend/refmath.h"
 #include "engine/backend/cpu/threadpool.h"
+#include "engine/backend/index_select.h"
+#include "engine/backend/refmath.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -147,6 +148,7 @@ typedef struct fast_ctx {
     int n_threads;
     buf act, work, work2;
     buf lin_starts, lin_act; /* run_linears' task tables, kept between calls */
+    buf attn_rows;           /* attend's per-row pointer lists */
     buf *scratch; /* [n_threads] */
     ds41_backend_stats st;
     unsigned brk;
@@ -679,14 +681,55 @@ static void fast_hc_post(const ds41_ops *self, const float *o, const float *h, c
     PROF_END(c, P_HC_PREPOST, 0);
 }
 
-static void fast_rope(const ds41_ops *self, float *x, int n_pairs, const float *cs, int inverse) {
-    ds41_ops_reference.rope(self, x, n_pairs, cs, inverse);
+/* Rope: rows in parallel, each row's heads with the reference's rotation. */
+typedef struct rope_job {
+    float *x;
+    int n_heads, n_pairs, inverse;
+    size_t row_stride, head_stride;
+    const float *freqs, *cs_in;
+    const uint64_t *pos;
+    float *cs;
+} rope_job;
+
+static void rope_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    rope_job *j = p;
+    const size_t w = 2 * (size_t)j->n_pairs;
+    for (size_t m = b; m < e; m++)
+        for (int h = 0; h < j->n_heads; h++)
+            ds41_rope_apply(j->x + m * j->row_stride + (size_t)h * j->head_stride, j->n_pairs,
+                            j->cs_in + m * w, j->inverse);
+}
+
+static void rope_table_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    rope_job *j = p;
+    for (size_t m = b; m < e; m++)
+        ds41_rope_cos_sin(j->freqs, j->n_pairs, j->pos[m], j->cs + m * 2 * (size_t)j->n_pairs);
+}
+
+static void fast_rope_table(const ds41_ops *self, const float *freqs, int n_pairs, const uint64_t *pos,
+                            size_t M, float *cs) {
+    rope_job j = {.n_pairs = n_pairs, .freqs = freqs, .pos = pos, .cs = cs};
+    rows_parallel(ctx_of(self), M, 64 * (size_t)n_pairs, rope_table_task, &j);
+}
+
+static void fast_rope(const ds41_ops *self, float *x, size_t M, int n_heads, size_t row_stride,
+                      size_t head_stride, int n_pairs, const float *cs, int inverse) {
+    rope_job j = {.x = x,
+                  .n_heads = n_heads,
+                  .n_pairs = n_pairs,
+                  .inverse = inverse,
+                  .row_stride = row_stride,
+                  .head_stride = head_stride,
+                  .cs_in = cs};
+    rows_parallel(ctx_of(self), M, 8 * (size_t)n_heads * (size_t)n_pairs, rope_task, &j);
 }
 
 static void fast_router(const ds41_ops *self, const float *logits, const float *bias, size_t M, int E, int k,
-                        float route_scale, int32_t *sel, float *weight) {
+                        float gate_temp, float route_scale, int32_t *sel, float *weight, float *selection) {
     ctx_of(self)->st.weight_bytes += (uint64_t)E * sizeof(float);
-    ds41_ops_reference.router(self, logits, bias, M, E, k, route_scale, sel, weight);
+    ds41_ops_reference.router(self, logits, bias, M, E, k, gate_temp, route_scale, sel, weight, selection);
 }
 
 static void fast_embed(const ds41_ops *self, const uint16_t *table, const int32_t *ids, size_t M, int hc,
@@ -701,47 +744,230 @@ static void fast_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t 
     ds41_ops_reference.fp8_rows(self, q, scale, rows, n, cols, out);
 }
 
+/* ---- activation quantization ----------------------------------------------------------------- */
+
+typedef struct quant_job {
+    const float *x;
+    float *q, *w;
+    size_t n, wn;
+    uint8_t *out;
+    size_t out_stride;
+    float scale;
+} quant_job;
+
+static void act_quant_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    quant_job *j = p;
+    for (size_t m = b; m < e; m++)
+        ds41_act_quant(j->x + m * j->n, j->n, j->out + m * j->out_stride, j->out + m * j->out_stride + j->n);
+}
+
+/* Rows in parallel, each the reference's quantizer (bit for bit). */
+static void fast_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
+                               size_t out_stride) {
+    quant_job j = {.x = x, .n = n, .out = out, .out_stride = out_stride};
+    rows_parallel(ctx_of(self), M, 8 * n, act_quant_task, &j);
+}
+
+static void index_query_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    quant_job *j = p;
+    for (size_t m = b; m < e; m++) {
+        ds41_fp4_act_quant_ue8m0_qdq(j->q + m * j->n, j->n);
+        for (size_t i = 0; i < j->wn; i++)
+            j->w[m * j->wn + i] = fast_bf16_round(j->w[m * j->wn + i] * j->scale);
+    }
+}
+
+static void fast_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
+                             float scale) {
+    quant_job j = {.q = q, .w = w, .n = qn, .wn = wn, .scale = scale};
+    rows_parallel(ctx_of(self), M, 8 * qn, index_query_task, &j);
+}
+
+typedef struct pack_job {
+    const ds41_kv_layout *l;
+    const float *latent, *key;
+    uint8_t *out;
+} pack_job;
+
+static void pack_entries_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    pack_job *j = p;
+    for (size_t i = b; i < e; i++)
+        ds41_kv_pack_entry(j->l, j->latent + i * j->l->latent_dim, j->key + i * j->l->index_dim,
+                           j->out + i * j->l->entry_bytes);
+}
+
+/* Entries in parallel, each the cache's own packer (bit for bit). */
+static void fast_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
+                         const float *key, size_t n, uint8_t *out) {
+    pack_job j = {layout, latent, key, out};
+    rows_parallel(ctx_of(self), n, 8 * (layout->latent_dim + layout->index_dim), pack_entries_task, &j);
+}
+
+/* ---- compressor ------------------------------------------------------------------------------ */
+
+typedef struct pool_job {
+    fast_ctx *c;
+    const float *kv, *score;
+    int ratio;
+    size_t hd;
+    float *pooled;
+} pool_job;
+
+static void pool_task(void *p, size_t b, size_t e, int th) {
+    pool_job *j = p;
+    const size_t group = (size_t)j->ratio * j->hd;
+    for (size_t g = b; g < e; g++)
+        ds41_rm_compress_pool(j->kv + g * group, j->score + g * group, j->ratio, j->hd, j->c->scratch[th].p,
+                              j->pooled + g * j->hd);
+}
+
+/* Groups in parallel, each the reference's pooling (bit for bit). */
+static void fast_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
+                               size_t hd, float *pooled) {
+    fast_ctx *c = ctx_of(self);
+    ensure_scratch(c, (size_t)ratio * sizeof(float));
+    pool_job j = {c, kv, score, ratio, hd, pooled};
+    rows_parallel(c, n, 16 * (size_t)ratio * hd, pool_task, &j);
+}
+
 /* ---- indexer -------------------------------------------------------------------------------- */
 
 typedef struct idx_job {
     fast_ctx *c;
     const float *q, *w;
+    size_t M;
     int n_heads, dim;
-    const ds41_kv_layout *layout;
-    const uint8_t *const *keys;
-    float *out;
+    const ds41_kv_pages *keys;
+    const size_t *start; /* [M + 1] prefix sums of the reaches: flat (row, entry) index */
+    float *score;
+    size_t score_stride;
+    /* index_blocks / index_topk */
+    const uint32_t *reach;
+    size_t block, n_take, k, bscore_stride, allow_stride;
+    float *bscore;
+    uint8_t *allow;
+    const uint8_t *allow_in;
+    int32_t *sel;
+    uint32_t *count;
 } idx_job;
 
+/* Tasks are the step's (row, entry) pairs, flattened: rows of very
+ * different reach (a long prefix and a fresh sequence) share the threads. */
 static void idx_task(void *p, size_t b, size_t e, int th) {
     idx_job *j = p;
-    const size_t dim = (size_t)j->dim;
+    const size_t dim = (size_t)j->dim, qw = (size_t)j->n_heads * dim;
+    const ds41_kv_layout *lay = j->keys->layout;
     float *key = j->c->scratch[th].p;
-    for (size_t t = b; t < e; t++) {
+    size_t m = find_linear(j->start, j->M, b);
+    for (size_t f = b; f < e; f++) {
+        while (f >= j->start[m + 1]) m++;
+        const size_t t = f - j->start[m];
+        const float *q = j->q + m * qw, *w = j->w + m * (size_t)j->n_heads;
         /* The index key: e2m1 codes then one ue8m0 scale per 32. */
-        const uint8_t *k = j->keys[t] + j->layout->latent_bytes;
+        const uint8_t *k = ds41_kv_pages_entry(j->keys, m, t) + lay->latent_bytes;
         for (size_t i = 0; i < dim; i++)
             key[i] = ds41_e2m1_table[(k[i / 2] >> ((i & 1) * 4)) & 15] * fast_ue8m0(k[dim / 2 + i / 32]);
         double sum = 0.0;
         for (int h = 0; h < j->n_heads; h++) {
-            const float s = fast_bf16_round((float)j->c->k->dot(j->q + (size_t)h * dim, key, dim));
+            const float s = fast_bf16_round((float)j->c->k->dot(q + (size_t)h * dim, key, dim));
             const float r = isnan(s) ? s : (s > 0.0f ? s : 0.0f);
-            const float term = fast_bf16_round(r * j->w[h]);
+            const float term = fast_bf16_round(r * w[h]);
             sum += (double)term;
         }
-        j->out[t] = (j->c->brk & BREAK_INDEX_BF16) ? (float)sum : fast_bf16_round((float)sum);
+        j->score[m * j->score_stride + t] =
+            (j->c->brk & BREAK_INDEX_BF16) ? (float)sum : fast_bf16_round((float)sum);
     }
 }
 
-static void fast_index_scores(const ds41_ops *self, const float *q, const float *w, int n_heads, int dim,
-                              const ds41_kv_layout *layout, const uint8_t *const *keys, size_t n_keys,
-                              float *out) {
+static void fast_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
+                              int dim, const ds41_kv_pages *keys, float *score, size_t score_stride) {
     fast_ctx *c = ctx_of(self);
     PROF_BEGIN(c);
-    c->st.flops += 2 * (uint64_t)n_keys * (uint64_t)n_heads * (uint64_t)dim;
+    size_t *start = ensure(&c->work, (M + 1) * sizeof *start);
+    start[0] = 0;
+    for (size_t m = 0; m < M; m++) start[m + 1] = start[m] + keys->row_reach[m];
+    c->st.flops += 2 * (uint64_t)start[M] * (uint64_t)n_heads * (uint64_t)dim;
     ensure_scratch(c, (size_t)dim * sizeof(float));
-    idx_job j = {c, q, w, n_heads, dim, layout, keys, out};
-    ds41_threadpool_run(c->pool, n_keys, 1 + 8192 / ((size_t)n_heads * (size_t)dim + 1), idx_task, &j);
+    idx_job j = {.c = c,
+                 .q = q,
+                 .w = w,
+                 .M = M,
+                 .n_heads = n_heads,
+                 .dim = dim,
+                 .keys = keys,
+                 .start = start,
+                 .score = score,
+                 .score_stride = score_stride};
+    if (start[M])
+        ds41_threadpool_run(c->pool, start[M], 1 + 8192 / ((size_t)n_heads * (size_t)dim + 1), idx_task, &j);
     PROF_END(c, P_INDEX, 0);
+}
+
+/* index_blocks / index_topk: rows in parallel, each the shared per-row
+ * decision (engine/backend/index_select.h), so the same bits as the
+ * reference; the sorts use the thread's scratch. */
+static void blocks_task(void *p, size_t b, size_t e, int th) {
+    idx_job *j = p;
+    int32_t *order = j->c->scratch[th].p, *tmp = order + j->bscore_stride;
+    for (size_t m = b; m < e; m++) {
+        memset(j->allow + m * j->allow_stride, 0, j->allow_stride);
+        if (j->reach[m])
+            ds41_index_blocks_row(j->score + m * j->score_stride, j->reach[m], j->block, j->n_take,
+                                  j->bscore + m * j->bscore_stride, j->allow + m * j->allow_stride, order,
+                                  tmp);
+    }
+}
+
+static void fast_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
+                              const uint32_t *reach, size_t M, size_t block, size_t n_take, float *bscore,
+                              size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
+    fast_ctx *c = ctx_of(self);
+    ensure_scratch(c, 2 * (bscore_stride ? bscore_stride : 1) * sizeof(int32_t));
+    idx_job j = {.c = c,
+                 .score = (float *)score,
+                 .score_stride = score_stride,
+                 .reach = reach,
+                 .block = block,
+                 .n_take = n_take,
+                 .bscore = bscore,
+                 .bscore_stride = bscore_stride,
+                 .allow = allow,
+                 .allow_stride = allow_stride};
+    rows_parallel(c, M, 4 * bscore_stride + 64, blocks_task, &j);
+}
+
+static void topk_task(void *p, size_t b, size_t e, int th) {
+    idx_job *j = p;
+    int32_t *order = j->c->scratch[th].p, *tmp = order + j->bscore_stride; /* max reach each */
+    for (size_t m = b; m < e; m++)
+        j->count[m] = (uint32_t)ds41_index_topk_row(j->score + m * j->score_stride, j->reach[m],
+                                                    j->allow_in ? j->allow_in + m * j->allow_stride : NULL,
+                                                    j->block, j->k, j->sel + m * j->k, order, tmp);
+}
+
+static void fast_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
+                            size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
+                            int32_t *sel, uint32_t *count) {
+    fast_ctx *c = ctx_of(self);
+    size_t max_reach = 1;
+    for (size_t m = 0; m < M; m++)
+        if (reach[m] > max_reach) max_reach = reach[m];
+    ensure_scratch(c, 2 * max_reach * sizeof(int32_t));
+    idx_job j = {.c = c,
+                 .score = score,
+                 .score_stride = score_stride,
+                 .reach = reach,
+                 .block = block,
+                 .k = k,
+                 .bscore_stride = max_reach,
+                 .allow_in = allow,
+                 .allow_stride = allow_stride,
+                 .sel = sel,
+                 .count = count};
+    rows_parallel(c, M, 16 * max_reach + 64, topk_task, &j);
 }
 
 /* ---- sparse attention ---------------------------------------------------------------------- */
@@ -843,6 +1069,19 @@ static void fast_sparse_attn(const ds41_ops *self, const float *q, int n_heads, 
     PROF_END(c, P_ATTN, 0);
 }
 
+/* Row by row, each row's heads and rows in parallel as sparse_attn. */
+static void fast_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
+                        const float *sink, float scale, const ds41_attn_step *step, float *out) {
+    fast_ctx *c = ctx_of(self);
+    const size_t nw = step->window, nc = step->sel_stride ? step->sel_stride : 1;
+    const uint8_t **wrows = ensure(&c->attn_rows, (nw + nc) * sizeof *wrows), **crows = wrows + nw;
+    const size_t qo = (size_t)n_heads * (size_t)head_dim;
+    for (size_t m = 0; m < M; m++) {
+        const ds41_attn_rows rows = ds41_attn_step_rows(step, m, wrows, crows);
+        fast_sparse_attn(self, q + m * qo, n_heads, head_dim, sink, scale, &rows, out + m * qo);
+    }
+}
+
 /* ---- MoE and Engram ----------------------------------------------------------------------- */
 
 typedef struct elem_job {
@@ -882,6 +1121,28 @@ static void fast_swiglu(const ds41_ops *self, const float *g, const float *u, si
     elem_job j = {.c = c, .g = g, .u = u, .route = route, .n = n, .limit = limit, .out = out};
     rows_parallel(c, M, 8 * n, swiglu_task, &j);
     PROF_END(c, P_SWIGLU, 0);
+}
+
+typedef struct combine_job {
+    const float *oe, *shared;
+    const uint32_t *slot;
+    size_t k, D;
+    float *out;
+} combine_job;
+
+static void combine_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    combine_job *j = p;
+    for (size_t m = b; m < e; m++)
+        ds41_rm_moe_combine_token(j->oe, j->slot + m * j->k, j->k, j->shared + m * j->D, j->D,
+                                  j->out + m * j->D);
+}
+
+/* Tokens in parallel, each the reference's combine (bit for bit). */
+static void fast_moe_combine(const ds41_ops *self, const float *oe, const uint32_t *slot, size_t k,
+                             const float *shared, size_t M, size_t D, float *out) {
+    combine_job j = {.oe = oe, .shared = shared, .slot = slot, .k = k, .D = D, .out = out};
+    rows_parallel(ctx_of(self), M, (k + 1) * D, combine_task, &j);
 }
 
 /* The reference's Engram gating (§6.4, §10.6) with double sums. */
@@ -940,10 +1201,19 @@ static const ds41_ops fast_ops_template = {
     .hc_mix = fast_hc_mix,
     .hc_pre = fast_hc_pre,
     .hc_post = fast_hc_post,
+    .rope_table = fast_rope_table,
     .rope = fast_rope,
+    .act_quant_fp8 = fast_act_quant_fp8,
+    .index_query = fast_index_query,
+    .kv_pack = fast_kv_pack,
+    .compress_pool = fast_compress_pool,
     .index_scores = fast_index_scores,
+    .index_blocks = fast_index_blocks,
+    .index_topk = fast_index_topk,
     .sparse_attn = fast_sparse_attn,
+    .attend = fast_attend,
     .swiglu = fast_swiglu,
+    .moe_combine = fast_moe_combine,
     .router = fast_router,
     .engram_mix = fast_engram_mix,
     .embed = fast_embed,
@@ -986,6 +1256,7 @@ static void fast_destroy(ds41_backend *be) {
         free(c->work2.p);
         free(c->lin_starts.p);
         free(c->lin_act.p);
+        free(c->attn_rows.p);
         free(c);
     }
     free(be);
