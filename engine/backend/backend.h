@@ -41,6 +41,7 @@
 #include "config/error.h"
 #include "config/model_config.h"
 #include "engine/model/kv_cache.h"
+#include "engine/backend/memory.h"
 #include "engine/backend/ops.h"
 #include "engine/model/weights.h"
 
@@ -66,6 +67,11 @@ struct ds41_backend {
     const char *name;
     /* The kernels.  ops.ctx is the backend's private state. */
     ds41_ops ops;
+
+    /* The memory the kernels compute on (engine/backend/memory.h): the
+     * engine's activations and scratch, the KV pool, expert slots.  The
+     * engine reaches it only through these calls and the ops. */
+    const ds41_memory *mem;
 
     /* Placement (see above).  cfg and w outlive the placement.  Errors: out
      * of memory, device errors.  NULL: the identity. */

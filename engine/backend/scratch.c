@@ -18,7 +18,7 @@ static int add_block(ds41_scratch *s, size_t need) {
     size_t cap = ds41_scratch_bytes(s);
     if (cap < need) cap = need;
     if (cap < MIN_BLOCK) cap = MIN_BLOCK;
-    unsigned char *p = aligned_alloc(ALIGN, cap);
+    unsigned char *p = s->mem ? s->mem->alloc(s->mem, cap) : aligned_alloc(ALIGN, cap);
     if (!p) return -1;
     s->blocks[s->n] = (ds41_scratch_block){.p = p, .cap = cap, .used = 0};
     s->cur = s->n++;
@@ -59,8 +59,17 @@ ds41_scratch_mark ds41_scratch_mark_now(const ds41_scratch *s) {
 
 /* One block as deep as the stack has been instead of several (contents are
  * dropped: only called when the stack is empty). */
+static void free_blocks(ds41_scratch *s) {
+    for (int i = 0; i < s->n; i++) {
+        if (s->mem)
+            s->mem->free(s->mem, s->blocks[i].p, s->blocks[i].cap);
+        else
+            free(s->blocks[i].p);
+    }
+}
+
 static void consolidate(ds41_scratch *s) {
-    for (int i = 0; i < s->n; i++) free(s->blocks[i].p);
+    free_blocks(s);
     s->n = s->cur = 0;
     (void)add_block(s, s->peak); /* out of memory: the next get tries again */
 }
@@ -81,7 +90,7 @@ size_t ds41_scratch_bytes(const ds41_scratch *s) {
 }
 
 void ds41_scratch_free(ds41_scratch *s) {
-    for (int i = 0; i < s->n; i++) free(s->blocks[i].p);
+    free_blocks(s);
     s->n = s->cur = 0;
     s->depth = s->peak = 0;
 }

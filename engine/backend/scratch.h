@@ -12,10 +12,14 @@
  * in place.
  *
  * Every buffer is 64-byte aligned; its contents are undefined (as malloc's).
+ * The blocks are the memory of `mem` (engine/backend/memory.h): the host
+ * reaches a backend's scratch only through that memory's calls and ops.
  * Not thread-safe: one per engine thread (the reference backend has its
  * own; the fast backend's threads use per-thread buffers of their own). */
 #ifndef DS41_ENGINE_SCRATCH_H
 #define DS41_ENGINE_SCRATCH_H
+
+#include "engine/backend/memory.h"
 
 #include <stddef.h>
 
@@ -27,6 +31,9 @@ typedef struct ds41_scratch_block {
 } ds41_scratch_block;
 
 typedef struct ds41_scratch {
+    /* Where blocks come from: a backend's memory (the forward pass's
+     * activations), NULL: host memory.  Set before the first get. */
+    const ds41_memory *mem;
     ds41_scratch_block blocks[DS41_SCRATCH_BLOCKS];
     int n;        /* blocks allocated */
     int cur;      /* the block requests are cut from; blocks after it are unused */

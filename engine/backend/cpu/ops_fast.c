@@ -1288,6 +1288,7 @@ ds41_backend *ds41_backend_cpu_new(const ds41_cpu_opts *opts, ds41_error *err) {
     be->ops.ctx = c;
     be->destroy = fast_destroy;
     be->new_pool = host_pool;
+    be->mem = &ds41_memory_host;
     be->stats = fast_stats;
     c->k = kernels_for(level);
     c->k->init();
@@ -1435,6 +1436,7 @@ ds41_backend *ds41_backend_from_ops(const ds41_ops *ops, ds41_error *err) {
     be->ops = *ops;
     be->name = ops->name;
     be->new_pool = host_pool;
+    be->mem = &ds41_memory_host;
     be->destroy = plain_destroy;
     return be;
 }
