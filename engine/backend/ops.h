@@ -320,6 +320,14 @@ struct ds41_ops {
     void (*embed)(const ds41_ops *self, const uint16_t *table, const int32_t *ids, size_t M, int hc, size_t dim,
                   float *out);
 
+    /* Gather of a step's rows inside backend memory: dst + i*row_bytes gets
+     * the row_bytes at src + idx[i]*src_stride for i < n (idx: host
+     * metadata).  The MoE sub-layer's per-expert token rows and routing
+     * weights, the rows whose logits are wanted: the data stays where the
+     * kernels compute, only the indices come from the host. */
+    void (*gather_rows)(const ds41_ops *self, void *dst, const void *src, size_t src_stride, const uint32_t *idx,
+                        size_t n, size_t row_bytes);
+
     /* Rows of an FP8 table with 1x32 ue8m0 scales (the Engram tables, §6.4
      * step 1): out[i][0..cols) = bf16(e4m3(q[rows[i]]) * 2^(scale - 127)),
      * q [*][cols], scale [*][ceil(cols/32)]; rows already checked. */

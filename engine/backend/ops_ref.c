@@ -520,6 +520,14 @@ static void ref_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t *
     }
 }
 
+static void ref_gather_rows(const ds41_ops *self, void *dst, const void *src, size_t src_stride, const uint32_t *idx,
+                            size_t n, size_t row_bytes) {
+    (void)self;
+    for (size_t i = 0; i < n && row_bytes; i++)
+        memcpy((unsigned char *)dst + i * row_bytes, (const unsigned char *)src + (size_t)idx[i] * src_stride,
+               row_bytes);
+}
+
 const ds41_ops ds41_ops_reference = {
     .name = "reference",
     .linear = ref_linear,
@@ -545,4 +553,5 @@ const ds41_ops ds41_ops_reference = {
     .engram_mix = ref_engram_mix,
     .embed = ref_embed,
     .fp8_rows = ref_fp8_rows,
+    .gather_rows = ref_gather_rows,
 };

@@ -744,6 +744,13 @@ static void fast_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t 
     ds41_ops_reference.fp8_rows(self, q, scale, rows, n, cols, out);
 }
 
+/* Data movement: a copy per row; nothing to gain from threads at the
+ * sizes a step gathers. */
+static void fast_gather_rows(const ds41_ops *self, void *dst, const void *src, size_t src_stride,
+                             const uint32_t *idx, size_t n, size_t row_bytes) {
+    ds41_ops_reference.gather_rows(self, dst, src, src_stride, idx, n, row_bytes);
+}
+
 /* ---- activation quantization ----------------------------------------------------------------- */
 
 typedef struct quant_job {
@@ -1218,6 +1225,7 @@ static const ds41_ops fast_ops_template = {
     .engram_mix = fast_engram_mix,
     .embed = fast_embed,
     .fp8_rows = fast_fp8_rows,
+    .gather_rows = fast_gather_rows,
 };
 
 static ds41_kv_pool *host_pool(ds41_backend *be, const ds41_model_config *cfg, uint64_t budget_bytes,
