@@ -199,12 +199,12 @@ static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
     unsigned char *twin = pool && slots && reqs && c->mem ? c->mem->alloc(c->mem, bytes) : NULL;
     if (!pool || !slots || !reqs || (c->mem && !twin)) {
         const bool in_mem = pool && slots && reqs; /* only the twin pool failed */
+        const char *where = !in_mem ? "" : c->mem->name ? c->mem->name : "backend";
         free(pool);
         free(slots);
         free(reqs);
         return ds41_fail(err, "expert cache: cannot allocate %" PRIu64 " slots of %" PRIu64 " bytes%s%s%s", n,
-                         c->slot_bytes, in_mem ? " in " : "", in_mem ? c->mem->name : "",
-                         in_mem ? " memory" : "");
+                         c->slot_bytes, in_mem ? " in " : "", where, in_mem ? " memory" : "");
     }
     for (uint64_t i = 0; i < n; i++) slots[i].layer = slots[i].expert = -1;
     free(c->pool);

@@ -539,6 +539,7 @@ typedef struct tmem {
     size_t len[TM_MAX];
     size_t live;
     uint64_t allocs, uploads, upload_bytes, bad;
+    int full; /* alloc fails (out of device memory) */
 } tmem;
 
 static int tm_find(tmem *t, const void *p, size_t n) {
@@ -553,7 +554,7 @@ static int tm_find(tmem *t, const void *p, size_t n) {
 static void *tm_alloc(const ds41_memory *m, size_t n) {
     tmem *t = m->ctx;
     const size_t pg = (size_t)sysconf(_SC_PAGESIZE), len = (n + pg - 1) / pg * pg;
-    if (t->live == TM_MAX) return NULL;
+    if (t->live == TM_MAX || t->full) return NULL;
     void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
     t->p[t->live] = p;
@@ -804,6 +805,22 @@ static void test_twin(const char *dir) {
                   st.waves == waves0 && st.uploads == tm.uploads,
               "twin: set_budget to 4 slots: 4 experts in one wave, right bytes%s%s", ok ? "" : ": ",
               ok ? "" : err.msg);
+    /* The slot memory full: a resize is refused naming it and the old
+     * pools keep working; a new cache is refused. */
+    tm.full = 1;
+    const int rrc = ds41_expert_cache_set_budget(dx, 2 * slot, &err);
+    TAP_CHECK(rrc != 0 && strstr(err.msg, "in test-guard memory"),
+              "twin: slot memory full: resize refused: %s", rrc ? err.msg : "(resized)");
+    ok = twin_round(&m, dx, hx, ck, 6, e5 + 1, 4, 1, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && st.slots == 4 && tm.live == 1,
+              "twin: after the refused resize the 4-slot pools still work%s%s", ok ? "" : ": ",
+              ok ? "" : err.msg);
+    ds41_expert_cache *nx = ds41_expert_cache_new(ck, &cfg, &xo, &err);
+    TAP_CHECK(!nx && strstr(err.msg, "in test-guard memory") && tm.live == 1,
+              "twin: slot memory full: a new cache is refused: %s", nx ? "(made)" : err.msg);
+    ds41_expert_cache_free(nx);
+    tm.full = 0;
     ds41_expert_cache_get_stats(hx, &hs, false);
     TAP_CHECK(hs.slot_memory_bytes == 0 && hs.uploads == 0 && hs.bytes_uploaded == 0,
               "twin: the host path (ds41_memory_host) has no twin and uploads nothing");
