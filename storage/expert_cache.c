@@ -41,6 +41,7 @@ typedef struct slot {
     uint8_t pred_fresh; /* loaded for a prediction and not used yet */
     uint8_t spec;       /* its load was a prediction's, or its last pin went while it was in
                          * flight; not yet read again on demand */
+    uint8_t twin_ok;    /* the twin slot holds this slot's current load (device-like memory) */
     uint32_t pins;
     uint32_t pending; /* runs in flight */
     uint32_t freq;
@@ -60,7 +61,9 @@ struct ds41_expert_cache {
     uint64_t slot_bytes, total_bytes, budget;
     ds41_reader *r;
 
-    unsigned char *pool;
+    unsigned char *pool;    /* host slots: where reads land (the staging tier with a twin pool) */
+    const ds41_memory *mem; /* the twin pool's memory; NULL: the backend computes on pool */
+    unsigned char *twin;    /* [n_slots * slot_bytes] of mem, NULL without one */
     slot *slots;
     size_t n_slots;
     int32_t *index; /* [n_layers * max_experts] slot or -1 */
@@ -145,6 +148,11 @@ static uint64_t loc_bytes(const xloc *l) {
     return l->n_runs ? l->run_slot[l->n_runs - 1] + round_up(l->run_len[l->n_runs - 1], SLOT_ALIGN) : 0;
 }
 
+/* The bytes of a slot one load of l fills: up to the end of its last run. */
+static uint64_t loc_used(const xloc *l) {
+    return l->n_runs ? l->run_slot[l->n_runs - 1] + l->run_len[l->n_runs - 1] : 0;
+}
+
 static int text_layer_experts(const ds41_model_config *cfg, int L) {
     const ds41_layer_role *role = &cfg->roles[L];
     return role->present ? (int)role->n_experts : 0;
@@ -182,20 +190,28 @@ static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
     if (n > all) n = all;
     if (n > SIZE_MAX / c->slot_bytes || n > SIZE_MAX / sizeof(slot) / PARTS)
         return ds41_fail(err, "expert cache: budget too large for this machine");
-    unsigned char *pool = aligned_alloc(SLOT_ALIGN, (size_t)(n * c->slot_bytes));
+    const size_t bytes = (size_t)(n * c->slot_bytes);
+    unsigned char *pool = aligned_alloc(SLOT_ALIGN, bytes);
     slot *slots = calloc((size_t)n, sizeof *slots);
     ds41_read_req *reqs = malloc((size_t)n * PARTS * sizeof *reqs);
-    if (!pool || !slots || !reqs) {
+    /* The twin pool: one allocation; the old one is kept until this one
+     * exists, so that a failed resize leaves a working cache. */
+    unsigned char *twin = pool && slots && reqs && c->mem ? c->mem->alloc(c->mem, bytes) : NULL;
+    if (!pool || !slots || !reqs || (c->mem && !twin)) {
+        const bool in_mem = pool && slots && reqs; /* only the twin pool failed */
+        const char *where = !in_mem ? "" : c->mem->name ? c->mem->name : "backend";
         free(pool);
         free(slots);
         free(reqs);
-        return ds41_fail(err, "expert cache: cannot allocate %" PRIu64 " slots of %" PRIu64 " bytes", n,
-                         c->slot_bytes);
+        return ds41_fail(err, "expert cache: cannot allocate %" PRIu64 " slots of %" PRIu64 " bytes%s%s%s", n,
+                         c->slot_bytes, in_mem ? " in " : "", where, in_mem ? " memory" : "");
     }
     for (uint64_t i = 0; i < n; i++) slots[i].layer = slots[i].expert = -1;
     free(c->pool);
     free(c->slots);
     free(c->reqs);
+    if (c->twin) c->mem->free(c->mem, c->twin, c->n_slots * (size_t)c->slot_bytes);
+    c->twin = twin;
     c->pool = pool;
     c->slots = slots;
     c->reqs = reqs;
@@ -206,6 +222,7 @@ static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
     c->st.budget_bytes = budget;
     c->st.slots = n;
     c->st.slots_used = 0;
+    c->st.slot_memory_bytes = c->mem ? bytes : 0;
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
@@ -220,6 +237,8 @@ ds41_expert_cache *ds41_expert_cache_new(const ds41_checkpoint *ckpt, const ds41
     }
     pthread_mutex_init(&c->mu, NULL);
     c->ckpt = ckpt;
+    /* Host memory is what the CPU backends compute on: no twin. */
+    c->mem = o.slot_memory == &ds41_memory_host ? NULL : o.slot_memory;
     c->n_layers = (int)(cfg->n_layers < (int64_t)cfg->n_roles ? cfg->n_layers : (int64_t)cfg->n_roles);
     c->layer_experts = calloc((size_t)(c->n_layers > 0 ? c->n_layers : 1), sizeof *c->layer_experts);
     if (!c->layer_experts) goto oom;
@@ -274,6 +293,7 @@ void ds41_expert_cache_free(ds41_expert_cache *c) {
     if (!c) return;
     ds41_reader_free(c->r); /* waits for reads into the pool before it is freed */
     free(c->pool);
+    if (c->twin) c->mem->free(c->mem, c->twin, c->n_slots * (size_t)c->slot_bytes);
     free(c->slots);
     free(c->reqs);
     free(c->index);
@@ -310,6 +330,7 @@ static void slot_drop(ds41_expert_cache *c, slot *s) {
     s->layer = s->expert = -1;
     s->state = SLOT_EMPTY;
     s->predicted = s->pred_fresh = 0;
+    s->twin_ok = 0;
     s->has_fail = 0;
     s->freq = 0;
 }
@@ -546,6 +567,7 @@ static int reread_prediction(ds41_expert_cache *c, int L, int32_t ex, slot *s, d
                                           .tag = si * PARTS + (uint64_t)k};
     if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) return -1;
     s->has_fail = 0;
+    s->twin_ok = 0;
     s->pending = l->n_runs;
     s->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
     s->t_submit = now_ns();
@@ -565,8 +587,9 @@ static slot *pinned_slot(ds41_expert_cache *c, int L, int32_t ex, ds41_error *er
     return &c->slots[si];
 }
 
-/* For a settled slot: its views (0), or the failed read's message (-1). */
-static int settled_view(ds41_expert_cache *c, int L, int32_t ex, const slot *s, ds41_expert_view *view,
+/* For a settled slot: its views (0), or the failed read's message (-1).
+ * With a twin pool the slot's bytes go to its twin first, once per load. */
+static int settled_view(ds41_expert_cache *c, int L, int32_t ex, slot *s, ds41_expert_view *view,
                         ds41_error *err) {
     const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
     if (s->state == SLOT_FAILED) {
@@ -575,7 +598,20 @@ static int settled_view(ds41_expert_cache *c, int L, int32_t ex, const slot *s, 
                                       "its run)",
                                  L, (int)ex, part_suffix[l->run_first[s->fail_run]]);
     }
-    const unsigned char *base = c->pool + (size_t)(s - c->slots) * c->slot_bytes;
+    const size_t at = (size_t)(s - c->slots) * (size_t)c->slot_bytes;
+    const unsigned char *base = c->pool + at;
+    if (c->mem) {
+        if (!s->twin_ok) {
+            const uint64_t used = loc_used(l);
+            c->mem->upload(c->mem, c->twin + at, base, (size_t)used);
+            s->twin_ok = 1;
+            pthread_mutex_lock(&c->mu);
+            c->st.uploads++;
+            c->st.bytes_uploaded += used;
+            pthread_mutex_unlock(&c->mu);
+        }
+        base = c->twin + at;
+    }
     for (int w = 0; w < 3; w++) {
         view->w[w] = base + l->part_slot[2 * w];
         view->s[w] = base + l->part_slot[2 * w + 1];
@@ -767,6 +803,7 @@ void ds41_expert_cache_get_stats(ds41_expert_cache *c, ds41_expert_cache_stats *
         c->st.slots = keep.slots;
         c->st.slots_used = keep.slots_used;
         c->st.total_bytes = keep.total_bytes;
+        c->st.slot_memory_bytes = keep.slot_memory_bytes;
         c->st.direct = keep.direct;
         memcpy(c->st.backend, keep.backend, sizeof c->st.backend);
         c->lat_n = c->lat_pos = 0;

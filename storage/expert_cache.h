@@ -18,6 +18,19 @@
  *   serve only ranges that end at an unaligned end of file) and the index
  *   (4 bytes per routed expert).
  *
+ *   Where the backend computes (opts.slot_memory, engine/backend/memory.h):
+ *   with host memory (NULL or &ds41_memory_host: the CPU backends) the views
+ *   point into the slots the reads land in.  With another memory (a device
+ *   backend's) the slots above become the staging tier and the cache keeps a
+ *   twin pool of the same number of slots in that memory (one allocation):
+ *   when an expert's read has completed, before its view is first handed
+ *   out (by wait, wait_some), its slot's bytes go to the twin slot in one
+ *   upload; the views point into the twin, and a hit hands the twin out
+ *   again without uploading (a new load into the slot makes the twin stale).
+ *   The cache never touches the twin's bytes itself.  The budget counts the
+ *   twin pool's bytes (what the device holds); the host staging tier is as
+ *   large until issue 15 gives the host tier a budget of its own.
+ *
  * Pinning and waves
  *   ds41_expert_cache_acquire pins the experts a layer needs: hits first (so
  *   a miss never evicts an expert the same request needs), then one slot per
@@ -72,6 +85,7 @@
 
 #include "config/error.h"
 #include "config/model_config.h"
+#include "engine/backend/memory.h"
 #include "storage/reader.h"
 #include "storage/safetensors.h"
 
@@ -86,6 +100,10 @@ typedef struct ds41_expert_cache_opts {
     bool buffered;          /* read through the page cache (no O_DIRECT); default O_DIRECT */
     unsigned queue_depth;   /* reader chunks in flight; 0 = 128 */
     ds41_reader_backend backend; /* AUTO: io_uring, else pread threads */
+    /* The memory the backend computes on (the engine: its backend's mem).
+     * NULL or &ds41_memory_host: views point into the host slots; another
+     * memory: a twin pool there (see Slots). */
+    const ds41_memory *slot_memory;
 } ds41_expert_cache_opts;
 
 /* The routed experts of cfg's text layers (layers.L.ffn.experts.E.w{1,2,3}
@@ -112,7 +130,8 @@ uint64_t ds41_expert_cache_budget(const ds41_expert_cache *c);
 
 /* Change the budget (drops every cached expert; waits for reads in flight).
  * Only between steps: fails when a slot is pinned.  Errors: below one slot,
- * out of memory (the old pool is kept then). */
+ * out of memory (the old pool is kept then: with a twin pool the new one is
+ * allocated before the old one goes, so both exist for a moment). */
 int ds41_expert_cache_set_budget(ds41_expert_cache *c, uint64_t budget_bytes, ds41_error *err);
 
 /* The reader (for its fault hook, ds41_reader_set_fault, and its backend
@@ -120,7 +139,9 @@ int ds41_expert_cache_set_budget(ds41_expert_cache *c, uint64_t budget_bytes, ds
 ds41_reader *ds41_expert_cache_reader(ds41_expert_cache *c);
 
 /* Where one pinned expert's tensors are: w[0..2] = w1, w2, w3 codes,
- * s[0..2] their scales.  Valid until the expert is released. */
+ * s[0..2] their scales.  Valid until the expert is released.  With a twin
+ * pool they are opts.slot_memory's: reach them only through it and the
+ * backend's ops. */
 typedef struct ds41_expert_view {
     const uint8_t *w[3];
     const uint8_t *s[3];
@@ -191,6 +212,10 @@ typedef struct ds41_expert_cache_stats {
     uint64_t latency_p50_ns; /* expert load latency, submit to last byte (last 4096 loads) */
     uint64_t latency_p99_ns;
     uint64_t stall_ns;       /* time spent in wait() for loads to finish */
+    uint64_t slot_memory_bytes; /* the twin pool in opts.slot_memory (0: none, the backend computes on
+                                 * the host slots) */
+    uint64_t uploads;           /* loaded slots uploaded to their twins (once per load) */
+    uint64_t bytes_uploaded;    /* bytes of those uploads */
     char backend[24];        /* reader backend */
     bool direct;             /* O_DIRECT in use on the first expert shard */
 } ds41_expert_cache_stats;

@@ -527,6 +527,314 @@ out:
     ds41_model_config_free(&cfg);
 }
 
+/* ---- a device-like slot memory ----------------------------------------------------- */
+
+/* Memory the host cannot touch: page-rounded mmap()ed regions kept PROT_NONE
+ * except inside its own calls, which open only the region they move bytes
+ * in or out of.  A cache that dereferences its twin pool faults.  Counts
+ * uploads; `bad` counts calls on memory it did not hand out. */
+#define TM_MAX 8
+typedef struct tmem {
+    unsigned char *p[TM_MAX];
+    size_t len[TM_MAX];
+    size_t live;
+    uint64_t allocs, uploads, upload_bytes, bad;
+    int full; /* alloc fails (out of device memory) */
+} tmem;
+
+static int tm_find(tmem *t, const void *p, size_t n) {
+    for (size_t i = 0; i < t->live; i++)
+        if ((const unsigned char *)p >= t->p[i] && n <= t->len[i] &&
+            (size_t)((const unsigned char *)p - t->p[i]) <= t->len[i] - n)
+            return (int)i;
+    t->bad++;
+    return -1;
+}
+
+static void *tm_alloc(const ds41_memory *m, size_t n) {
+    tmem *t = m->ctx;
+    const size_t pg = (size_t)sysconf(_SC_PAGESIZE), len = (n + pg - 1) / pg * pg;
+    if (t->live == TM_MAX || t->full) return NULL;
+    void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    t->p[t->live] = p;
+    t->len[t->live++] = len;
+    t->allocs++;
+    return p;
+}
+
+static void tm_free(const ds41_memory *m, void *p, size_t n) {
+    tmem *t = m->ctx;
+    if (!p) return;
+    const int i = tm_find(t, p, n);
+    if (i < 0 || p != t->p[i]) return;
+    munmap(p, t->len[i]);
+    t->p[i] = t->p[t->live - 1];
+    t->len[i] = t->len[--t->live];
+}
+
+/* Run memcpy with region i open. */
+static void tm_move(tmem *t, int i, void *dst, const void *src, size_t n) {
+    if (i < 0) return;
+    mprotect(t->p[i], t->len[i], PROT_READ | PROT_WRITE);
+    memcpy(dst, src, n);
+    mprotect(t->p[i], t->len[i], PROT_NONE);
+}
+
+static void tm_upload(const ds41_memory *m, void *dst, const void *src, size_t n) {
+    tmem *t = m->ctx;
+    tm_move(t, tm_find(t, dst, n), dst, src, n);
+    t->uploads++;
+    t->upload_bytes += n;
+}
+
+static void tm_download(const ds41_memory *m, void *dst, const void *src, size_t n) {
+    tmem *t = m->ctx;
+    tm_move(t, tm_find(t, src, n), dst, src, n);
+}
+
+/* The cache has no business moving bytes inside the twin pool. */
+static void tm_copy(const ds41_memory *m, void *dst, const void *src, size_t n) {
+    (void)dst, (void)src, (void)n;
+    ((tmem *)m->ctx)->bad++;
+}
+static void tm_copy_2d(const ds41_memory *m, void *dst, size_t dp, const void *src, size_t sp, size_t w,
+                       size_t r) {
+    (void)dst, (void)dp, (void)src, (void)sp, (void)w, (void)r;
+    ((tmem *)m->ctx)->bad++;
+}
+
+/* Pinned expert (L, ex) of the twin cache, its view v: every tensor lies in
+ * the twin pool and, downloaded through the memory, equals the checkpoint's
+ * bytes and the host-path cache hx's view of the same expert.  Returns 1 when
+ * all six do. */
+static int twin_view_ok(const ds41_memory *m, ds41_expert_cache *hx, const ds41_checkpoint *ck, int L,
+                        int32_t ex, const ds41_expert_view *v) {
+    tmem *t = m->ctx;
+    ds41_error err;
+    uint8_t hgot = 0;
+    ds41_expert_view hv;
+    if (ds41_expert_cache_acquire(hx, L, &ex, 1, &hgot, &err) != 1 ||
+        ds41_expert_cache_wait(hx, L, &ex, 1, &hgot, &hv, &err) != 0) {
+        TAP_NOTE("host path: %s", err.msg);
+        return 0;
+    }
+    int ok = 1;
+    for (int k = 0; k < 6 && ok; k++) {
+        char name[128];
+        snprintf(name, sizeof name, "layers.%d.ffn.experts.%d.w%d.%s", L, (int)ex, k / 2 + 1,
+                 k % 2 ? "scale" : "weight");
+        const ds41_tensor *tt = ds41_checkpoint_find(ck, name);
+        const uint8_t *dev = k % 2 ? v->s[k / 2] : v->w[k / 2], *host = k % 2 ? hv.s[k / 2] : hv.w[k / 2];
+        uint8_t *buf = tt ? malloc(tt->nbytes) : NULL;
+        const uint64_t bad0 = t->bad;
+        if (!buf || tm_find(t, dev, tt->nbytes) < 0) {
+            ok = 0;
+        } else {
+            tm_download(m, buf, dev, tt->nbytes);
+            ok = t->bad == bad0 && memcmp(buf, host, tt->nbytes) == 0 &&
+                 memcmp(buf, tt->data, tt->nbytes) == 0;
+        }
+        if (!ok)
+            TAP_NOTE("twin view of %s: %s", name, buf ? "not in the twin pool or wrong bytes" : "missing");
+        free(buf);
+    }
+    ds41_expert_cache_release(hx, L, &ex, 1, &hgot);
+    return ok;
+}
+
+/* Acquire experts[0..n) of layer L in dx, wait (wait_some when some), check
+ * the views (twin_view_ok), release; waves until all are done.  Returns 1
+ * when every wave pinned something and every view was right. */
+static int twin_round(const ds41_memory *m, ds41_expert_cache *dx, ds41_expert_cache *hx,
+                      const ds41_checkpoint *ck, int L, const int32_t *experts, size_t n, int some,
+                      ds41_error *err) {
+    uint8_t got[8], done[8];
+    snprintf(err->msg, sizeof err->msg, "(no message)");
+    ds41_expert_view v[8];
+    int32_t want[8];
+    size_t nl = n;
+    memcpy(want, experts, n * sizeof *want);
+    while (nl) {
+        const long p = ds41_expert_cache_acquire(dx, L, want, nl, got, err);
+        if (p < 1) return 0;
+        int ok = 1;
+        if (some) {
+            memset(done, 0, sizeof done);
+            for (long have = 0; ok && have < p;) {
+                const long k = ds41_expert_cache_wait_some(dx, L, want, nl, got, done, 1, v, err);
+                ok = k >= 1;
+                have += ok ? k : 0;
+            }
+        } else {
+            ok = ds41_expert_cache_wait(dx, L, want, nl, got, v, err) == 0;
+        }
+        for (size_t i = 0; ok && i < nl; i++)
+            if (got[i]) ok = twin_view_ok(m, hx, ck, L, want[i], &v[i]);
+        ds41_expert_cache_release(dx, L, want, nl, got);
+        if (!ok) return 0;
+        size_t k = 0; /* the next wave: those not pinned */
+        for (size_t i = 0; i < nl; i++)
+            if (!got[i]) want[k++] = want[i];
+        nl = k;
+    }
+    return 1;
+}
+
+/* The twin pool (opts.slot_memory a device-like memory) on the tiny
+ * checkpoint: views in the twin with the right bytes, one upload per load
+ * (hits upload nothing; a reload into the slot uploads again), waves,
+ * predictions, read faults, set_budget, free. */
+static void test_twin(const char *dir) {
+    ds41_error err;
+    ds41_model_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    ds41_checkpoint *ck = NULL;
+    ds41_expert_cache *dx = NULL, *hx = NULL;
+    tmem tm = {0};
+    const ds41_memory m = {.name = "test-guard",
+                           .ctx = &tm,
+                           .alloc = tm_alloc,
+                           .free = tm_free,
+                           .upload = tm_upload,
+                           .download = tm_download,
+                           .copy = tm_copy,
+                           .copy_2d = tm_copy_2d};
+    uint64_t slot = 0;
+    if (!TAP_CHECK(ds41_model_config_load(dir, &cfg, &err) == 0 && (ck = ds41_checkpoint_open(dir, &err)) &&
+                       ds41_expert_cache_geometry(ck, &cfg, &slot, NULL, &err) == 0,
+                   "twin: config and checkpoint open"))
+        goto out;
+    ds41_expert_cache_opts ho = {.budget_bytes = 2 * slot, .slot_memory = &ds41_memory_host};
+    ds41_expert_cache_opts xo = {.budget_bytes = 3 * slot, .slot_memory = &m};
+    hx = ds41_expert_cache_new(ck, &cfg, &ho, &err);
+    dx = ds41_expert_cache_new(ck, &cfg, &xo, &err);
+    ds41_expert_cache_stats st, hs;
+    if (!TAP_CHECK(hx && dx, "twin: caches made%s%s", hx && dx ? "" : ": ", hx && dx ? "" : err.msg))
+        goto out;
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(tm.live == 1 && tm.len[0] >= 3 * slot && st.slots == 3 && st.slot_memory_bytes == 3 * slot &&
+                  st.budget_bytes == 3 * slot,
+              "twin: 3 slots, one allocation of %" PRIu64 " bytes in the slot memory (%zu live)",
+              st.slot_memory_bytes, tm.live);
+
+    const int32_t e012[3] = {0, 1, 2}, e5[5] = {0, 1, 2, 3, 4}, e56[2] = {5, 6};
+    int ok = twin_round(&m, dx, hx, ck, 0, e012, 3, 0, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(
+        ok && tm.uploads == 3 && st.uploads == 3 && st.bytes_uploaded == tm.upload_bytes,
+        "twin: wait: 3 loads, 3 uploads, views in the twin with the checkpoint's and the host path's bytes "
+        "(%" PRIu64 " uploads)%s%s",
+        tm.uploads, ok ? "" : ": ", ok ? "" : err.msg);
+    ok = twin_round(&m, dx, hx, ck, 0, e012, 3, 1, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && st.hits == 3 && tm.uploads == 3,
+              "twin: wait_some on 3 hits: the same bytes, no upload (%" PRIu64 " hits, %" PRIu64
+              " uploads)%s%s",
+              st.hits, tm.uploads, ok ? "" : ": ", ok ? "" : err.msg);
+    ok = twin_round(&m, dx, hx, ck, 1, e5, 5, 1, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && st.waves >= 1 && tm.uploads == 8,
+              "twin: 5 experts on 3 slots in waves: each uploaded once (%" PRIu64 " waves, %" PRIu64
+              " uploads)%s%s",
+              st.waves, tm.uploads, ok ? "" : ": ", ok ? "" : err.msg);
+    ok = ds41_expert_cache_predict(dx, 2, e56, 2) == 2 && twin_round(&m, dx, hx, ck, 2, e56, 2, 0, &err);
+    ds41_expert_cache_end_step(dx);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && st.prefetch_hits == 2 && tm.uploads == 10,
+              "twin: 2 predicted experts, uploaded at their use (%" PRIu64 " prefetch hits, %" PRIu64
+              " uploads)%s%s",
+              st.prefetch_hits, tm.uploads, ok ? "" : ": ", ok ? "" : err.msg);
+
+    /* A failed read: reported as on the host path, nothing uploaded; the
+     * next request reads and uploads again. */
+    {
+        const int32_t one[1] = {0};
+        uint8_t got[1];
+        ds41_expert_view v[1];
+        const uint64_t up0 = tm.uploads;
+        ds41_reader_set_fault(ds41_expert_cache_reader(dx), DS41_READER_ANY_FILE, DS41_FAULT_EIO, 0, 0);
+        const long p = ds41_expert_cache_acquire(dx, 3, one, 1, got, &err);
+        const int wrc = p == 1 ? ds41_expert_cache_wait(dx, 3, one, 1, got, v, &err) : 0;
+        ds41_reader_set_fault(ds41_expert_cache_reader(dx), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+        ds41_expert_cache_release(dx, 3, one, 1, got);
+        TAP_CHECK(p == 1 && wrc < 0 && strstr(err.msg, "layers.3.ffn.experts.0.") &&
+                      strstr(err.msg, "Input/output") && tm.uploads == up0,
+                  "twin: a failed read fails wait naming the tensor, nothing uploaded: %s",
+                  wrc < 0 ? err.msg : "(no error)");
+        ok = twin_round(&m, dx, hx, ck, 3, one, 1, 0, &err);
+        TAP_CHECK(ok && tm.uploads == up0 + 1,
+                  "twin: after the failure the expert is read and uploaded again%s%s", ok ? "" : ": ",
+                  ok ? "" : err.msg);
+        /* A predicted read that fails is read again on demand, then uploaded. */
+        ds41_reader_set_fault(ds41_expert_cache_reader(dx), DS41_READER_ANY_FILE, DS41_FAULT_EIO, 1, 0);
+        const int32_t four[1] = {4};
+        ok =
+            ds41_expert_cache_predict(dx, 4, four, 1) == 1 && twin_round(&m, dx, hx, ck, 4, four, 1, 1, &err);
+        ds41_reader_set_fault(ds41_expert_cache_reader(dx), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+        ds41_expert_cache_end_step(dx);
+        TAP_CHECK(ok && tm.uploads == up0 + 2,
+                  "twin: a failed predicted read is read again on demand and uploaded once%s%s",
+                  ok ? "" : ": ", ok ? "" : err.msg);
+    }
+
+    /* One slot: every expert reloads the same slot, so a twin not marked
+     * stale by the reload would hand out the previous expert's bytes. */
+    ok = ds41_expert_cache_set_budget(dx, slot, &err) == 0;
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && tm.live == 1 && tm.allocs == 2 && tm.len[0] >= slot && tm.len[0] < 2 * slot &&
+                  st.slot_memory_bytes == slot && st.slots == 1,
+              "twin: set_budget to one slot: the twin pool reallocated (%zu live, %" PRIu64
+              " allocations)%s%s",
+              tm.live, tm.allocs, ok ? "" : ": ", ok ? "" : err.msg);
+    {
+        const uint64_t up0 = tm.uploads;
+        const int32_t a[1] = {0}, b[1] = {1};
+        ok = 1;
+        for (int i = 0; i < 4 && ok; i++) ok = twin_round(&m, dx, hx, ck, 5, i % 2 ? b : a, 1, i % 2, &err);
+        TAP_CHECK(ok && tm.uploads == up0 + 4,
+                  "twin: experts 0, 1, 0, 1 through one slot: each reload uploaded, views right (%" PRIu64
+                  " uploads)%s%s",
+                  tm.uploads - up0, ok ? "" : ": ", ok ? "" : err.msg);
+    }
+    const uint64_t waves0 = st.waves;
+    ok = ds41_expert_cache_set_budget(dx, 4 * slot, &err) == 0 &&
+         twin_round(&m, dx, hx, ck, 6, e5, 4, 0, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && tm.live == 1 && tm.allocs == 3 && st.slots == 4 && st.slot_memory_bytes == 4 * slot &&
+                  st.waves == waves0 && st.uploads == tm.uploads,
+              "twin: set_budget to 4 slots: 4 experts in one wave, right bytes%s%s", ok ? "" : ": ",
+              ok ? "" : err.msg);
+    /* The slot memory full: a resize is refused naming it and the old
+     * pools keep working; a new cache is refused. */
+    tm.full = 1;
+    const int rrc = ds41_expert_cache_set_budget(dx, 2 * slot, &err);
+    TAP_CHECK(rrc != 0 && strstr(err.msg, "in test-guard memory"),
+              "twin: slot memory full: resize refused: %s", rrc ? err.msg : "(resized)");
+    ok = twin_round(&m, dx, hx, ck, 6, e5 + 1, 4, 1, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && st.slots == 4 && tm.live == 1,
+              "twin: after the refused resize the 4-slot pools still work%s%s", ok ? "" : ": ",
+              ok ? "" : err.msg);
+    ds41_expert_cache *nx = ds41_expert_cache_new(ck, &cfg, &xo, &err);
+    TAP_CHECK(!nx && strstr(err.msg, "in test-guard memory") && tm.live == 1,
+              "twin: slot memory full: a new cache is refused: %s", nx ? "(made)" : err.msg);
+    ds41_expert_cache_free(nx);
+    tm.full = 0;
+    ds41_expert_cache_get_stats(hx, &hs, false);
+    TAP_CHECK(hs.slot_memory_bytes == 0 && hs.uploads == 0 && hs.bytes_uploaded == 0,
+              "twin: the host path (ds41_memory_host) has no twin and uploads nothing");
+    ds41_expert_cache_free(dx);
+    dx = NULL;
+    TAP_CHECK(tm.live == 0 && tm.bad == 0,
+              "twin: free gives the twin pool back; no call on foreign memory (%" PRIu64 " bad)", tm.bad);
+out:
+    ds41_expert_cache_free(dx);
+    ds41_expert_cache_free(hx);
+    ds41_checkpoint_close(ck);
+    ds41_model_config_free(&cfg);
+}
+
 static int make(const char *preset, uint64_t seed, char *dir_out) {
     snprintf(dir_out, 4096, "%s/%s", root, preset);
     ds41_model_gen_opts o = {.preset = preset, .seed = seed};
@@ -551,6 +859,7 @@ int main(void) {
     char dir_tiny[4096], dir_long[4096];
     if (TAP_CHECK(make("tiny", 71, dir_tiny) == 0, "tiny checkpoint generated")) {
         test_api(dir_tiny);
+        test_twin(dir_tiny);
         test_preset(dir_tiny, "tiny", 1);
     }
     if (TAP_CHECK(make("long", 72, dir_long) == 0, "long checkpoint generated"))

@@ -327,7 +327,8 @@ int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *er
         pthread_mutex_unlock(&e->xc_mu);
         return rc;
     }
-    ds41_expert_cache_opts o = {.budget_bytes = bytes, .buffered = e->expert_buffered};
+    ds41_expert_cache_opts o = {
+        .budget_bytes = bytes, .buffered = e->expert_buffered, .slot_memory = e->be->mem};
     ds41_expert_cache *xc = ds41_expert_cache_new(e->ckpt, c, &o, err);
     if (!xc) return -1;
     pthread_mutex_lock(&e->xc_mu);
