@@ -61,7 +61,8 @@ int main(void) {
         fill(key, 128);
         if (i == 7) memset(lat, 0, sizeof lat); /* all-zero group: floored scale */
         ds41_kv_seq_append(r, 1, lat, key, &err);
-        const uint8_t *e = ds41_kv_seq_entry(r, 1, (uint64_t)i);
+        uint8_t e[356];
+        ds41_kv_seq_read_entry(r, 1, (uint64_t)i, e);
         ds41_fp4_act_quant_e4m3_qdq(lat, 512);
         ds41_fp4_act_quant_ue8m0_qdq(key, 128);
         ds41_kv_decode_latent(l, e, out);
@@ -75,7 +76,9 @@ int main(void) {
         fill(lat, 512);
         ds41_kv_ring_write(r, 5, pos, lat);
         ds41_act_quant_qdq(lat, 512);
-        ds41_kv_decode_ring_row(l, ds41_kv_ring_row(r, 5, (uint32_t)(pos % 128)), out);
+        uint8_t row[512 + 16];
+        ds41_kv_ring_read_row(r, 5, (uint32_t)(pos % 128), row);
+        ds41_kv_decode_ring_row(l, row, out);
         ring &= memcmp(out, lat, sizeof lat) == 0;
     }
     TAP_CHECK(ring, "window ring rows decode to act_quant QDQ values, slot = pos %% window");
@@ -84,7 +87,7 @@ int main(void) {
      * a page boundary), ring_put of act_quant = ring_write; page ids + pool pages reach the entries. */
     {
         ds41_kv_seq *a = ds41_kv_seq_new(pool, &err), *pk = ds41_kv_seq_new(pool, &err);
-        uint8_t packed[356], row[512 + 16];
+        uint8_t packed[356], row[512 + 16], got_a[512 + 16], got_pk[512 + 16];
         int same = a && pk;
         for (uint64_t i = 0; i < 70 && same; i++) {
             fill(lat, 512);
@@ -92,7 +95,9 @@ int main(void) {
             ds41_kv_pack_entry(l, lat, key, packed);
             same &= ds41_kv_seq_append(a, 1, lat, key, &err) == 0 &&
                     ds41_kv_seq_append_packed(pk, 1, packed, &err) == 0;
-            same &= memcmp(ds41_kv_seq_entry(a, 1, i), ds41_kv_seq_entry(pk, 1, i), l->entry_bytes) == 0;
+            ds41_kv_seq_read_entry(a, 1, i, got_a);
+            ds41_kv_seq_read_entry(pk, 1, i, got_pk);
+            same &= memcmp(got_a, got_pk, l->entry_bytes) == 0;
         }
         uint32_t np = 0;
         const uint32_t *ids = same ? ds41_kv_seq_page_ids(pk, 1, &np) : NULL;
@@ -106,31 +111,37 @@ int main(void) {
             ds41_kv_ring_write(a, 5, pos, lat);
             ds41_act_quant(lat, 512, row, row + 512);
             ds41_kv_ring_put(pk, 5, pos, row);
-            rows_same &= memcmp(ds41_kv_ring_row(a, 5, (uint32_t)(pos % 128)),
-                                ds41_kv_ring_row(pk, 5, (uint32_t)(pos % 128)), l->ring_row_bytes) == 0;
+            ds41_kv_ring_read_row(a, 5, (uint32_t)(pos % 128), got_a);
+            ds41_kv_ring_read_row(pk, 5, (uint32_t)(pos % 128), got_pk);
+            rows_same &= memcmp(got_a, got_pk, l->ring_row_bytes) == 0;
         }
         TAP_CHECK(rows_same, "ring_put of an act_quant row = ring_write of the values");
         ds41_kv_seq_free(a);
         ds41_kv_seq_free(pk);
     }
-    TAP_CHECK(ds41_kv_carry_kv(r, 3) == NULL && ds41_kv_carry_score(r, 0)[0] == -INFINITY &&
-                  ds41_kv_carry_kv(r, 0)[1023] == 0.0f,
-              "carries: none for ratio 1; kv 0, score -inf for ratio 2");
+    {
+        float ckv[1024], csc[1024];
+        TAP_CHECK(ds41_kv_carry_kv(r, 3) == NULL && ds41_kv_carry_read(r, 3, ckv, csc) == -1 &&
+                      ds41_kv_carry_read(r, 0, ckv, csc) == 0 && csc[0] == -INFINITY &&
+                      csc[1023] == -INFINITY && ckv[0] == 0.0f && ckv[1023] == 0.0f,
+                  "carries: none for ratio 1; kv 0, score -inf for ratio 2");
+    }
 
     /* Fork shares pages; the first append to a shared partial page copies it. */
     ds41_kv_seq *f = ds41_kv_seq_fork(r, &err);
     ds41_kv_pool_get_stats(pool, &st);
     uint64_t before = st.pages_in_use;
-    uint8_t saved[356];
-    memcpy(saved, ds41_kv_seq_entry(r, 1, 99), 356);
+    uint8_t saved[356], got_f[356], got_r[356];
+    ds41_kv_seq_read_entry(r, 1, 99, saved);
     fill(lat, 512);
     fill(key, 128);
     ds41_kv_seq_append(f, 1, lat, key, &err);
     ds41_kv_pool_get_stats(pool, &st);
     TAP_CHECK(ds41_kv_seq_entries(f, 1) == 101 && ds41_kv_seq_entries(r, 1) == 100 && st.pages_in_use == before + 1,
               "fork then append: child grows, one page copied");
-    TAP_CHECK(memcmp(saved, ds41_kv_seq_entry(f, 1, 99), 356) == 0 &&
-                  memcmp(saved, ds41_kv_seq_entry(r, 1, 99), 356) == 0 &&
+    ds41_kv_seq_read_entry(f, 1, 99, got_f);
+    ds41_kv_seq_read_entry(r, 1, 99, got_r);
+    TAP_CHECK(memcmp(saved, got_f, 356) == 0 && memcmp(saved, got_r, 356) == 0 &&
                   ds41_kv_seq_entry(f, 1, 0) == ds41_kv_seq_entry(r, 1, 0),
               "shared entries unchanged; full pages still shared");
     ds41_kv_seq_free(f);
