@@ -72,7 +72,7 @@ static void smoke(const char *dir, const char *name) {
               "%s: prefill %zu + %zu decode steps: guarded logits byte-identical", name, n, steps);
     ds41_guard_stats st;
     ds41_guard_backend_stats(ds41_engine_backend(guarded), &st);
-    TAP_CHECK(st.op_calls > 0, "%s: the guard ran %llu ops on %llu bytes at most", name,
+    TAP_CHECK(st.op_calls > 0 && st.bytes_peak > 0, "%s: the guard ran %llu ops on %llu bytes at most", name,
               (unsigned long long)st.op_calls, (unsigned long long)st.bytes_peak);
     free(a);
     free(b);
