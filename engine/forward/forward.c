@@ -607,7 +607,10 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
 }
 
 /* Hash every token of the batch for every Engram layer, pushing the tokens
- * onto their sequences' histories (§6.3). */
+ * onto their sequences' histories (§6.3).  On the host, not an op: the
+ * hashes are integer functions of token ids (the host's metadata), they
+ * name the rows the host's Engram row tier streams and prefetches, and the
+ * fp8_rows op takes them as its row ids. */
 static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *err) {
     const size_t nsl = (size_t)e->eng.n_layers, ncols = (size_t)e->eng.n_cols;
     for (size_t it = 0; it < b->n_items; it++) {
