@@ -196,13 +196,11 @@ static void model_close(model *m) {
  * with err.  0 / -1. */
 typedef int (*scenario_fn)(ds41_engine *e, const model *m, const void *arg, obs *o, ds41_error *err);
 
-/* Once the forward pass, the KV cache and the expert slots live in backend
- * memory (issue 14), a scenario must have used the guard's memory: bytes
- * held at some time and bytes moved through its memory calls.  Not called
- * yet: on this branch the engine keeps its memory on the host, so the
- * guard holds nothing; compare_on() calls it when that changes. */
-__attribute__((unused)) static void check_guard_memory_used(const char *what, const ds41_guard_stats *before,
-                                                            const ds41_guard_stats *after) {
+/* The forward pass, the KV cache and the expert slots live in backend
+ * memory (issue 14): a scenario must have used the guard's memory, bytes
+ * held at some time and bytes moved through its memory calls. */
+static void check_guard_memory_used(const char *what, const ds41_guard_stats *before,
+                                    const ds41_guard_stats *after) {
     TAP_CHECK(
         after->bytes_peak > 0 && after->mem_calls > before->mem_calls,
         "%s: the engine's memory is the guard's (%llu bytes at most, %llu memory calls in the scenario)",
@@ -226,7 +224,7 @@ static void compare_on(ds41_engine *plain, ds41_engine *guarded, const model *m,
     const int ra = fn(plain, m, arg, a, &ea);
     const int rb = fn(guarded, m, arg, b, &eb);
     ds41_guard_backend_stats(ds41_engine_backend(guarded), &g1);
-    /* Once the engine's memory is the backend's, check_guard_memory_used(what, &g0, &g1) here. */
+    check_guard_memory_used(what, &g0, &g1);
     size_t at = 0;
     const size_t n = a->n < b->n ? a->n : b->n;
     while (at < n && a->p[at] == b->p[at]) at++;

@@ -1,14 +1,26 @@
 /* ds41_backend: what a compute backend owns, and the interface the engine
  * (engine/forward/forward.h) drives it through.
  *
- * A backend owns three things:
+ * A backend owns four things:
  *
  *  1. The kernels: a ds41_ops table (engine/backend/ops.h).  The forward pass
  *     (engine/forward/forward.c, attention.c, moe.c) calls nothing else for numeric
  *     work; it hands every op all rows of all sequences of a step at once, so
  *     a backend reads each weight once per step whatever the batch.
  *
- *  2. Weight placement: place_weights() runs once at load, after the
+ *  2. Its memory (mem, engine/backend/memory.h): the engine's activations
+ *     and scratch (two stacks per engine, grown during warm-up: the backend
+ *     one for activations and decisions, a host one for metadata), the KV
+ *     page pool with the window rings and compressor carries, the routed
+ *     experts' slots (storage/expert_cache.h uploads into them), the step's
+ *     Engram rows (gathered on the host, uploaded).  The engine moves bytes
+ *     in and out only by mem's upload / download / copy and the ops: the
+ *     logits it samples from, the router's choices (they say which experts
+ *     to read), decisions and streams for hooks, snapshots.  The guard
+ *     backend of the tests (tests/guard_backend.h, meson test device_guard)
+ *     keeps this memory inaccessible outside its ops and proves it.
+ *
+ *  3. Weight placement: place_weights() runs once at load, after the
  *     checkpoint's tensors are bound and checked (engine/model/weights.h), and may
  *     copy, repack or convert any of them into the backend's own memory and
  *     layout (device memory, interleaved blocks, wider types).  The ops keep
@@ -17,7 +29,7 @@
  *     engine's life; wo_a arrives as row ranges of its bound tensor, one per
  *     o_group).  release_weights() undoes it before the weights are freed.
  *
- *  3. The KV page pool: new_pool() makes the pool sequences allocate their
+ *  4. The KV page pool: new_pool() makes the pool sequences allocate their
  *     packed KV pages from (engine/model/kv_cache.h), in memory the kernels read.
  *
  * Backends here:

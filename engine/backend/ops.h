@@ -8,6 +8,14 @@
  *  - Activations are fp32 arrays whose values are what the reference holds;
  *    "bf16 values" means every element is bf16-representable.  Row-major,
  *    rows contiguous unless a stride is given.
+ *  - Memory: activations, scratch, decisions (selections, counts, flags,
+ *    router outputs) and KV pages / rings are the backend's memory
+ *    (engine/backend/backend.h, memory.h), which the host never touches.
+ *    Metadata -- positions, token and row ids, reaches, row/item maps, page
+ *    tables, the gather indices -- is host memory the op reads as given (a
+ *    device backend ships it with the launch).  Weights and the tables
+ *    computed from them at load (rope frequencies, Engram wqk) are what the
+ *    backend placed.
  *  - Inputs and outputs must not overlap unless an op says "in place".
  *  - Ops never fail: sizes come from a validated config and bound weights
  *    (the forward pass checks everything before calling); they allocate

@@ -5,10 +5,10 @@
 
 #include <string.h>
 
-/* Scratch of the step (forward_internal.h: ds41_engine.scratch). */
-static void *step_buf(ds41_engine *e, size_t bytes) {
-    return ds41_scratch_get(&e->scratch, bytes);
-}
+/* Buffers of the step (forward_internal.h): dev = backend memory
+ * (activations, decisions), host = metadata and downloads. */
+#define dev(bytes) ds41__dev(e, (bytes))
+#define host(bytes) ds41__host(e, (bytes))
 
 void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L) {
     if (b->rope_layer == L) return;
@@ -19,7 +19,7 @@ void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L) {
         b->rope_layer = L; /* same frequencies: same table */
         return;
     }
-    e->ops->rope_table(e->ops, f, rd / 2, b->row_pos, b->M, b->rope_cs);
+    e->ops->rope_table(e->ops, e->rope_freqs_be[L], rd / 2, b->row_pos, b->M, b->rope_cs);
     b->rope_layer = L;
 }
 
@@ -39,23 +39,23 @@ static int emit_entries(ds41_engine *e, fwd_batch *b, int L, int src, const floa
     const int rd = (int)c->rope_head_dim;
     const int ratio = c->roles[L].ratio;
     if (n == 0) return 0;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    float *key_raw = step_buf(e, n * ihd * sizeof *key_raw);
-    float *key = step_buf(e, n * ihd * sizeof *key);
-    float *rot = step_buf(e, n * hd * sizeof *rot);
-    float *cs = step_buf(e, n * (size_t)rd * sizeof *cs);
+    const fwd_frame f = ds41__frame(e);
+    float *key_raw = dev(n * ihd * sizeof *key_raw);
+    float *key = dev(n * ihd * sizeof *key);
+    float *rot = dev(n * hd * sizeof *rot);
+    float *cs = dev(n * (size_t)rd * sizeof *cs);
     const ds41_kv_layout *lay = ds41_kv_pool_layout(ds41_kv_seq_pool(b->items[0].seq));
-    uint8_t *packed = step_buf(e, n * lay->entry_bytes);
+    uint8_t *packed = dev(n * lay->entry_bytes);
     int rc = 0;
     if (!key_raw || !key || !rot || !cs || !packed) {
-        ds41_scratch_release(&e->scratch, mark);
+        ds41__frame_release(e, f);
         return ds41_fail(err, "forward: out of memory");
     }
     ops->linear(ops, &lw->idx_wk, lat, n, key_raw, DS41_OUT_BF16_EXACT);
     ops->rmsnorm(ops, lw->idx_k_norm, key_raw, n, ihd, e->norm_eps, key);
-    ops->rope_table(ops, e->rope_freqs[L], rd / 2, pos, n, cs);
+    ops->rope_table(ops, e->rope_freqs_be[L], rd / 2, pos, n, cs);
     ops->rope(ops, key + ihd - (size_t)rd, n, 1, ihd, ihd, rd / 2, cs, 0);
-    memcpy(rot, lat, n * hd * sizeof *rot);
+    e->mem->copy(e->mem, rot, lat, n * hd * sizeof *rot);
     ops->rope(ops, rot + hd - (size_t)rd, n, 1, hd, hd, rd / 2, cs, 0);
     ops->kv_pack(ops, lay, rot, key, n, packed);
     for (size_t i = 0; i < n && rc == 0; i++) {
@@ -67,7 +67,7 @@ static int emit_entries(ds41_engine *e, fwd_batch *b, int L, int src, const floa
         else
             rc = ds41_kv_seq_append_packed(seq, src, packed + i * lay->entry_bytes, err);
     }
-    ds41_scratch_release(&e->scratch, mark);
+    ds41__frame_release(e, f);
     return rc;
 }
 
@@ -84,19 +84,19 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
     const int ratio = c->roles[L].ratio;
     const ds41_kv_layout *lay = ds41_kv_pool_layout(ds41_kv_seq_pool(b->items[0].seq));
     const int src = lay->source_of_layer[L];
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
+    const fwd_frame f = ds41__frame(e);
     int rc = 0;
     /* Entries completed by this step: at most one per row. */
-    size_t *row = step_buf(e, M * sizeof *row);
-    uint64_t *pos = step_buf(e, M * sizeof *pos);
-    float *lat = step_buf(e, M * hd * sizeof *lat);
+    size_t *row = host(M * sizeof *row);
+    uint64_t *pos = host(M * sizeof *pos);
+    float *lat = dev(M * hd * sizeof *lat);
     if (!row || !pos || !lat) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
     if (ratio == 1) {
         /* latent = norm(wkv(x)): bf16 linear, RMSNorm; one per token. */
-        float *raw = step_buf(e, M * hd * sizeof *raw);
+        float *raw = dev(M * hd * sizeof *raw);
         if (!raw) {
             rc = ds41_fail(err, "forward: out of memory");
             goto out;
@@ -119,11 +119,11 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
     for (size_t r = 0; r < M; r++)
         if (group_completes(b->row_pos[r], ratio)) n++;
     const size_t group = (size_t)ratio * hd;
-    float *kv = step_buf(e, M * hd * sizeof *kv);
-    float *sc = step_buf(e, M * hd * sizeof *sc);
-    float *gkv = step_buf(e, (n ? n : 1) * group * sizeof *gkv);
-    float *gsc = step_buf(e, (n ? n : 1) * group * sizeof *gsc);
-    float *pooled = step_buf(e, (n ? n : 1) * hd * sizeof *pooled);
+    float *kv = dev(M * hd * sizeof *kv);
+    float *sc = dev(M * hd * sizeof *sc);
+    float *gkv = dev((n ? n : 1) * group * sizeof *gkv);
+    float *gsc = dev((n ? n : 1) * group * sizeof *gsc);
+    float *pooled = dev((n ? n : 1) * hd * sizeof *pooled);
     if (!kv || !sc || !gkv || !gsc || !pooled) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -137,11 +137,12 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         float *csc = ds41_kv_carry_score(seq, src);
         const uint64_t a = b->row_pos[r];
         const size_t slot = (size_t)(a % (uint64_t)ratio);
-        memcpy(ckv + slot * hd, kv + r * hd, hd * sizeof *kv);
-        memcpy(csc + slot * hd, sc + r * hd, hd * sizeof *sc);
+        /* The carries are backend memory of the pool (engine/model/kv_cache.h). */
+        e->mem->copy(e->mem, ckv + slot * hd, kv + r * hd, hd * sizeof *kv);
+        e->mem->copy(e->mem, csc + slot * hd, sc + r * hd, hd * sizeof *sc);
         if (!group_completes(a, ratio)) continue;
-        memcpy(gkv + n * group, ckv, group * sizeof *gkv);
-        memcpy(gsc + n * group, csc, group * sizeof *gsc);
+        e->mem->copy(e->mem, gkv + n * group, ckv, group * sizeof *gkv);
+        e->mem->copy(e->mem, gsc + n * group, csc, group * sizeof *gsc);
         row[n] = r;
         pos[n] = a + 1 - (uint64_t)ratio;
         n++;
@@ -152,7 +153,7 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
     }
     rc = emit_entries(e, b, L, src, lat, n, row, pos, err);
 out:
-    ds41_scratch_release(&e->scratch, mark);
+    ds41__frame_release(e, f);
     return rc;
 }
 
@@ -174,7 +175,7 @@ static uint64_t step_max_reach(const fwd_batch *b, int ratio) {
  * of memory. */
 static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, size_t *row_table) {
     const ds41_kv_pool *pool = ds41_kv_seq_pool(b->items[0].seq);
-    size_t *item_table = step_buf(e, b->n_items * sizeof *item_table);
+    size_t *item_table = host(b->n_items * sizeof *item_table);
     if (!item_table) return NULL;
     size_t n_ids = 0;
     for (size_t it = 0; it < b->n_items; it++) {
@@ -183,7 +184,7 @@ static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, s
         item_table[it] = n_ids;
         n_ids += np;
     }
-    const uint8_t **pages = step_buf(e, (n_ids ? n_ids : 1) * sizeof *pages);
+    const uint8_t **pages = host((n_ids ? n_ids : 1) * sizeof *pages);
     if (!pages) return NULL;
     for (size_t it = 0; it < b->n_items; it++) {
         uint32_t np;
@@ -196,23 +197,46 @@ static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, s
 
 /* Report the step's candidate blocks (kept block ids ascending, with the
  * block scores) and index selections to the batch's hook.  The decisions
- * themselves were made by the ops; this only reads them. */
-static void report_indexer(fwd_batch *b, int L, const ds41_layer_role *role, const uint32_t *reach,
-                           const float *score, size_t stride, const float *bscore, size_t nb_stride,
-                           int32_t *kept, size_t B, size_t topk) {
-    for (size_t r = 0; r < b->M; r++) {
+ * themselves were made by the ops and stay in backend memory; this
+ * downloads them (only when a hook wants them). */
+static int report_indexer(ds41_engine *e, fwd_batch *b, int L, const ds41_layer_role *role, const uint32_t *reach,
+                          const float *score, size_t stride, const float *bscore, size_t nb_stride, size_t B,
+                          size_t topk, ds41_error *err) {
+    if (!b->hooks || !b->hooks->decision) return 0;
+    const size_t M = b->M;
+    const ds41_memory *mem = e->mem;
+    const fwd_frame f = ds41__frame(e);
+    const int cs = role->candidate_source;
+    int32_t *list = host(M * topk * sizeof *list);
+    uint32_t *count = host(M * sizeof *count);
+    float *hs = host(M * stride * sizeof *hs);
+    uint8_t *allow = cs ? host(M * b->cand_stride) : NULL;
+    float *hb = cs ? host(M * nb_stride * sizeof *hb) : NULL;
+    int32_t *kept = cs ? host(nb_stride * sizeof *kept) : NULL;
+    if (!list || !count || !hs || (cs && (!allow || !hb || !kept))) {
+        ds41__frame_release(e, f);
+        return ds41_fail(err, "forward: out of memory");
+    }
+    mem->download(mem, list, b->idx_list[L], M * topk * sizeof *list);
+    mem->download(mem, count, b->idx_count[L], M * sizeof *count);
+    mem->download(mem, hs, score, M * stride * sizeof *hs);
+    if (cs) {
+        mem->download(mem, allow, b->cand, M * b->cand_stride);
+        mem->download(mem, hb, bscore, M * nb_stride * sizeof *hb);
+    }
+    for (size_t r = 0; r < M; r++) {
         if (reach[r] == 0) continue; /* nothing compressed is visible yet (§2.10 step 8) */
-        if (role->candidate_source && b->hooks && b->hooks->decision) {
+        if (cs) {
             const size_t nb = (reach[r] + B - 1) / B;
-            const uint8_t *allow = b->cand + r * b->cand_stride;
             size_t n_kept = 0;
             for (size_t blk = 0; blk < nb; blk++)
-                if (allow[blk]) kept[n_kept++] = (int32_t)blk;
-            ds41__report_decision(b, DS41_DECISION_CAND, L, r, kept, n_kept, bscore + r * nb_stride, nb);
+                if (allow[r * b->cand_stride + blk]) kept[n_kept++] = (int32_t)blk;
+            ds41__report_decision(b, DS41_DECISION_CAND, L, r, kept, n_kept, hb + r * nb_stride, nb);
         }
-        ds41__report_decision(b, DS41_DECISION_INDEX, L, r, b->idx_list[L] + r * topk, b->idx_count[L][r],
-                              score + r * stride, reach[r]);
+        ds41__report_decision(b, DS41_DECISION_INDEX, L, r, list + r * topk, count[r], hs + r * stride, reach[r]);
     }
+    ds41__frame_release(e, f);
+    return 0;
 }
 
 static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const float *qr, ds41_error *err) {
@@ -233,15 +257,14 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
     const size_t stride = max_reach ? max_reach : 1;
     const size_t nb_stride = (max_reach + B - 1) / B ? (max_reach + B - 1) / B : 1;
     int rc = 0;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    float *q = step_buf(e, M * qw * sizeof *q);
-    float *w = step_buf(e, M * (size_t)nh * sizeof *w);
-    float *score = step_buf(e, M * stride * sizeof *score);
-    uint32_t *reach = step_buf(e, M * sizeof *reach);
-    size_t *row_table = step_buf(e, M * sizeof *row_table);
-    float *bscore = role->candidate_source ? step_buf(e, M * nb_stride * sizeof *bscore) : NULL;
-    int32_t *kept = role->candidate_source ? step_buf(e, nb_stride * sizeof *kept) : NULL;
-    if (!q || !w || !score || !reach || !row_table || (role->candidate_source && (!bscore || !kept))) {
+    const fwd_frame f = ds41__frame(e);
+    float *q = dev(M * qw * sizeof *q);
+    float *w = dev(M * (size_t)nh * sizeof *w);
+    float *score = dev(M * stride * sizeof *score);
+    uint32_t *reach = host(M * sizeof *reach);
+    size_t *row_table = host(M * sizeof *row_table);
+    float *bscore = role->candidate_source ? dev(M * nb_stride * sizeof *bscore) : NULL;
+    if (!q || !w || !score || !reach || !row_table || (role->candidate_source && !bscore)) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -271,9 +294,9 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
                           nb_stride, b->cand, b->cand_stride);
     ops->index_topk(ops, score, stride, reach, M, role->candidate_user ? b->cand : NULL, b->cand_stride, B,
                     topk, b->idx_list[L], b->idx_count[L]);
-    report_indexer(b, L, role, reach, score, stride, bscore, nb_stride, kept, B, topk);
+    rc = report_indexer(e, b, L, role, reach, score, stride, bscore, nb_stride, B, topk, err);
 out:
-    ds41_scratch_release(&e->scratch, mark);
+    ds41__frame_release(e, f);
     return rc;
 }
 
@@ -284,8 +307,8 @@ int ds41__attention_prepare(ds41_engine *e, fwd_batch *b, ds41_error *err) {
     for (size_t L = 0; L < (size_t)c->n_layers; L++) {
         const ds41_layer_role *role = &c->roles[L];
         if (role->ratio <= 0 || !role->index_source) continue; /* as ds41__attention runs it */
-        b->idx_list[L] = step_buf(e, M * (topk ? topk : 1) * sizeof *b->idx_list[L]);
-        b->idx_count[L] = step_buf(e, M * sizeof *b->idx_count[L]);
+        b->idx_list[L] = dev(M * (topk ? topk : 1) * sizeof *b->idx_list[L]);
+        b->idx_count[L] = dev(M * sizeof *b->idx_count[L]);
         if (!b->idx_list[L] || !b->idx_count[L]) return ds41_fail(err, "forward: out of memory");
         if (role->candidate_source) {
             /* One row of flags per row wide enough for every candidate
@@ -295,7 +318,7 @@ int ds41__attention_prepare(ds41_engine *e, fwd_batch *b, ds41_error *err) {
             if (nb > b->cand_stride) b->cand_stride = nb;
         }
     }
-    b->cand = step_buf(e, M * b->cand_stride);
+    b->cand = dev(M * b->cand_stride);
     return b->cand ? 0 : ds41_fail(err, "forward: out of memory");
 }
 
@@ -316,19 +339,19 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     int rc = 0;
 
     ds41__rope_rows(e, b, L);
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    float *qa = step_buf(e, M * qlr * sizeof *qa);
-    float *qr = step_buf(e, M * qlr * sizeof *qr);
-    float *q = step_buf(e, M * H * hd * sizeof *q);
-    float *kvraw = step_buf(e, M * hd * sizeof *kvraw);
-    float *kv = step_buf(e, M * hd * sizeof *kv);
-    uint8_t *chunk_rows = step_buf(e, M * row_bytes);
-    float *o = step_buf(e, M * H * hd * sizeof *o);
-    float *xg = step_buf(e, M * Kg * sizeof *xg);
-    float *yg = step_buf(e, M * olr * sizeof *yg);
-    float *ya = step_buf(e, M * G * olr * sizeof *ya);
-    const uint8_t **rings = step_buf(e, b->n_items * sizeof *rings);
-    size_t *row_table = step_buf(e, M * sizeof *row_table);
+    const fwd_frame f = ds41__frame(e);
+    float *qa = dev(M * qlr * sizeof *qa);
+    float *qr = dev(M * qlr * sizeof *qr);
+    float *q = dev(M * H * hd * sizeof *q);
+    float *kvraw = dev(M * hd * sizeof *kvraw);
+    float *kv = dev(M * hd * sizeof *kv);
+    uint8_t *chunk_rows = dev(M * row_bytes);
+    float *o = dev(M * H * hd * sizeof *o);
+    float *xg = dev(M * Kg * sizeof *xg);
+    float *yg = dev(M * olr * sizeof *yg);
+    float *ya = dev(M * G * olr * sizeof *ya);
+    const uint8_t **rings = host(b->n_items * sizeof *rings);
+    size_t *row_table = host(M * sizeof *row_table);
     if (!qa || !qr || !q || !kvraw || !kv || !chunk_rows || !o || !xg || !yg || !ya || !rings || !row_table) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
@@ -382,10 +405,19 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
         }
         step.comp = (ds41_kv_pages){.layout = lay, .pages = pages, .row_table = row_table};
         /* (An index source reported its lists with their scores.) */
-        if (!role->index_source)
+        if (!role->index_source && b->hooks && b->hooks->decision) {
+            const size_t topk = (size_t)c->index_topk;
+            int32_t *hl = host(M * topk * sizeof *hl);
+            uint32_t *hn = host(M * sizeof *hn);
+            if (!hl || !hn) {
+                rc = ds41_fail(err, "forward: out of memory");
+                goto out;
+            }
+            e->mem->download(e->mem, hl, lists, M * topk * sizeof *hl);
+            e->mem->download(e->mem, hn, counts, M * sizeof *hn);
             for (size_t r = 0; r < M; r++)
-                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, lists + r * (size_t)c->index_topk,
-                                      counts[r], NULL, 0);
+                ds41__report_decision(b, DS41_DECISION_INDEX, L, r, hl + r * topk, hn[r], NULL, 0);
+        }
     }
     ops->attend(ops, q, M, (int)H, (int)hd, lw->attn_sink, e->softmax_scale, &step, o);
     ops->rope(ops, o + hd - (size_t)rd, M, (int)H, H * hd, hd, rd / 2, b->rope_cs, 1);
@@ -402,15 +434,15 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
 
     /* Grouped wo_a (bf16, block-diagonal over o_groups) then wo_b. */
     for (size_t g = 0; g < G; g++) {
-        for (size_t r = 0; r < M; r++) memcpy(xg + r * Kg, o + r * H * hd + g * Kg, Kg * sizeof *xg);
+        e->mem->copy_2d(e->mem, xg, Kg * sizeof *xg, o + g * Kg, H * hd * sizeof *o, Kg * sizeof *xg, M);
         ds41_linear sub = lw->wo_a;
         sub.n = (int64_t)olr;
         sub.bf16 = lw->wo_a.bf16 + g * olr * Kg;
         ops->linear(ops, &sub, xg, M, yg, DS41_OUT_BF16);
-        for (size_t r = 0; r < M; r++) memcpy(ya + r * G * olr + g * olr, yg + r * olr, olr * sizeof *yg);
+        e->mem->copy_2d(e->mem, ya + g * olr, G * olr * sizeof *ya, yg, olr * sizeof *yg, olr * sizeof *yg, M);
     }
     ops->linear(ops, &lw->wo_b, ya, M, out, DS41_OUT_BF16);
 out:
-    ds41_scratch_release(&e->scratch, mark);
+    ds41__frame_release(e, f);
     return rc;
 }

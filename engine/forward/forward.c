@@ -52,17 +52,26 @@ static int load_engram(ds41_engine *e, const char *dir, ds41_error *err) {
     if (ds41_engram_layout_check(&e->eng, c->engram_num_embeddings.v, (int)c->engram_num_embeddings.n, err) != 0)
         return ds41_error_prefix(err, "%s", c->label);
 
-    /* w = fp32(q_weight) * fp32(k_weight) per copy (§6.4 step 3). */
+    /* w = fp32(q_weight) * fp32(k_weight) per copy (§6.4 step 3): computed
+     * once on the host, kept in backend memory for engram_mix. */
     const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim;
     e->wqk = calloc(c->engram_layer_ids.n, sizeof *e->wqk);
-    if (!e->wqk) return ds41_fail(err, "out of memory");
+    float *tmp = malloc(hc * D * sizeof *tmp);
+    if (!e->wqk || !tmp) {
+        free(tmp);
+        return ds41_fail(err, "out of memory");
+    }
     for (size_t s = 0; s < c->engram_layer_ids.n; s++) {
         const ds41_layer_weights *lw = &e->w.layers[c->engram_layer_ids.v[s]];
-        e->wqk[s] = malloc(hc * D * sizeof(float));
-        if (!e->wqk[s]) return ds41_fail(err, "out of memory");
-        for (size_t i = 0; i < hc * D; i++)
-            e->wqk[s][i] = ds41_bf16_to_f32(lw->eng_q[i]) * ds41_bf16_to_f32(lw->eng_k[i]);
+        e->wqk[s] = e->mem->alloc(e->mem, hc * D * sizeof(float));
+        if (!e->wqk[s]) {
+            free(tmp);
+            return ds41_fail(err, "out of memory");
+        }
+        for (size_t i = 0; i < hc * D; i++) tmp[i] = ds41_bf16_to_f32(lw->eng_q[i]) * ds41_bf16_to_f32(lw->eng_k[i]);
+        e->mem->upload(e->mem, e->wqk[s], tmp, hc * D * sizeof *tmp);
     }
+    free(tmp);
     return 0;
 }
 
@@ -113,6 +122,8 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
     }
     if (!e->be) goto fail;
     e->ops = &e->be->ops;
+    e->mem = e->be->mem ? e->be->mem : &ds41_memory_host;
+    e->scratch.mem = e->mem;
     if (ds41_model_config_load(dir, &e->cfg, err) != 0) goto fail;
     const ds41_model_config *c = &e->cfg;
     if (c->rope_head_dim < 2 || c->rope_head_dim > c->head_dim || c->rope_head_dim > c->index_head_dim ||
@@ -135,7 +146,8 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         e->placed = 1;
     }
     e->rope_freqs = calloc(c->n_roles, sizeof *e->rope_freqs);
-    if (!e->rope_freqs) {
+    e->rope_freqs_be = calloc(c->n_roles, sizeof *e->rope_freqs_be);
+    if (!e->rope_freqs || !e->rope_freqs_be) {
         ds41_fail(err, "out of memory");
         goto fail;
     }
@@ -149,6 +161,12 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         }
         ds41_rope_freqs((int)c->rope_head_dim, r->rope_theta, r->yarn ? c->original_seq_len : 0, c->rope_factor,
                         (double)c->beta_fast, (double)c->beta_slow, e->rope_freqs[l]);
+        const size_t fb = (size_t)(c->rope_head_dim / 2) * sizeof(float);
+        if (!(e->rope_freqs_be[l] = e->mem->alloc(e->mem, fb))) {
+            ds41_fail(err, "out of memory");
+            goto fail;
+        }
+        e->mem->upload(e->mem, e->rope_freqs_be[l], e->rope_freqs[l], fb);
     }
     if (c->engram_enabled && load_engram(e, dir, err) != 0) goto fail;
     /* The expert tier's geometry (cheap: index lookups), for its figures
@@ -197,12 +215,17 @@ void ds41_engine_free(ds41_engine *e) {
     ds41_expert_cache_free(e->xc);
     pthread_mutex_destroy(&e->xc_mu);
     ds41_scratch_free(&e->scratch);
+    ds41_scratch_free(&e->host);
+    const size_t D = (size_t)e->cfg.dim, hc = (size_t)e->cfg.hc_mult, fb = (size_t)(e->cfg.rope_head_dim / 2);
     if (e->wqk)
-        for (size_t s = 0; s < e->cfg.engram_layer_ids.n; s++) free(e->wqk[s]);
+        for (size_t s = 0; s < e->cfg.engram_layer_ids.n; s++) e->mem->free(e->mem, e->wqk[s], hc * D * sizeof(float));
     free(e->wqk);
     if (e->rope_freqs)
         for (size_t l = 0; l < e->cfg.n_roles; l++) free(e->rope_freqs[l]);
+    if (e->rope_freqs_be)
+        for (size_t l = 0; l < e->cfg.n_roles; l++) e->mem->free(e->mem, e->rope_freqs_be[l], fb * sizeof(float));
     free(e->rope_freqs);
+    free(e->rope_freqs_be);
     free(e->token_map);
     ds41_engram_cache_free(e->ecache);
     if (e->placed && e->be->release_weights) e->be->release_weights(e->be, &e->w);
@@ -457,13 +480,37 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
     return 0;
 }
 
-static void report(const ds41_fwd_hooks *hooks, const fwd_batch *b, ds41_stream_kind kind, int layer,
-                   const float *rows, size_t width) {
+/* Hand the step's rows (backend memory, [M][width]) to the stream hook,
+ * downloaded. */
+static void report(ds41_engine *e, const ds41_fwd_hooks *hooks, const fwd_batch *b, ds41_stream_kind kind,
+                   int layer, const float *rows, size_t width) {
     if (!hooks || !hooks->stream) return;
-    for (size_t r = 0; r < b->M; r++) {
-        const size_t it = b->row_item[r];
-        hooks->stream(hooks->ctx, kind, layer, it, r - b->item_row0[it], rows + r * width, width);
+    const fwd_frame f = ds41__frame(e);
+    float *h = ds41__host(e, b->M * width * sizeof *h);
+    if (h) {
+        e->mem->download(e->mem, h, rows, b->M * width * sizeof *h);
+        for (size_t r = 0; r < b->M; r++) {
+            const size_t it = b->row_item[r];
+            hooks->stream(hooks->ctx, kind, layer, it, r - b->item_row0[it], h + r * width, width);
+        }
     }
+    ds41__frame_release(e, f);
+}
+
+/* The tap of layer L (ds41_fwd_hooks.feed): each row's stream and pre-mix, downloaded. */
+static void feed(ds41_engine *e, const ds41_fwd_hooks *hooks, const fwd_batch *b, int L, const float *h,
+                 const float *pre_mix, size_t hc, size_t D) {
+    const fwd_frame f = ds41__frame(e);
+    float *hh = ds41__host(e, b->M * hc * D * sizeof *hh), *hp = ds41__host(e, b->M * hc * sizeof *hp);
+    if (hh && hp) {
+        e->mem->download(e->mem, hh, h, b->M * hc * D * sizeof *hh);
+        e->mem->download(e->mem, hp, pre_mix, b->M * hc * sizeof *hp);
+        for (size_t r = 0; r < b->M; r++) {
+            const size_t it = b->row_item[r];
+            hooks->feed(hooks->ctx, L, it, r - b->item_row0[it], hh + r * hc * D, hp + r * hc);
+        }
+    }
+    ds41__frame_release(e, f);
 }
 
 /* Streamed Engram rows: the row cache copies rows ids[0..n) of the slot's
@@ -473,18 +520,23 @@ static void report(const ds41_fwd_hooks *hooks, const fwd_batch *b, ds41_stream_
 static int engram_stream_rows(ds41_engine *e, int slot, int L, int64_t *ids, size_t n, size_t ehd, float *rows,
                               ds41_error *err) {
     const size_t sb = (ehd + 31) / 32;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    uint8_t *q = ds41_scratch_get(&e->scratch, n * ehd), *sc = ds41_scratch_get(&e->scratch, n * sb);
+    const fwd_frame f = ds41__frame(e);
+    /* Gathered on the host (the row cache is host memory), uploaded as one
+     * compact table. */
+    uint8_t *hq = ds41__host(e, n * ehd), *hs = ds41__host(e, n * sb);
+    uint8_t *q = ds41__dev(e, n * ehd), *sc = ds41__dev(e, n * sb);
     int rc = 0;
-    if (!q || !sc)
+    if (!hq || !hs || !q || !sc)
         rc = ds41_fail(err, "forward: out of memory");
-    else if (ds41_engram_cache_gather(e->ecache, (uint32_t)slot, ids, n, q, sc, err) != 0)
+    else if (ds41_engram_cache_gather(e->ecache, (uint32_t)slot, ids, n, hq, hs, err) != 0)
         rc = ds41_error_prefix(err, "forward: layer %d", L);
     if (rc == 0) {
+        e->mem->upload(e->mem, q, hq, n * ehd);
+        e->mem->upload(e->mem, sc, hs, n * sb);
         for (size_t i = 0; i < n; i++) ids[i] = (int64_t)i;
         e->ops->fp8_rows(e->ops, q, sc, ids, n, ehd, rows);
     }
-    ds41_scratch_release(&e->scratch, mark);
+    ds41__frame_release(e, f);
     return rc;
 }
 
@@ -493,8 +545,8 @@ static int engram_stream_rows(ds41_engine *e, int slot, int L, int64_t *ids, siz
  * Engram layer, and rows already prefetched are pinned for the step. */
 static int engram_request(ds41_engine *e, const fwd_batch *b, const int64_t *hash_ids, ds41_error *err) {
     const size_t nsl = (size_t)e->eng.n_layers, ncols = (size_t)e->eng.n_cols, M = b->M;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    int64_t *ids = ds41_scratch_get(&e->scratch, M * ncols * sizeof *ids);
+    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->host);
+    int64_t *ids = ds41__host(e, M * ncols * sizeof *ids);
     if (!ids) return ds41_fail(err, "forward: out of memory");
     int rc = 0;
     for (size_t s = 0; s < nsl && rc == 0; s++) {
@@ -502,7 +554,7 @@ static int engram_request(ds41_engine *e, const fwd_batch *b, const int64_t *has
             memcpy(ids + r * ncols, hash_ids + (r * nsl + s) * ncols, ncols * sizeof *ids);
         rc = ds41_engram_cache_request(e->ecache, (uint32_t)s, ids, M * ncols, err);
     }
-    ds41_scratch_release(&e->scratch, mark);
+    ds41_scratch_release(&e->host, mark);
     return rc == 0 ? 0 : ds41_error_prefix(err, "forward: Engram rows");
 }
 
@@ -531,11 +583,10 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
     const int slot = c->roles[L].engram_slot;
     const size_t M = b->M, ncols = (size_t)e->eng.n_cols, ehd = (size_t)c->engram_head_dim;
     const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim;
-    ds41_scratch *st = &e->scratch;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
-    float *rows = ds41_scratch_get(st, M * ncols * ehd * sizeof *rows);
-    float *kv = ds41_scratch_get(st, M * (hc + 1) * D * sizeof *kv);
-    int64_t *ids = ds41_scratch_get(st, M * ncols * sizeof *ids);
+    const fwd_frame f = ds41__frame(e);
+    float *rows = ds41__dev(e, M * ncols * ehd * sizeof *rows);
+    float *kv = ds41__dev(e, M * (hc + 1) * D * sizeof *kv);
+    int64_t *ids = ds41__host(e, M * ncols * sizeof *ids);
     int rc = !rows || !kv || !ids ? ds41_fail(err, "forward: out of memory") : 0;
     if (rc == 0) rc = engram_row_ids(e, b, L, hash_ids, ids, err);
     if (rc == 0 && e->ecache)
@@ -552,12 +603,15 @@ static int engram_apply(ds41_engine *e, fwd_batch *b, int L, const int64_t *hash
                        feeds_indexer ? DS41_OUT_BF16_EXACT : DS41_OUT_BF16);
         e->ops->engram_mix(e->ops, h, kv, e->wqk[slot], M, (int)hc, D, e->norm_eps, e->engram_scale);
     }
-    ds41_scratch_release(st, mark);
+    ds41__frame_release(e, f);
     return rc;
 }
 
 /* Hash every token of the batch for every Engram layer, pushing the tokens
- * onto their sequences' histories (§6.3). */
+ * onto their sequences' histories (§6.3).  On the host, not an op: the
+ * hashes are integer functions of token ids (the host's metadata), they
+ * name the rows the host's Engram row tier streams and prefetches, and the
+ * fp8_rows op takes them as its row ids. */
 static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *err) {
     const size_t nsl = (size_t)e->eng.n_layers, ncols = (size_t)e->eng.n_cols;
     for (size_t it = 0; it < b->n_items; it++) {
@@ -636,36 +690,38 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         if (items[i].logits) n_logit_rows += items[i].logits_last_only ? 1 : items[i].n_ids;
 
     /* Every buffer of the step from the engine's scratch, released at the end. */
-    ds41_scratch *st = &e->scratch;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
-    b.item_row0 = ds41_scratch_get(st, n_items * sizeof *b.item_row0);
-    b.item_pos0 = ds41_scratch_get(st, n_items * sizeof *b.item_pos0);
-    b.row_item = ds41_scratch_get(st, M * sizeof *b.row_item);
-    b.row_pos = ds41_scratch_get(st, M * sizeof *b.row_pos);
-    b.row_token = ds41_scratch_get(st, M * sizeof *b.row_token);
-    b.rope_cs = ds41_scratch_get(st, M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
-    b.idx_list = ds41_scratch_get(st, c->n_roles * sizeof *b.idx_list);
-    b.idx_count = ds41_scratch_get(st, c->n_roles * sizeof *b.idx_count);
+    /* Metadata on the host; every activation in backend memory. */
+    const fwd_frame frame = ds41__frame(e);
+    b.item_row0 = ds41__host(e, n_items * sizeof *b.item_row0);
+    b.item_pos0 = ds41__host(e, n_items * sizeof *b.item_pos0);
+    b.row_item = ds41__host(e, M * sizeof *b.row_item);
+    b.row_pos = ds41__host(e, M * sizeof *b.row_pos);
+    b.row_token = ds41__host(e, M * sizeof *b.row_token);
+    b.idx_list = ds41__host(e, c->n_roles * sizeof *b.idx_list);
+    b.idx_count = ds41__host(e, c->n_roles * sizeof *b.idx_count);
     const size_t nsl = c->engram_enabled ? (size_t)e->eng.n_layers : 0, ncols = (size_t)e->eng.n_cols;
     const size_t n_hash = M * nsl * ncols;
-    int64_t *hash_ids = ds41_scratch_get(st, n_hash * sizeof *hash_ids);
-    float *h = ds41_scratch_get(st, M * hc * D * sizeof *h);
-    float *h2 = ds41_scratch_get(st, M * hc * D * sizeof *h2);
-    float *pre_mix = ds41_scratch_get(st, M * hc * sizeof *pre_mix);
-    float *a_pre = ds41_scratch_get(st, M * hc * sizeof *a_pre);
-    float *a_post = ds41_scratch_get(st, M * hc * sizeof *a_post);
-    float *a_comb = ds41_scratch_get(st, M * hc * hc * sizeof *a_comb);
-    float *f_post = ds41_scratch_get(st, M * hc * sizeof *f_post);
-    float *f_comb = ds41_scratch_get(st, M * hc * hc * sizeof *f_comb);
-    float *x = ds41_scratch_get(st, M * D * sizeof *x);
-    float *xn = ds41_scratch_get(st, M * D * sizeof *xn);
-    float *br = ds41_scratch_get(st, M * D * sizeof *br);
-    float *lx = ds41_scratch_get(st, n_logit_rows * D * sizeof *lx);
-    float *normed = ds41_scratch_get(st, n_logit_rows * D * sizeof *normed);
-    float *lg = ds41_scratch_get(st, n_logit_rows * V * sizeof *lg);
+    int64_t *hash_ids = ds41__host(e, n_hash * sizeof *hash_ids);
+    float *pre_init = ds41__host(e, M * hc * sizeof *pre_init);
+    uint32_t *logit_row = ds41__host(e, n_logit_rows * sizeof *logit_row);
+    b.rope_cs = ds41__dev(e, M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
+    float *h = ds41__dev(e, M * hc * D * sizeof *h);
+    float *h2 = ds41__dev(e, M * hc * D * sizeof *h2);
+    float *pre_mix = ds41__dev(e, M * hc * sizeof *pre_mix);
+    float *a_pre = ds41__dev(e, M * hc * sizeof *a_pre);
+    float *a_post = ds41__dev(e, M * hc * sizeof *a_post);
+    float *a_comb = ds41__dev(e, M * hc * hc * sizeof *a_comb);
+    float *f_post = ds41__dev(e, M * hc * sizeof *f_post);
+    float *f_comb = ds41__dev(e, M * hc * hc * sizeof *f_comb);
+    float *x = ds41__dev(e, M * D * sizeof *x);
+    float *xn = ds41__dev(e, M * D * sizeof *xn);
+    float *br = ds41__dev(e, M * D * sizeof *br);
+    float *lx = ds41__dev(e, n_logit_rows * D * sizeof *lx);
+    float *normed = ds41__dev(e, n_logit_rows * D * sizeof *normed);
+    float *lg = ds41__dev(e, n_logit_rows * V * sizeof *lg);
     if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.row_token || !b.rope_cs ||
-        !b.idx_list || !b.idx_count || !hash_ids || !h || !h2 || !pre_mix || !a_pre || !a_post || !a_comb ||
-        !f_post || !f_comb || !x || !xn || !br || !lx || !normed || !lg) {
+        !b.idx_list || !b.idx_count || !hash_ids || !pre_init || !logit_row || !h || !h2 || !pre_mix || !a_pre ||
+        !a_post || !a_comb || !f_post || !f_comb || !x || !xn || !br || !lx || !normed || !lg) {
         ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -688,18 +744,15 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         for (size_t t = 0; t < items[i].n_ids; t++, r++) b.row_token[r] = items[i].ids[t];
     ops->embed(ops, e->w.embed, b.row_token, M, (int)hc, D, h);
     for (size_t r = 0; r < M; r++)
-        for (size_t cp = 0; cp < hc; cp++) pre_mix[r * hc + cp] = cp == 0 ? 1.0f : 0.0f;
+        for (size_t cp = 0; cp < hc; cp++) pre_init[r * hc + cp] = cp == 0 ? 1.0f : 0.0f;
+    e->mem->upload(e->mem, pre_mix, pre_init, M * hc * sizeof *pre_init);
 
     for (int L = 0; L < n_layers; L++) {
         const ds41_layer_role *role = &c->roles[L];
         const ds41_layer_weights *lw = &e->w.layers[L];
-        report(hooks, &b, DS41_STREAM_H, L, h, hc * D);
-        report(hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
-        if (hooks && hooks->feed)
-            for (size_t r = 0; r < M; r++) {
-                const size_t it = b.row_item[r];
-                hooks->feed(hooks->ctx, L, it, r - b.item_row0[it], h + r * hc * D, pre_mix + r * hc);
-            }
+        report(e, hooks, &b, DS41_STREAM_H, L, h, hc * D);
+        report(e, hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
+        if (hooks && hooks->feed) feed(e, hooks, &b, L, h, pre_mix, hc, D);
         if (e->ecache) {
             /* Keep the requested rows flowing: reap what arrived, issue what waits. */
             ds41_error perr;
@@ -716,7 +769,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         ops->hc_pre(ops, h, pre_mix, M, (int)hc, D, x);
         ops->rmsnorm(ops, lw->attn_norm, x, M, D, e->norm_eps, xn);
         if (ds41__attention(e, &b, L, xn, br, err) != 0) goto out;
-        report(hooks, &b, DS41_STREAM_ATTN, L, br, D);
+        report(e, hooks, &b, DS41_STREAM_ATTN, L, br, D);
         ops->hc_post(ops, br, h, a_post, a_comb, M, (int)hc, D, h2);
         float *t = h;
         h = h2;
@@ -729,13 +782,13 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         ops->hc_pre(ops, h, a_pre, M, (int)hc, D, x);
         ops->rmsnorm(ops, lw->ffn_norm, x, M, D, e->norm_eps, xn);
         if (ds41__moe(e, &b, L, xn, br, err) != 0) goto out;
-        report(hooks, &b, DS41_STREAM_FFN, L, br, D);
+        report(e, hooks, &b, DS41_STREAM_FFN, L, br, D);
         ops->hc_post(ops, br, h, f_post, f_comb, M, (int)hc, D, h2);
         t = h;
         h = h2;
         h2 = t;
     }
-    report(hooks, &b, DS41_STREAM_H, n_layers, h, hc * D);
+    report(e, hooks, &b, DS41_STREAM_H, n_layers, h, hc * D);
 
     /* Final collapse with the last FFN pre, norm, fp32 head (§2.6-2.7). */
     if (n_logit_rows) {
@@ -744,19 +797,21 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         for (size_t i = 0; i < n_items; i++) {
             if (!items[i].logits) continue;
             const size_t first = items[i].logits_last_only ? items[i].n_ids - 1 : 0;
-            for (size_t t = first; t < items[i].n_ids; t++, k++)
-                memcpy(lx + k * D, x + (b.item_row0[i] + t) * D, D * sizeof *lx);
+            for (size_t t = first; t < items[i].n_ids; t++) logit_row[k++] = (uint32_t)(b.item_row0[i] + t);
         }
+        ops->gather_rows(ops, lx, x, D * sizeof *x, logit_row, n_logit_rows, D * sizeof *lx);
         ops->rmsnorm(ops, e->w.norm, lx, n_logit_rows, D, e->norm_eps, normed);
         ops->linear(ops, &e->w.head, normed, n_logit_rows, lg, DS41_OUT_F32);
+        /* The logits the host samples from, copied back item by item. */
         k = 0;
         for (size_t i = 0; i < n_items; i++) {
             if (!items[i].logits) continue;
-            const size_t first = items[i].logits_last_only ? items[i].n_ids - 1 : 0;
-            for (size_t t = first; t < items[i].n_ids; t++, k++) {
-                memcpy(items[i].logits + (t - first) * V, lg + k * V, V * sizeof *lg);
-                if (hooks && hooks->stream) hooks->stream(hooks->ctx, DS41_STREAM_LOGITS, -1, i, t, lg + k * V, V);
-            }
+            const size_t first = items[i].logits_last_only ? items[i].n_ids - 1 : 0, n = items[i].n_ids - first;
+            e->mem->download(e->mem, items[i].logits, lg + k * V, n * V * sizeof *lg);
+            k += n;
+            if (hooks && hooks->stream)
+                for (size_t t = first; t < items[i].n_ids; t++)
+                    hooks->stream(hooks->ctx, DS41_STREAM_LOGITS, -1, i, t, items[i].logits + (t - first) * V, V);
         }
     }
     for (size_t i = 0; i < n_items; i++) ds41_kv_seq_set_tokens(items[i].seq, b.item_pos0[i] + items[i].n_ids);
@@ -764,7 +819,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
 out:
     if (e->xc) ds41_expert_cache_end_step(e->xc);
     ds41_engram_cache_unpin_all(e->ecache);
-    ds41_scratch_release(st, mark);
+    ds41__frame_release(e, frame);
     return rc;
 }
 

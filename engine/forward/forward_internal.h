@@ -24,11 +24,13 @@ struct ds41_engine {
     uint32_t n_map;
     int32_t engram_pad; /* compressed id of engram_pad_id */
     ds41_engram_layout eng;
-    float **wqk; /* per engram slot: fp32(q_weight * k_weight) [hc][dim] */
+    float **wqk; /* per engram slot: fp32(q_weight * k_weight) [hc][dim], backend memory */
     ds41_engram_cache *ecache; /* streamed rows (table index = slot); NULL: tables resident */
 
-    /* Rope frequencies per layer (rope_head_dim/2), NULL for absent layers */
+    /* Rope frequencies per layer (rope_head_dim/2), NULL for absent layers:
+     * on the host (to compare layers) and in backend memory (for rope_table). */
     float **rope_freqs;
+    float **rope_freqs_be;
 
     /* Constants as the fp32 values the arithmetic uses (REFERENCE §10) */
     float norm_eps, hc_eps, route_scale, swiglu_limit, gate_temp;
@@ -53,11 +55,42 @@ struct ds41_engine {
     uint64_t budget_requested;
 
     /* Scratch of the forward pass: every per-step buffer of forward.c,
-     * attention.c and moe.c comes from this stack, marked on entry to a
-     * function and released on its return; it grows while the engine warms
-     * up, then a step allocates nothing (tests/test_forward_alloc.c). */
+     * attention.c and moe.c comes from these stacks, marked on entry to a
+     * function and released on its return; they grow while the engine warms
+     * up, then a step allocates nothing (tests/test_forward_alloc.c).
+     * `scratch` is backend memory (be->mem: activations, decisions), which
+     * the pass reaches only through ops and memory calls; `host` holds the
+     * metadata the host computes (positions, row maps, page tables, ids) and
+     * what it downloads (the router's choices, reports to hooks). */
     ds41_scratch scratch;
+    ds41_scratch host;
+    const ds41_memory *mem; /* be->mem */
 };
+
+/* A position of both scratch stacks (backend and host), taken on entry to a
+ * function and released on its return. */
+typedef struct fwd_frame {
+    ds41_scratch_mark dev, host;
+} fwd_frame;
+
+static inline fwd_frame ds41__frame(const ds41_engine *e) {
+    return (fwd_frame){ds41_scratch_mark_now(&e->scratch), ds41_scratch_mark_now(&e->host)};
+}
+
+static inline void ds41__frame_release(ds41_engine *e, fwd_frame f) {
+    ds41_scratch_release(&e->scratch, f.dev);
+    ds41_scratch_release(&e->host, f.host);
+}
+
+/* bytes of backend memory (activations; only ops and memory calls touch it). */
+static inline void *ds41__dev(ds41_engine *e, size_t bytes) {
+    return ds41_scratch_get(&e->scratch, bytes);
+}
+
+/* bytes of host memory (metadata, downloads). */
+static inline void *ds41__host(ds41_engine *e, size_t bytes) {
+    return ds41_scratch_get(&e->host, bytes);
+}
 
 /* One forward call's rows (tokens) and per-call state. */
 typedef struct fwd_batch {
@@ -72,16 +105,18 @@ typedef struct fwd_batch {
     float *rope_cs;           /* [M][rope_head_dim] cos/sin of the current layer at each row's position */
     int rope_layer;           /* layer rope_cs was computed for, -1 none */
 
-    /* Published top-k lists, per index source layer: positions [M][index_topk], counts [M] */
+    /* Published top-k lists, per index source layer: positions [M][index_topk], counts [M]
+     * (backend memory: the decisions stay where the kernels made them) */
     int32_t **idx_list;
     uint32_t **idx_count;
-    /* Candidate blocks published by the candidate source: [M][cand_stride] flags */
+    /* Candidate blocks published by the candidate source: [M][cand_stride] flags (backend memory) */
     uint8_t *cand;
     size_t cand_stride;
     const ds41_fwd_hooks *hooks; /* NULL or the caller's observer (decisions are reported to it) */
 } fwd_batch;
 
-/* Report a decision of row r to the batch's hook, if it has one. */
+/* Report a decision of row r to the batch's hook, if it has one (sel and
+ * score are host memory: downloaded by the caller). */
 static inline void ds41__report_decision(const fwd_batch *b, ds41_decision_kind kind, int layer, size_t r,
                                          const int32_t *sel, size_t n_sel, const float *score,
                                          size_t n_score) {

@@ -32,18 +32,20 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
     const int k2 = (int)((uint64_t)c->roles[L2].n_active_experts + e->expert_predict_extra < (uint64_t)E2
                              ? c->roles[L2].n_active_experts + (int64_t)e->expert_predict_extra
                              : E2);
-    ds41_scratch *st = &e->scratch;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
-    float *logits = ds41_scratch_get(st, M * (size_t)E2 * sizeof *logits);
-    int32_t *sel = ds41_scratch_get(st, M * (size_t)k2 * sizeof *sel);
-    float *wts = ds41_scratch_get(st, M * (size_t)k2 * sizeof *wts);
-    uint8_t *want = ds41_scratch_get(st, (size_t)E2);
-    int32_t *list = ds41_scratch_get(st, (size_t)E2 * sizeof *list);
-    if (logits && sel && wts && want && list) {
+    const fwd_frame f = ds41__frame(e);
+    float *logits = ds41__dev(e, M * (size_t)E2 * sizeof *logits);
+    int32_t *dsel = ds41__dev(e, M * (size_t)k2 * sizeof *dsel);
+    float *wts = ds41__dev(e, M * (size_t)k2 * sizeof *wts);
+    int32_t *sel = ds41__host(e, M * (size_t)k2 * sizeof *sel);
+    uint8_t *want = ds41__host(e, (size_t)E2);
+    int32_t *list = ds41__host(e, (size_t)E2 * sizeof *list);
+    if (logits && dsel && wts && sel && want && list) {
         memset(want, 0, (size_t)E2);
         e->ops->linear(e->ops, &lw2->gate, xn, M, logits, DS41_OUT_F32);
-        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->gate_temp, e->route_scale, sel, wts,
+        e->ops->router(e->ops, logits, lw2->gate_bias, M, E2, k2, e->gate_temp, e->route_scale, dsel, wts,
                        NULL);
+        /* The choices come back to the host: they say what to read. */
+        e->mem->download(e->mem, sel, dsel, M * (size_t)k2 * sizeof *sel);
         /* In rank order (every token's first choice, then its second, ...)
          * so the likeliest experts are read first and extra candidates last. */
         size_t n = 0;
@@ -57,7 +59,7 @@ static void predict_layer(ds41_engine *e, const fwd_batch *b, int L2, const floa
             }
         ds41_expert_cache_predict(e->xc, L2, list, n);
     }
-    ds41_scratch_release(st, mark);
+    ds41__frame_release(e, f);
 }
 
 /* What one layer's expert arithmetic works on (see ds41__moe). */
@@ -134,15 +136,15 @@ void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const fl
     const ds41_model_config *c = &e->cfg;
     if (!e->xc || !e->expert_predict_early || !c->roles[L].present || c->roles[L].n_experts <= 0) return;
     const size_t M = b->M, D = (size_t)c->dim;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(&e->scratch);
-    float *x = ds41_scratch_get(&e->scratch, M * D * sizeof *x);
-    float *xn = ds41_scratch_get(&e->scratch, M * D * sizeof *xn);
+    const fwd_frame f = ds41__frame(e);
+    float *x = ds41__dev(e, M * D * sizeof *x);
+    float *xn = ds41__dev(e, M * D * sizeof *xn);
     if (x && xn) {
         e->ops->hc_pre(e->ops, h, ffn_pre, M, (int)c->hc_mult, D, x);
         e->ops->rmsnorm(e->ops, e->w.layers[L].ffn_norm, x, M, D, e->norm_eps, xn);
         predict_layer(e, b, L, xn);
     }
-    ds41_scratch_release(&e->scratch, mark);
+    ds41__frame_release(e, f);
 }
 
 int ds41_expert_predict_parse(const char *s) {
@@ -174,37 +176,42 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     const size_t hid = SI > I ? SI : I;
     int rc = 0;
 
-    ds41_scratch *st = &e->scratch;
-    const ds41_scratch_mark mark = ds41_scratch_mark_now(st);
-    float *logits = ds41_scratch_get(st, M * (size_t)E * sizeof *logits);
-    int32_t *sel = ds41_scratch_get(st, M * (size_t)k * sizeof *sel);
-    float *wts = ds41_scratch_get(st, M * (size_t)k * sizeof *wts);
-    size_t *fill = ds41_scratch_get(st, M * sizeof *fill);
-    size_t *count = ds41_scratch_get(st, (size_t)E * sizeof *count);
-    size_t *first = ds41_scratch_get(st, (size_t)E * sizeof *first);
+    /* Activations and the router's outputs in backend memory; the choices
+     * downloaded (they decide which experts to read and compute), the
+     * gather's indices and the expert lists on the host. */
+    const fwd_frame f = ds41__frame(e);
+    float *logits = ds41__dev(e, M * (size_t)E * sizeof *logits);
+    int32_t *dsel = ds41__dev(e, M * (size_t)k * sizeof *dsel);
+    float *wts = ds41__dev(e, M * (size_t)k * sizeof *wts);
+    int32_t *sel = ds41__host(e, M * (size_t)k * sizeof *sel);
+    size_t *fill = ds41__host(e, M * sizeof *fill);
+    size_t *count = ds41__host(e, (size_t)E * sizeof *count);
+    size_t *first = ds41__host(e, (size_t)E * sizeof *first);
+    uint32_t *src_row = ds41__host(e, total * sizeof *src_row); /* the token row of each gathered row */
+    uint32_t *src_wt = ds41__host(e, total * sizeof *src_wt);   /* its routing weight in wts */
     /* Every expert's rows gathered one after the other (expert order), then
      * the shared expert's M rows. */
-    float *xe = ds41_scratch_get(st, total * D * sizeof *xe);
-    float *route = ds41_scratch_get(st, total * sizeof *route);
-    uint32_t *tslot =
-        ds41_scratch_get(st, total * sizeof *tslot); /* [M][k] each token's slots, increasing id */
-    float *g = ds41_scratch_get(st, (total + M) * hid * sizeof *g);
-    float *u = ds41_scratch_get(st, (total + M) * hid * sizeof *u);
-    float *h = ds41_scratch_get(st, (total + M) * hid * sizeof *h);
-    float *oe = ds41_scratch_get(st, (total + M) * D * sizeof *oe);
+    float *xe = ds41__dev(e, total * D * sizeof *xe);
+    float *route = ds41__dev(e, total * sizeof *route);
+    uint32_t *tslot = ds41__host(e, total * sizeof *tslot); /* [M][k] each token's slots, increasing id */
+    float *g = ds41__dev(e, (total + M) * hid * sizeof *g);
+    float *u = ds41__dev(e, (total + M) * hid * sizeof *u);
+    float *h = ds41__dev(e, (total + M) * hid * sizeof *h);
+    float *oe = ds41__dev(e, (total + M) * D * sizeof *oe);
     const size_t nl = 2 * ((size_t)E + 1);
-    const ds41_linear **lin = ds41_scratch_get(st, nl * sizeof *lin);
-    const float **lx = ds41_scratch_get(st, nl * sizeof *lx);
-    float **ly = ds41_scratch_get(st, nl * sizeof *ly);
-    size_t *lm = ds41_scratch_get(st, nl * sizeof *lm);
-    int32_t *pending = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *pending);
-    uint8_t *got = ds41_scratch_get(st, (size_t)E + 1);
-    uint8_t *done = ds41_scratch_get(st, (size_t)E + 1);
-    int32_t *group = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *group);
-    ds41_expert_view *views = ds41_scratch_get(st, ((size_t)E + 1) * sizeof *views);
-    ds41_linear *xl = ds41_scratch_get(st, ((size_t)E + 1) * 3 * sizeof *xl);
-    if (!pending || !got || !done || !group || !views || !xl || !logits || !sel || !wts || !fill || !count ||
-        !first || !xe || !route || !tslot || !g || !u || !h || !oe || !lin || !lx || !ly || !lm) {
+    const ds41_linear **lin = ds41__host(e, nl * sizeof *lin);
+    const float **lx = ds41__host(e, nl * sizeof *lx);
+    float **ly = ds41__host(e, nl * sizeof *ly);
+    size_t *lm = ds41__host(e, nl * sizeof *lm);
+    int32_t *pending = ds41__host(e, ((size_t)E + 1) * sizeof *pending);
+    uint8_t *got = ds41__host(e, (size_t)E + 1);
+    uint8_t *done = ds41__host(e, (size_t)E + 1);
+    int32_t *group = ds41__host(e, ((size_t)E + 1) * sizeof *group);
+    ds41_expert_view *views = ds41__host(e, ((size_t)E + 1) * sizeof *views);
+    ds41_linear *xl = ds41__host(e, ((size_t)E + 1) * 3 * sizeof *xl);
+    if (!pending || !got || !done || !group || !views || !xl || !logits || !dsel || !sel || !wts || !fill ||
+        !count || !first || !src_row || !src_wt || !xe || !route || !tslot || !g || !u || !h || !oe || !lin ||
+        !lx || !ly || !lm) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -215,12 +222,25 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     /* The selection scores the router ranked (ops.h router) are wanted only
      * to report the decision; they overwrite the logits, read no more. */
     const bool report = b->hooks && b->hooks->decision;
-    ops->router(ops, logits, lw->gate_bias, M, E, k, e->gate_temp, e->route_scale, sel, wts,
+    ops->router(ops, logits, lw->gate_bias, M, E, k, e->gate_temp, e->route_scale, dsel, wts,
                 report ? logits : NULL);
-    if (report)
+    e->mem->download(e->mem, sel, dsel, M * (size_t)k * sizeof *sel);
+    for (size_t i = 0; i < total; i++)
+        if (sel[i] < 0 || sel[i] >= E) {
+            rc = ds41_fail(err, "forward: layer %d: the router chose expert %d of %d", L, sel[i], E);
+            goto out;
+        }
+    if (report) {
+        float *hs = ds41__host(e, M * (size_t)E * sizeof *hs);
+        if (!hs) {
+            rc = ds41_fail(err, "forward: out of memory");
+            goto out;
+        }
+        e->mem->download(e->mem, hs, logits, M * (size_t)E * sizeof *hs);
         for (size_t r = 0; r < M; r++)
-            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k,
-                                  logits + r * (size_t)E, (size_t)E);
+            ds41__report_decision(b, DS41_DECISION_EXPERTS, L, r, sel + r * (size_t)k, (size_t)k, hs + r * (size_t)E,
+                                  (size_t)E);
+    }
 
     /* Gather: expert by expert in increasing id, its tokens in row order. */
     for (size_t i = 0; i < total; i++) count[sel[i]]++;
@@ -236,10 +256,12 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
                 for (int j = 0; j < k; j++)
                     if (sel[r * (size_t)k + (size_t)j] == ex) {
                         tslot[r * (size_t)k + fill[r]++] = (uint32_t)n;
-                        route[n] = wts[r * (size_t)k + (size_t)j];
-                        memcpy(xe + n * D, xn + r * D, D * sizeof *xe);
+                        src_wt[n] = (uint32_t)(r * (size_t)k + (size_t)j);
+                        src_row[n] = (uint32_t)r;
                         n++;
                     }
+        ops->gather_rows(ops, route, wts, sizeof *wts, src_wt, n, sizeof *route);
+        ops->gather_rows(ops, xe, xn, D * sizeof *xn, src_row, n, D * sizeof *xe);
     }
     const size_t sh = total; /* row offset of the shared expert in g/u/h/oe */
 
@@ -316,6 +338,6 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
 combine:
     ops->moe_combine(ops, oe, tslot, (size_t)k, oe + total * D, M, D, out);
 out:
-    ds41_scratch_release(st, mark);
+    ds41__frame_release(e, f);
     return rc;
 }

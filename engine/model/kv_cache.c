@@ -9,12 +9,21 @@
 #include <string.h>
 
 /* Pages are carved from chunks that never move, so a page pointer stays
- * valid for the pool's life; a page id is chunk * PAGES_PER_CHUNK + index. */
+ * valid for the pool's life; a page id is chunk * PAGES_PER_CHUNK + index.
+ * Every chunk holds PAGES_PER_CHUNK pages except the last one a budget
+ * allows, which holds what is left of it. */
 #define PAGES_PER_CHUNK 64u
 
+/* Every byte in chunks, rings and carries is memory of `mem`: it is reached
+ * only through mem's calls (engine/backend/memory.h), never dereferenced. */
 struct ds41_kv_pool {
     ds41_kv_layout layout;
+    const ds41_memory *mem;
     pthread_mutex_t lock;
+    size_t ring_bytes;   /* a sequence's rings, as allocated (>= 1) */
+    size_t carry_floats; /* a sequence's carries */
+    size_t carry_bytes;  /* as allocated (>= 1) */
+    float *carry_init;   /* mem: kv 0, score -inf, copied into every new sequence */
     uint8_t **chunks;
     uint32_t n_chunks, cap_chunks;
     uint32_t *refcount; /* per page id */
@@ -36,9 +45,10 @@ struct ds41_kv_seq {
     ds41_kv_pool *pool;
     uint64_t tokens;
     page_table src[DS41_KV_MAX_SOURCES];
-    uint8_t *rings; /* [n_rings][window][ring_row_bytes] */
-    float *carries; /* per carry: kv [ratio][dim] then score [ratio][dim] */
+    uint8_t *rings; /* mem: [n_rings][window][ring_row_bytes] */
+    float *carries; /* mem: per carry: kv [ratio][dim] then score [ratio][dim] */
     size_t carry_floats;
+    uint8_t *stage; /* host: one entry or ring row packed before its upload */
     ds41_engram_history engram;
 };
 
@@ -88,17 +98,40 @@ static int layout_init(ds41_kv_layout *l, const ds41_model_config *cfg, uint32_t
     return 0;
 }
 
-ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_bytes, uint32_t entries_per_page,
-                               ds41_error *err) {
+/* The initial carries of every sequence (kv_state 0, score_state -inf),
+ * built once on the host and uploaded: a new sequence copies them inside the
+ * pool's memory. */
+static int carry_init(ds41_kv_pool *p) {
+    const ds41_kv_layout *l = &p->layout;
+    p->carry_init = p->mem->alloc(p->mem, p->carry_bytes);
+    float *host = calloc(p->carry_bytes / sizeof(float), sizeof(float));
+    if (!p->carry_init || !host) {
+        free(host);
+        return -1;
+    }
+    float *c = host;
+    for (int src = 0; src < l->n_sources; src++) {
+        if (l->source_carry[src] < 0) continue;
+        size_t n = (size_t)l->source_ratio[src] * l->latent_dim;
+        for (size_t i = 0; i < n; i++) c[n + i] = -INFINITY; /* kv_state stays 0 */
+        c += 2 * n;
+    }
+    p->mem->upload(p->mem, p->carry_init, host, p->carry_bytes);
+    free(host);
+    return 0;
+}
+
+ds41_kv_pool *ds41_kv_pool_new_in(const ds41_memory *mem, const ds41_model_config *cfg, uint64_t budget_bytes,
+                                  uint32_t entries_per_page, ds41_error *err) {
     ds41_kv_pool *p = calloc(1, sizeof *p);
     if (!p) {
         ds41_fail(err, "kv cache: out of memory");
         return NULL;
     }
+    p->mem = mem;
+    pthread_mutex_init(&p->lock, NULL);
     if (layout_init(&p->layout, cfg, entries_per_page, err) != 0) {
-        free(p->layout.source_of_layer);
-        free(p->layout.ring_of_layer);
-        free(p);
+        ds41_kv_pool_free(p);
         return NULL;
     }
     p->pages_max = budget_bytes ? budget_bytes / p->layout.page_bytes : 0;
@@ -108,13 +141,39 @@ ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_byt
         ds41_kv_pool_free(p);
         return NULL;
     }
-    pthread_mutex_init(&p->lock, NULL);
+    const ds41_kv_layout *l = &p->layout;
+    p->ring_bytes = (size_t)l->n_rings * l->window * l->ring_row_bytes;
+    if (p->ring_bytes == 0) p->ring_bytes = 1; /* alloc takes n >= 1 */
+    for (int src = 0; src < l->n_sources; src++)
+        if (l->source_carry[src] >= 0) p->carry_floats += 2 * (size_t)l->source_ratio[src] * l->latent_dim;
+    p->carry_bytes = (p->carry_floats ? p->carry_floats : 1) * sizeof(float);
+    if (carry_init(p) != 0) {
+        ds41_fail(err, "kv cache: out of memory");
+        ds41_kv_pool_free(p);
+        return NULL;
+    }
     return p;
+}
+
+ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_bytes, uint32_t entries_per_page,
+                               ds41_error *err) {
+    return ds41_kv_pool_new_in(&ds41_memory_host, cfg, budget_bytes, entries_per_page, err);
+}
+
+const ds41_memory *ds41_kv_pool_memory(const ds41_kv_pool *p) {
+    return p->mem;
+}
+
+/* Pages in chunk i (only the last one may be short). */
+static uint64_t chunk_pages(const ds41_kv_pool *p, uint32_t i) {
+    return i + 1 < p->n_chunks ? PAGES_PER_CHUNK : p->pages_allocated - (uint64_t)i * PAGES_PER_CHUNK;
 }
 
 void ds41_kv_pool_free(ds41_kv_pool *p) {
     if (!p) return;
-    for (uint32_t i = 0; i < p->n_chunks; i++) free(p->chunks[i]);
+    for (uint32_t i = 0; i < p->n_chunks; i++)
+        p->mem->free(p->mem, p->chunks[i], (size_t)chunk_pages(p, i) * p->layout.page_bytes);
+    if (p->carry_init) p->mem->free(p->mem, p->carry_init, p->carry_bytes);
     free(p->chunks);
     free(p->refcount);
     free(p->free_ids);
@@ -157,7 +216,7 @@ static int pool_grow(ds41_kv_pool *p) {
     uint64_t n = PAGES_PER_CHUNK;
     if (p->pages_max && p->pages_allocated + n > p->pages_max) n = p->pages_max - p->pages_allocated;
     if (n == 0) return -1;
-    uint8_t *mem = malloc((size_t)PAGES_PER_CHUNK * p->layout.page_bytes);
+    uint8_t *mem = p->mem->alloc(p->mem, (size_t)n * p->layout.page_bytes);
     if (!mem) return -1;
     uint32_t chunk = p->n_chunks++;
     p->chunks[chunk] = mem;
@@ -208,39 +267,33 @@ static uint32_t page_refcount(ds41_kv_pool *p, uint32_t id) {
 
 /* ---- sequences ------------------------------------------------------------- */
 
-static void reset_carries(ds41_kv_seq *s) {
-    const ds41_kv_layout *l = &s->pool->layout;
-    float *c = s->carries;
-    for (int src = 0; src < l->n_sources; src++) {
-        if (l->source_carry[src] < 0) continue;
-        size_t n = (size_t)l->source_ratio[src] * l->latent_dim;
-        for (size_t i = 0; i < n; i++) c[i] = 0.0f;          /* kv_state = 0 */
-        for (size_t i = 0; i < n; i++) c[n + i] = -INFINITY; /* score_state = -inf */
-        c += 2 * n;
-    }
+static void seq_release(ds41_kv_seq *s) {
+    const ds41_memory *m = s->pool->mem;
+    if (s->rings) m->free(m, s->rings, s->pool->ring_bytes);
+    if (s->carries) m->free(m, s->carries, s->pool->carry_bytes);
+    free(s->stage);
+    free(s);
 }
 
+/* A sequence with empty rings (alloc zeroes them) and carries to be filled
+ * by the caller. */
 static ds41_kv_seq *seq_alloc(ds41_kv_pool *pool, ds41_error *err) {
     const ds41_kv_layout *l = &pool->layout;
+    const ds41_memory *m = pool->mem;
     ds41_kv_seq *s = calloc(1, sizeof *s);
     if (!s) goto oom;
     s->pool = pool;
-    size_t ring_bytes = (size_t)l->n_rings * l->window * l->ring_row_bytes;
-    s->rings = calloc(ring_bytes ? ring_bytes : 1, 1);
-    for (int src = 0; src < l->n_sources; src++)
-        if (l->source_carry[src] >= 0) s->carry_floats += 2 * (size_t)l->source_ratio[src] * l->latent_dim;
-    s->carries = malloc((s->carry_floats ? s->carry_floats : 1) * sizeof(float));
-    if (!s->rings || !s->carries) goto oom;
+    s->carry_floats = pool->carry_floats;
+    s->rings = m->alloc(m, pool->ring_bytes);
+    s->carries = m->alloc(m, pool->carry_bytes);
+    s->stage = malloc(l->entry_bytes > l->ring_row_bytes ? l->entry_bytes : l->ring_row_bytes);
+    if (!s->rings || !s->carries || !s->stage) goto oom;
     pthread_mutex_lock(&pool->lock);
     pool->sequences++;
     pthread_mutex_unlock(&pool->lock);
     return s;
 oom:
-    if (s) {
-        free(s->rings);
-        free(s->carries);
-        free(s);
-    }
+    if (s) seq_release(s);
     ds41_fail(err, "kv cache: out of memory for a new sequence");
     return NULL;
 }
@@ -261,7 +314,7 @@ ds41_kv_seq *ds41_kv_seq_new(ds41_kv_pool *pool, ds41_error *err) {
         }
         s->src[src].cap = FIRST_PAGES;
     }
-    reset_carries(s);
+    pool->mem->copy(pool->mem, s->carries, pool->carry_init, pool->carry_bytes);
     ds41_engram_history_init(&s->engram);
     return s;
 }
@@ -272,8 +325,8 @@ ds41_kv_seq *ds41_kv_seq_fork(const ds41_kv_seq *from, ds41_error *err) {
     ds41_kv_seq *s = seq_alloc(pool, err);
     if (!s) return NULL;
     s->tokens = from->tokens;
-    memcpy(s->rings, from->rings, (size_t)l->n_rings * l->window * l->ring_row_bytes);
-    memcpy(s->carries, from->carries, s->carry_floats * sizeof(float));
+    pool->mem->copy(pool->mem, s->rings, from->rings, pool->ring_bytes);
+    pool->mem->copy(pool->mem, s->carries, from->carries, pool->carry_bytes);
     s->engram = from->engram;
     for (int src = 0; src < l->n_sources; src++) {
         const page_table *ft = &from->src[src];
@@ -307,9 +360,7 @@ void ds41_kv_seq_free(ds41_kv_seq *s) {
     pthread_mutex_lock(&s->pool->lock);
     s->pool->sequences--;
     pthread_mutex_unlock(&s->pool->lock);
-    free(s->rings);
-    free(s->carries);
-    free(s);
+    seq_release(s);
 }
 
 ds41_kv_pool *ds41_kv_seq_pool(const ds41_kv_seq *s) {
@@ -370,7 +421,7 @@ static uint8_t *append_slot(ds41_kv_seq *s, int source, ds41_error *err) {
                           l->page_bytes);
                 return NULL;
             }
-            memcpy(page_ptr(p, copy), page_ptr(p, id), (size_t)slot * l->entry_bytes);
+            p->mem->copy(p->mem, page_ptr(p, copy), page_ptr(p, id), (size_t)slot * l->entry_bytes);
             page_unref(p, id);
             t->pages[t->n_pages - 1] = copy;
             id = copy;
@@ -383,7 +434,8 @@ int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const fl
                        ds41_error *err) {
     uint8_t *e = append_slot(s, source, err);
     if (!e) return -1;
-    ds41_kv_pack_entry(&s->pool->layout, latent, index_key, e);
+    ds41_kv_pack_entry(&s->pool->layout, latent, index_key, s->stage);
+    s->pool->mem->upload(s->pool->mem, e, s->stage, s->pool->layout.entry_bytes);
     s->src[source].n_entries++;
     return 0;
 }
@@ -391,7 +443,7 @@ int ds41_kv_seq_append(ds41_kv_seq *s, int source, const float *latent, const fl
 int ds41_kv_seq_append_packed(ds41_kv_seq *s, int source, const uint8_t *entry, ds41_error *err) {
     uint8_t *e = append_slot(s, source, err);
     if (!e) return -1;
-    memcpy(e, entry, s->pool->layout.entry_bytes);
+    s->pool->mem->copy(s->pool->mem, e, entry, s->pool->layout.entry_bytes);
     s->src[source].n_entries++;
     return 0;
 }
@@ -409,6 +461,11 @@ const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *s, int source, uint64_t entr
     const ds41_kv_layout *l = &s->pool->layout;
     uint32_t id = s->src[source].pages[entry / l->entries_per_page];
     return page_ptr(s->pool, id) + (size_t)(entry % l->entries_per_page) * l->entry_bytes;
+}
+
+void ds41_kv_seq_read_entry(const ds41_kv_seq *s, int source, uint64_t entry, uint8_t *out) {
+    const ds41_memory *m = s->pool->mem;
+    m->download(m, out, ds41_kv_seq_entry(s, source, entry), s->pool->layout.entry_bytes);
 }
 
 void ds41_kv_decode_latent(const ds41_kv_layout *l, const uint8_t *e, float *out) {
@@ -431,17 +488,23 @@ static uint8_t *ring_row(const ds41_kv_seq *s, int layer, uint32_t slot) {
 
 void ds41_kv_ring_write(ds41_kv_seq *s, int layer, uint64_t pos, const float *kv) {
     const ds41_kv_layout *l = &s->pool->layout;
-    uint8_t *row = ring_row(s, layer, (uint32_t)(pos % l->window));
-    ds41_act_quant(kv, l->latent_dim, row, row + l->latent_dim);
+    ds41_act_quant(kv, l->latent_dim, s->stage, s->stage + l->latent_dim);
+    s->pool->mem->upload(s->pool->mem, ring_row(s, layer, (uint32_t)(pos % l->window)), s->stage,
+                         l->ring_row_bytes);
 }
 
 void ds41_kv_ring_put(ds41_kv_seq *s, int layer, uint64_t pos, const uint8_t *row) {
     const ds41_kv_layout *l = &s->pool->layout;
-    memcpy(ring_row(s, layer, (uint32_t)(pos % l->window)), row, l->ring_row_bytes);
+    s->pool->mem->copy(s->pool->mem, ring_row(s, layer, (uint32_t)(pos % l->window)), row, l->ring_row_bytes);
 }
 
 const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *s, int layer, uint32_t slot) {
     return ring_row(s, layer, slot);
+}
+
+void ds41_kv_ring_read_row(const ds41_kv_seq *s, int layer, uint32_t slot, uint8_t *out) {
+    const ds41_memory *m = s->pool->mem;
+    m->download(m, out, ring_row(s, layer, slot), s->pool->layout.ring_row_bytes);
 }
 
 void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float *out) {
@@ -449,7 +512,7 @@ void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float 
         out[i] = ds41_bf16_round(ds41_e4m3_to_f32(row[i]) * ds41_ue8m0_to_f32(row[l->latent_dim + i / 32]));
 }
 
-static float *carry(ds41_kv_seq *s, int source, int which) {
+static float *carry(const ds41_kv_seq *s, int source, int which) {
     const ds41_kv_layout *l = &s->pool->layout;
     if (l->source_carry[source] < 0) return NULL;
     float *c = s->carries;
@@ -464,6 +527,16 @@ float *ds41_kv_carry_kv(ds41_kv_seq *s, int source) {
 
 float *ds41_kv_carry_score(ds41_kv_seq *s, int source) {
     return carry(s, source, 1);
+}
+
+int ds41_kv_carry_read(const ds41_kv_seq *s, int source, float *kv, float *score) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    const ds41_memory *m = s->pool->mem;
+    if (l->source_carry[source] < 0) return -1;
+    const size_t n = (size_t)l->source_ratio[source] * l->latent_dim * sizeof(float);
+    if (kv) m->download(m, kv, carry(s, source, 0), n);
+    if (score) m->download(m, score, carry(s, source, 1), n);
+    return 0;
 }
 
 ds41_engram_history *ds41_kv_seq_engram(ds41_kv_seq *s) {
@@ -583,19 +656,24 @@ int ds41_kv_seq_serialize(const ds41_kv_seq *s, uint8_t *buf, size_t cap, size_t
     for (int src = 0; src < l->n_sources; src++) put_u32(&p, (uint32_t)l->source_ratio[src]);
     put_u64(&p, s->tokens);
     for (int src = 0; src < l->n_sources; src++) put_u64(&p, s->src[src].n_entries);
+    const ds41_memory *m = s->pool->mem;
     for (int src = 0; src < l->n_sources; src++) {
         const page_table *t = &s->src[src];
         for (uint64_t e = 0; e < t->n_entries; e += l->entries_per_page) {
             uint64_t k = t->n_entries - e < l->entries_per_page ? t->n_entries - e : l->entries_per_page;
-            memcpy(p, page_ptr(s->pool, t->pages[e / l->entries_per_page]), (size_t)k * l->entry_bytes);
+            m->download(m, p, page_ptr(s->pool, t->pages[e / l->entries_per_page]),
+                        (size_t)k * l->entry_bytes);
             p += (size_t)k * l->entry_bytes;
         }
     }
-    memcpy(p, s->rings, kv_snap_ring_bytes(l));
+    if (kv_snap_ring_bytes(l)) m->download(m, p, s->rings, kv_snap_ring_bytes(l));
     p += kv_snap_ring_bytes(l);
+    /* The carries' host floats, then each rewritten in place as its
+     * little-endian bit pattern (a no-op on a little-endian host). */
+    if (s->carry_floats) m->download(m, p, s->carries, s->carry_floats * sizeof(float));
     for (size_t i = 0; i < s->carry_floats; i++) {
         uint32_t bits;
-        memcpy(&bits, &s->carries[i], 4);
+        memcpy(&bits, p, 4);
         put_u32(&p, bits);
     }
     put_u64(&p, (uint64_t)s->engram.n_pushed);
@@ -782,10 +860,21 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
     ds41_kv_seq *s = seq_alloc(pool, err);
     if (!s) return -1;
     s->tokens = tokens;
-    memcpy(s->rings, rings, ring_bytes);
-    for (size_t i = 0; i < s->carry_floats; i++) {
-        uint32_t bits = get_u32(carries + 4 * i);
-        memcpy(&s->carries[i], &bits, 4);
+    const ds41_memory *m = pool->mem;
+    if (ring_bytes) m->upload(m, s->rings, rings, ring_bytes);
+    if (s->carry_floats) {
+        /* The bit patterns as host floats, then one upload. */
+        float *host = malloc(s->carry_floats * sizeof *host);
+        if (!host) {
+            ds41_kv_seq_free(s);
+            return ds41_fail(err, "kv snapshot: out of memory");
+        }
+        for (size_t i = 0; i < s->carry_floats; i++) {
+            uint32_t bits = get_u32(carries + 4 * i);
+            memcpy(&host[i], &bits, 4);
+        }
+        m->upload(m, s->carries, host, s->carry_floats * sizeof *host);
+        free(host);
     }
     s->engram = hist;
     const uint8_t *e = ent;
@@ -813,7 +902,7 @@ int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, 
             }
             t->pages[t->n_pages++] = id;
             uint64_t k = entries[src] - i < l->entries_per_page ? entries[src] - i : l->entries_per_page;
-            memcpy(page_ptr(pool, id), e, (size_t)k * l->entry_bytes);
+            m->upload(m, page_ptr(pool, id), e, (size_t)k * l->entry_bytes);
             e += (size_t)k * l->entry_bytes;
         }
         t->n_entries = entries[src];

@@ -24,13 +24,25 @@
  * pages return to the pool's free list and are reused before the pool grows;
  * the pool never holds more than its budget.
  *
+ * Every numeric byte (the pages, each sequence's rings and carries) lives in
+ * the pool's memory (engine/backend/memory.h: host memory, or a backend's
+ * memory the host must not dereference) and is moved only by that memory's
+ * calls: upload, download, copy.  The bookkeeping (page tables, reference
+ * counts, the free list, the Engram history) is host memory.  Pointers into
+ * the pool's memory that this API returns are marked "backend memory": they
+ * are for the backend's ops and the memory's calls only; host code reads the
+ * bytes with the ds41_kv_*_read* calls.
+ *
  * Thread safety: the pool is safe to share (allocation and reference counts
- * take its lock); a sequence is used by one thread at a time. */
+ * take its lock); a sequence is used by one thread at a time.  The memory's
+ * calls are made by whichever thread calls the pool; a memory that must be
+ * called from one thread makes its pool's users do so. */
 #ifndef DS41_ENGINE_KV_CACHE_H
 #define DS41_ENGINE_KV_CACHE_H
 
 #include "config/error.h"
 #include "config/model_config.h"
+#include "engine/backend/memory.h"
 #include "engine/model/engram_layout.h"
 
 #include <stddef.h>
@@ -75,13 +87,20 @@ typedef struct ds41_kv_pool_stats {
     uint64_t sequences;       /* live sequences */
 } ds41_kv_pool_stats;
 
-/* A pool for a finalized config.  budget_bytes caps the compressed pages
- * (0 = unlimited); entries_per_page 0 = DS41_KV_DEFAULT_ENTRIES_PER_PAGE.
- * Memory is taken lazily.  Errors: unfinalized config, a dim that does not
- * fit the packing (head_dim % 16, index_head_dim % 32), more kv sources than
- * DS41_KV_MAX_SOURCES, out of memory. */
+/* A pool for a finalized config whose pages, rings and carries live in mem
+ * (which outlives the pool).  budget_bytes caps the compressed pages (0 =
+ * unlimited); entries_per_page 0 = DS41_KV_DEFAULT_ENTRIES_PER_PAGE.  Pages
+ * are taken lazily, in chunks of at most 64, never beyond the budget.
+ * Errors: unfinalized config, a dim that does not fit the packing (head_dim %
+ * 16, index_head_dim % 32), more kv sources than DS41_KV_MAX_SOURCES, out of
+ * memory. */
+ds41_kv_pool *ds41_kv_pool_new_in(const ds41_memory *mem, const ds41_model_config *cfg, uint64_t budget_bytes,
+                                  uint32_t entries_per_page, ds41_error *err);
+/* ds41_kv_pool_new_in(&ds41_memory_host, ...). */
 ds41_kv_pool *ds41_kv_pool_new(const ds41_model_config *cfg, uint64_t budget_bytes, uint32_t entries_per_page,
                                ds41_error *err);
+/* The memory the pool's pages, rings and carries live in. */
+const ds41_memory *ds41_kv_pool_memory(const ds41_kv_pool *pool);
 /* Frees the pool; every sequence must have been freed before. */
 void ds41_kv_pool_free(ds41_kv_pool *pool);
 const ds41_kv_layout *ds41_kv_pool_layout(const ds41_kv_pool *pool);
@@ -107,25 +126,30 @@ void ds41_kv_seq_set_tokens(ds41_kv_seq *seq, uint64_t n);
 uint64_t ds41_kv_seq_entries(const ds41_kv_seq *seq, int source);
 
 /* Append the next entry of a source: `latent` (latent_dim values, rotated,
- * bf16-representable) is FP4 1x16 e4m3-scale quantized, `index_key`
- * (index_dim values, rotated) FP4 1x32 ue8m0 quantized, both packed into the
- * entry.  Error (the sequence unchanged) when the pool's budget is exhausted:
- * "KV cache full (N pages of B bytes)". */
+ * bf16-representable; host memory) is FP4 1x16 e4m3-scale quantized,
+ * `index_key` (index_dim values, rotated; host memory) FP4 1x32 ue8m0
+ * quantized, both packed on the host and uploaded into the entry.  Error
+ * (the sequence unchanged) when the pool's budget is exhausted: "KV cache
+ * full (N pages of B bytes)". */
 int ds41_kv_seq_append(ds41_kv_seq *seq, int source, const float *latent, const float *index_key,
                        ds41_error *err);
 
 /* The same with the entry already packed (entry_bytes, as
- * ds41_kv_pack_entry writes it): the quantization ran elsewhere (a backend
- * op over all of a step's entries), the cache only places the bytes.  Same
+ * ds41_kv_pack_entry writes it) in backend memory of the pool's memory (the
+ * engine's scratch): the quantization ran elsewhere (a backend op over all of
+ * a step's entries), the cache only copies the bytes (memory copy).  Same
  * errors. */
 int ds41_kv_seq_append_packed(ds41_kv_seq *seq, int source, const uint8_t *entry, ds41_error *err);
 
-/* The packed form of one entry (the format above) into entry[entry_bytes]. */
+/* The packed form of one entry (the format above) into entry[entry_bytes];
+ * all host memory. */
 void ds41_kv_pack_entry(const ds41_kv_layout *l, const float *latent, const float *index_key, uint8_t *entry);
 
-/* The packed entry `entry` (< ds41_kv_seq_entries) of a source; valid until
- * the next append to the sequence or its release. */
+/* The packed entry `entry` (< ds41_kv_seq_entries) of a source: backend
+ * memory; valid until the next append to the sequence or its release. */
 const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t entry);
+/* Its entry_bytes into out (host memory): one download. */
+void ds41_kv_seq_read_entry(const ds41_kv_seq *seq, int source, uint64_t entry, uint8_t *out);
 
 /* The page table of a source: the ids of the pages holding entries 0, 1, ...
  * (entries_per_page each), *n_pages of them; valid until the next append to
@@ -135,35 +159,46 @@ const uint8_t *ds41_kv_seq_entry(const ds41_kv_seq *seq, int source, uint64_t en
 const uint32_t *ds41_kv_seq_page_ids(const ds41_kv_seq *seq, int source, uint32_t *n_pages);
 
 /* The bytes of page `id` of the pool (entries_per_page packed entries of
- * entry_bytes); valid for the pool's life. */
+ * entry_bytes): backend memory; valid for the pool's life. */
 const uint8_t *ds41_kv_pool_page(const ds41_kv_pool *pool, uint32_t id);
 
-/* Decode a packed entry's latent / index key to its exact values. */
+/* Decode a packed entry's latent / index key to its exact values.  entry is
+ * host memory (ds41_kv_seq_read_entry's copy; the reference backend's ops,
+ * whose memory is host memory, pass pool pointers). */
 void ds41_kv_decode_latent(const ds41_kv_layout *l, const uint8_t *entry, float *out);
 void ds41_kv_decode_index_key(const ds41_kv_layout *l, const uint8_t *entry, float *out);
 
 /* ---- window rings ---------------------------------------------------------- */
 
 /* Store the rotated window KV of token `pos` of a layer (head_dim values,
- * bf16-representable) in slot pos % window as e4m3 + ue8m0 per 32 (the
- * reference's act_quant QDQ). */
+ * bf16-representable; host memory) in slot pos % window as e4m3 + ue8m0 per
+ * 32 (the reference's act_quant QDQ): packed on the host, one upload. */
 void ds41_kv_ring_write(ds41_kv_seq *seq, int layer, uint64_t pos, const float *kv);
 /* The same for a row already packed in the ring's format (ring_row_bytes,
- * as ds41_act_quant writes it): a copy into slot pos % window. */
+ * as ds41_act_quant writes it) in backend memory of the pool's memory (the
+ * engine's scratch): a memory copy into slot pos % window. */
 void ds41_kv_ring_put(ds41_kv_seq *seq, int layer, uint64_t pos, const uint8_t *row);
 
-/* The packed row in a slot, and its decoding (exact values).  A ring's
- * slots are contiguous: slot s is ds41_kv_ring_row(seq, layer, 0) +
- * s * ring_row_bytes (a backend op reaches a ring from its base). */
+/* The packed row in a slot: backend memory.  A ring's slots are
+ * contiguous: slot s is ds41_kv_ring_row(seq, layer, 0) + s * ring_row_bytes
+ * (a backend op reaches a ring from its base). */
 const uint8_t *ds41_kv_ring_row(const ds41_kv_seq *seq, int layer, uint32_t slot);
+/* Its ring_row_bytes into out (host memory): one download. */
+void ds41_kv_ring_read_row(const ds41_kv_seq *seq, int layer, uint32_t slot, uint8_t *out);
+/* A packed row's decoding (exact values); row is host memory. */
 void ds41_kv_decode_ring_row(const ds41_kv_layout *l, const uint8_t *row, float *out);
 
 /* ---- compressor carries and Engram history ------------------------------ */
 
 /* The carry of a ratio > 1 source: kv_state and score_state, each
- * [ratio][latent_dim] fp32, slot = position % ratio.  NULL for ratio 1. */
+ * [ratio][latent_dim] fp32, slot = position % ratio: backend memory (the
+ * forward pass writes them by ops and memory calls).  NULL for ratio 1.  A
+ * new sequence's are kv 0, score -inf. */
 float *ds41_kv_carry_kv(ds41_kv_seq *seq, int source);
 float *ds41_kv_carry_score(ds41_kv_seq *seq, int source);
+/* Both into kv and score (host memory, ratio * latent_dim floats each; NULL
+ * skips one): a download each.  -1 (nothing written) for a ratio-1 source. */
+int ds41_kv_carry_read(const ds41_kv_seq *seq, int source, float *kv, float *score);
 
 ds41_engram_history *ds41_kv_seq_engram(ds41_kv_seq *seq);
 
@@ -207,16 +242,19 @@ size_t ds41_kv_seq_serialized_size(const ds41_kv_seq *seq);
 /* The serialized size of any sequence of this layout that consumed `tokens` tokens (a bound
  * for readers of untrusted snapshots). */
 uint64_t ds41_kv_serialized_size_for(const ds41_kv_layout *l, uint64_t tokens);
-/* Writes the state into buf[cap]; *written = the size.  Error when cap is too
- * small.  Reads seq only (the caller makes sure no forward pass writes it). */
+/* Writes the state into buf[cap] (host memory: the pool's bytes are
+ * downloaded into it, one call per page, one for the rings, one for the
+ * carries); *written = the size.  Error when cap is too small.  Reads seq
+ * only (the caller makes sure no forward pass writes it). */
 int ds41_kv_seq_serialize(const ds41_kv_seq *seq, uint8_t *buf, size_t cap, size_t *written, ds41_error *err);
-/* A new sequence of pool rebuilt from buf[len] (untrusted: every count and
- * size is checked against the pool's layout and the length, every packed
- * scale and code must be a finite value, unused ring slots and Engram slots
- * must be zero, trailing bytes are an error).  Errors name the field ("kv
- * snapshot: source 2 has 7 entries, 40 tokens at ratio 4 need 10"); pages
- * come from the pool ("KV cache full" when its budget is exhausted).  *out is
- * NULL on error and nothing is left allocated. */
+/* A new sequence of pool rebuilt from buf[len] (host memory; untrusted: it is
+ * checked on the host, then uploaded; every count and size is checked against
+ * the pool's layout and the length, every packed scale and code must be a
+ * finite value, unused ring slots and Engram slots must be zero, trailing
+ * bytes are an error).  Errors name the field ("kv snapshot: source 2 has 7
+ * entries, 40 tokens at ratio 4 need 10"); pages come from the pool ("KV
+ * cache full" when its budget is exhausted).  *out is NULL on error and
+ * nothing is left allocated. */
 int ds41_kv_seq_deserialize(ds41_kv_pool *pool, const uint8_t *buf, size_t len, ds41_kv_seq **out,
                             ds41_error *err);
 

@@ -55,15 +55,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     free(again);
     const ds41_kv_layout *l = ds41_kv_pool_layout(POOL);
     float *v = malloc((l->latent_dim + l->index_dim) * sizeof *v);
-    CHECK(v);
+    uint8_t *p = malloc(l->entry_bytes);
+    CHECK(v && p);
     for (int src = 0; src < l->n_sources; src++)
         for (uint64_t e = 0; e < ds41_kv_seq_entries(s, src); e++) {
-            const uint8_t *p = ds41_kv_seq_entry(s, src, e);
+            ds41_kv_seq_read_entry(s, src, e, p);
             ds41_kv_decode_latent(l, p, v);
             ds41_kv_decode_index_key(l, p, v + l->latent_dim);
             for (uint32_t i = 0; i < l->latent_dim + l->index_dim; i++) CHECK(isfinite(v[i]));
         }
     free(v);
+    free(p);
     ds41_kv_seq_free(s);
     return 0;
 }

@@ -1230,8 +1230,7 @@ static const ds41_ops fast_ops_template = {
 
 static ds41_kv_pool *host_pool(ds41_backend *be, const ds41_model_config *cfg, uint64_t budget_bytes,
                                uint32_t entries_per_page, ds41_error *err) {
-    (void)be;
-    return ds41_kv_pool_new(cfg, budget_bytes, entries_per_page, err);
+    return ds41_kv_pool_new_in(be->mem, cfg, budget_bytes, entries_per_page, err);
 }
 
 static void fast_stats(ds41_backend *be, ds41_backend_stats *out, bool reset) {
