@@ -43,7 +43,8 @@
  *
  * Placement of the CPU backends is the identity: their kernels decode FP8 /
  * FP4 / bf16 straight from the checkpoint's layout with table lookups (no
- * copy, no extra memory), and the pool is ds41_kv_pool_new's host memory.
+ * copy, no extra memory), and their memory (be->mem) is ds41_memory_host:
+ * the pool is ds41_kv_pool_new_in(be->mem), host memory.
  *
  * Statistics: a backend may count what its kernels touch (stats()); the fast
  * CPU backend does, for ds41-bench. */

@@ -20,8 +20,11 @@
  *    device_guard);
  *  - later a device backend: device memory, cudaMemcpy*.
  *
- * Every call may come from the engine's thread only; none fails except
- * alloc (NULL: out of memory). */
+ * Calls come from the engine's thread and, for the KV pool (a sequence
+ * freed, forked or snapshotted by the scheduler or the daemon), from other
+ * threads too: a backend makes them safe to call concurrently (the guard
+ * counts the calls inside under a lock).  None fails except alloc (NULL:
+ * out of memory). */
 #ifndef DS41_ENGINE_MEMORY_H
 #define DS41_ENGINE_MEMORY_H
 
