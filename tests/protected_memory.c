@@ -18,7 +18,7 @@ static protected_memory *ctx(const ds41_memory *m) {
 static void *pm_alloc(const ds41_memory *m, size_t n) {
     protected_memory *pm = ctx(m);
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    if (n == 0 || n > SIZE_MAX - page) return NULL;
+    if (n == 0 || n > SIZE_MAX - page || pm->full) return NULL;
     if (pm->n_regions == pm->cap_regions) {
         size_t cap = pm->cap_regions ? 2 * pm->cap_regions : 64;
         pmem_region *r = realloc(pm->regions, cap * sizeof *r);
@@ -62,15 +62,25 @@ static void pm_move(const ds41_memory *m, uint64_t *counter, void *dst, const vo
     protect_all(pm, PROT_NONE);
 }
 
+/* Count a call whose backend range [p, p + n) is not memory it handed out. */
+static void check_owned(protected_memory *pm, const void *p, size_t n) {
+    if (!protected_memory_owns(pm, p, n)) pm->foreign++;
+}
+
 static void pm_upload(const ds41_memory *m, void *dst, const void *src, size_t n) {
+    check_owned(ctx(m), dst, n);
+    ctx(m)->upload_bytes += n;
     pm_move(m, &ctx(m)->uploads, dst, src, n);
 }
 
 static void pm_download(const ds41_memory *m, void *dst, const void *src, size_t n) {
+    check_owned(ctx(m), src, n);
     pm_move(m, &ctx(m)->downloads, dst, src, n);
 }
 
 static void pm_copy(const ds41_memory *m, void *dst, const void *src, size_t n) {
+    check_owned(ctx(m), dst, n);
+    check_owned(ctx(m), src, n);
     pm_move(m, &ctx(m)->copies, dst, src, n);
 }
 

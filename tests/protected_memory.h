@@ -28,8 +28,11 @@ typedef struct protected_memory {
     pmem_region *regions;
     size_t n_regions, cap_regions;
     uint64_t allocs, frees, uploads, downloads, copies, copies_2d;
+    uint64_t upload_bytes;
     uint64_t bytes_now;
-    bool bad_free; /* a free of a pointer or size it did not hand out */
+    bool bad_free;    /* a free of a pointer or size it did not hand out */
+    uint64_t foreign; /* upload / download / copy calls whose backend side it did not hand out */
+    bool full;        /* set by a test: alloc fails (out of device memory) */
 } protected_memory;
 
 void protected_memory_init(protected_memory *pm);

@@ -17,6 +17,7 @@
 #include "engine/forward/forward.h"
 #include "engine/model/model_gen.h"
 #include "storage/expert_cache.h"
+#include "tests/protected_memory.h"
 #include "tests/tap.h"
 #include "tests/tmpdir.h"
 
@@ -529,79 +530,12 @@ out:
 
 /* ---- a device-like slot memory ----------------------------------------------------- */
 
-/* Memory the host cannot touch: page-rounded mmap()ed regions kept PROT_NONE
- * except inside its own calls, which open only the region they move bytes
- * in or out of.  A cache that dereferences its twin pool faults.  Counts
- * uploads; `bad` counts calls on memory it did not hand out. */
-#define TM_MAX 8
-typedef struct tmem {
-    unsigned char *p[TM_MAX];
-    size_t len[TM_MAX];
-    size_t live;
-    uint64_t allocs, uploads, upload_bytes, bad;
-    int full; /* alloc fails (out of device memory) */
-} tmem;
-
-static int tm_find(tmem *t, const void *p, size_t n) {
-    for (size_t i = 0; i < t->live; i++)
-        if ((const unsigned char *)p >= t->p[i] && n <= t->len[i] &&
-            (size_t)((const unsigned char *)p - t->p[i]) <= t->len[i] - n)
-            return (int)i;
-    t->bad++;
-    return -1;
-}
-
-static void *tm_alloc(const ds41_memory *m, size_t n) {
-    tmem *t = m->ctx;
-    const size_t pg = (size_t)sysconf(_SC_PAGESIZE), len = (n + pg - 1) / pg * pg;
-    if (t->live == TM_MAX || t->full) return NULL;
-    void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return NULL;
-    t->p[t->live] = p;
-    t->len[t->live++] = len;
-    t->allocs++;
-    return p;
-}
-
-static void tm_free(const ds41_memory *m, void *p, size_t n) {
-    tmem *t = m->ctx;
-    if (!p) return;
-    const int i = tm_find(t, p, n);
-    if (i < 0 || p != t->p[i]) return;
-    munmap(p, t->len[i]);
-    t->p[i] = t->p[t->live - 1];
-    t->len[i] = t->len[--t->live];
-}
-
-/* Run memcpy with region i open. */
-static void tm_move(tmem *t, int i, void *dst, const void *src, size_t n) {
-    if (i < 0) return;
-    mprotect(t->p[i], t->len[i], PROT_READ | PROT_WRITE);
-    memcpy(dst, src, n);
-    mprotect(t->p[i], t->len[i], PROT_NONE);
-}
-
-static void tm_upload(const ds41_memory *m, void *dst, const void *src, size_t n) {
-    tmem *t = m->ctx;
-    tm_move(t, tm_find(t, dst, n), dst, src, n);
-    t->uploads++;
-    t->upload_bytes += n;
-}
-
-static void tm_download(const ds41_memory *m, void *dst, const void *src, size_t n) {
-    tmem *t = m->ctx;
-    tm_move(t, tm_find(t, src, n), dst, src, n);
-}
-
-/* The cache has no business moving bytes inside the twin pool. */
-static void tm_copy(const ds41_memory *m, void *dst, const void *src, size_t n) {
-    (void)dst, (void)src, (void)n;
-    ((tmem *)m->ctx)->bad++;
-}
-static void tm_copy_2d(const ds41_memory *m, void *dst, size_t dp, const void *src, size_t sp, size_t w,
-                       size_t r) {
-    (void)dst, (void)dp, (void)src, (void)sp, (void)w, (void)r;
-    ((tmem *)m->ctx)->bad++;
+/* The device-like slot memory is tests/protected_memory.h: regions the host
+ * cannot touch outside the memory's own calls, so a cache that dereferences
+ * its twin pool faults; it counts uploads and calls on memory it did not hand
+ * out (foreign), and a cache has no business copying inside the twin pool. */
+static uint64_t pm_bad(const protected_memory *pm) {
+    return pm->foreign + pm->copies + pm->copies_2d + (pm->bad_free ? 1 : 0);
 }
 
 /* Pinned expert (L, ex) of the twin cache, its view v: every tensor lies in
@@ -610,7 +544,7 @@ static void tm_copy_2d(const ds41_memory *m, void *dst, size_t dp, const void *s
  * all six do. */
 static int twin_view_ok(const ds41_memory *m, ds41_expert_cache *hx, const ds41_checkpoint *ck, int L,
                         int32_t ex, const ds41_expert_view *v) {
-    tmem *t = m->ctx;
+    protected_memory *t = m->ctx;
     ds41_error err;
     uint8_t hgot = 0;
     ds41_expert_view hv;
@@ -627,12 +561,12 @@ static int twin_view_ok(const ds41_memory *m, ds41_expert_cache *hx, const ds41_
         const ds41_tensor *tt = ds41_checkpoint_find(ck, name);
         const uint8_t *dev = k % 2 ? v->s[k / 2] : v->w[k / 2], *host = k % 2 ? hv.s[k / 2] : hv.w[k / 2];
         uint8_t *buf = tt ? malloc(tt->nbytes) : NULL;
-        const uint64_t bad0 = t->bad;
-        if (!buf || tm_find(t, dev, tt->nbytes) < 0) {
+        const uint64_t bad0 = pm_bad(t);
+        if (!buf || !protected_memory_owns(t, dev, tt->nbytes)) {
             ok = 0;
         } else {
-            tm_download(m, buf, dev, tt->nbytes);
-            ok = t->bad == bad0 && memcmp(buf, host, tt->nbytes) == 0 &&
+            m->download(m, buf, dev, tt->nbytes);
+            ok = pm_bad(t) == bad0 && memcmp(buf, host, tt->nbytes) == 0 &&
                  memcmp(buf, tt->data, tt->nbytes) == 0;
         }
         if (!ok)
@@ -691,15 +625,9 @@ static void test_twin(const char *dir) {
     memset(&cfg, 0, sizeof cfg);
     ds41_checkpoint *ck = NULL;
     ds41_expert_cache *dx = NULL, *hx = NULL;
-    tmem tm = {0};
-    const ds41_memory m = {.name = "test-guard",
-                           .ctx = &tm,
-                           .alloc = tm_alloc,
-                           .free = tm_free,
-                           .upload = tm_upload,
-                           .download = tm_download,
-                           .copy = tm_copy,
-                           .copy_2d = tm_copy_2d};
+    protected_memory tm;
+    protected_memory_init(&tm);
+    const ds41_memory m = tm.mem;
     uint64_t slot = 0;
     if (!TAP_CHECK(ds41_model_config_load(dir, &cfg, &err) == 0 && (ck = ds41_checkpoint_open(dir, &err)) &&
                        ds41_expert_cache_geometry(ck, &cfg, &slot, NULL, &err) == 0,
@@ -713,10 +641,10 @@ static void test_twin(const char *dir) {
     if (!TAP_CHECK(hx && dx, "twin: caches made%s%s", hx && dx ? "" : ": ", hx && dx ? "" : err.msg))
         goto out;
     ds41_expert_cache_get_stats(dx, &st, false);
-    TAP_CHECK(tm.live == 1 && tm.len[0] >= 3 * slot && st.slots == 3 && st.slot_memory_bytes == 3 * slot &&
+    TAP_CHECK(tm.n_regions == 1 && tm.regions[0].mapped >= 3 * slot && st.slots == 3 && st.slot_memory_bytes == 3 * slot &&
                   st.budget_bytes == 3 * slot,
               "twin: 3 slots, one allocation of %" PRIu64 " bytes in the slot memory (%zu live)",
-              st.slot_memory_bytes, tm.live);
+              st.slot_memory_bytes, tm.n_regions);
 
     const int32_t e012[3] = {0, 1, 2}, e5[5] = {0, 1, 2, 3, 4}, e56[2] = {5, 6};
     int ok = twin_round(&m, dx, hx, ck, 0, e012, 3, 0, &err);
@@ -782,11 +710,11 @@ static void test_twin(const char *dir) {
      * stale by the reload would hand out the previous expert's bytes. */
     ok = ds41_expert_cache_set_budget(dx, slot, &err) == 0;
     ds41_expert_cache_get_stats(dx, &st, false);
-    TAP_CHECK(ok && tm.live == 1 && tm.allocs == 2 && tm.len[0] >= slot && tm.len[0] < 2 * slot &&
+    TAP_CHECK(ok && tm.n_regions == 1 && tm.allocs == 2 && tm.regions[0].mapped >= slot && tm.regions[0].mapped < 2 * slot &&
                   st.slot_memory_bytes == slot && st.slots == 1,
               "twin: set_budget to one slot: the twin pool reallocated (%zu live, %" PRIu64
               " allocations)%s%s",
-              tm.live, tm.allocs, ok ? "" : ": ", ok ? "" : err.msg);
+              tm.n_regions, tm.allocs, ok ? "" : ": ", ok ? "" : err.msg);
     {
         const uint64_t up0 = tm.uploads;
         const int32_t a[1] = {0}, b[1] = {1};
@@ -801,7 +729,7 @@ static void test_twin(const char *dir) {
     ok = ds41_expert_cache_set_budget(dx, 4 * slot, &err) == 0 &&
          twin_round(&m, dx, hx, ck, 6, e5, 4, 0, &err);
     ds41_expert_cache_get_stats(dx, &st, false);
-    TAP_CHECK(ok && tm.live == 1 && tm.allocs == 3 && st.slots == 4 && st.slot_memory_bytes == 4 * slot &&
+    TAP_CHECK(ok && tm.n_regions == 1 && tm.allocs == 3 && st.slots == 4 && st.slot_memory_bytes == 4 * slot &&
                   st.waves == waves0 && st.uploads == tm.uploads,
               "twin: set_budget to 4 slots: 4 experts in one wave, right bytes%s%s", ok ? "" : ": ",
               ok ? "" : err.msg);
@@ -809,15 +737,15 @@ static void test_twin(const char *dir) {
      * pools keep working; a new cache is refused. */
     tm.full = 1;
     const int rrc = ds41_expert_cache_set_budget(dx, 2 * slot, &err);
-    TAP_CHECK(rrc != 0 && strstr(err.msg, "in test-guard memory"),
+    TAP_CHECK(rrc != 0 && strstr(err.msg, "in protected memory"),
               "twin: slot memory full: resize refused: %s", rrc ? err.msg : "(resized)");
     ok = twin_round(&m, dx, hx, ck, 6, e5 + 1, 4, 1, &err);
     ds41_expert_cache_get_stats(dx, &st, false);
-    TAP_CHECK(ok && st.slots == 4 && tm.live == 1,
+    TAP_CHECK(ok && st.slots == 4 && tm.n_regions == 1,
               "twin: after the refused resize the 4-slot pools still work%s%s", ok ? "" : ": ",
               ok ? "" : err.msg);
     ds41_expert_cache *nx = ds41_expert_cache_new(ck, &cfg, &xo, &err);
-    TAP_CHECK(!nx && strstr(err.msg, "in test-guard memory") && tm.live == 1,
+    TAP_CHECK(!nx && strstr(err.msg, "in protected memory") && tm.n_regions == 1,
               "twin: slot memory full: a new cache is refused: %s", nx ? "(made)" : err.msg);
     ds41_expert_cache_free(nx);
     tm.full = 0;
@@ -826,13 +754,14 @@ static void test_twin(const char *dir) {
               "twin: the host path (ds41_memory_host) has no twin and uploads nothing");
     ds41_expert_cache_free(dx);
     dx = NULL;
-    TAP_CHECK(tm.live == 0 && tm.bad == 0,
-              "twin: free gives the twin pool back; no call on foreign memory (%" PRIu64 " bad)", tm.bad);
+    TAP_CHECK(tm.n_regions == 0 && pm_bad(&tm) == 0,
+              "twin: free gives the twin pool back; no call on foreign memory (%" PRIu64 " bad)", pm_bad(&tm));
 out:
     ds41_expert_cache_free(dx);
     ds41_expert_cache_free(hx);
     ds41_checkpoint_close(ck);
     ds41_model_config_free(&cfg);
+    protected_memory_fini(&tm);
 }
 
 static int make(const char *preset, uint64_t seed, char *dir_out) {
