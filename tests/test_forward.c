@@ -296,6 +296,7 @@ typedef struct hook_ctx {
     float *logits; /* [rows][V] */
     int pre_onehot;
     int calls_attn;
+    int calls_feed;
     int n_layers;
 } hook_ctx;
 
@@ -308,6 +309,14 @@ static void hook(void *ctxp, ds41_stream_kind kind, int layer, size_t item, size
     if (kind == DS41_STREAM_LOGITS) memcpy(h->logits + row * n, data, n * sizeof *data);
 }
 
+/* Feed hook: zero the stream entering the last block. */
+static void feed_zero(void *ctxp, int layer, size_t item, size_t row, float *hs, float *pre) {
+    hook_ctx *h = ctxp;
+    (void)item, (void)row, (void)pre;
+    h->calls_feed++;
+    if (layer == h->n_layers - 1) memset(hs, 0, h->hc * h->D * sizeof *hs);
+}
+
 static void test_hooks(ds41_engine *e) {
     const ds41_model_config *c = ds41_engine_config(e);
     const size_t D = (size_t)c->dim, hc = (size_t)c->hc_mult, V = (size_t)c->vocab_size, n = 5;
@@ -315,7 +324,7 @@ static void test_hooks(ds41_engine *e) {
     ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, &err);
     ds41_kv_seq *s = ds41_kv_seq_new(pool, &err);
     int32_t ids[5] = {3, 1, 4, 1, 5};
-    hook_ctx h = {.D = D, .hc = hc, .V = V, .pre_onehot = 1};
+    hook_ctx h = {.D = D, .hc = hc, .V = V, .pre_onehot = 1, .n_layers = (int)c->n_layers};
     h.h0 = malloc(n * hc * D * sizeof(float));
     h.logits = malloc(n * V * sizeof(float));
     float *lg = malloc(n * V * sizeof *lg);
@@ -337,6 +346,23 @@ static void test_hooks(ds41_engine *e) {
     ds41_fwd_item it2 = {.seq = s2, .ids = ids, .n_ids = n, .logits = last, .logits_last_only = true};
     ok = ds41_forward(e, &it2, 1, NULL, &err) == 0;
     TAP_CHECK(ok && memcmp(last, lg + (n - 1) * V, V * sizeof *last) == 0, "logits_last_only gives the last row");
+    /* Teacher forcing: what feed writes is what the block computes from
+     * (ds41-eval --replay and the layer-local checks depend on it), on
+     * whatever memory the backend keeps the stream in. */
+    float *fed = malloc(n * V * sizeof *fed);
+    ds41_fwd_hooks zero_hooks = {.feed = feed_zero, .ctx = &h};
+    ds41_kv_seq *s3 = ds41_kv_seq_new(pool, &err);
+    ds41_fwd_item it3 = {.seq = s3, .ids = ids, .n_ids = n, .logits = fed};
+    h.calls_feed = 0;
+    ok = ds41_forward(e, &it3, 1, &zero_hooks, &err) == 0;
+    int finite = 1;
+    for (size_t i = 0; i < n * V; i++) finite &= isfinite(fed[i]);
+    TAP_CHECK(ok && finite && h.calls_feed == (int)(n * (size_t)c->n_layers) &&
+                  memcmp(fed, lg, n * V * sizeof *lg) != 0,
+              "hooks: feed is called per row and block, and a stream it zeroes changes the logits (%d calls)",
+              h.calls_feed);
+    free(fed);
+    ds41_kv_seq_free(s3);
     free(last);
     free(h.h0);
     free(h.logits);

@@ -497,20 +497,27 @@ static void report(ds41_engine *e, const ds41_fwd_hooks *hooks, const fwd_batch 
     ds41__frame_release(e, f);
 }
 
-/* The tap of layer L (ds41_fwd_hooks.feed): each row's stream and pre-mix, downloaded. */
-static void feed(ds41_engine *e, const ds41_fwd_hooks *hooks, const fwd_batch *b, int L, const float *h,
-                 const float *pre_mix, size_t hc, size_t D) {
+/* Teacher forcing at block L (ds41_fwd_hooks.feed): each row's stream and
+ * pre-mix go to the hook on the host, and what it leaves there is what the
+ * block computes from (uploaded back). */
+static int feed(ds41_engine *e, const ds41_fwd_hooks *hooks, const fwd_batch *b, int L, float *h, float *pre_mix,
+                size_t hc, size_t D, ds41_error *err) {
     const fwd_frame f = ds41__frame(e);
     float *hh = ds41__host(e, b->M * hc * D * sizeof *hh), *hp = ds41__host(e, b->M * hc * sizeof *hp);
-    if (hh && hp) {
-        e->mem->download(e->mem, hh, h, b->M * hc * D * sizeof *hh);
-        e->mem->download(e->mem, hp, pre_mix, b->M * hc * sizeof *hp);
-        for (size_t r = 0; r < b->M; r++) {
-            const size_t it = b->row_item[r];
-            hooks->feed(hooks->ctx, L, it, r - b->item_row0[it], hh + r * hc * D, hp + r * hc);
-        }
+    if (!hh || !hp) {
+        ds41__frame_release(e, f);
+        return ds41_fail(err, "forward: out of memory");
     }
+    e->mem->download(e->mem, hh, h, b->M * hc * D * sizeof *hh);
+    e->mem->download(e->mem, hp, pre_mix, b->M * hc * sizeof *hp);
+    for (size_t r = 0; r < b->M; r++) {
+        const size_t it = b->row_item[r];
+        hooks->feed(hooks->ctx, L, it, r - b->item_row0[it], hh + r * hc * D, hp + r * hc);
+    }
+    e->mem->upload(e->mem, h, hh, b->M * hc * D * sizeof *hh);
+    e->mem->upload(e->mem, pre_mix, hp, b->M * hc * sizeof *hp);
     ds41__frame_release(e, f);
+    return 0;
 }
 
 /* Streamed Engram rows: the row cache copies rows ids[0..n) of the slot's
@@ -752,7 +759,7 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
         const ds41_layer_weights *lw = &e->w.layers[L];
         report(e, hooks, &b, DS41_STREAM_H, L, h, hc * D);
         report(e, hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
-        if (hooks && hooks->feed) feed(e, hooks, &b, L, h, pre_mix, hc, D);
+        if (hooks && hooks->feed && feed(e, hooks, &b, L, h, pre_mix, hc, D, err) != 0) goto out;
         if (e->ecache) {
             /* Keep the requested rows flowing: reap what arrived, issue what waits. */
             ds41_error perr;
