@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "ipc/api_internal.h"
+#include "ipc/response_store.h"
 #include "config/json_util.h"
 #include "config/utf8.h"
 
@@ -1198,6 +1199,9 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"GET", "/v1/models/*", DS41_AUTH_INFERENCE, false, "model", route_model_one},
         {"POST", "/v1/chat/completions", DS41_AUTH_INFERENCE, true, "chat_completions", route_chat},
         {"POST", "/v1/completions", DS41_AUTH_INFERENCE, true, "completions", route_completions},
+        {"POST", "/v1/responses", DS41_AUTH_INFERENCE, true, "responses", ds41_api_route_responses_create},
+        {"GET", "/v1/responses/*", DS41_AUTH_INFERENCE, false, "response_get", ds41_api_route_responses_get},
+        {"DELETE", "/v1/responses/*", DS41_AUTH_INFERENCE, false, "response_delete", ds41_api_route_responses_delete},
         {"POST", "/tokenize", DS41_AUTH_INFERENCE, true, "tokenize", route_tokenize},
         {"POST", "/detokenize", DS41_AUTH_INFERENCE, true, "detokenize", route_detokenize},
         {"GET", "/metrics", DS41_AUTH_INFERENCE, false, "metrics", route_metrics},
@@ -1216,6 +1220,11 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"POST", "/admin/cache/experts", DS41_AUTH_ADMIN, true, "admin_cache_experts", ds41_api_route_admin_cache_experts},
     };
     memcpy(api->routes, routes, sizeof routes);
+    if (ds41_response_store_open(api->opts.responses_dir, api->opts.responses_max_bytes,
+                                 api->opts.responses_max_age_s, unix_now(), &api->responses, err) != 0) {
+        free(api);
+        return -1;
+    }
     api->router = (ds41_http_router){.routes = api->routes,
                                      .n_routes = N_ROUTES,
                                      .ctx = api,
@@ -1226,6 +1235,7 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
 }
 
 void ds41_api_free(ds41_api *api) {
+    if (api) ds41_response_store_close(api->responses);
     free(api);
 }
 

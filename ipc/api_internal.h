@@ -41,7 +41,7 @@ int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort
 
 /* ---- shared by the route files (api.c, api_admin.c) ---- */
 
-#define N_ROUTES 19
+#define N_ROUTES 22
 
 struct ds41_api {
     ds41_service svc;
@@ -52,6 +52,7 @@ struct ds41_api {
     atomic_uint_fast64_t next_id;
     uint32_t salt;
     uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
+    struct ds41_response_store *responses; /* stored responses of /v1/responses */
 };
 
 json_t *ds41_api_ju64(uint64_t v);
@@ -78,5 +79,10 @@ void ds41_api_route_admin_snapshot_restore(ds41_http_exchange *ex, void *ctx);
 void ds41_api_route_admin_snapshot_save(ds41_http_exchange *ex, void *ctx);
 void ds41_api_route_admin_snapshots(ds41_http_exchange *ex, void *ctx);
 void ds41_api_route_admin_unload(ds41_http_exchange *ex, void *ctx);
+
+/* The Responses API routes (api_responses.c); ctx is the ds41_api. */
+void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_responses_get(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_responses_delete(ds41_http_exchange *ex, void *ctx);
 
 #endif
