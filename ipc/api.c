@@ -693,6 +693,29 @@ static json_t *build_completion_response(gen_ctx *g) {
 
 /* ------------------------------------------------------ generation route */
 
+bool ds41_api_wait_terminal(ds41_http_exchange *ex, ds41_api *api, uint64_t id, pthread_mutex_t *mu,
+                            const bool *done, ds41_http_signal *sig) {
+    for (;;) {
+        pthread_mutex_lock(mu);
+        bool d = *done;
+        pthread_mutex_unlock(mu);
+        if (d) return true;
+        ds41_http_wait_result w = ds41_http_wait(ex, sig, -1);
+        if (w == DS41_HTTP_WAIT_CLIENT_GONE) {
+            api->svc.cancel(api->svc.ctx, id);
+            ds41_http_abandon(ex);
+            return false;
+        }
+        if (w == DS41_HTTP_WAIT_STOPPING) {
+            api->svc.cancel(api->svc.ctx, id);
+            ds41_http_add_header(ex, "Retry-After", "1");
+            ds41_http_add_header(ex, "Connection", "close");
+            ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
+            return false;
+        }
+    }
+}
+
 /* The id a client sees for request `id`: a keyed hash, not the counter, so a local user cannot
  * count from the ids of its own responses how many requests other users made meanwhile. */
 static uint64_t shown_id(const ds41_api *api, uint64_t id) {
@@ -808,26 +831,9 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
         return;
     }
 
-    for (;;) {
-        pthread_mutex_lock(&g->mu);
-        bool done = g->done;
-        pthread_mutex_unlock(&g->mu);
-        if (done) break;
-        ds41_http_wait_result w = ds41_http_wait(ex, &g->sig, -1);
-        if (w == DS41_HTTP_WAIT_CLIENT_GONE) {
-            api->svc.cancel(api->svc.ctx, g->id);
-            ds41_http_abandon(ex);
-            gen_unref(g);
-            return;
-        }
-        if (w == DS41_HTTP_WAIT_STOPPING) {
-            api->svc.cancel(api->svc.ctx, g->id);
-            ds41_http_add_header(ex, "Retry-After", "1");
-            ds41_http_add_header(ex, "Connection", "close");
-            ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
-            gen_unref(g);
-            return;
-        }
+    if (!ds41_api_wait_terminal(ex, api, g->id, &g->mu, &g->done, &g->sig)) {
+        gen_unref(g);
+        return;
     }
     /* done: the service has dropped its reference; only ours is left */
     if (g->failed) {

@@ -10,6 +10,7 @@
 #include "ipc/api.h"
 #include "ipc/service.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -65,6 +66,11 @@ void ds41_api_respond_json(ds41_http_exchange *ex, int status, json_t *v);
 void ds41_api_bad_request(ds41_http_exchange *ex, const ds41_svc_error *e);
 /* The body as a JSON object, or a 400 sent and -1. */
 int ds41_api_parse_body(ds41_http_exchange *ex, json_t **root);
+/* Wait for the terminal event of non-streamed generation `id` (*done under mu, sig raised by
+ * the sink).  true once done; false when the client went away or the server is stopping: the
+ * generation was cancelled and the exchange abandoned or answered 503. */
+bool ds41_api_wait_terminal(ds41_http_exchange *ex, ds41_api *api, uint64_t id, pthread_mutex_t *mu,
+                            const bool *done, ds41_http_signal *sig);
 /* A 501 unless the service implements the route's function. */
 bool ds41_api_need(ds41_http_exchange *ex, bool implemented, const char *what);
 

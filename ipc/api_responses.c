@@ -555,26 +555,9 @@ void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx) {
         ctx_unref(c);
         return;
     }
-    for (;;) {
-        pthread_mutex_lock(&c->mu);
-        bool done = c->done;
-        pthread_mutex_unlock(&c->mu);
-        if (done) break;
-        ds41_http_wait_result w = ds41_http_wait(ex, &c->sig, -1);
-        if (w == DS41_HTTP_WAIT_CLIENT_GONE) {
-            api->svc.cancel(api->svc.ctx, c->id);
-            ds41_http_abandon(ex);
-            ctx_unref(c);
-            return;
-        }
-        if (w == DS41_HTTP_WAIT_STOPPING) {
-            api->svc.cancel(api->svc.ctx, c->id);
-            ds41_http_add_header(ex, "Retry-After", "1");
-            ds41_http_add_header(ex, "Connection", "close");
-            ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
-            ctx_unref(c);
-            return;
-        }
+    if (!ds41_api_wait_terminal(ex, api, c->id, &c->mu, &c->done, &c->sig)) {
+        ctx_unref(c);
+        return;
     }
     if (c->failed)
         ds41_api_respond_svc_error(ex, &c->error);

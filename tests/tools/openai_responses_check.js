@@ -6,22 +6,8 @@
 //   PHASE "restarted": (a new daemon on the same state directory) continues that response.
 'use strict';
 const fs = require('fs');
-const path = require('path');
 const [modules, socketPath, phase, stateFile] = process.argv.slice(2);
-const OpenAI = require(path.join(modules, 'openai')).default || require(path.join(modules, 'openai'));
-const undici = require(path.join(modules, 'undici'));
-
-const client = new OpenAI({
-  baseURL: 'http://ds41/v1',
-  apiKey: 'unused',
-  maxRetries: 0,
-  fetch: undici.fetch,
-  fetchOptions: { dispatcher: new undici.Agent({ connect: { socketPath } }) },
-});
-
-function report(ok, what, detail) {
-  console.log(JSON.stringify({ ok: !!ok, what, detail: ok ? '' : JSON.stringify(detail).slice(0, 600) }));
-}
+const { OpenAI, client, report } = require('./openai_sdk_client.js')(modules, socketPath);
 
 const FORCED_TOOL =
   'The user wants the weather.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n' +
