@@ -1193,6 +1193,7 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
     api->metrics = metrics;
     if (opts) api->opts = *opts;
     atomic_init(&api->next_id, 1);
+    atomic_init(&api->store_pending, 0);
     if (getrandom(&api->salt, sizeof api->salt, GRND_NONBLOCK) != (ssize_t)sizeof api->salt)
         api->salt = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)api;
     if (getrandom(api->id_key, sizeof api->id_key, GRND_NONBLOCK) != (ssize_t)sizeof api->id_key) {
@@ -1241,6 +1242,8 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
 }
 
 void ds41_api_free(ds41_api *api) {
+    /* a streamed response's store thread still writes: the store outlives it */
+    while (api && atomic_load(&api->store_pending) > 0) nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
     if (api) ds41_response_store_close(api->responses);
     free(api);
 }

@@ -54,6 +54,7 @@ struct ds41_api {
     uint32_t salt;
     uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
     struct ds41_response_store *responses; /* stored responses of /v1/responses */
+    atomic_int store_pending;              /* threads storing a streamed response (api_responses.c) */
 };
 
 json_t *ds41_api_ju64(uint64_t v);

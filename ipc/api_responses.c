@@ -6,8 +6,9 @@
  *
  * A request's state (resp_ctx) is shared by the handler and the service's sink, reference
  * counted as the chat route's gen_ctx is; the service's reference goes at the terminal event,
- * which also builds the final object and stores it (before response.completed goes out, so a
- * client that continues at once finds it). */
+ * which builds the final object.  It is stored before the client sees it (so a client that
+ * continues at once finds it), never on the service's thread: by the handler of a non-streamed
+ * request, by a short-lived thread before response.completed of a streamed one. */
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -45,6 +46,8 @@ typedef struct resp_ctx {
     char resp_id[48];
     int64_t created;
     bool stream, done, attached, end_pending, started;
+    bool terminal; /* the service's terminal event came (done: and was handled) */
+    ds41_api *api;
     ds41_http_stream *out;
     uint64_t seq;
     out_item items[MAX_ITEMS];
@@ -347,11 +350,51 @@ static void store_locked(resp_ctx *c) {
     free(text);
 }
 
+/* The end of a response: response.completed / response.incomplete (or the error event), then
+ * the stream's end.  Returns the stream to end once the lock is released (NULL: none yet, the
+ * handler ends it when it attaches). */
+static ds41_http_stream *finalize_locked(resp_ctx *c) {
+    if (c->failed)
+        send_event_locked(c, "error",
+                          json_pack("{s:s,s:s,s:s?}", "code",
+                                    c->error.code[0] ? c->error.code : ds41_svc_status_code(c->error.status),
+                                    "message", c->error.message[0] ? c->error.message : "generation failed",
+                                    "param", c->error.param[0] ? c->error.param : NULL));
+    else
+        send_event_locked(c, c->finish == DS41_FINISH_LENGTH ? "response.incomplete" : "response.completed",
+                          c->final ? json_pack("{s:O}", "response", c->final) : NULL);
+    c->done = true;
+    if (!c->stream) return NULL;
+    if (!c->attached) {
+        c->end_pending = true;
+        return NULL;
+    }
+    ds41_http_stream *s = c->out;
+    c->out = NULL;
+    return s;
+}
+
+/* A streamed response to store: written off the service's thread (the engine's step loop must
+ * not wait for an fsync), before response.completed goes out so that a client continuing at
+ * once finds it.  Holds the service's reference. */
+static void *store_and_finish(void *arg) {
+    resp_ctx *c = arg;
+    ds41_api *api = c->api;
+    pthread_mutex_lock(&c->mu);
+    store_locked(c);
+    ds41_http_stream *to_end = finalize_locked(c);
+    pthread_mutex_unlock(&c->mu);
+    if (to_end) ds41_http_stream_end(to_end);
+    ctx_unref(c);
+    atomic_fetch_sub(&api->store_pending, 1); /* the last touch of api: ds41_api_free waits for it */
+    return NULL;
+}
+
 static void sink_event(void *ctx, const ds41_gen_event *ev) {
     resp_ctx *c = ctx;
     if (!ev) return;
     pthread_mutex_lock(&c->mu);
-    if (c->done) {
+    if (c->terminal) {
         pthread_mutex_unlock(&c->mu);
         return;
     }
@@ -373,11 +416,8 @@ static void sink_event(void *ctx, const ds41_gen_event *ev) {
         c->finish = ev->finish_reason;
         c->usage = ev->usage;
         close_item_locked(c, ev->finish_reason == DS41_FINISH_LENGTH);
-        bool incomplete = ev->finish_reason == DS41_FINISH_LENGTH;
-        c->final = response_json(c, incomplete ? "incomplete" : "completed", true);
-        store_locked(c);
-        send_event_locked(c, incomplete ? "response.incomplete" : "response.completed",
-                          c->final ? json_pack("{s:O}", "response", c->final) : NULL);
+        c->final =
+            response_json(c, ev->finish_reason == DS41_FINISH_LENGTH ? "incomplete" : "completed", true);
         break;
     case DS41_GEN_ERROR:
         c->failed = true;
@@ -387,31 +427,34 @@ static void sink_event(void *ctx, const ds41_gen_event *ev) {
         c->error.code[sizeof c->error.code - 1] = 0;
         break;
     }
-    ds41_http_stream *to_end = NULL;
-    if (terminal) {
-        c->done = true;
-        if (c->failed)
-            send_event_locked(
-                c, "error",
-                json_pack("{s:s,s:s,s:s?}", "code",
-                          c->error.code[0] ? c->error.code : ds41_svc_status_code(c->error.status), "message",
-                          c->error.message[0] ? c->error.message : "generation failed", "param",
-                          c->error.param[0] ? c->error.param : NULL));
-        if (c->stream) {
-            if (c->attached) {
-                to_end = c->out;
-                c->out = NULL;
-            } else {
-                c->end_pending = true;
-            }
+    if (!terminal) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    c->terminal = true;
+    /* a non-streamed response is stored by the handler, which waits anyway */
+    if (c->stream && !c->failed && c->store && c->st) {
+        pthread_attr_t attr;
+        pthread_t t;
+        atomic_fetch_add(&c->api->store_pending, 1);
+        bool spawned = pthread_attr_init(&attr) == 0;
+        if (spawned) {
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            spawned = pthread_create(&t, &attr, store_and_finish, c) == 0;
+            pthread_attr_destroy(&attr);
         }
+        if (spawned) {
+            pthread_mutex_unlock(&c->mu);
+            return;
+        }
+        atomic_fetch_sub(&c->api->store_pending, 1);
+        store_locked(c); /* no thread: store here rather than not at all */
     }
+    ds41_http_stream *to_end = finalize_locked(c);
     pthread_mutex_unlock(&c->mu);
-    if (terminal) {
-        if (to_end) ds41_http_stream_end(to_end);
-        if (!c->stream) ds41_http_signal_raise(&c->sig);
-        ctx_unref(c);
-    }
+    if (to_end) ds41_http_stream_end(to_end);
+    if (!c->stream) ds41_http_signal_raise(&c->sig);
+    ctx_unref(c);
 }
 
 typedef struct abandon_ctx {
@@ -496,6 +539,7 @@ void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx) {
     c->conversation = conv;
     c->store = req.store;
     c->st = api->responses;
+    c->api = api;
     c->peer = peer_uid(ex);
     snprintf(c->accept.model, sizeof c->accept.model, "%s", req.chat.model ? req.chat.model : "");
     if (c->stream) {
@@ -559,10 +603,14 @@ void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx) {
         ctx_unref(c);
         return;
     }
-    if (c->failed)
+    if (c->failed) {
         ds41_api_respond_svc_error(ex, &c->error);
-    else
+    } else {
+        pthread_mutex_lock(&c->mu);
+        store_locked(c);
+        pthread_mutex_unlock(&c->mu);
         ds41_api_respond_json(ex, 200, json_incref(c->final));
+    }
     ctx_unref(c);
 }
 

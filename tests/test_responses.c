@@ -351,6 +351,12 @@ static void test_routes(void) {
     json_t *resp = json_object_get(lastev, "response");
     TAP_CHECK(resp && strcmp(jstr(resp, "previous_response_id"), saved_id) == 0,
               "the continuation names its previous response");
+    char spath[128];
+    snprintf(spath, sizeof spath, "/v1/responses/%s", resp && jstr(resp, "id") ? jstr(resp, "id") : "x");
+    ds41_http_memory_response sg = call(api, "GET", spath, NULL);
+    TAP_CHECK(sg.status == 200,
+              "a streamed response is stored by the time its stream ends (GET at once: 200)");
+    ds41_http_memory_response_free(&sg);
     mock_service_last_request(mock, last, sizeof last);
     TAP_CHECK(
         strstr(last,
