@@ -122,6 +122,10 @@ static const key_desc keys[] = {
      NULL},
     {"snapshots.test_save_delay_ms", "snapshots", "test_save_delay_ms", V_UINT, CFG(snapshots.test_save_delay_ms), 0,
      600000, false, false, NULL},
+    {"responses.max_bytes", "responses", "max_bytes", V_SIZE, CFG(responses.max_bytes), 0, UINT64_MAX, false, false,
+     NULL},
+    {"responses.max_age_s", "responses", "max_age_s", V_UINT, CFG(responses.max_age_s), 0, 315360000, false, false,
+     NULL},
     {"log.level", "log", "level", V_ENUM, CFG(log.level), 0, 0, false, false, log_levels},
 };
 #define N_KEYS (sizeof keys / sizeof keys[0])
@@ -134,7 +138,7 @@ _Static_assert(sizeof(bool) == 1, "bool fields are 1 byte");
 /* Top-level keys in schema order: sections, the scalar state_directory and
  * the models sequence. */
 static const char *const root_keys[] = {"listen", "auth",   "state_directory", "models",       "embedded_model",
-                                        "engine", "memory", "limits",          "prefix_cache", "snapshots", "log"};
+                                        "engine", "memory", "limits",          "prefix_cache", "snapshots", "responses", "log"};
 #define N_ROOT (sizeof root_keys / sizeof root_keys[0])
 
 /* Most entries `models` may have. */
@@ -692,6 +696,8 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->snapshots.enabled = true;
     cfg->snapshots.max_bytes = 4ull << 30;
     cfg->snapshots.test_save_delay_ms = 0;
+    cfg->responses.max_bytes = 1ull << 30;
+    cfg->responses.max_age_s = 30u * 86400u;
     cfg->log.level = DS41_LOG_INFO;
     if (!cfg->listen.socket || !cfg->listen.socket_group || !cfg->auth.admin_group || !cfg->state_directory ||
         !cfg->embedded_model.name || !cfg->embedded_model.preset) {

@@ -97,6 +97,11 @@
  *                            deleted first; 0 = no cap.
  *   snapshots.test_save_delay_ms 0    TEST ONLY: pause every snapshot write half-way for this
  *                            many ms (so a test can kill the daemon mid-save); 0..600000.
+ *   responses.max_bytes      1GiB     stored responses of POST /v1/responses ("store": true) under
+ *                            <state_directory>/responses/: their total size, oldest deleted
+ *                            first; 0 = no cap.
+ *   responses.max_age_s      2592000  a stored response older than this many seconds (30 days)
+ *                            is deleted; 0 = kept until the cap needs room; 0..315360000.
  *   log.level                info     error | warning | info | debug.
  *
  * Value rules: booleans are exactly `true` or `false` (YAML 1.1's yes/no/on/off
@@ -216,6 +221,10 @@ typedef struct ds41_daemon_config {
         uint64_t max_bytes;          /* 0 = no cap */
         uint32_t test_save_delay_ms; /* TEST ONLY */
     } snapshots;
+    struct {
+        uint64_t max_bytes; /* 0 = no cap */
+        uint32_t max_age_s; /* 0 = no limit */
+    } responses;
     struct {
         ds41_log_level level;
     } log;

@@ -205,7 +205,12 @@ int main(int argc, char **argv) {
         goto out;
     }
     metrics = ds41_http_metrics_new();
-    ds41_api_options ao = {.max_body_bytes = (size_t)cfg.limits.max_body_bytes};
+    char responses_dir[4096];
+    snprintf(responses_dir, sizeof responses_dir, "%s/responses", cfg.state_directory);
+    ds41_api_options ao = {.max_body_bytes = (size_t)cfg.limits.max_body_bytes,
+                           .responses_dir = responses_dir,
+                           .responses_max_bytes = cfg.responses.max_bytes,
+                           .responses_max_age_s = cfg.responses.max_age_s};
     if (!metrics || ds41_api_new(ds41_engine_service_iface(svc), metrics, &ao, &api, &err) != 0) {
         ds41_log(DS41_LOG_ERROR, "%s", metrics ? err.msg : "out of memory");
         goto out;

@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "ipc/api_internal.h"
+#include "ipc/response_store.h"
 #include "config/json_util.h"
 #include "config/utf8.h"
 
@@ -692,6 +693,29 @@ static json_t *build_completion_response(gen_ctx *g) {
 
 /* ------------------------------------------------------ generation route */
 
+bool ds41_api_wait_terminal(ds41_http_exchange *ex, ds41_api *api, uint64_t id, pthread_mutex_t *mu,
+                            const bool *done, ds41_http_signal *sig) {
+    for (;;) {
+        pthread_mutex_lock(mu);
+        bool d = *done;
+        pthread_mutex_unlock(mu);
+        if (d) return true;
+        ds41_http_wait_result w = ds41_http_wait(ex, sig, -1);
+        if (w == DS41_HTTP_WAIT_CLIENT_GONE) {
+            api->svc.cancel(api->svc.ctx, id);
+            ds41_http_abandon(ex);
+            return false;
+        }
+        if (w == DS41_HTTP_WAIT_STOPPING) {
+            api->svc.cancel(api->svc.ctx, id);
+            ds41_http_add_header(ex, "Retry-After", "1");
+            ds41_http_add_header(ex, "Connection", "close");
+            ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
+            return false;
+        }
+    }
+}
+
 /* The id a client sees for request `id`: a keyed hash, not the counter, so a local user cannot
  * count from the ids of its own responses how many requests other users made meanwhile. */
 static uint64_t shown_id(const ds41_api *api, uint64_t id) {
@@ -807,26 +831,9 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
         return;
     }
 
-    for (;;) {
-        pthread_mutex_lock(&g->mu);
-        bool done = g->done;
-        pthread_mutex_unlock(&g->mu);
-        if (done) break;
-        ds41_http_wait_result w = ds41_http_wait(ex, &g->sig, -1);
-        if (w == DS41_HTTP_WAIT_CLIENT_GONE) {
-            api->svc.cancel(api->svc.ctx, g->id);
-            ds41_http_abandon(ex);
-            gen_unref(g);
-            return;
-        }
-        if (w == DS41_HTTP_WAIT_STOPPING) {
-            api->svc.cancel(api->svc.ctx, g->id);
-            ds41_http_add_header(ex, "Retry-After", "1");
-            ds41_http_add_header(ex, "Connection", "close");
-            ds41_http_respond_error(ex, 503, NULL, "shutting_down", NULL, "the server is shutting down");
-            gen_unref(g);
-            return;
-        }
+    if (!ds41_api_wait_terminal(ex, api, g->id, &g->mu, &g->done, &g->sig)) {
+        gen_unref(g);
+        return;
     }
     /* done: the service has dropped its reference; only ours is left */
     if (g->failed) {
@@ -1186,6 +1193,7 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
     api->metrics = metrics;
     if (opts) api->opts = *opts;
     atomic_init(&api->next_id, 1);
+    atomic_init(&api->store_pending, 0);
     if (getrandom(&api->salt, sizeof api->salt, GRND_NONBLOCK) != (ssize_t)sizeof api->salt)
         api->salt = (uint32_t)time(NULL) ^ (uint32_t)(uintptr_t)api;
     if (getrandom(api->id_key, sizeof api->id_key, GRND_NONBLOCK) != (ssize_t)sizeof api->id_key) {
@@ -1198,6 +1206,9 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"GET", "/v1/models/*", DS41_AUTH_INFERENCE, false, "model", route_model_one},
         {"POST", "/v1/chat/completions", DS41_AUTH_INFERENCE, true, "chat_completions", route_chat},
         {"POST", "/v1/completions", DS41_AUTH_INFERENCE, true, "completions", route_completions},
+        {"POST", "/v1/responses", DS41_AUTH_INFERENCE, true, "responses", ds41_api_route_responses_create},
+        {"GET", "/v1/responses/*", DS41_AUTH_INFERENCE, false, "response_get", ds41_api_route_responses_get},
+        {"DELETE", "/v1/responses/*", DS41_AUTH_INFERENCE, false, "response_delete", ds41_api_route_responses_delete},
         {"POST", "/tokenize", DS41_AUTH_INFERENCE, true, "tokenize", route_tokenize},
         {"POST", "/detokenize", DS41_AUTH_INFERENCE, true, "detokenize", route_detokenize},
         {"GET", "/metrics", DS41_AUTH_INFERENCE, false, "metrics", route_metrics},
@@ -1216,6 +1227,11 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"POST", "/admin/cache/experts", DS41_AUTH_ADMIN, true, "admin_cache_experts", ds41_api_route_admin_cache_experts},
     };
     memcpy(api->routes, routes, sizeof routes);
+    if (ds41_response_store_open(api->opts.responses_dir, api->opts.responses_max_bytes,
+                                 api->opts.responses_max_age_s, unix_now(), &api->responses, err) != 0) {
+        free(api);
+        return -1;
+    }
     api->router = (ds41_http_router){.routes = api->routes,
                                      .n_routes = N_ROUTES,
                                      .ctx = api,
@@ -1226,6 +1242,9 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
 }
 
 void ds41_api_free(ds41_api *api) {
+    /* a streamed response's store thread still writes: the store outlives it */
+    while (api && atomic_load(&api->store_pending) > 0) nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    if (api) ds41_response_store_close(api->responses);
     free(api);
 }
 

@@ -11,6 +11,9 @@
  *   GET     /v1/models/{id}           I      one model object, 404 model_not_found
  *   POST    /v1/chat/completions      I      chat.completion, or SSE chat.completion.chunk stream
  *   POST    /v1/completions           I      text_completion, or SSE stream
+ *   POST    /v1/responses             I      response, or SSE response.* events (ipc/api_responses.h)
+ *   GET     /v1/responses/{id}        I      a stored response of this peer; 404 otherwise
+ *   DELETE  /v1/responses/{id}        I      {"id","object":"response","deleted":true}; 404 likewise
  *   POST    /tokenize                 I      {"tokens":[...],"count":n}
  *   POST    /detokenize               I      {"content":"..."}
  *   GET     /metrics                  I      text/plain Prometheus exposition: the service's text
@@ -168,6 +171,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "config/error.h"
 #include "ipc/http_server.h"
@@ -176,6 +180,11 @@
 typedef struct ds41_api_options {
     size_t max_body_bytes;          /* 0 = 32 MiB */
     unsigned completion_max_tokens; /* default max_tokens of /v1/completions; 0 = 16 */
+    /* Stored responses of /v1/responses (ipc/response_store.h): their directory (NULL: kept in
+     * memory only), total byte cap and age limit in seconds (0 = none). */
+    const char *responses_dir;
+    uint64_t responses_max_bytes;
+    uint64_t responses_max_age_s;
 } ds41_api_options;
 
 typedef struct ds41_api ds41_api;

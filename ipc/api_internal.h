@@ -10,6 +10,7 @@
 #include "ipc/api.h"
 #include "ipc/service.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -41,7 +42,7 @@ int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort
 
 /* ---- shared by the route files (api.c, api_admin.c) ---- */
 
-#define N_ROUTES 19
+#define N_ROUTES 22
 
 struct ds41_api {
     ds41_service svc;
@@ -52,6 +53,8 @@ struct ds41_api {
     atomic_uint_fast64_t next_id;
     uint32_t salt;
     uint8_t id_key[16]; /* keys the ids clients see (shown_id) */
+    struct ds41_response_store *responses; /* stored responses of /v1/responses */
+    atomic_int store_pending;              /* threads storing a streamed response (api_responses.c) */
 };
 
 json_t *ds41_api_ju64(uint64_t v);
@@ -64,6 +67,11 @@ void ds41_api_respond_json(ds41_http_exchange *ex, int status, json_t *v);
 void ds41_api_bad_request(ds41_http_exchange *ex, const ds41_svc_error *e);
 /* The body as a JSON object, or a 400 sent and -1. */
 int ds41_api_parse_body(ds41_http_exchange *ex, json_t **root);
+/* Wait for the terminal event of non-streamed generation `id` (*done under mu, sig raised by
+ * the sink).  true once done; false when the client went away or the server is stopping: the
+ * generation was cancelled and the exchange abandoned or answered 503. */
+bool ds41_api_wait_terminal(ds41_http_exchange *ex, ds41_api *api, uint64_t id, pthread_mutex_t *mu,
+                            const bool *done, ds41_http_signal *sig);
 /* A 501 unless the service implements the route's function. */
 bool ds41_api_need(ds41_http_exchange *ex, bool implemented, const char *what);
 
@@ -78,5 +86,10 @@ void ds41_api_route_admin_snapshot_restore(ds41_http_exchange *ex, void *ctx);
 void ds41_api_route_admin_snapshot_save(ds41_http_exchange *ex, void *ctx);
 void ds41_api_route_admin_snapshots(ds41_http_exchange *ex, void *ctx);
 void ds41_api_route_admin_unload(ds41_http_exchange *ex, void *ctx);
+
+/* The Responses API routes (api_responses.c); ctx is the ds41_api. */
+void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_responses_get(ds41_http_exchange *ex, void *ctx);
+void ds41_api_route_responses_delete(ds41_http_exchange *ex, void *ctx);
 
 #endif

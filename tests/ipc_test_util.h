@@ -113,4 +113,39 @@ __attribute__((unused)) static json_t *sse_split(const char *body, size_t len, i
     return events;
 }
 
+/* Split a Responses API SSE body (issue 18) into its events' data objects: every event must be
+ * "event: TYPE\ndata: {...}\n\n" with data.type == TYPE.  NULL when the framing is wrong (then
+ * *why says where). */
+__attribute__((unused)) static json_t *sse_split_named(const char *body, size_t len, char *why, size_t why_len) {
+    json_t *events = json_array();
+    size_t i = 0;
+    while (events && i < len) {
+        const char *end = NULL, *nl;
+        for (size_t k = i; k + 1 < len; k++)
+            if (body[k] == '\n' && body[k + 1] == '\n') {
+                end = body + k;
+                break;
+            }
+        nl = end ? memchr(body + i, '\n', (size_t)(end - (body + i))) : NULL;
+        if (!end || !nl || (size_t)(nl - (body + i)) < 8 || memcmp(body + i, "event: ", 7) != 0 ||
+            (size_t)(end - nl) < 7 || memcmp(nl + 1, "data: ", 6) != 0 || memchr(nl + 1, '\n', (size_t)(end - nl - 1))) {
+            snprintf(why, why_len, "event at byte %zu is not 'event: TYPE\\ndata: JSON\\n\\n'", i);
+            json_decref(events);
+            return NULL;
+        }
+        json_t *j = json_loadb(nl + 7, (size_t)(end - nl - 7), 0, NULL);
+        const char *type = json_string_value(json_object_get(j, "type"));
+        size_t tl = (size_t)(nl - (body + i)) - 7;
+        if (!type || strlen(type) != tl || memcmp(type, body + i + 7, tl) != 0) {
+            snprintf(why, why_len, "event at byte %zu: data is not JSON or its type differs from the event line", i);
+            json_decref(j);
+            json_decref(events);
+            return NULL;
+        }
+        json_array_append_new(events, j);
+        i = (size_t)(end - body) + 2;
+    }
+    return events;
+}
+
 #endif

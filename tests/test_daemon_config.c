@@ -192,6 +192,8 @@ static const bad_case bad_cases[] = {
     {"snapshots.enabled", V("yes", "1", "null"), NULL},
     {"snapshots.max_bytes", V("-1", "auto", "lots"), NULL},
     {"snapshots.test_save_delay_ms", V("600001", "-1", "5s"), NULL},
+    {"responses.max_bytes", V("-1", "auto", "lots"), NULL},
+    {"responses.max_age_s", V("315360001", "-1", "30d"), NULL},
     {"log.level", V("warn", "INFO", "trace", "null"), NULL},
 };
 

@@ -2,22 +2,8 @@
 // Agent with connect.socketPath.  Prints one JSON object per case: {"ok": bool, "what": ..., "detail": ...}.
 // usage: node openai_sdk_check.js NODE_MODULES_DIR SOCKET_PATH
 'use strict';
-const path = require('path');
 const [modules, socketPath] = process.argv.slice(2);
-const OpenAI = require(path.join(modules, 'openai')).default || require(path.join(modules, 'openai'));
-const undici = require(path.join(modules, 'undici'));
-
-const client = new OpenAI({
-  baseURL: 'http://ds41/v1',
-  apiKey: 'unused',
-  maxRetries: 0,
-  fetch: undici.fetch,
-  fetchOptions: { dispatcher: new undici.Agent({ connect: { socketPath } }) },
-});
-
-function report(ok, what, detail) {
-  console.log(JSON.stringify({ ok: !!ok, what, detail: ok ? '' : JSON.stringify(detail).slice(0, 400) }));
-}
+const { OpenAI, client, report } = require('./openai_sdk_client.js')(modules, socketPath);
 
 const FORCED =
   'The user wants the weather.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n' +
