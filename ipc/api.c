@@ -23,6 +23,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "ipc/api_anthropic.h"
 #include "ipc/api_internal.h"
 #include "config/json_util.h"
 #include "config/utf8.h"
@@ -1198,6 +1199,9 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"GET", "/v1/models/*", DS41_AUTH_INFERENCE, false, "model", route_model_one},
         {"POST", "/v1/chat/completions", DS41_AUTH_INFERENCE, true, "chat_completions", route_chat},
         {"POST", "/v1/completions", DS41_AUTH_INFERENCE, true, "completions", route_completions},
+        {"POST", "/v1/messages", DS41_AUTH_INFERENCE, true, "messages", ds41_api_route_anthropic_messages},
+        {"POST", "/v1/messages/count_tokens", DS41_AUTH_INFERENCE, true, "messages_count_tokens",
+         ds41_api_route_anthropic_count_tokens},
         {"POST", "/tokenize", DS41_AUTH_INFERENCE, true, "tokenize", route_tokenize},
         {"POST", "/detokenize", DS41_AUTH_INFERENCE, true, "detokenize", route_detokenize},
         {"GET", "/metrics", DS41_AUTH_INFERENCE, false, "metrics", route_metrics},

@@ -41,7 +41,7 @@ int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort
 
 /* ---- shared by the route files (api.c, api_admin.c) ---- */
 
-#define N_ROUTES 19
+#define N_ROUTES 21
 
 struct ds41_api {
     ds41_service svc;
