@@ -11,6 +11,8 @@
  *   GET     /v1/models/{id}           I      one model object, 404 model_not_found
  *   POST    /v1/chat/completions      I      chat.completion, or SSE chat.completion.chunk stream
  *   POST    /v1/completions           I      text_completion, or SSE stream
+ *   POST    /v1/messages              I      Anthropic's Messages API (ipc/api_anthropic.h)
+ *   POST    /v1/messages/count_tokens I      {"input_tokens": n} (ipc/api_anthropic.h)
  *   POST    /tokenize                 I      {"tokens":[...],"count":n}
  *   POST    /detokenize               I      {"content":"..."}
  *   GET     /metrics                  I      text/plain Prometheus exposition: the service's text
