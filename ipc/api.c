@@ -705,6 +705,10 @@ static uint64_t shown_id(const ds41_api *api, uint64_t id) {
     return v;
 }
 
+uint64_t ds41_api_shown_id(const ds41_api *api, uint64_t id) {
+    return shown_id(api, id);
+}
+
 static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_kind kind) {
     size_t len;
     const char *body = ds41_http_body(ex, &len);

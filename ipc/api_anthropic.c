@@ -1083,9 +1083,7 @@ void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
     pthread_mutex_init(&c->mu, NULL);
     c->refs = 1;
     c->id = atomic_fetch_add(&api->next_id, 1);
-    /* ids a client sees: salted, not the counter (as the chat route's) */
-    uint64_t bits = c->id * UINT64_C(0x9E3779B97F4A7C15) ^ ((uint64_t)api->salt << 32 | api->salt);
-    for (size_t i = 0; i < sizeof api->id_key; i++) bits = (bits ^ api->id_key[i]) * UINT64_C(0x100000001B3);
+    uint64_t bits = ds41_api_shown_id(api, c->id); /* ids a client sees: keyed, not the counter */
     char id[48];
     snprintf(id, sizeof id, "msg_%08" PRIx32 "%016" PRIx64, api->salt, bits);
     if (ds41_anth_message_init(&c->msg, id, req.model, bits, req.gen.stream, req.gen.stop, req.gen.n_stop)) {

@@ -35,7 +35,8 @@
  * Thinking budget -> V4.1 reasoning effort (the model's "Reasoning Effort: N"
  * prefix; the budget is not a hard cap on thinking tokens, max_tokens is):
  *   1024..2047 -> 25,  2048..8191 -> 50,  8192..31999 -> 75 (the model's
- *   default),  >= 32000 -> 100.  thinking absent: the service's default mode.
+ *   default),  >= 32000 -> 100.  thinking absent: the service's default mode (ds41d's:
+ * no thinking, as in Anthropic's API).
  *
  * Answers: a "message" object (content blocks thinking {thinking,
  * signature:""}, text, tool_use {id "toolu_...", name, input}; stop_reason

@@ -55,6 +55,8 @@ struct ds41_api {
 };
 
 json_t *ds41_api_ju64(uint64_t v);
+/* The id a client sees for request counter value id (a keyed hash: ids do not count requests). */
+uint64_t ds41_api_shown_id(const ds41_api *api, uint64_t id);
 /* A finite double as JSON (non-finite: -9999 below zero, else 0). */
 json_t *ds41_api_jreal(double v);
 /* A service error as its HTTP answer (Retry-After on 429/503). */
