@@ -81,10 +81,10 @@ static void test_parse_ok(void) {
         "tool_choice tool + disable_parallel_tool_use: a named choice, no parallel calls");
     TAP_CHECK(g->thinking == DS41_THINKING_ENABLED && g->reasoning_effort == 50,
               "thinking enabled with budget 4096: thinking mode, effort 50 (got %d)", g->reasoning_effort);
-    TAP_CHECK(g->max_tokens == 8000 && g->n_stop == 2 && strcmp(g->stop[1], "##") == 0 && g->temperature.set &&
-                  g->temperature.value == 0.5 && g->top_p.value == 0.9 && g->top_k == 40 && g->stream &&
-                  g->user && strcmp(g->user, "u-7") == 0 && strcmp(g->model, "ds41-tiny") == 0 &&
-                  g->kind == DS41_GEN_CHAT,
+    TAP_CHECK(g->max_tokens == 8000 && g->n_stop == 2 && strcmp(g->stop[1], "##") == 0 &&
+                  g->temperature.set && g->temperature.value == 0.5 && g->top_p.value == 0.9 &&
+                  g->top_k == 40 && g->stream && g->user && strcmp(g->user, "u-7") == 0 &&
+                  strcmp(g->model, "ds41-tiny") == 0 && g->kind == DS41_GEN_CHAT,
               "max_tokens, stop_sequences, temperature, top_p, top_k, metadata.user_id, stream, model");
     ds41_api_request_free(&r);
 
