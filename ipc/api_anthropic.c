@@ -24,26 +24,11 @@
 
 /* ----------------------------------------------------------- error helpers */
 
-__attribute__((format(printf, 4, 5))) static int bad(ds41_svc_error *err, const char *param, const char *code,
-                                                     const char *fmt, ...) {
-    if (!err) return -1;
-    err->status = DS41_SVC_BAD_REQUEST;
-    err->retry_after_s = 0;
-    snprintf(err->param, sizeof err->param, "%s", param ? param : "");
-    snprintf(err->code, sizeof err->code, "%s", code);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
-    va_end(ap);
-    return -1;
-}
+#define bad ds41_api_field_error
+#define type_error ds41_api_type_error
 
 static int oom(ds41_svc_error *err) {
     return ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "out of memory");
-}
-
-static int type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v) {
-    return bad(err, path, "invalid_type", "'%s' must be %s, not %s", path, want, ds41_json_kind_name(v));
 }
 
 /* obj[key] when present and not null, else NULL. */
@@ -58,6 +43,16 @@ static void sub(char *out, size_t n, const char *prefix, const char *key) {
 
 static void idx(char *out, size_t n, const char *prefix, size_t i) {
     if (snprintf(out, n, "%s[%zu]", prefix, i) < 0) out[0] = 0;
+}
+
+/* obj[key], a required object (its path: prefix.key). */
+static int get_object(const json_t *obj, const char *prefix, const char *key, const char *want, json_t **out,
+                      ds41_svc_error *err) {
+    char p[220];
+    sub(p, sizeof p, prefix, key);
+    *out = get(obj, key);
+    if (!*out) return bad(err, p, "missing_field", "'%s' is required", p);
+    return json_is_object(*out) ? 0 : type_error(err, p, want, *out);
 }
 
 /* cache_control: accepted and ignored (the prefix cache is automatic), but it must look like one. */
@@ -75,10 +70,12 @@ static int check_cache_control(const json_t *block, const char *path, ds41_svc_e
                : 0;
 }
 
-/* A block's "text" (required string) after checking its keys. */
-static int text_block(const json_t *b, const char *path, const char **text, ds41_svc_error *err) {
+/* A text block: check its keys, append sep and its "text" to out. */
+static int text_block(const json_t *b, const char *path, const char *sep, ds41_buf *out,
+                      ds41_svc_error *err) {
+    const char *text;
     static const char *const keys[] = {"type", "text", "cache_control", "citations", NULL};
-    if (ds41_api_check_keys(b, path, keys, err) || ds41_api_get_string(b, path, "text", true, text, err) ||
+    if (ds41_api_check_keys(b, path, keys, err) || ds41_api_get_string(b, path, "text", true, &text, err) ||
         check_cache_control(b, path, err))
         return -1;
     json_t *cit = get(b, "citations");
@@ -88,13 +85,18 @@ static int text_block(const json_t *b, const char *path, const char **text, ds41
         return bad(err, p, "unsupported_parameter", "'%s' is not supported: there are no documents to cite",
                    p);
     }
+    ds41_buf_puts(out, sep);
+    ds41_buf_put(out, text, json_string_length(json_object_get(b, "text")));
     return 0;
 }
 
-/* The block's "type" (required string). */
-static int block_type(const json_t *b, const char *path, const char **type, ds41_svc_error *err) {
-    if (!json_is_object(b)) return type_error(err, path, "an object", b);
-    return ds41_api_get_string(b, path, "type", true, type, err);
+/* content[i]: its path into p (200 bytes) and its "type" (a required string). */
+static int block_at(const json_t *content, size_t i, const char *cpath, char *p, const char **type,
+                    ds41_svc_error *err) {
+    idx(p, 200, cpath, i);
+    const json_t *b = json_array_get(content, i);
+    if (!json_is_object(b)) return type_error(err, p, "an object", b);
+    return ds41_api_get_string(b, p, "type", true, type, err);
 }
 
 static int unsupported_block(const char *path, const char *type, const char *role, ds41_svc_error *err) {
@@ -126,16 +128,13 @@ static int text_or_blocks(const json_t *v, const char *path, json_t **out, ds41_
     json_t *blk;
     json_array_foreach(v, i, blk) {
         char p[200];
-        idx(p, sizeof p, path, i);
-        const char *type, *text;
-        if (block_type(blk, p, &type, err)) goto fail;
+        const char *type;
+        if (block_at(v, i, path, p, &type, err)) goto fail;
         if (strcmp(type, "text") != 0) {
             unsupported_block(p, type, "text", err);
             goto fail;
         }
-        if (text_block(blk, p, &text, err)) goto fail;
-        if (i) ds41_buf_puts(&b, "\n\n");
-        ds41_buf_put(&b, text, json_string_length(json_object_get(blk, "text")));
+        if (text_block(blk, p, i ? "\n\n" : "", &b, err)) goto fail;
     }
     if (b.oom) {
         ds41_buf_free(&b);
@@ -166,14 +165,10 @@ static int user_message(const json_t *content, const char *cpath, const json_t *
     json_t *blk;
     json_array_foreach(content, i, blk) {
         char p[200];
-        idx(p, sizeof p, cpath, i);
         const char *type;
-        if (block_type(blk, p, &type, err)) goto fail;
+        if (block_at(content, i, cpath, p, &type, err)) goto fail;
         if (strcmp(type, "text") == 0) {
-            const char *t;
-            if (text_block(blk, p, &t, err)) goto fail;
-            if (has_text) ds41_buf_puts(&text, "\n\n");
-            ds41_buf_put(&text, t, json_string_length(json_object_get(blk, "text")));
+            if (text_block(blk, p, has_text ? "\n\n" : "", &text, err)) goto fail;
             has_text = true;
         } else if (strcmp(type, "tool_result") == 0) {
             static const char *const keys[] = {"type",     "tool_use_id",   "content",
@@ -253,13 +248,10 @@ static int assistant_message(const json_t *content, const char *cpath, json_t *t
     json_t *blk;
     json_array_foreach(content, i, blk) {
         char p[200];
-        idx(p, sizeof p, cpath, i);
         const char *type;
-        if (block_type(blk, p, &type, err)) goto fail;
+        if (block_at(content, i, cpath, p, &type, err)) goto fail;
         if (strcmp(type, "text") == 0) {
-            const char *t;
-            if (text_block(blk, p, &t, err)) goto fail;
-            ds41_buf_put(&text, t, json_string_length(json_object_get(blk, "text")));
+            if (text_block(blk, p, "", &text, err)) goto fail;
         } else if (strcmp(type, "thinking") == 0) {
             static const char *const keys[] = {"type", "thinking", "signature", NULL};
             const char *t, *sig;
@@ -280,17 +272,8 @@ static int assistant_message(const json_t *content, const char *cpath, json_t *t
             if (ds41_api_check_keys(blk, p, keys, err) || ds41_api_get_string(blk, p, "id", true, &id, err) ||
                 ds41_api_get_string(blk, p, "name", true, &name, err) || check_cache_control(blk, p, err))
                 goto fail;
-            json_t *input = json_object_get(blk, "input");
-            char ip[220];
-            sub(ip, sizeof ip, p, "input");
-            if (!input) {
-                bad(err, ip, "missing_field", "'%s' is required", ip);
-                goto fail;
-            }
-            if (!json_is_object(input)) {
-                type_error(err, ip, "an object", input);
-                goto fail;
-            }
+            json_t *input;
+            if (get_object(blk, p, "input", "an object", &input, err)) goto fail;
             if (*id == 0) {
                 char dp[220];
                 sub(dp, sizeof dp, p, "id");
@@ -449,17 +432,8 @@ static int parse_tools(const json_t *root, ds41_api_request *r, json_t **names, 
         if (ds41_api_check_keys(t, p, keys, err) || ds41_api_get_string(t, p, "name", true, &name, err) ||
             ds41_api_get_string(t, p, "description", false, &desc, err) || check_cache_control(t, p, err))
             goto fail;
-        json_t *schema = get(t, "input_schema");
-        char sp[64];
-        sub(sp, sizeof sp, p, "input_schema");
-        if (!schema) {
-            bad(err, sp, "missing_field", "'%s' is required", sp);
-            goto fail;
-        }
-        if (!json_is_object(schema)) {
-            type_error(err, sp, "an object (a JSON schema)", schema);
-            goto fail;
-        }
+        json_t *schema;
+        if (get_object(t, p, "input_schema", "an object (a JSON schema)", &schema, err)) goto fail;
         json_t *fn = json_pack("{s:s,s:O}", "name", name, "parameters", schema);
         if (fn && desc) json_object_set(fn, "description", json_object_get(t, "description"));
         json_t *ct = fn ? json_pack("{s:s,s:o}", "type", "function", "function", fn) : NULL;
@@ -974,6 +948,22 @@ static void respond_error(ds41_http_exchange *ex, const ds41_svc_error *e) {
 
 /* ================================================================== routes */
 
+static void respond_oom(ds41_http_exchange *ex) {
+    ds41_svc_error err = {0};
+    ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "out of memory");
+    respond_error(ex, &err);
+}
+
+/* The body as a request, or the 400 sent and -1. */
+static int parse_body(ds41_http_exchange *ex, bool count_tokens, ds41_api_request *req) {
+    size_t len;
+    const char *body = ds41_http_body(ex, &len);
+    ds41_svc_error err = {0};
+    if (ds41_anth_parse(body, len, count_tokens, req, &err) == 0) return 0;
+    respond_error(ex, &err);
+    return -1;
+}
+
 /* One /v1/messages request, shared by the handler and the service's sink (reference counted). */
 typedef struct anth_ctx {
     pthread_mutex_t mu;
@@ -1064,20 +1054,14 @@ static void cancel_on_abandon(void *ctx) {
 
 void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    size_t len;
-    const char *body = ds41_http_body(ex, &len);
     ds41_api_request req;
     ds41_svc_error err = {0};
-    if (ds41_anth_parse(body, len, false, &req, &err)) {
-        respond_error(ex, &err);
-        return;
-    }
+    if (parse_body(ex, false, &req)) return;
     anth_ctx *c = calloc(1, sizeof *c);
     if (!c || ds41_http_signal_init(&c->sig, NULL) != 0) {
         free(c);
         ds41_api_request_free(&req);
-        ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "out of memory");
-        respond_error(ex, &err);
+        respond_oom(ex);
         return;
     }
     pthread_mutex_init(&c->mu, NULL);
@@ -1089,8 +1073,7 @@ void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
     if (ds41_anth_message_init(&c->msg, id, req.model, bits, req.gen.stream, req.gen.stop, req.gen.n_stop)) {
         ds41_api_request_free(&req);
         ctx_unref(c);
-        ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "out of memory");
-        respond_error(ex, &err);
+        respond_oom(ex);
         return;
     }
     if (c->msg.stream) {
@@ -1104,8 +1087,7 @@ void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
             free(cc);
             ds41_api_request_free(&req);
             ctx_unref(c);
-            ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "out of memory");
-            respond_error(ex, &err);
+            respond_oom(ex);
             return;
         }
     }
@@ -1192,14 +1174,9 @@ void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
 
 void ds41_api_route_anthropic_count_tokens(ds41_http_exchange *ex, void *ctx) {
     ds41_api *api = ctx;
-    size_t len;
-    const char *body = ds41_http_body(ex, &len);
     ds41_api_request req;
     ds41_svc_error err = {0};
-    if (ds41_anth_parse(body, len, true, &req, &err)) {
-        respond_error(ex, &err);
-        return;
-    }
+    if (parse_body(ex, true, &req)) return;
     if (!api->svc.tokenize) {
         ds41_api_request_free(&req);
         ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "the service does not implement tokenization");

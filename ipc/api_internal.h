@@ -13,6 +13,12 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+/* A 400 naming the field param, with code (invalid_value, missing_field, ...) and a message. */
+int ds41_api_field_error(ds41_svc_error *err, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* A 400 invalid_type: "'path' must be <want>, not <kind of v>". */
+int ds41_api_type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v);
+
 /* Parse body as a JSON object (duplicate keys refused). *out: new reference. */
 int ds41_api_parse_json(const char *body, size_t len, json_t **out, ds41_svc_error *err);
 

@@ -559,6 +559,14 @@ static void test_encoder(void) {
 
 /* ----------------------------------------------------------------- the routes */
 
+static void post(const ds41_http_router *router, const char *path, const char *body,
+                 ds41_http_memory_response *r) {
+    ds41_error err;
+    if (ds41_http_dispatch_memory(router, "POST", path, DS41_AUTH_INFERENCE, "application/json", body,
+                                  strlen(body), 5000, r, &err) != 0)
+        memset(r, 0, sizeof *r);
+}
+
 static void test_routes(void) {
     mock_service *mock = mock_service_new(false);
     ds41_api *api = NULL;
@@ -571,8 +579,7 @@ static void test_routes(void) {
     ds41_http_memory_response r;
     static const char plain[] =
         "{\"model\":\"mock\",\"max_tokens\":50,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
-    ds41_http_dispatch_memory(router, "POST", "/v1/messages", DS41_AUTH_INFERENCE, "application/json", plain,
-                              sizeof plain - 1, 5000, &r, &err);
+    post(router, "/v1/messages", plain, &r);
     json_t *j = r.body ? json_loads(r.body, 0, NULL) : NULL;
     json_t *c0 = json_array_get(json_object_get(j, "content"), 0);
     TAP_CHECK(
@@ -590,8 +597,7 @@ static void test_routes(void) {
     static const char streamed[] =
         "{\"model\":\"mock\",\"max_tokens\":50,\"stream\":true,\"messages\":[{\"role\":"
         "\"user\",\"content\":\"hi\"}]}";
-    ds41_http_dispatch_memory(router, "POST", "/v1/messages", DS41_AUTH_INFERENCE, "application/json",
-                              streamed, sizeof streamed - 1, 5000, &r, &err);
+    post(router, "/v1/messages", streamed, &r);
     json_t *ev = r.body ? sse_events(r.body) : NULL;
     char names[1024] = "";
     event_names(ev, names, sizeof names);
@@ -606,8 +612,7 @@ static void test_routes(void) {
     ds41_http_memory_response_free(&r);
 
     static const char bad[] = "{\"model\":\"mock\",\"max_tokens\":5,\"messages\":[],\"x\":1}";
-    ds41_http_dispatch_memory(router, "POST", "/v1/messages", DS41_AUTH_INFERENCE, "application/json", bad,
-                              sizeof bad - 1, 5000, &r, &err);
+    post(router, "/v1/messages", bad, &r);
     TAP_CHECK(r.status == 400 && r.body && strstr(r.body, "\"type\":\"error\"") &&
                   strstr(r.body, "invalid_request_error") && strstr(r.body, "'x'"),
               "a bad body: 400 in Anthropic's error shape naming the field: %s", r.body ? r.body : "");
@@ -616,8 +621,7 @@ static void test_routes(void) {
     static const char missing[] =
         "{\"model\":\"missing\",\"max_tokens\":5,\"messages\":[{\"role\":\"user\",\"content\":"
         "\"hi\"}]}";
-    ds41_http_dispatch_memory(router, "POST", "/v1/messages", DS41_AUTH_INFERENCE, "application/json",
-                              missing, sizeof missing - 1, 5000, &r, &err);
+    post(router, "/v1/messages", missing, &r);
     TAP_CHECK(r.status == 404 && r.body && strstr(r.body, "not_found_error"),
               "an unknown model: 404 not_found_error");
     ds41_http_memory_response_free(&r);
