@@ -94,6 +94,9 @@ static void on_done(void *ctx, const ds41_generation *g, ds41_sched_status statu
                            : strcmp(f, "length") == 0        ? DS41_FINISH_LENGTH
                            : strcmp(f, "tool_calls") == 0    ? DS41_FINISH_TOOL_CALLS
                                                              : DS41_FINISH_STOP;
+        int si = ds41_generation_stop_index(g);
+        ev.stop_string = ev.finish_reason == DS41_FINISH_STOP && si >= 0;
+        ev.stop_index = si >= 0 ? (size_t)si : 0;
     } else {
         ev.type = DS41_GEN_ERROR;
         switch (status) {
@@ -278,6 +281,7 @@ static int svc_submit(void *ctx, const ds41_gen_request *req, const ds41_gen_sin
     j->refs = 2;
     clock_gettime(CLOCK_MONOTONIC, &j->started);
     snprintf(accept->model, sizeof accept->model, "%s", m->name);
+    accept->prompt_tokens = ds41_generation_prompt_tokens(g);
     pthread_mutex_lock(&s->jobs_mu);
     j->next = s->jobs;
     s->jobs = j;

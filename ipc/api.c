@@ -23,6 +23,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "ipc/api_anthropic.h"
 #include "ipc/api_internal.h"
 #include "ipc/response_store.h"
 #include "config/json_util.h"
@@ -728,6 +729,10 @@ static uint64_t shown_id(const ds41_api *api, uint64_t id) {
     return v;
 }
 
+uint64_t ds41_api_shown_id(const ds41_api *api, uint64_t id) {
+    return shown_id(api, id);
+}
+
 static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_kind kind) {
     size_t len;
     const char *body = ds41_http_body(ex, &len);
@@ -1209,6 +1214,9 @@ int ds41_api_new(const ds41_service *svc, ds41_http_metrics *metrics, const ds41
         {"POST", "/v1/responses", DS41_AUTH_INFERENCE, true, "responses", ds41_api_route_responses_create},
         {"GET", "/v1/responses/*", DS41_AUTH_INFERENCE, false, "response_get", ds41_api_route_responses_get},
         {"DELETE", "/v1/responses/*", DS41_AUTH_INFERENCE, false, "response_delete", ds41_api_route_responses_delete},
+        {"POST", "/v1/messages", DS41_AUTH_INFERENCE, true, "messages", ds41_api_route_anthropic_messages},
+        {"POST", "/v1/messages/count_tokens", DS41_AUTH_INFERENCE, true, "messages_count_tokens",
+         ds41_api_route_anthropic_count_tokens},
         {"POST", "/tokenize", DS41_AUTH_INFERENCE, true, "tokenize", route_tokenize},
         {"POST", "/detokenize", DS41_AUTH_INFERENCE, true, "detokenize", route_detokenize},
         {"GET", "/metrics", DS41_AUTH_INFERENCE, false, "metrics", route_metrics},

@@ -14,6 +14,8 @@
  *   POST    /v1/responses             I      response, or SSE response.* events (ipc/api_responses.h)
  *   GET     /v1/responses/{id}        I      a stored response of this peer; 404 otherwise
  *   DELETE  /v1/responses/{id}        I      {"id","object":"response","deleted":true}; 404 likewise
+ *   POST    /v1/messages              I      Anthropic's Messages API (ipc/api_anthropic.h)
+ *   POST    /v1/messages/count_tokens I      {"input_tokens": n} (ipc/api_anthropic.h)
  *   POST    /tokenize                 I      {"tokens":[...],"count":n}
  *   POST    /detokenize               I      {"content":"..."}
  *   GET     /metrics                  I      text/plain Prometheus exposition: the service's text

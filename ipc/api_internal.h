@@ -14,6 +14,12 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+/* A 400 naming the field param, with code (invalid_value, missing_field, ...) and a message. */
+int ds41_api_field_error(ds41_svc_error *err, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* A 400 invalid_type: "'path' must be <want>, not <kind of v>". */
+int ds41_api_type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v);
+
 /* Parse body as a JSON object (duplicate keys refused). *out: new reference. */
 int ds41_api_parse_json(const char *body, size_t len, json_t **out, ds41_svc_error *err);
 
@@ -42,7 +48,7 @@ int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort
 
 /* ---- shared by the route files (api.c, api_admin.c) ---- */
 
-#define N_ROUTES 22
+#define N_ROUTES 24
 
 struct ds41_api {
     ds41_service svc;
@@ -58,6 +64,8 @@ struct ds41_api {
 };
 
 json_t *ds41_api_ju64(uint64_t v);
+/* The id a client sees for request counter value id (a keyed hash: ids do not count requests). */
+uint64_t ds41_api_shown_id(const ds41_api *api, uint64_t id);
 /* A finite double as JSON (non-finite: -9999 below zero, else 0). */
 json_t *ds41_api_jreal(double v);
 /* A service error as its HTTP answer (Retry-After on 429/503). */

@@ -22,8 +22,10 @@
 
 /* ----------------------------------------------------------- error helpers */
 
-__attribute__((format(printf, 4, 5))) static int bad(ds41_svc_error *err, const char *param, const char *code,
-                                                     const char *fmt, ...) {
+/* bad(): the helper every refusal goes through; api_internal.h shares it with the other parsers. */
+#define bad ds41_api_field_error
+
+int ds41_api_field_error(ds41_svc_error *err, const char *param, const char *code, const char *fmt, ...) {
     if (!err) return -1;
     err->status = DS41_SVC_BAD_REQUEST;
     err->retry_after_s = 0;
@@ -96,6 +98,10 @@ static json_t *get(const json_t *obj, const char *key) {
 
 static int type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v) {
     return bad(err, path, "invalid_type", "'%s' must be %s, not %s", path, want, ds41_json_kind_name(v));
+}
+
+int ds41_api_type_error(ds41_svc_error *err, const char *path, const char *want, const json_t *v) {
+    return type_error(err, path, want, v);
 }
 
 int ds41_api_get_string(const json_t *obj, const char *prefix, const char *key, bool required,

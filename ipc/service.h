@@ -347,6 +347,8 @@ typedef struct ds41_gen_event {
     /* FINISH */
     ds41_finish_reason finish_reason;
     ds41_gen_usage usage;
+    bool stop_string;  /* DS41_FINISH_STOP by a stop string: stop[stop_index] of the request */
+    size_t stop_index;
 
     /* ERROR: error.status is the reason (KV_FULL mid-generation, INTERNAL,
      * CANCELLED after cancel, ...). */
@@ -362,6 +364,7 @@ typedef struct ds41_gen_sink {
 /* What submit() reports back on acceptance. */
 typedef struct ds41_gen_accept {
     char model[128]; /* the served model name that will answer (shown to the client) */
+    uint64_t prompt_tokens; /* the prompt's length in tokens, when known (0 = unknown) */
 } ds41_gen_accept;
 
 /* ------------------------------------------------------------ tokenization */

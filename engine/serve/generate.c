@@ -785,6 +785,10 @@ bool ds41_generation_wants_logits(const ds41_generation *g) {
 bool ds41_generation_finished(const ds41_generation *g) { return g->finish != DS41_GENERATION_RUNNING; }
 ds41_generation_finish ds41_generation_finish_reason(const ds41_generation *g) { return g->finish; }
 
+int ds41_generation_stop_index(const ds41_generation *g) {
+    return g->finish == DS41_GENERATION_STOP_STRING ? g->stop_index : -1;
+}
+
 const char *ds41_generation_finish_name(const ds41_generation *g) {
     switch (g->finish) {
     case DS41_GENERATION_RUNNING: return "running";
@@ -1179,7 +1183,10 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
         if (ds41_stop_matcher_feed(g->stop, piece, piece_len, &so, err) != 0) return -1;
         ds41_buf_put(&g->text, so.text, so.len);
         if (g->text.oom) return oom(err);
-        if (so.stopped) g->finish = DS41_GENERATION_STOP_STRING;
+        if (so.stopped) {
+            g->finish = DS41_GENERATION_STOP_STRING;
+            g->stop_index = so.stop_index;
+        }
     }
     if (g->finish == DS41_GENERATION_RUNNING) {
         if (v == DS41_GEN_EOS)

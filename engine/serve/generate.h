@@ -303,6 +303,8 @@ bool ds41_generation_finished(const ds41_generation *g);
 ds41_generation_finish ds41_generation_finish_reason(const ds41_generation *g);
 /* "stop", "length" or "tool_calls" (a CHAT that ended on EOS/stop with tool calls); "abort". */
 const char *ds41_generation_finish_name(const ds41_generation *g);
+/* After a DS41_GENERATION_STOP_STRING finish: the index of the stop string that ended it; else -1. */
+int ds41_generation_stop_index(const ds41_generation *g);
 
 /* The whole generated text T (after stop strings; no final EOS), NUL-terminated. */
 const char *ds41_generation_text(const ds41_generation *g, size_t *len);

@@ -181,6 +181,7 @@ struct ds41_generation {
     uint32_t max_tokens;
 
     ds41_generation_finish finish;
+    int stop_index; /* DS41_GENERATION_STOP_STRING: which stop string */
     bool has_result;
     ds41_chat_completion result;
 };
