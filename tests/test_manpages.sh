@@ -6,16 +6,9 @@
 # .TP entries (--x, --x ARG) -- naming every difference in both directions;
 # and every option the page's SYNOPSIS shows must be one of the tool's.
 # ds41ctl's page is checked with its commands by test_help.sh.
-set -u
-bin=${DS41_BUILD_DIR:?DS41_BUILD_DIR not set}/daemon
+# TAP helpers, $bin, $py and a $work directory from daemon_lib.sh (no daemon is started).
+. "$(dirname "$0")/daemon_lib.sh"
 src=$(cd "$(dirname "$0")/.." && pwd)
-py=/usr/bin/python3
-[ -x $py ] || py=python3
-work=$(mktemp -d /tmp/ds41-manpages-XXXXXX)
-trap 'rm -rf "$work"' EXIT
-n=0
-ok() { n=$((n + 1)); echo "ok $n - $*"; }
-notok() { n=$((n + 1)); echo "not ok $n - $*"; }
 
 compare() { # HELPFILE PAGE -> "help_count page_count|problems"
     "$py" - "$1" "$2" <<'PY'
@@ -82,6 +75,6 @@ if command -v groff >/dev/null; then
     done
     if [ -z "$bad" ]; then ok "the tools' man pages format without groff warnings"; else notok "the tools' man pages format without groff warnings (bad:$bad)"; fi
 else
-    ok "groff is not installed # SKIP"
+    skip "groff is not installed"
 fi
-echo "1..$n"
+finish
