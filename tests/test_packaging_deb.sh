@@ -28,7 +28,7 @@ command -v dpkg >/dev/null && command -v apt-get >/dev/null || skip_all "not a D
 if dpkg-query -W -f='${Status}' ds41 2>/dev/null | grep -qv 'not-installed'; then
     skip_all "the ds41 package is installed on this machine already; the test would purge it"
 fi
-for f in /usr/bin/ds41d /etc/ds41d/ds41d.yaml; do
+for f in /usr/bin/ds41d /etc/ds41d/ds41d.yaml /var/lib/ds41d /run/ds41d; do
     [ ! -e "$f" ] || skip_all "$f exists (an install outside dpkg?); the package would take it over and its purge remove it"
 done
 
@@ -57,6 +57,8 @@ cleanup() {
         apt-get purge -y -qq ds41 >/dev/null 2>&1 || dpkg --purge ds41 >/dev/null 2>&1
     fi
     if [ -z "$user_before" ] && getent passwd ds41 >/dev/null; then userdel ds41 2>/dev/null; fi
+    # The state and runtime directories were absent when the test began (a failed purge leaves them).
+    rm -rf /var/lib/ds41d /run/ds41d
     if [ -z "$groups_before" ]; then
         getent group ds41-admin >/dev/null && groupdel ds41-admin 2>/dev/null
         getent group ds41 >/dev/null && groupdel ds41 2>/dev/null
@@ -151,6 +153,8 @@ check "ds41d --check-config accepts the installed /etc/ds41d/ds41d.yaml (rc $rc)
 [ $rc = 0 ] || sed 's/^/# /' "$work/check.log" | tail -10
 
 # ---- purge -------------------------------------------------------------------
+# What a running daemon leaves in its state directory (a snapshot) goes with the purge too.
+mkdir -p /var/lib/ds41d/snapshots && echo x >/var/lib/ds41d/snapshots/left-by-ds41d
 if apt-get purge -y -qq ds41 >"$work/purge.log" 2>&1; then
     ok "apt-get purge ds41 succeeds"
 else
