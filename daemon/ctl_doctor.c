@@ -80,16 +80,20 @@ static void doctor_odirect(doctor *d, const char *dir) {
         dr(d, "O_DIRECT", "ok", fmt("aligned reads work on %.90s", dir));
 }
 
+/* Whether DIR is a directory; a failed "checkpoint" row when not. */
+static bool doctor_is_dir(doctor *d, const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) == 0 && S_ISDIR(st.st_mode)) return true;
+    dr(d, "checkpoint", "fail",
+       fmt("%.90s: %s", dir, stat(dir, &st) != 0 ? strerror(errno) : "not a directory"));
+    return false;
+}
+
 /* Whether DIR is a checkpoint ds41d can load: inference/config.json valid, every safetensors
  * header readable (headers only: no payload page is touched), tokenizer.json present.  A Hugging
  * Face directory with only its root config.json fails here, naming what is missing. */
 static void doctor_checkpoint(doctor *d, const char *dir) {
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        dr(d, "checkpoint", "fail",
-           fmt("%.90s: %s", dir, stat(dir, &st) != 0 ? strerror(errno) : "not a directory"));
-        return;
-    }
+    if (!doctor_is_dir(d, dir)) return;
     ds41_model_config cfg;
     ds41_error err = {{0}};
     if (ds41_model_config_load(dir, &cfg, &err) != 0) {
@@ -443,12 +447,7 @@ static void doctor_decode_bytes(doctor *d, const ds41_model_config *cfg, const d
 
 /* Every check of a download in DIR; the caller's --memory (or this machine's). */
 static void doctor_model(doctor *d, const char *dir, const ds41_mem_info *mem, const sizing *sz) {
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        dr(d, "checkpoint", "fail",
-           fmt("%.90s: %s", dir, stat(dir, &st) != 0 ? strerror(errno) : "not a directory"));
-        return;
-    }
+    if (!doctor_is_dir(d, dir)) return;
     ds41_model_config cfg;
     ds41_error err = {{0}};
     bool have_cfg = ds41_model_config_load(dir, &cfg, &err) == 0;
