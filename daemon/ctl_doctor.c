@@ -2,19 +2,23 @@
  * O_DIRECT on its directory, memlock, CPU features, the CPU kernel level and threads, GPU, free
  * memory (see ds41ctl(1)). */
 #include "config/buf.h"
+#include "config/daemon_config.h"
 #include "config/model_config.h"
 #include "daemon/ctl_client.h"
 #include "daemon/ctl_internal.h"
-#include "engine/serve/auto_budget.h"
 #include "engine/backend/backend.h"
 #include "engine/backend/cpu/cpu_backend.h"
 #include "engine/backend/cpu/threadpool.h"
+#include "engine/model/tensor_plan.h"
+#include "engine/serve/auto_budget.h"
+#include "engine/text/vocab.h"
 #include "storage/safetensors.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,16 +80,20 @@ static void doctor_odirect(doctor *d, const char *dir) {
         dr(d, "O_DIRECT", "ok", fmt("aligned reads work on %.90s", dir));
 }
 
+/* Whether DIR is a directory; a failed "checkpoint" row when not. */
+static bool doctor_is_dir(doctor *d, const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) == 0 && S_ISDIR(st.st_mode)) return true;
+    dr(d, "checkpoint", "fail",
+       fmt("%.90s: %s", dir, stat(dir, &st) != 0 ? strerror(errno) : "not a directory"));
+    return false;
+}
+
 /* Whether DIR is a checkpoint ds41d can load: inference/config.json valid, every safetensors
  * header readable (headers only: no payload page is touched), tokenizer.json present.  A Hugging
  * Face directory with only its root config.json fails here, naming what is missing. */
 static void doctor_checkpoint(doctor *d, const char *dir) {
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        dr(d, "checkpoint", "fail",
-           fmt("%.90s: %s", dir, stat(dir, &st) != 0 ? strerror(errno) : "not a directory"));
-        return;
-    }
+    if (!doctor_is_dir(d, dir)) return;
     ds41_model_config cfg;
     ds41_error err = {{0}};
     if (ds41_model_config_load(dir, &cfg, &err) != 0) {
@@ -117,16 +125,420 @@ static void doctor_checkpoint(doctor *d, const char *dir) {
     ds41_checkpoint_close(ck);
 }
 
+/* ---- doctor --model DIR: a download checked before it is served ------------------------------
+ * Every check works on the files alone (no daemon, no payload byte read), and every problem is one
+ * row naming the file or tensor, so a user fixing a partial download sees all of it at once. */
+
+#define HF_REPO "deepseek-ai/DeepSeek-V4.1-Flash"
+
+/* The header of one shard and the size it implies (data start + the end of its last payload).
+ * Returns 0 with *implied set, or -1 with a row already added. */
+static int shard_implied_size(doctor *d, const char *path, const char *name, uint64_t size, uint64_t *implied,
+                              uint64_t *payload, size_t *tensors) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        dr(d, "shard", "fail", fmt("%.150s: %s", path, strerror(errno)));
+        return -1;
+    }
+    uint8_t len8[8];
+    ssize_t got = size >= 8 ? pread(fd, len8, 8, 0) : 0;
+    if (got != 8) {
+        close(fd);
+        dr(d, "shard", "fail",
+           fmt("%.120s: %" PRIu64 " bytes, too short for a safetensors header: truncated (download it again)",
+               path, size));
+        return -1;
+    }
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; i--) n = n << 8 | len8[i];
+    if (n > DS41_ST_MAX_HEADER_BYTES) {
+        close(fd);
+        dr(d, "shard", "fail", fmt("%.120s: header length %" PRIu64 " is not a safetensors header", path, n));
+        return -1;
+    }
+    if (8 + n > size) {
+        close(fd);
+        dr(d, "shard", "fail",
+           fmt("%.120s: %" PRIu64 " bytes, shorter than its %" PRIu64
+               "-byte header: truncated (download it again)",
+               path, size, 8 + n));
+        return -1;
+    }
+    uint8_t *buf = malloc(8 + n);
+    got = buf ? pread(fd, buf, 8 + n, 0) : -1;
+    close(fd);
+    if (got != (ssize_t)(8 + n)) {
+        free(buf);
+        dr(d, "shard", "fail", fmt("%.150s: cannot read its header", path));
+        return -1;
+    }
+    /* Parsed as if the file were as long as any header could ask for: the payload extents are
+     * compared with the real size below, so a truncated shard is reported with both figures. */
+    ds41_st_header h = {0};
+    ds41_error err = {{0}};
+    int rc = ds41_checkpoint_parse_header(buf, 8 + n, UINT64_MAX / 2, name, &h, &err);
+    free(buf);
+    if (rc != 0) {
+        dr(d, "shard", "fail", fmt("%.250s", err.msg));
+        return -1;
+    }
+    uint64_t end = h.data_start;
+    for (size_t i = 0; i < h.tensor_count; i++)
+        if (h.tensors[i].nbytes && h.tensors[i].file_offset + h.tensors[i].nbytes > end)
+            end = h.tensors[i].file_offset + h.tensors[i].nbytes;
+    *implied = end;
+    *payload = h.payload_bytes;
+    *tensors = h.tensor_count;
+    ds41_checkpoint_header_free(&h);
+    return 0;
+}
+
+/* One shard: present, a regular file, at least as long as its header implies.  Returns 0 when
+ * good. */
+static int doctor_shard(doctor *d, const char *dir, const char *name, const char *first_tensor,
+                        uint64_t *payload, size_t *tensors) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        dr(d, "shard", "fail",
+           fmt("%.120s: %s (the index maps %.60s and others to it; download it again)", path, strerror(errno),
+               first_tensor ? first_tensor : "tensors"));
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        dr(d, "shard", "fail", fmt("%.150s: not a regular file", path));
+        return -1;
+    }
+    uint64_t implied = 0;
+    if (shard_implied_size(d, path, name, (uint64_t)st.st_size, &implied, payload, tensors) != 0) return -1;
+    if ((uint64_t)st.st_size < implied) {
+        dr(d, "shard", "fail",
+           fmt("%.110s: %" PRIu64 " bytes, its header implies %" PRIu64 ": truncated (download it again)",
+               path, (uint64_t)st.st_size, implied));
+        return -1;
+    }
+    return 0;
+}
+
+/* The shards: those the index names (or model.safetensors), each checked; then the whole
+ * checkpoint opened as ds41d opens it (the index and the headers against each other).  Returns
+ * the open checkpoint or NULL. */
+static ds41_checkpoint *doctor_shards(doctor *d, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/" DS41_ST_INDEX_NAME, dir);
+    int bad = 0;
+    uint64_t payload = 0;
+    size_t tensors = 0, shards = 0;
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        ds41_buf b = {0};
+        char chunk[65536];
+        size_t got;
+        while ((got = fread(chunk, 1, sizeof chunk, f)) > 0 && b.len <= DS41_ST_MAX_HEADER_BYTES)
+            ds41_buf_put(&b, chunk, got);
+        fclose(f);
+        ds41_st_index idx = {0};
+        ds41_error err = {{0}};
+        if (ds41_checkpoint_parse_index((const uint8_t *)(b.data ? b.data : ""), b.len, DS41_ST_INDEX_NAME,
+                                        &idx, &err) != 0) {
+            ds41_buf_free(&b);
+            dr(d, "shards", "fail", fmt("%.250s", err.msg));
+            return NULL;
+        }
+        ds41_buf_free(&b);
+        shards = idx.shard_count;
+        for (size_t i = 0; i < idx.shard_count; i++) {
+            uint64_t p = 0;
+            size_t t = 0;
+            if (doctor_shard(d, dir, idx.shard_names[i], idx.shard_first_tensor[i], &p, &t) != 0) bad++;
+            payload += p;
+            tensors += t;
+        }
+        if (!bad && idx.has_total_size && idx.total_size != payload) {
+            dr(d, "shards", "fail",
+               fmt("%s: metadata.total_size %" PRIu64 " but the shards hold %" PRIu64 " payload bytes",
+                   DS41_ST_INDEX_NAME, idx.total_size, payload));
+            bad++;
+        }
+        ds41_checkpoint_index_free(&idx);
+    } else {
+        snprintf(path, sizeof path, "%s/" DS41_ST_SINGLE_NAME, dir);
+        if (access(path, F_OK) != 0) {
+            dr(d, "shards", "fail",
+               fmt("%.100s: no " DS41_ST_INDEX_NAME " (nor " DS41_ST_SINGLE_NAME "): the weights are missing",
+                   dir));
+            return NULL;
+        }
+        shards = 1;
+        if (doctor_shard(d, dir, DS41_ST_SINGLE_NAME, NULL, &payload, &tensors) != 0) bad++;
+    }
+    if (bad) {
+        dr(d, "shards", "fail", fmt("%d of %zu shard files missing or damaged", bad, shards));
+        return NULL;
+    }
+    ds41_error err = {{0}};
+    ds41_checkpoint *ck = ds41_checkpoint_open(dir, &err);
+    if (!ck) {
+        dr(d, "shards", "fail", fmt("%.250s", err.msg));
+        return NULL;
+    }
+    char hb[32];
+    human_bytes((double)ds41_checkpoint_payload_bytes(ck), hb, sizeof hb);
+    dr(d, "shards", "ok",
+       fmt("%zu shard files, %zu tensors, %s of weights; every size matches its header", shards,
+           ds41_checkpoint_tensor_count(ck), hb));
+    return ck;
+}
+
+typedef struct plan_report {
+    doctor *d;
+    size_t shown, more;
+} plan_report;
+
+static void shape_text(char *buf, size_t size, const int64_t *shape, int ndim) {
+    size_t used = (size_t)snprintf(buf, size, "[");
+    for (int i = 0; i < ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? "," : "", (long long)shape[i]);
+    if (used < size) snprintf(buf + used, size - used, "]");
+}
+
+/* One row per tensor the plan and the checkpoint disagree on (the first 20; then a count). */
+static void plan_problem(void *ctx, ds41_check_problem problem, const char *name,
+                         const ds41_planned_tensor *p, const ds41_tensor *t) {
+    plan_report *r = ctx;
+    if (r->shown >= 20) {
+        r->more++;
+        return;
+    }
+    r->shown++;
+    char a[96] = "", b[96] = "";
+    if (p) shape_text(a, sizeof a, p->shape, p->ndim);
+    if (t) shape_text(b, sizeof b, t->shape, t->ndim);
+    switch (problem) {
+    case DS41_CHECK_MISSING:
+        dr(r->d, "tensor", "fail",
+           fmt("%.120s: missing (inference/config.json needs it, %s %s)", name, ds41_dtype_name(p->dtype),
+               a));
+        break;
+    case DS41_CHECK_UNEXPECTED:
+        dr(r->d, "tensor", "fail",
+           fmt("%.120s: not in the plan of inference/config.json (%s %s)", name, ds41_dtype_name(t->dtype),
+               b));
+        break;
+    case DS41_CHECK_WRONG_DTYPE:
+        dr(r->d, "tensor", "fail",
+           fmt("%.120s: dtype %s, expected %s", name, ds41_dtype_name(t->dtype), ds41_dtype_name(p->dtype)));
+        break;
+    case DS41_CHECK_WRONG_SHAPE:
+        dr(r->d, "tensor", "fail", fmt("%.120s: shape %s, expected %s", name, b, a));
+        break;
+    }
+}
+
+/* The tokenizer files ds41d reads, from the root of the same repository. */
+static void doctor_tokenizer(doctor *d, const char *dir, const ds41_model_config *cfg) {
+    static const char *const files[] = {"tokenizer.json", "tokenizer_config.json"};
+    int missing = 0;
+    for (size_t i = 0; i < 2; i++) {
+        char p[4096];
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        if (access(p, R_OK) != 0) {
+            dr(d, "tokenizer", "fail",
+               fmt("%.120s: %s (it comes with the weights: hf download " HF_REPO " %s --local-dir DIR)", p,
+                   strerror(errno), files[i]));
+            missing++;
+        }
+    }
+    if (missing) return;
+    ds41_error err = {{0}};
+    ds41_vocab *v = ds41_vocab_load_dir(dir, &err);
+    if (!v) {
+        dr(d, "tokenizer", "fail", fmt("%.250s", err.msg));
+        return;
+    }
+    uint32_t n = ds41_vocab_size(v);
+    ds41_vocab_free(v);
+    if (cfg && (int64_t)n > cfg->vocab_size)
+        dr(d, "tokenizer", "fail",
+           fmt("tokenizer.json has %u ids but inference/config.json says vocab_size %lld", n,
+               (long long)cfg->vocab_size));
+    else
+        dr(d, "tokenizer", "ok", fmt("tokenizer.json (%u ids) and tokenizer_config.json", n));
+}
+
+/* The footprint of the config and the tiers "auto" would choose on `mem` with the daemon's
+ * defaults (memory.* auto: KV a quarter of the memory, engine.max_sequences 64) or what
+ * --kv-bytes / --max-sequences say. */
+typedef struct sizing {
+    uint64_t kv_bytes; /* --kv-bytes; 0 = auto (a quarter of the memory) */
+    uint32_t batch;    /* --max-sequences; the daemon's default 64 */
+} sizing;
+
+static void doctor_budgets(doctor *d, const char *dir, const ds41_mem_info *mem, const sizing *sz) {
+    ds41_model_footprint fp;
+    ds41_error err = {{0}};
+    if (ds41_model_footprint_load(dir, &fp, &err) != 0) {
+        dr(d, "footprint", "fail", fmt("%.250s", err.msg));
+        return;
+    }
+    char t[32], x[32], g[32], n[32], a[32];
+    ds41_budget_format_size(fp.total_bytes, t, sizeof t);
+    ds41_budget_format_size(fp.dense_bytes, n, sizeof n);
+    ds41_budget_format_size(fp.expert_bytes, x, sizeof x);
+    ds41_budget_format_size(fp.engram_bytes, g, sizeof g);
+    ds41_budget_format_size(mem->available, a, sizeof a);
+    dr(d, "footprint", "ok",
+       fmt("%s of weights (dense %s, routed experts %s, Engram tables %s); %s available%s: %s", t, n, x, g, a,
+           mem->test_override ? " (as given)" : "",
+           fp.total_bytes < mem->available ? "it can all be resident" : "the tiers stream part of it"));
+    ds41_auto_budget_opts ao = {.dir = dir,
+                                .expert_auto = true,
+                                .engram_auto = true,
+                                .kv_bytes = sz->kv_bytes,
+                                .batch = sz->batch,
+                                .mem = mem};
+    ds41_budget_plan plan;
+    char line[512];
+    if (ds41_auto_budget(&ao, &plan, NULL, line, sizeof line, &err) != 0)
+        dr(d, "budgets", "fail", err.msg);
+    else
+        dr(d, "budgets", "ok", line);
+}
+
+/* The weight bytes one decode token of one sequence reads when everything is resident: every
+ * tensor of the text layers and the head, one row of the embedding, top-k of the n routed experts
+ * of each layer.  Not counted: the DSpark stages and the vision tower (unused when decoding
+ * text), the Engram rows (a few KiB a token).  Memory bandwidth / this = the ceiling of
+ * single-stream decode, the projection the guide (docs/GUIDE.md) makes for machines not
+ * measured. */
+static void doctor_decode_bytes(doctor *d, const ds41_model_config *cfg, const ds41_tensor_plan *plan) {
+    uint64_t dense = 0, experts = 0;
+    for (size_t i = 0; i < plan->n; i++) {
+        const ds41_planned_tensor *t = &plan->t[i];
+        switch (t->kind) {
+        case DS41_KIND_ROUTED_EXPERTS:
+            experts += t->nbytes;
+            break;
+        case DS41_KIND_DSPARK:
+        case DS41_KIND_VISION:
+        case DS41_KIND_ENGRAM_TABLES:
+            break;
+        default:
+            dense += strcmp(t->name, "embed.weight") == 0 && t->shape[0] > 0
+                         ? t->nbytes / (uint64_t)t->shape[0]
+                         : t->nbytes;
+        }
+    }
+    const uint64_t active =
+        cfg->n_routed_experts > 0
+            ? (uint64_t)((double)experts * (double)cfg->n_activated_experts / (double)cfg->n_routed_experts)
+            : 0;
+    const uint64_t per_token = dense + active;
+    char a[32], b[32], c[32];
+    ds41_budget_format_size(per_token, a, sizeof a);
+    ds41_budget_format_size(dense, b, sizeof b);
+    ds41_budget_format_size(active, c, sizeof c);
+    dr(d, "decode", "ok",
+       fmt("one token reads %s of weights (%s dense + %s of routed experts, %" PRIu64
+           " bytes): at most %.1f tokens/s per 100 GB/s of memory bandwidth (a projection)",
+           a, b, c, per_token, per_token ? 100e9 / (double)per_token : 0.0));
+}
+
+/* Every check of a download in DIR; the caller's --memory (or this machine's). */
+static void doctor_model(doctor *d, const char *dir, const ds41_mem_info *mem, const sizing *sz) {
+    if (!doctor_is_dir(d, dir)) return;
+    ds41_model_config cfg;
+    ds41_error err = {{0}};
+    bool have_cfg = ds41_model_config_load(dir, &cfg, &err) == 0;
+    if (!have_cfg) {
+        char root[4096], inf[4096];
+        snprintf(root, sizeof root, "%s/config.json", dir);
+        snprintf(inf, sizeof inf, "%s/inference/config.json", dir);
+        if (access(inf, F_OK) != 0 && access(root, F_OK) == 0)
+            dr(d, "checkpoint", "fail",
+               fmt("not a ds41 checkpoint: %.80s is missing; the root config.json is not enough: ds41 reads "
+                   "inference/config.json, which " HF_REPO
+                   " ships in its inference/ folder (hf download " HF_REPO
+                   " inference/config.json --local-dir DIR)",
+                   inf));
+        else
+            dr(d, "checkpoint", "fail", fmt("not a ds41 checkpoint: %.220s", err.msg));
+    } else {
+        dr(d, "checkpoint", "ok",
+           fmt("inference/config.json: %lld layers, dim %lld, %lld routed experts top-%lld",
+               (long long)cfg.n_layers, (long long)cfg.dim, (long long)cfg.n_routed_experts,
+               (long long)cfg.n_activated_experts));
+    }
+    doctor_tokenizer(d, dir, have_cfg ? &cfg : NULL);
+    ds41_checkpoint *ck = doctor_shards(d, dir);
+    ds41_tensor_plan plan = {0};
+    const bool have_plan = have_cfg && ds41_tensor_plan_build(&cfg, &plan, &err) == 0;
+    if (have_cfg && !have_plan) dr(d, "tensors", "fail", fmt("%.250s", err.msg));
+    if (have_plan && ck) {
+        {
+            plan_report r = {.d = d};
+            ds41_check_counts c = ds41_tensor_plan_check(&plan, ck, plan_problem, &r);
+            size_t bad = c.missing + c.unexpected + c.wrong_dtype + c.wrong_shape;
+            if (r.more) dr(d, "tensor", "fail", fmt("... %zu more tensor problems", r.more));
+            if (bad)
+                dr(d, "tensors", "fail",
+                   fmt("the checkpoint does not match inference/config.json: %zu missing, %zu unexpected, "
+                       "%zu wrong "
+                       "dtype, %zu wrong shape",
+                       c.missing, c.unexpected, c.wrong_dtype, c.wrong_shape));
+            else
+                dr(d, "tensors", "ok",
+                   fmt("all %zu tensors the config plans, with their dtypes and shapes", plan.n));
+        }
+    }
+    ds41_checkpoint_close(ck);
+    if (have_cfg) doctor_budgets(d, dir, mem, sz);
+    if (have_plan) doctor_decode_bytes(d, &cfg, &plan);
+    ds41_tensor_plan_free(&plan);
+    if (have_cfg) ds41_model_config_free(&cfg);
+}
+
 int cmd_doctor(int argc, char **argv) {
-    static const struct option lo[] = {{"model", required_argument, NULL, 'm'}, {NULL, 0, NULL, 0}};
-    const char *model_dir = NULL;
+    static const struct option lo[] = {{"model", required_argument, NULL, 'm'},
+                                       {"memory", required_argument, NULL, 'M'},
+                                       {"kv-bytes", required_argument, NULL, 'k'},
+                                       {"max-sequences", required_argument, NULL, 'b'},
+                                       {NULL, 0, NULL, 0}};
+    const char *model_dir = NULL, *memory = NULL;
+    sizing sz = {.batch = 64};
     optind = 0; /* 0, not 1: glibc then re-initialises, dropping the "+" (stop at the first non-option) mode of the top-level parse */
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         if (c == 'm')
             model_dir = optarg;
-        else
+        else if (c == 'M')
+            memory = optarg;
+        else if (c == 'k') {
+            ds41_error e = {{0}};
+            if (ds41_size_parse(optarg, &sz.kv_bytes, &e) != 0)
+                return fail("doctor: --kv-bytes '%s': expected a size such as 8GiB (%s)", optarg, e.msg);
+        } else if (c == 'b') {
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*end || !*optarg || v < 1 || v > 4096)
+                return fail("doctor: --max-sequences '%s': expected an integer 1..4096", optarg);
+            sz.batch = (uint32_t)v;
+        } else
             return 2;
+    }
+    if ((memory || sz.kv_bytes || sz.batch != 64) && !model_dir)
+        return fail("doctor: --memory, --kv-bytes and --max-sequences size the tiers of --model DIR");
+    /* --memory SIZE: size the tiers for a machine with that much available memory (the guide's
+     * worked examples) instead of this one. */
+    ds41_mem_info mem = {0};
+    if (memory) {
+        ds41_error e = {{0}};
+        if (ds41_size_parse(memory, &mem.available, &e) != 0 || mem.available == 0)
+            return fail("doctor: --memory '%s': expected a size such as 256GiB (%s)", memory, e.msg);
+        mem.mem_available = mem.available;
+        mem.cgroup_free = UINT64_MAX;
+        mem.test_override = true;
     }
     doctor d = {.t = {.cols = 3}, .arr = json_array()};
     table_row(&d.t, "CHECK", "STATUS", "DETAIL");
@@ -183,7 +595,15 @@ int cmd_doctor(int argc, char **argv) {
 
     /* O_DIRECT on the model directory */
     const char *dir = model_dir ? model_dir : daemon_model;
-    if (dir) doctor_checkpoint(&d, dir);
+    if (model_dir) {
+        ds41_error e = {{0}};
+        if (!memory && ds41_mem_read(NULL, &mem, &e) != 0)
+            dr(&d, "footprint", "fail", fmt("%.200s", e.msg));
+        else
+            doctor_model(&d, model_dir, &mem, &sz);
+    } else if (dir) {
+        doctor_checkpoint(&d, dir);
+    }
     if (dir)
         doctor_odirect(&d, dir);
     else

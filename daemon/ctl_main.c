@@ -36,7 +36,8 @@ static void usage(FILE *f) {
             "  status                       daemon state, model, load and memory\n"
             "  models ls                    configured and loaded models, bytes per tier\n"
             "  models load NAME [--wait]    load a configured model (admin); --wait prints its state\n"
-            "                               changes until it is ready (exit 1 if it fails)\n"
+            "                               changes until it is ready (exit 1 if it fails), with the\n"
+            "                               weights bound so far (a progress bar on a terminal)\n"
             "  models unload NAME           unload a model (admin)\n"
             "  ps [--all]                   live sessions with tokens and KV bytes; --all adds the\n"
             "                               prefix-cache entries (admin)\n"
@@ -61,7 +62,10 @@ static void usage(FILE *f) {
             "  doctor [--model DIR]         check this machine: the daemon, io_uring, the\n"
             "                               checkpoint and O_DIRECT on its directory, memlock,\n"
             "                               CPU features, CPU kernel level and threads, GPU,\n"
-            "                               free memory\n"
+            "                               free memory; with --model a download before it is\n"
+            "                               served: shards, tensors, tokenizer, auto budgets\n"
+            "       [--memory SIZE] [--kv-bytes SIZE] [--max-sequences N]\n"
+            "                               size the tiers for SIZE of available memory\n"
             "  metrics                      the daemon's Prometheus metrics\n"
             "--json prints JSON for scripts.  On a terminal, chat and generate show the model's\n"
             "control characters escaped (\\x1b, \\u009b); piped, the text is written as it is.\n"
@@ -302,13 +306,31 @@ static json_t *post_model_action(const char *action, const char *name) {
     return j;
 }
 
+/* One redraw of the load's progress bar (a terminal only): "NAME: [####    ] 45% 1.2 GiB of
+ * 2.7 GiB, 4800 of 96085 tensors", the line cleared after it. */
+static void load_bar(const char *name, const json_t *load) {
+    const double done = (double)jint(load, "bytes_done"), total = (double)jint(load, "bytes_total");
+    const double frac = total > 0 ? done / total : 0;
+    char bar[31], d[32], t[32];
+    for (int i = 0; i < 30; i++) bar[i] = i < (int)(frac * 30 + 0.5) ? '#' : ' ';
+    bar[30] = 0;
+    human_bytes(done, d, sizeof d);
+    human_bytes(total, t, sizeof t);
+    printf("\r%s: %s [%s] %3d%% %s of %s, %lld of %lld tensors\033[K", name, jstr(load, "state"), bar,
+           (int)(frac * 100), d, t, jint(load, "tensors_done"), jint(load, "tensors_total"));
+    fflush(stdout);
+}
+
 /* `models load NAME --wait`: ask for the load, then poll /admin/models and print each change of
- * the model's state and detail (what the daemon reports while loading) until it is ready (0) or
- * failed or gone (1). */
+ * the model's state and detail (what the daemon reports while loading, with the share of the
+ * weights bound) until it is ready (0) or failed or gone (1).  On a terminal the progress is one
+ * bar redrawn in place instead. */
 static int models_load_wait(const char *name) {
     json_t *j = post_model_action("load", name);
     if (!j) return 1;
     json_decref(j);
+    const bool bar = !g_json && isatty(STDOUT_FILENO);
+    bool bar_drawn = false;
     char last[600] = "";
     for (;;) {
         json_t *list = call_json("GET", "/admin/models", NULL, NULL, false);
@@ -326,7 +348,13 @@ static int models_load_wait(const char *name) {
         char line[600];
         snprintf(line, sizeof line, "%s: %s%s%s%s", name, state, detail[0] && !ready ? " (" : "",
                  ready ? "" : detail, detail[0] && !ready ? ")" : "");
-        if (strcmp(line, last) != 0 && !(g_json && !ready)) {
+        const json_t *load = json_object_get(m, "load");
+        if (bar && strcmp(state, "loading") == 0 && json_is_object(load) && jint(load, "bytes_total") > 0) {
+            load_bar(name, load);
+            bar_drawn = true;
+        } else if (strcmp(line, last) != 0 && !(g_json && !ready)) {
+            if (bar_drawn) putchar('\n');
+            bar_drawn = false;
             if (g_json)
                 print_json(m);
             else

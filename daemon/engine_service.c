@@ -118,6 +118,62 @@ static void progress(ds41_engine_service *s, const model *m, ds41_model_state st
     if (s->progress) s->progress(s->progress_ctx, m->name, state, detail);
 }
 
+/* model.load_state values, named as the admin listing's "load" object gives them. */
+enum { LOAD_NONE = 0, LOAD_BINDING, LOAD_PLACING, LOAD_DONE, LOAD_FAILED };
+static const char *load_state_name(int st) {
+    static const char *const names[] = {NULL, "binding", "placing", "done", "failed"};
+    return st > LOAD_NONE && st <= LOAD_FAILED ? names[st] : NULL;
+}
+
+static void load_progress_start(model *m) {
+    atomic_store_explicit(&m->load_tensors_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&m->load_tensors_total, 0, memory_order_relaxed);
+    atomic_store_explicit(&m->load_bytes_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&m->load_bytes_total, 0, memory_order_relaxed);
+    atomic_store_explicit(&m->load_state, LOAD_BINDING, memory_order_release);
+    m->load_reported = -1;
+    /* Test hook: DS41_TEST_LOAD_STEP_MS=N sleeps N ms after each progress report, so a test sees a
+     * tiny model's load in flight.  Never set it in production. */
+    const char *step = getenv("DS41_TEST_LOAD_STEP_MS");
+    m->load_step_ms = step ? (unsigned)strtoul(step, NULL, 10) : 0;
+    if (m->load_step_ms > 10000) m->load_step_ms = 10000;
+}
+
+/* ds41_engine_opts.progress: the figures into atomics (the admin listing reads them from its own
+ * thread), and at each stage and each tenth of the bytes a detail line for STATUS= (sd_notify via
+ * the service's progress callback) and `ds41ctl models load --wait`: a dozen lines per load. */
+static void on_load_progress(void *ctx, const ds41_load_progress *p) {
+    model *m = ctx;
+    atomic_store_explicit(&m->load_tensors_total, p->tensors_total, memory_order_relaxed);
+    atomic_store_explicit(&m->load_bytes_total, p->bytes_total, memory_order_relaxed);
+    atomic_store_explicit(&m->load_tensors_done, p->tensors_done, memory_order_relaxed);
+    atomic_store_explicit(&m->load_bytes_done, p->bytes_done, memory_order_relaxed);
+    atomic_store_explicit(&m->load_state,
+                          p->stage == DS41_LOAD_BINDING   ? LOAD_BINDING
+                          : p->stage == DS41_LOAD_PLACING ? LOAD_PLACING
+                                                          : LOAD_DONE,
+                          memory_order_release);
+    if (p->stage == DS41_LOAD_DONE) return; /* "ready" follows */
+    const int pct = p->bytes_total ? (int)(p->bytes_done * 100 / p->bytes_total) : 100;
+    const int key = (int)p->stage * 16 + pct / 10;
+    if (key != m->load_reported) {
+        m->load_reported = key;
+        char done[32], total[32], detail[256];
+        ds41_budget_format_size(p->bytes_done, done, sizeof done);
+        ds41_budget_format_size(p->bytes_total, total, sizeof total);
+        snprintf(detail, sizeof detail, "%s the weights: %d%% (%s of %s, %llu of %llu tensors)",
+                 p->stage == DS41_LOAD_PLACING ? "placing" : "binding", pct, done, total,
+                 (unsigned long long)p->tensors_done, (unsigned long long)p->tensors_total);
+        pthread_rwlock_wrlock(&m->lock);
+        snprintf(m->detail, sizeof m->detail, "%s", detail);
+        pthread_rwlock_unlock(&m->lock);
+        progress(m->svc, m, DS41_MODEL_LOADING, detail);
+    }
+    if (m->load_step_ms)
+        nanosleep(&(struct timespec){m->load_step_ms / 1000, (long)(m->load_step_ms % 1000) * 1000000L},
+                  NULL);
+}
+
 /* The state clients see (callers hold m->lock): a READY model whose engine lost a mapped shard
  * (truncated under it: storage/map_guard.h) is FAILED -- every step fails from then on -- with the
  * engine's message in *lost.  The next load replaces the engine (model_start_load). */
@@ -547,6 +603,7 @@ static void *loader_main(void *p) {
         ds41_log(DS41_LOG_INFO, "generated the embedded model (%s, seed %llu) in %s", a->st.embedded_preset,
                  (unsigned long long)a->st.embedded_seed, m->path);
     }
+    load_progress_start(m);
     progress(s, m, DS41_MODEL_LOADING, "loading the checkpoint");
     pthread_rwlock_wrlock(&m->lock);
     snprintf(m->detail, sizeof m->detail, "loading %s", m->path);
@@ -554,7 +611,9 @@ static void *loader_main(void *p) {
     ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE,
                            .cpu = {.threads = (int)a->st.threads},
                            .expert_cache_bytes = a->st.expert_cache_bytes,
-                           .engram_cache_bytes = a->st.engram_cache_bytes};
+                           .engram_cache_bytes = a->st.engram_cache_bytes,
+                           .progress = on_load_progress,
+                           .progress_ctx = m};
     ds41_mem_info mem;
     ds41_error merr = {{0}};
     const bool have_mem = ds41_mem_read(NULL, &mem, &merr) == 0;
@@ -630,6 +689,8 @@ fail:
     ds41_tokenizer_free(tok);
     ds41_vocab_free(vocab);
     ds41_engine_free(engine);
+    if (atomic_load_explicit(&m->load_state, memory_order_relaxed) != LOAD_NONE)
+        atomic_store_explicit(&m->load_state, LOAD_FAILED, memory_order_release);
     pthread_rwlock_wrlock(&m->lock);
     m->state = DS41_MODEL_FAILED;
     snprintf(m->detail, sizeof m->detail, "%.250s", err.msg);
@@ -788,7 +849,15 @@ static int svc_list_models(void *ctx, ds41_svc_model_emit emit, void *acc, ds41_
         ds41_svc_tier_bytes tier = {.tier = "ram", .bytes = m->bytes};
         ds41_error lost;
         const ds41_model_state state = es_effective_state(m, &lost);
-        ds41_svc_model sm = {.id = m->name,
+        const int ls = atomic_load_explicit(&m->load_state, memory_order_acquire);
+        const ds41_svc_load load = {
+            .state = load_state_name(ls),
+            .bytes_done = atomic_load_explicit(&m->load_bytes_done, memory_order_relaxed),
+            .bytes_total = atomic_load_explicit(&m->load_bytes_total, memory_order_relaxed),
+            .tensors_done = atomic_load_explicit(&m->load_tensors_done, memory_order_relaxed),
+            .tensors_total = atomic_load_explicit(&m->load_tensors_total, memory_order_relaxed)};
+        ds41_svc_model sm = {.load = ls != LOAD_NONE ? &load : NULL,
+                             .id = m->name,
                              .path = m->path,
                              .state = state,
                              .created = m->created,

@@ -15,6 +15,7 @@
 #include "storage/snapshot_store.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <time.h>
@@ -74,6 +75,14 @@ typedef struct model {
      * no room, auto_expert_error says why (and "auto" is refused). */
     uint64_t auto_expert_bytes;
     char auto_expert_error[256];
+
+    /* Progress of the last load (ds41_engine_opts.progress): written by the loader thread, read by
+     * the admin listing from any thread without the lock.  load_state: a load_state value
+     * (engine_service.c); 0 = never loaded. */
+    _Atomic uint64_t load_tensors_done, load_tensors_total, load_bytes_done, load_bytes_total;
+    _Atomic int load_state;
+    int load_reported;     /* loader thread only: the last stage x tenth sent to STATUS= */
+    unsigned load_step_ms; /* loader thread only: the DS41_TEST_LOAD_STEP_MS test hook */
 
     pthread_mutex_t loader_mu;
     bool loader_started; /* a loader thread exists and has not been joined */

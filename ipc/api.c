@@ -958,6 +958,16 @@ static void model_emit(void *accp, const ds41_svc_model *m) {
              !ds41_json_set_str(o, "detail", m->detail) && !json_object_set(o, "tiers", tiers) &&
              !ds41_json_set_new(o, "bytes_total", ds41_api_ju64(total)) &&
              (!m->threads || !ds41_json_set_new(o, "threads", ds41_api_ju64(m->threads)));
+        if (ok && m->load && m->load->state) {
+            json_t *l = json_object();
+            ok = l && !ds41_json_set_str(l, "state", m->load->state) &&
+                 !ds41_json_set_new(l, "bytes_done", ds41_api_ju64(m->load->bytes_done)) &&
+                 !ds41_json_set_new(l, "bytes_total", ds41_api_ju64(m->load->bytes_total)) &&
+                 !ds41_json_set_new(l, "tensors_done", ds41_api_ju64(m->load->tensors_done)) &&
+                 !ds41_json_set_new(l, "tensors_total", ds41_api_ju64(m->load->tensors_total)) &&
+                 !json_object_set(o, "load", l);
+            json_decref(l);
+        }
         json_decref(tiers);
         if (!ok) {
             json_decref(o);

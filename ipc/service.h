@@ -97,6 +97,13 @@ typedef struct ds41_svc_tier_bytes {
     uint64_t bytes;
 } ds41_svc_tier_bytes;
 
+/* How far the last load of a model got (the admin listing's "load" object): state "binding",
+ * "placing", "done" or "failed"; tensors and bytes of the model's tensor plan bound so far. */
+typedef struct ds41_svc_load {
+    const char *state;
+    uint64_t bytes_done, bytes_total, tensors_done, tensors_total;
+} ds41_svc_load;
+
 typedef struct ds41_svc_model {
     const char *id;   /* served name, e.g. "ds41-tiny" (required) */
     const char *path; /* checkpoint directory (admin listing only; may be NULL) */
@@ -107,6 +114,7 @@ typedef struct ds41_svc_model {
     const ds41_svc_tier_bytes *tiers;
     size_t n_tiers;
     uint32_t threads; /* CPU threads of its loaded engine (admin listing); 0 = not loaded */
+    const ds41_svc_load *load; /* progress of its last load (admin listing); NULL = never loaded */
 } ds41_svc_model;
 
 /* List callbacks: the service calls emit(acc, item) once per item, during

@@ -48,6 +48,10 @@ first_status=$(grep -n '^STATUS=' "$work/notify.log" | head -1 | cut -d: -f1)
 check "NOTIFY_SOCKET got STATUS= progress before READY=1 (READY with a STATUS line)" \
     bash -c "test -n '$first_ready' && test -n '$first_status' && test $first_status -lt $first_ready &&
              grep -q '^READY=1|STATUS=serving' '$work/notify.log' && grep -q '^STATUS=model ds41-tiny: loading' '$work/notify.log'"
+last_bind=$(grep -n '^STATUS=model ds41-tiny: binding the weights: 100% (.* of .*, \([0-9][0-9]*\) of \1 tensors)$' "$work/notify.log" | tail -1 | cut -d: -f1)
+check "STATUS= gives the share of the weights bound while loading, up to 100% of the tensors, before READY=1" \
+    bash -c "test -n '$last_bind' && test $last_bind -lt $first_ready &&
+             test \$(grep -c '^STATUS=model ds41-tiny: binding the weights: [0-9]*% ' '$work/notify.log') -ge 2"
 check "READY=1 is sent once" test "$(grep -c '^READY=1' "$work/notify.log")" = 1
 sleep 0.4
 check "WATCHDOG_USEC=300000: WATCHDOG=1 pings at half the interval" test "$(grep -c '^WATCHDOG=1' "$work/notify.log")" -ge 2

@@ -105,7 +105,26 @@ static int setup_engram_stream(ds41_engine *e, uint64_t budget, ds41_error *err)
     return 0;
 }
 
+/* The binder's progress, forwarded with its stage to the caller's callback. */
+typedef struct load_report {
+    const ds41_engine_opts *opts;
+    ds41_load_progress p;
+} load_report;
+
+static void report_stage(load_report *r, ds41_load_stage stage) {
+    r->p.stage = stage;
+    if (r->opts && r->opts->progress) r->opts->progress(r->opts->progress_ctx, &r->p);
+}
+
+static void on_bind_progress(void *ctx, uint64_t tensors_done, uint64_t tensors_total, uint64_t bytes_done,
+                             uint64_t bytes_total) {
+    load_report *r = ctx;
+    r->p = (ds41_load_progress){DS41_LOAD_BINDING, tensors_done, tensors_total, bytes_done, bytes_total};
+    report_stage(r, DS41_LOAD_BINDING);
+}
+
 ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds41_error *err) {
+    load_report rep = {.opts = opts};
     ds41_engine *e = calloc(1, sizeof *e);
     if (!e) {
         ds41_fail(err, "out of memory");
@@ -134,16 +153,19 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
     }
     e->ckpt = ds41_checkpoint_open(dir, err);
     if (!e->ckpt) goto fail;
-    if (ds41_weights_bind(&e->w, c, e->ckpt, err) != 0) {
+    if (ds41_weights_bind_progress(&e->w, c, e->ckpt, opts && opts->progress ? on_bind_progress : NULL, &rep,
+                                   err) != 0) {
         ds41_error_prefix(err, "%s", dir);
         goto fail;
     }
     if (e->be->place_weights) {
+        report_stage(&rep, DS41_LOAD_PLACING);
         if (e->be->place_weights(e->be, c, &e->w, err) != 0) {
             ds41_error_prefix(err, "%s: backend %s", dir, e->be->name);
             goto fail;
         }
         e->placed = 1;
+        report_stage(&rep, DS41_LOAD_PLACING);
     }
     e->rope_freqs = calloc(c->n_roles, sizeof *e->rope_freqs);
     e->rope_freqs_be = calloc(c->n_roles, sizeof *e->rope_freqs_be);
@@ -204,6 +226,7 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
     /* Loading read tensor data (wo_a, Engram projections): a shard cut
      * meanwhile leaves zeros behind, never a usable engine. */
     if (ds41_checkpoint_check_mappings(e->ckpt, err) != 0) goto fail;
+    report_stage(&rep, DS41_LOAD_DONE);
     return e;
 fail:
     ds41_engine_free(e);

@@ -66,6 +66,14 @@ typedef enum ds41_expert_predict {
 int ds41_expert_predict_parse(const char *s);
 const char *ds41_expert_predict_name(ds41_expert_predict p);
 
+/* Where a load stands (ds41_engine_opts.progress). */
+typedef enum ds41_load_stage { DS41_LOAD_BINDING = 0, DS41_LOAD_PLACING, DS41_LOAD_DONE } ds41_load_stage;
+typedef struct ds41_load_progress {
+    ds41_load_stage stage;
+    uint64_t tensors_done, tensors_total;
+    uint64_t bytes_done, bytes_total;
+} ds41_load_progress;
+
 typedef struct ds41_engine_opts {
     /* Use the canonical reference arithmetic (REFERENCE §10): the reference
      * backend, whatever `backend` says. */
@@ -103,6 +111,15 @@ typedef struct ds41_engine_opts {
      * at its start; the next decode token with ds41_engine_prefetch), into a
      * row cache of this many bytes.  Logits are the same bit for bit. */
     uint64_t engram_cache_bytes;
+    /* Load progress (optional): called from the loading thread as the
+     * weights are bound (after the globals and after each layer, stage
+     * DS41_LOAD_BINDING), before and after the backend places them
+     * (DS41_LOAD_PLACING), and once when the engine is ready (DS41_LOAD_DONE,
+     * done == total).  Tensors and bytes are those of the config's tensor
+     * plan.  It must be cheap; whoever reads the figures from another thread
+     * keeps them in atomics. */
+    void (*progress)(void *ctx, const struct ds41_load_progress *p);
+    void *progress_ctx;
 } ds41_engine_opts;
 
 /* Load DIR (a checkpoint in the Hugging Face release layout: shards + index

@@ -234,6 +234,26 @@ static void on_problem(void *ctxp, ds41_check_problem problem, const char *name,
 }
 
 int ds41_weights_bind(ds41_weights *w, const ds41_model_config *cfg, const ds41_checkpoint *ckpt, ds41_error *err) {
+    return ds41_weights_bind_progress(w, cfg, ckpt, NULL, NULL, err);
+}
+
+/* What binding has done so far, by plan group: [0] the global tensors (layer -1), [1 + l] layer l. */
+typedef struct bind_progress {
+    ds41_weights_progress_fn fn;
+    void *ctx;
+    uint64_t *tensors, *bytes; /* [n_roles + 1] */
+    uint64_t tensors_total, bytes_total, tensors_done, bytes_done;
+} bind_progress;
+
+static void progress_group(bind_progress *p, size_t group) {
+    if (!p->fn) return;
+    p->tensors_done += p->tensors[group];
+    p->bytes_done += p->bytes[group];
+    p->fn(p->ctx, p->tensors_done, p->tensors_total, p->bytes_done, p->bytes_total);
+}
+
+int ds41_weights_bind_progress(ds41_weights *w, const ds41_model_config *cfg, const ds41_checkpoint *ckpt,
+                               ds41_weights_progress_fn fn, void *ctx, ds41_error *err) {
     memset(w, 0, sizeof *w);
     if (!cfg->finalized || !cfg->roles) return ds41_fail(err, "weights: the model config is not finalized");
     ds41_tensor_plan plan;
@@ -241,8 +261,27 @@ int ds41_weights_bind(ds41_weights *w, const ds41_model_config *cfg, const ds41_
     check_ctx cc = {.err = err};
     ds41_check_counts counts = ds41_tensor_plan_check(&plan, ckpt, on_problem, &cc);
     size_t planned = plan.n;
+    bind_progress prog = {.fn = fn, .ctx = ctx};
+    if (fn && !cc.failed) {
+        prog.tensors = calloc(cfg->n_roles + 1, sizeof *prog.tensors);
+        prog.bytes = calloc(cfg->n_roles + 1, sizeof *prog.bytes);
+        if (!prog.tensors || !prog.bytes) cc.failed = ds41_fail(err, "weights: out of memory");
+        /* A tensor of no layer (globals, vision) counts with the globals. */
+        for (size_t i = 0; !cc.failed && i < plan.n; i++) {
+            const int l = plan.t[i].layer;
+            const size_t g = l >= 0 && (size_t)l < cfg->n_roles ? (size_t)l + 1 : 0;
+            prog.tensors[g]++;
+            prog.bytes[g] += plan.t[i].nbytes;
+            prog.tensors_total++;
+            prog.bytes_total += plan.t[i].nbytes;
+        }
+    }
     ds41_tensor_plan_free(&plan);
-    if (cc.failed) return -1;
+    if (cc.failed) {
+        free(prog.tensors);
+        free(prog.bytes);
+        return -1;
+    }
     w->n_bound = planned;
     w->n_unplanned = counts.unexpected;
 
@@ -254,15 +293,20 @@ int ds41_weights_bind(ds41_weights *w, const ds41_model_config *cfg, const ds41_
     w->n_layers = cfg->n_roles;
     w->layers = calloc(cfg->n_roles ? cfg->n_roles : 1, sizeof *w->layers);
     if (!w->layers) b.failed = ds41_fail(err, "weights: out of memory");
+    if (!b.failed) progress_group(&prog, 0);
     for (size_t l = 0; l < cfg->n_roles && !b.failed; l++) {
         const ds41_layer_role *role = &cfg->roles[l];
-        if (!role->present) continue;
-        if ((int64_t)l < cfg->n_layers)
-            snprintf(b.prefix, sizeof b.prefix, "layers.%zu.", l);
-        else
-            snprintf(b.prefix, sizeof b.prefix, "mtp.%lld.", (long long)((int64_t)l - cfg->n_layers));
-        bind_layer(&b, cfg, role, &w->layers[l]);
+        if (role->present) {
+            if ((int64_t)l < cfg->n_layers)
+                snprintf(b.prefix, sizeof b.prefix, "layers.%zu.", l);
+            else
+                snprintf(b.prefix, sizeof b.prefix, "mtp.%lld.", (long long)((int64_t)l - cfg->n_layers));
+            bind_layer(&b, cfg, role, &w->layers[l]);
+        }
+        if (!b.failed) progress_group(&prog, l + 1);
     }
+    free(prog.tensors);
+    free(prog.bytes);
     if (b.failed) {
         ds41_weights_free(w);
         return -1;

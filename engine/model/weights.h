@@ -107,6 +107,17 @@ typedef struct ds41_weights {
  * wrong dtype or the wrong shape; out of memory. */
 int ds41_weights_bind(ds41_weights *w, const ds41_model_config *cfg, const ds41_checkpoint *ckpt, ds41_error *err);
 
+/* Load progress: how much of the plan is bound so far.  Called from the
+ * binding thread after the global tensors and after each layer, so a load
+ * reports a few dozen times however large the model; the last call has
+ * done == total.  The callback must be cheap (it runs between layers). */
+typedef void (*ds41_weights_progress_fn)(void *ctx, uint64_t tensors_done, uint64_t tensors_total,
+                                         uint64_t bytes_done, uint64_t bytes_total);
+
+/* ds41_weights_bind, reporting progress to fn (NULL = none). */
+int ds41_weights_bind_progress(ds41_weights *w, const ds41_model_config *cfg, const ds41_checkpoint *ckpt,
+                               ds41_weights_progress_fn fn, void *ctx, ds41_error *err);
+
 /* Release what binding allocated (wo_a copies, misaligned copies, tables).
  * NULL and an empty/zeroed struct are fine. */
 void ds41_weights_free(ds41_weights *w);

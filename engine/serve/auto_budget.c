@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define GIB (1ull << 30)
 
@@ -223,7 +224,14 @@ int ds41_model_footprint_load(const char *dir, ds41_model_footprint *out, ds41_e
     ds41_model_config cfg;
     if (ds41_model_config_load(dir, &cfg, err) != 0) return -1;
     int rc = ds41_model_footprint_of(&cfg, out, err);
-    if (rc == 0) {
+    /* A directory with the config and no weights yet (sizing a machine before the download,
+     * `ds41ctl doctor --memory`): the plan's slot size stands. */
+    char path[4096];
+    snprintf(path, sizeof path, "%s/" DS41_ST_INDEX_NAME, dir);
+    bool weights = access(path, F_OK) == 0;
+    snprintf(path, sizeof path, "%s/" DS41_ST_SINGLE_NAME, dir);
+    weights = weights || access(path, F_OK) == 0;
+    if (rc == 0 && weights) {
         /* The exact slot size, as the tier will lay its slots out. */
         ds41_checkpoint *ck = ds41_checkpoint_open(dir, err);
         uint64_t slot = 0, total = 0;

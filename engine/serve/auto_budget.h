@@ -104,8 +104,11 @@ typedef struct ds41_model_footprint {
 /* Footprint of a finalized config.  Errors: the plan cannot be built. */
 int ds41_model_footprint_of(const ds41_model_config *cfg, ds41_model_footprint *out, ds41_error *err);
 
-/* Footprint of the checkpoint directory DIR (reads inference/config.json
- * only).  Errors: the config's, prefixed by nothing (they name the file). */
+/* Footprint of the checkpoint directory DIR: inference/config.json, and the
+ * shard headers for the exact slot size (as the tier lays its slots out); a
+ * directory without weights (no index, no model.safetensors) keeps the
+ * plan's slot size.  Errors: the config's, prefixed by nothing (they name the
+ * file), a checkpoint that does not open. */
 int ds41_model_footprint_load(const char *dir, ds41_model_footprint *out, ds41_error *err);
 
 /* Bytes of the expert slots one layer needs with `batch` sequences decoding
