@@ -202,6 +202,9 @@ typedef struct ds41_generation_params {
                              stays out of T (see "Text") */
     bool skip_special;    /* drop the special tokens' text from what is returned (see "Special
                              tokens"); false keeps it (the daemon's skip_special_tokens: false) */
+    uint32_t min_tokens;  /* EOS and stop ids are masked, and stop strings not looked for, until
+                             this many tokens are generated (unless a constraint allows only the
+                             end); 0 = none */
 
     /* tests only: the first generated tokens */
     const uint32_t *forced_ids;
@@ -270,6 +273,12 @@ size_t ds41_generation_cached_tokens(const ds41_generation *g);
 /* The limits it was made with (0 = none): generated tokens, prompt + generated tokens. */
 uint32_t ds41_generation_max_tokens(const ds41_generation *g);
 uint32_t ds41_generation_max_context(const ds41_generation *g);
+
+/* Timings: the scheduler marks when the request was admitted (before that, the creation counts);
+ * prefill_ms runs from then to the first step (the prompt's logits), decode_ms from the first
+ * step's start to the last step's end (every generated token).  Monotonic clock; 0 before. */
+void ds41_generation_mark_started(ds41_generation *g);
+void ds41_generation_timings(const ds41_generation *g, double *prefill_ms, double *decode_ms);
 
 /* The rendered prompt text (CHAT and RAW; "" for IDS), NUL-terminated. */
 const char *ds41_generation_prompt_text(const ds41_generation *g, size_t *len);
