@@ -203,6 +203,8 @@ struct ds41_generation {
     const char *jf_eos;  /* the text the content may not contain (the parser would end there) */
     size_t jf_eos_len;
     uint32_t jf_byte_tok[256]; /* a token of each single byte (UINT32_MAX: none) */
+    uint8_t *jf_plain;         /* per token: its bytes are whole UTF-8 characters a string may hold
+                                  as they are (no '"', '\\', control character or '<') */
 
     /* min_tokens: EOS, stop ids and stop strings wait until this many tokens are generated */
     uint32_t min_tokens;

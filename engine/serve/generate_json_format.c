@@ -3,6 +3,8 @@
  * continue the document, and by forcing EOS once it is complete. */
 #include "engine/serve/generate_internal.h"
 
+#include "config/utf8.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +19,8 @@ void ds41_json_format_free(ds41_generation *g) {
     g->jf_schema = NULL;
     free(g->jf_stack);
     g->jf_stack = NULL;
+    free(g->jf_plain);
+    g->jf_plain = NULL;
     g->jf = JF_OFF;
 }
 
@@ -79,6 +83,16 @@ int ds41_json_format_setup(ds41_generation *g, const ds41_generation_params *p, 
         g->jf_fail[i] = (uint8_t)k;
     }
     g->jf_fail[0] = 0;
+    g->jf_plain = calloc(g->n_vocab, 1);
+    if (!g->jf_plain) return oom(err);
+    for (size_t i = 0; i < n_order; i++) {
+        size_t bl = 0;
+        const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, order[i], &bl);
+        bool plain = order[i] < g->n_vocab && ds41_utf8_valid((const char *)b, bl, NULL);
+        for (size_t k = 0; plain && k < bl; k++)
+            plain = b[k] >= 0x20 && b[k] != '"' && b[k] != '\\' && b[k] != '<';
+        if (plain) g->jf_plain[order[i]] = 1;
+    }
     for (int c = 0; c < 256; c++) g->jf_byte_tok[c] = UINT32_MAX;
     for (uint32_t t = 0; t < g->n_vocab; t++) {
         size_t bl = 0;
@@ -169,6 +183,10 @@ const float *ds41_json_format_logits(ds41_generation *g, const float *logits) {
     size_t left = ds41_gen_budget_left(g);
     size_t limit = left == SIZE_MAX ? SIZE_MAX : left - 1 - eos_cost(g); /* the budget: left > 1 + eos */
     size_t now = limit == SIZE_MAX ? 0 : ds41_json_match_completion(&g->js.m, NULL, 0);
+    /* a token that stays inside the open string adds at most an escape's or a UTF-8 sequence's
+     * rest to the close (most of the vocabulary, while a string is open) */
+    bool in_str = ds41_json_match_in_string(&g->js.m);
+    size_t slen0 = g->js.m.slen;
     size_t n_order = 0;
     const uint32_t *lcp;
     const uint32_t *order = ds41_tokenizer_byte_order(g->tok, &lcp, &n_order);
@@ -176,10 +194,24 @@ const float *ds41_json_format_logits(ds41_generation *g, const float *logits) {
     jstate_copy(&st[0], &g->js);
     size_t alive = 0;    /* st[0..alive] hold the previous token's first bytes */
     bool failed = false; /* the previous token died at its byte `alive` */
+    /* inside a string, with no escape or UTF-8 sequence open and nothing of the EOS text before: a
+     * plain token (jf_plain) that fits the string's bound continues it and leaves the close as it
+     * is, so it needs no byte fed */
+    bool fast =
+        in_str && !g->js.m.esc && !g->js.m.u8need && g->js.guard == 0 && (limit == SIZE_MAX || now <= limit);
     for (size_t i = 0; i < n_order; i++) {
         uint32_t t = order[i];
         size_t bl = 0;
         const uint8_t *b = ds41_tokenizer_token_bytes(g->tok, t, &bl);
+        if (fast && t < g->n_vocab && g->jf_plain[t] && (!g->js.m.str_max || slen0 + bl <= g->js.m.str_max)) {
+            if (logits[t] > -INFINITY && (int32_t)t != g->eos_id && (int32_t)t != g->silent_eos_id) {
+                m[t] = logits[t];
+                any = true;
+            }
+            alive = 0; /* the stack was not walked for it */
+            failed = false;
+            continue;
+        }
         size_t l = i ? lcp[i] : 0;
         if (failed && l > alive) continue; /* below the dead prefix */
         size_t d = l < alive ? l : alive;
@@ -197,7 +229,8 @@ const float *ds41_json_format_logits(ds41_generation *g, const float *logits) {
         if (!(logits[t] > -INFINITY) || t >= g->n_vocab || (int32_t)t == g->eos_id ||
             (int32_t)t == g->silent_eos_id)
             continue;
-        if (limit != SIZE_MAX && (now > limit || limit - now < bl * g->jf_growth)) {
+        bool same_str = in_str && ds41_json_match_in_string(&st[bl].m) && st[bl].m.slen == slen0 + bl;
+        if (limit != SIZE_MAX && (now > limit || limit - now < (same_str ? 5 : bl * g->jf_growth))) {
             size_t need = ds41_json_match_completion(&st[bl].m, NULL, 0);
             if (need == SIZE_MAX || need > limit) continue;
         }

@@ -1078,6 +1078,10 @@ bool ds41_json_match_byte(ds41_json_match *m, unsigned char c) {
     return true;
 }
 
+bool ds41_json_match_in_string(const ds41_json_match *m) {
+    return !m->dead && (m->lex == L_STR || m->lex == L_FKEY);
+}
+
 bool ds41_json_match_complete(const ds41_json_match *m) {
     if (m->dead) return false;
     if (m->lex == L_RAW) return m->u8need == 0;

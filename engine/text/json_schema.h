@@ -116,6 +116,8 @@ void ds41_json_match_copy(ds41_json_match *dst, const ds41_json_match *src);
 bool ds41_json_match_byte(ds41_json_match *m, unsigned char c);
 /* What was fed is a whole valid value (a number or enum value may still grow). */
 bool ds41_json_match_complete(const ds41_json_match *m);
+/* Inside a string (a value or a free key): the bytes of the open string so far (slen). */
+bool ds41_json_match_in_string(const ds41_json_match *m);
 /* The shortest bytes that make what was fed a whole valid value: writes up to cap bytes to out
  * (out may be NULL with cap 0) and returns the full length. */
 size_t ds41_json_match_completion(const ds41_json_match *m, char *out, size_t cap);
