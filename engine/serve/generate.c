@@ -1152,12 +1152,19 @@ static bool constraint_forcing(const ds41_generation *g) {
 
 /* min_tokens: EOS and the stop ids are masked, unless nothing else is left (a constraint that
  * allows only the end). */
+const float *ds41_gen_without_eos(ds41_generation *g, const float *logits) {
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
+    memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
+    if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
+    for (uint32_t t = 0; t < g->n_vocab; t++)
+        if (m[t] > -INFINITY) return m;
+    return logits;
+}
+
 static const float *min_tokens_logits(ds41_generation *g, const float *logits) {
-    if (!g->masked) {
-        g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
-        if (!g->masked) return logits;
-    }
-    float *m = g->masked;
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
     if (logits != m) memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
     float keep[1 + DS41_GEN_MAX_STOP_IDS];
     size_t nk = 0;

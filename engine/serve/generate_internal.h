@@ -13,6 +13,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* The markers the chat-output splitter watches (REFERENCE §11.7). */
 #define TOOL_CALLS_START "\n\n<" DS41_CHAT_DSML " calls"
@@ -231,6 +232,16 @@ static inline size_t ds41_gen_budget_left(const ds41_generation *g) {
     }
     return left;
 }
+
+/* The generation's n_vocab buffer for masked logits (allocated on first use; NULL: no memory). */
+static inline float *ds41_gen_masked(ds41_generation *g) {
+    if (!g->masked) g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
+    return g->masked;
+}
+
+/* logits with EOS masked (a constraint waiting for the reasoning to end), or logits itself when
+ * nothing else is left or memory is short (generate.c). */
+const float *ds41_gen_without_eos(ds41_generation *g, const float *logits);
 
 /* ---- the structured-output constraint (generate_json_format.c) ---- */
 

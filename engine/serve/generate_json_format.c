@@ -149,18 +149,9 @@ void ds41_json_format_budget(ds41_generation *g) {
  * to come near it: ds41_schema_step_growth bounds what a byte can add). */
 const float *ds41_json_format_logits(ds41_generation *g, const float *logits) {
     if (g->jf == JF_OFF) return logits;
-    if (!g->masked) {
-        g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
-        if (!g->masked) return logits;
-    }
-    float *m = g->masked;
-    if (g->jf == JF_WAIT_THINK) { /* the reasoning is free, but the content must come */
-        memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
-        if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
-        for (uint32_t t = 0; t < g->n_vocab; t++)
-            if (m[t] > -INFINITY) return m;
-        return logits;
-    }
+    if (g->jf == JF_WAIT_THINK) return ds41_gen_without_eos(g, logits); /* the content must come */
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
     for (uint32_t t = 0; t < g->n_vocab; t++) m[t] = -INFINITY;
     bool complete = ds41_json_match_complete(&g->js.m);
     if (g->js.m.depth == 0 && g->js.m.done) { /* only the end is left */

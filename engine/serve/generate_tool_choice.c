@@ -441,11 +441,8 @@ void ds41_tool_choice_budget(ds41_generation *g) {
  * cannot follow skipped at once. */
 const float *ds41_tool_choice_logits(ds41_generation *g, const float *logits) {
     if (g->cst == CS_OFF) return logits;
-    if (!g->masked) {
-        g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
-        if (!g->masked) return logits;
-    }
-    float *m = g->masked;
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
     if (g->cst == CS_LITERAL) {
         bool any = false;
         for (uint32_t t = 0; t < g->n_vocab; t++) {
@@ -511,12 +508,7 @@ const float *ds41_tool_choice_logits(ds41_generation *g, const float *logits) {
         m[g->eos_id] = logits[g->eos_id];
         return m;
     }
-    /* WAIT_THINK: everything but EOS */
-    memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
-    if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
-    for (uint32_t t = 0; t < g->n_vocab; t++)
-        if (m[t] > -INFINITY) return m;
-    return logits;
+    return ds41_gen_without_eos(g, logits); /* WAIT_THINK */
 }
 
 /* The tools the constraint may call, from the request's tools array (their parameters schemas
