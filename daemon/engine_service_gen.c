@@ -5,6 +5,7 @@
 #include "engine/serve/generate.h"
 #include "engine/text/pyjson.h"
 
+#include <inttypes.h>
 #include <jansson.h>
 #include <limits.h>
 #include <stdio.h>
@@ -84,6 +85,8 @@ static void on_done(void *ctx, const ds41_generation *g, ds41_sched_status statu
     ev.usage.completion_tokens = ds41_generation_completion_tokens(g);
     ev.usage.cached_tokens = ds41_generation_cached_tokens(g);
     ev.usage.reasoning_tokens = ds41_generation_reasoning_tokens(g);
+    ev.usage.has_timings = true;
+    ds41_generation_timings(g, &ev.usage.prefill_ms, &ev.usage.decode_ms);
     pthread_mutex_lock(&j->svc->jobs_mu);
     bool timed_out = j->timed_out;
     pthread_mutex_unlock(&j->svc->jobs_mu);
@@ -219,6 +222,11 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
     p->max_tokens = req->max_tokens ? req->max_tokens : s->st.max_tokens_default;
     p->max_context = m->context > UINT32_MAX ? UINT32_MAX : (uint32_t)m->context;
     p->ignore_eos = req->ignore_eos;
+    p->min_tokens = req->min_tokens;
+    if (req->ignored_hints)
+        ds41_log(DS41_LOG_INFO, "request %" PRIu64 ": ignoring%s%s (not needed by ds41)", req->id,
+                 req->ignored_hints & DS41_HINT_CACHE_PROMPT ? " cache_prompt" : "",
+                 req->ignored_hints & DS41_HINT_KEEP_ALIVE ? " keep_alive" : "");
     p->skip_special = !req->keep_special_tokens;
     if (req->forced_output) {
         if (!s->st.test_forced_output)
@@ -238,11 +246,12 @@ static int build_params(ds41_engine_service *s, model *m, const ds41_gen_request
 static int generation_error(const ds41_error *e, bool chat, ds41_svc_error *err) {
     if (strstr(e->msg, "context"))
         return ds41_svc_fail(err, DS41_SVC_CONTEXT_LENGTH, chat ? "messages" : "prompt", "%s", e->msg);
-    const char *param = strncmp(e->msg, "tool_choice", 11) == 0 ? "tool_choice"
-                        : strncmp(e->msg, "sampling", 8) == 0  ? "logit_bias"
-                        : strncmp(e->msg, "stop", 4) == 0     ? "stop"
-                        : strncmp(e->msg, "prompt", 6) == 0   ? "prompt"
-                                                              : "messages";
+    const char *param = strncmp(e->msg, "tool_choice", 11) == 0       ? "tool_choice"
+                        : strncmp(e->msg, "response_format", 15) == 0 ? "response_format"
+                        : strncmp(e->msg, "sampling", 8) == 0         ? "logit_bias"
+                        : strncmp(e->msg, "stop", 4) == 0             ? "stop"
+                        : strncmp(e->msg, "prompt", 6) == 0           ? "prompt"
+                                                                      : "messages";
     return ds41_svc_fail(err, DS41_SVC_BAD_REQUEST, param, "%s", e->msg);
 }
 

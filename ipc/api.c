@@ -210,6 +210,26 @@ static const char *finish_name(ds41_finish_reason r) {
     }
 }
 
+/* llama-server's "timings" (its names, so its clients read them): cache_n prompt tokens from the
+ * prefix cache, prompt_n prefilled, predicted_n generated. */
+static json_t *timings_json(const ds41_gen_usage *u) {
+    uint64_t prompt_n =
+        u->prompt_tokens - (u->cached_tokens < u->prompt_tokens ? u->cached_tokens : u->prompt_tokens);
+    double pms = u->prefill_ms > 0 ? u->prefill_ms : 0, dms = u->decode_ms > 0 ? u->decode_ms : 0;
+    return json_pack("{s:I,s:I,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "cache_n", (json_int_t)u->cached_tokens,
+                     "prompt_n", (json_int_t)prompt_n, "prompt_ms", pms, "prompt_per_token_ms",
+                     prompt_n ? pms / (double)prompt_n : 0.0, "prompt_per_second",
+                     pms > 0 ? (double)prompt_n * 1000.0 / pms : 0.0, "predicted_n",
+                     (json_int_t)u->completion_tokens, "predicted_ms", dms, "predicted_per_token_ms",
+                     u->completion_tokens ? dms / (double)u->completion_tokens : 0.0, "predicted_per_second",
+                     dms > 0 ? (double)u->completion_tokens * 1000.0 / dms : 0.0);
+}
+
+/* Adds "timings" to a response object or chunk (when the service measured them). */
+static void add_timings(json_t *o, const ds41_gen_usage *u) {
+    if (o && u->has_timings) json_object_set_new(o, "timings", timings_json(u));
+}
+
 static json_t *usage_json(const ds41_gen_usage *u) {
     json_t *o = json_object();
     json_t *pd = json_object();
@@ -307,7 +327,7 @@ static int completion_logprobs_append(gen_ctx *g, const ds41_gen_event *ev, json
 /* ------------------------------------------------------- stream chunks */
 
 /* Write "data: {chunk}\n\n" with choices = [choice] (or [] and usage). */
-static void emit_chunk_locked(gen_ctx *g, json_t *choice, json_t *usage) {
+static void emit_chunk_locked(gen_ctx *g, json_t *choice, json_t *usage, const ds41_gen_usage *timings) {
     json_t *o = json_object();
     json_t *choices = json_array();
     bool ok = o && choices;
@@ -319,6 +339,7 @@ static void emit_chunk_locked(gen_ctx *g, json_t *choice, json_t *usage) {
     if (ok && choice) ok = !json_array_append(choices, choice);
     ok = ok && !json_object_set(o, "choices", choices);
     if (ok && g->include_usage) ok = !ds41_json_set_new(o, "usage", usage ? json_incref(usage) : json_null());
+    if (ok && timings) add_timings(o, timings);
     if (ok) {
         size_t len;
         char *text = ds41_json_dump(o, &len);
@@ -373,10 +394,12 @@ static void start_stream_locked(gen_ctx *g) {
     if (g->started) return;
     g->started = true;
     if (g->kind == DS41_GEN_CHAT) {
-        emit_chunk_locked(
-            g, chat_choice(json_pack("{s:s,s:s}", "role", "assistant", "content", ""), NULL, NULL), NULL);
+        emit_chunk_locked(g,
+                          chat_choice(json_pack("{s:s,s:s}", "role", "assistant", "content", ""), NULL, NULL),
+                          NULL, NULL);
     } else if (g->echo) {
-        emit_chunk_locked(g, text_choice(ds41_json_string_lossy(g->echo, g->echo_len), NULL, NULL), NULL);
+        emit_chunk_locked(g, text_choice(ds41_json_string_lossy(g->echo, g->echo_len), NULL, NULL), NULL,
+                          NULL);
         g->text_offset = g->echo_len;
     }
 }
@@ -412,7 +435,8 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
                 g->text_offset += t.len;
             }
             if (t.len || lp)
-                emit_chunk_locked(g, text_choice(ds41_json_string_lossy(t.data, t.len), lp, NULL), NULL);
+                emit_chunk_locked(g, text_choice(ds41_json_string_lossy(t.data, t.len), lp, NULL), NULL,
+                                  NULL);
             else
                 json_decref(lp);
             free(t.data);
@@ -442,7 +466,7 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
             json_decref(delta);
             return;
         }
-        emit_chunk_locked(g, chat_choice(delta, lp, NULL), NULL);
+        emit_chunk_locked(g, chat_choice(delta, lp, NULL), NULL, NULL);
         return;
     }
     case DS41_GEN_TOOL_CALL: {
@@ -466,7 +490,7 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
         ds41_json_set_new(fn, "arguments", ds41_json_string_lossy(ev->arguments, ev->arguments_len));
         json_object_set_new(call, "function", fn);
         json_t *delta = json_pack("{s:[o]}", "tool_calls", call);
-        emit_chunk_locked(g, chat_choice(delta, NULL, NULL), NULL);
+        emit_chunk_locked(g, chat_choice(delta, NULL, NULL), NULL, NULL);
         return;
     }
     case DS41_GEN_FINISH: {
@@ -485,12 +509,14 @@ static void stream_event_locked(gen_ctx *g, const ds41_gen_event *ev) {
             free(body);
             return;
         }
+        /* timings go on the last chunk: the usage chunk, else the finish_reason one */
         const char *fin = finish_name(ev->finish_reason);
+        const ds41_gen_usage *t = g->include_usage ? NULL : &ev->usage;
         if (g->kind == DS41_GEN_CHAT)
-            emit_chunk_locked(g, chat_choice(json_object(), NULL, fin), NULL);
+            emit_chunk_locked(g, chat_choice(json_object(), NULL, fin), NULL, t);
         else
-            emit_chunk_locked(g, text_choice(json_string(""), NULL, fin), NULL);
-        if (g->include_usage) emit_chunk_locked(g, NULL, usage_json(&ev->usage));
+            emit_chunk_locked(g, text_choice(json_string(""), NULL, fin), NULL, t);
+        if (g->include_usage) emit_chunk_locked(g, NULL, usage_json(&ev->usage), &ev->usage);
         static const char done[] = "data: [DONE]\n\n";
         if (g->out) ds41_http_stream_write(g->out, done, sizeof done - 1);
         return;
@@ -659,6 +685,7 @@ static json_t *build_chat_response(gen_ctx *g) {
                           "chat.completion", "created", (json_int_t)g->created, "model", g->accept.model,
                           "choices", "index", 0, "message", msg, "logprobs", lp, "finish_reason", fin,
                           "usage", usage_json(&g->usage));
+    add_timings(o, &g->usage);
     json_decref(msg);
     json_decref(tools);
     return o;
@@ -688,6 +715,7 @@ static json_t *build_completion_response(gen_ctx *g) {
                           "text_completion", "created", (json_int_t)g->created, "model", g->accept.model,
                           "choices", "index", 0, "text", ds41_json_string_lossy(text.data, text.len), "logprobs",
                           lp, "finish_reason", finish_name(g->finish), "usage", usage_json(&g->usage));
+    add_timings(o, &g->usage);
     free(text.data);
     return o;
 }

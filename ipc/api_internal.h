@@ -43,6 +43,11 @@ int ds41_api_parse_messages(const json_t *messages, char **out_json, ds41_svc_er
  * not NULL) gets a new array of the function names. */
 int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, ds41_svc_error *err);
 
+/* A response format (chat's response_format, the Responses API's text.format): its schema must be
+ * in the subset structured output enforces (engine/text/json_schema.h ds41_schema_compile_format);
+ * else 400 naming the keyword's path under path. */
+int ds41_api_check_format_schema(const json_t *format, const char *path, ds41_svc_error *err);
+
 /* thinking / chat_template_kwargs / reasoning_effort -> mode and effort. */
 int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort, ds41_svc_error *err);
 

@@ -614,7 +614,18 @@ static int parse_response_format(const json_t *root, char **out, ds41_svc_error 
         return bad(err, "response_format.type", "invalid_value",
                    "'response_format.type' must be 'text', 'json_object' or 'json_schema', not '%s'", type);
     }
+    if (ds41_api_check_format_schema(rf, "response_format", err)) return -1;
     return dump_to(rf, out, err);
+}
+
+int ds41_api_check_format_schema(const json_t *format, const char *path, ds41_svc_error *err) {
+    char epath[256];
+    ds41_schema *schema = NULL;
+    ds41_error se;
+    if (ds41_schema_compile_format(format, path, &schema, epath, sizeof epath, &se) != 0)
+        return bad(err, epath[0] ? epath : path, "invalid_value", "%s", se.msg);
+    ds41_schema_free(schema);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- thinking */
@@ -851,6 +862,24 @@ static int parse_common(const json_t *root, ds41_api_request *r, ds41_svc_error 
     g->forced_output = r->forced_output;
     if (parse_stop(root, r, err) || parse_logit_bias(root, r, err) || parse_cache_salt(root, r, err))
         return -1;
+    if (ds41_api_get_int(root, NULL, "min_tokens", 0, UINT32_MAX, &has, &v, err)) return -1;
+    g->min_tokens = has ? (uint32_t)v : 0;
+    /* hints of llama-server (cache_prompt: ds41 always reuses cached prefixes) and Ollama
+     * (keep_alive: the model stays loaded until unloaded); accepted, not acted on */
+    if (ds41_api_get_bool(root, NULL, "cache_prompt", &has, &b, err)) return -1;
+    if (has) g->ignored_hints |= DS41_HINT_CACHE_PROMPT;
+    json_t *ka = get(root, "keep_alive");
+    if (ka && !json_is_string(ka) && !json_is_number(ka) && !json_is_null(ka))
+        return type_error(err, "keep_alive", "a duration (string or number)", ka);
+    if (ka) g->ignored_hints |= DS41_HINT_KEEP_ALIVE;
+    return 0;
+}
+
+/* min_tokens may not exceed max_tokens (nothing could satisfy both). */
+static int check_min_tokens(const ds41_gen_request *g, ds41_svc_error *err) {
+    if (g->max_tokens && g->min_tokens > g->max_tokens)
+        return bad(err, "min_tokens", "invalid_value", "'min_tokens' (%u) exceeds 'max_tokens' (%u)",
+                   g->min_tokens, g->max_tokens);
     return 0;
 }
 
@@ -912,6 +941,9 @@ static const char *const chat_keys[] = {"messages",
                                         "skip_special_tokens",
                                         "ds41_forced_output",
                                         "cache_salt",
+                                        "min_tokens",
+                                        "cache_prompt",
+                                        "keep_alive",
                                         "store",
                                         "metadata",
                                         "service_tier",
@@ -991,6 +1023,7 @@ int ds41_api_parse_chat(const char *body, size_t len, ds41_api_request *out, ds4
         goto fail;
     }
     g->max_tokens = (uint32_t)(has_mct ? mct : has_mt ? mt : 0);
+    if (check_min_tokens(g, err)) goto fail;
     bool has, b;
     if (ds41_api_get_bool(root, NULL, "logprobs", &has, &b, err)) goto fail;
     g->logprobs = has && b;
@@ -1048,6 +1081,9 @@ static const char *const completion_keys[] = {"model",
                                               "skip_special_tokens",
                                               "ds41_forced_output",
                                               "cache_salt",
+                                              "min_tokens",
+                                              "cache_prompt",
+                                              "keep_alive",
                                               NULL};
 
 static int parse_token_ids(const json_t *arr, const char *path, ds41_api_request *r, ds41_svc_error *err) {
@@ -1121,6 +1157,7 @@ int ds41_api_parse_completion(const char *body, size_t len, unsigned default_max
     }
     if (ds41_api_get_int(root, NULL, "max_tokens", 1, UINT32_MAX, &has, &v, err)) goto fail;
     g->max_tokens = has ? (uint32_t)v : (default_max_tokens ? default_max_tokens : 16);
+    if (check_min_tokens(g, err)) goto fail;
     if (ds41_api_get_int(root, NULL, "logprobs", 0, 20, &has, &v, err)) goto fail;
     g->logprobs = has;
     g->top_logprobs = has ? (int)v : 0;

@@ -221,6 +221,10 @@ typedef struct ds41_svc_logit_bias {
 /* A validated generation request (ipc/api.h documents the JSON fields that
  * map here).  Optional numbers come as ds41_opt_double with set=false when
  * the client did not give them (or gave null). */
+/* Hints of other servers' clients that a request may carry and ds41 does not act on. */
+#define DS41_HINT_CACHE_PROMPT 1u /* llama-server "cache_prompt" (prefixes are always reused) */
+#define DS41_HINT_KEEP_ALIVE 2u   /* Ollama "keep_alive" (models stay until unloaded) */
+
 typedef struct ds41_gen_request {
     uint64_t id;             /* unique in this process, assigned by the ipc layer; used by cancel() */
     const char *response_id; /* "chatcmpl-..." / "cmpl-...", as the client will see it */
@@ -270,6 +274,8 @@ typedef struct ds41_gen_request {
     const char *const *stop; /* stop strings (each non-empty) */
     size_t n_stop;
     bool ignore_eos; /* keep generating past EOS (benchmarks) */
+    uint32_t min_tokens;      /* EOS, stop ids and stop strings wait for this many tokens; 0 = none */
+    unsigned ignored_hints;   /* DS41_HINT_*: hints the client sent that ds41 accepts and ignores */
     bool keep_special_tokens; /* skip_special_tokens: false (the default strips the special tokens'
                                  text from content and reasoning_content) */
     /* Test hook ("ds41_forced_output"): a text whose tokens (special tokens
@@ -311,6 +317,10 @@ typedef struct ds41_gen_usage {
     uint64_t completion_tokens; /* including reasoning tokens */
     uint64_t cached_tokens;     /* prompt tokens served from the prefix cache */
     uint64_t reasoning_tokens;
+    /* timings (ms, monotonic; never negative): admission to the prompt's logits, then the
+     * generated tokens; has_timings false where the service does not measure them */
+    bool has_timings;
+    double prefill_ms, decode_ms;
 } ds41_gen_usage;
 
 typedef struct ds41_gen_top_logprob {

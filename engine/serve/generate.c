@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 ds41_generation_params ds41_generation_params_default(void) {
     ds41_generation_params p;
@@ -528,6 +529,23 @@ static void stream_reconcile(ds41_generation *g) {
 
 /* ---- setup --------------------------------------------------------------------------------- */
 
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void ds41_generation_mark_started(ds41_generation *g) {
+    if (g->started) return; /* a preempted request keeps its first admission */
+    g->started = true;
+    g->t_start = mono_ns();
+}
+
+void ds41_generation_timings(const ds41_generation *g, double *prefill_ms, double *decode_ms) {
+    *prefill_ms = g->t_first > g->t_start ? (double)(g->t_first - g->t_start) / 1e6 : 0;
+    *decode_ms = g->t_last > g->t_first ? (double)(g->t_last - g->t_first) / 1e6 : 0;
+}
+
 int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params *p, uint32_t n_vocab,
                         ds41_generation **out, ds41_error *err) {
     if (!out) return ds41_fail(err, "generation: no output");
@@ -538,6 +556,7 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
     if (!g) return oom(err);
     g->tok = tok;
     g->n_vocab = n_vocab;
+    g->t_start = mono_ns();
     g->kind = p->kind;
     g->silent_eos_id = -1;
     g->max_context = p->max_context;
@@ -695,6 +714,8 @@ int ds41_generation_new(const ds41_tokenizer *tok, const ds41_generation_params 
     if (g->parse_tool_calls && p->tool_choice != DS41_GENERATION_TOOL_CHOICE_AUTO &&
         ds41_tool_choice_setup(g, p, err) != 0)
         goto fail;
+    if (ds41_json_format_setup(g, p, prefix, err) != 0) goto fail;
+    g->min_tokens = p->min_tokens;
     *out = g;
     return 0;
 fail:
@@ -732,6 +753,7 @@ void ds41_generation_free(ds41_generation *g) {
     ds41_buf_free(&g->tail);
     ds41_tool_choice_free(g);
     free(g->prop_used);
+    ds41_json_format_free(g);
     free(g->cforce);
     free(g->masked);
     free(g);
@@ -1127,6 +1149,45 @@ static float raw_logprob(const float *logits, uint32_t n, uint32_t token) {
     return (float)((double)logits[token] - (double)mx - log(sum));
 }
 
+/* A constraint (tool choice, structured output) forces the next token. */
+static bool constraint_forcing(const ds41_generation *g) {
+    return (g->cst != CS_OFF || g->jf == JF_ON) && g->cforce_pos < g->n_cforce;
+}
+
+/* min_tokens: EOS and the stop ids are masked, unless nothing else is left (a constraint that
+ * allows only the end). */
+const float *ds41_gen_without_eos(ds41_generation *g, const float *logits) {
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
+    memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
+    if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
+    for (uint32_t t = 0; t < g->n_vocab; t++)
+        if (m[t] > -INFINITY) return m;
+    return logits;
+}
+
+static const float *min_tokens_logits(ds41_generation *g, const float *logits) {
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
+    if (logits != m) memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
+    float keep[1 + DS41_GEN_MAX_STOP_IDS];
+    size_t nk = 0;
+    if (g->eos_id >= 0) {
+        keep[nk++] = m[g->eos_id];
+        m[g->eos_id] = -INFINITY;
+    }
+    for (uint32_t i = 0; i < g->limits.n_stop_ids; i++) {
+        keep[nk++] = m[g->limits.stop_ids[i]];
+        m[g->limits.stop_ids[i]] = -INFINITY;
+    }
+    for (uint32_t t = 0; t < g->n_vocab; t++)
+        if (m[t] > -INFINITY) return m;
+    nk = 0; /* nothing else: put them back */
+    if (g->eos_id >= 0) m[g->eos_id] = keep[nk++];
+    for (uint32_t i = 0; i < g->limits.n_stop_ids; i++) m[g->limits.stop_ids[i]] = keep[nk++];
+    return m;
+}
+
 int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
                          ds41_generation_delta *out, ds41_error *err) {
     ds41_generation_delta dummy;
@@ -1138,17 +1199,24 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
     if (!logits) return ds41_fail(err, "generation: no logits");
     if (push_token(g, 0) != 0) return oom(err); /* room first, so nothing fails after sampling */
     g->n_tokens--;
+    if (!g->t_first) g->t_first = mono_ns();
 
     ds41_sample_result res;
     size_t gen_index = g->n_tokens - g->n_prompt;
     bool test_forced = gen_index < g->n_forced;
-    if (!test_forced) ds41_tool_choice_budget(g);
-    bool c_forced = !test_forced && g->cst != CS_OFF && g->cforce_pos < g->n_cforce;
-    const float *use = test_forced || c_forced ? logits : ds41_tool_choice_logits(g, logits);
+    if (!test_forced) {
+        ds41_tool_choice_budget(g);
+        ds41_json_format_budget(g);
+    }
+    bool c_forced = !test_forced && constraint_forcing(g);
+    const float *use = test_forced || c_forced ? logits
+                       : g->jf != JF_OFF       ? ds41_json_format_logits(g, logits)
+                                               : ds41_tool_choice_logits(g, logits);
     if (!use) { /* the constraint forces its close from here */
-        c_forced = g->cst != CS_OFF && g->cforce_pos < g->n_cforce;
+        c_forced = constraint_forcing(g);
         use = logits;
     }
+    if (!test_forced && !c_forced && gen_index < g->min_tokens) use = min_tokens_logits(g, use);
     if (ds41_sampler_sample(g->sampler, scratch, use, g->n_vocab, &res, err) != 0) return -1;
     if (test_forced || c_forced) {
         uint32_t forced = test_forced ? g->forced[gen_index] : g->cforce[g->cforce_pos++];
@@ -1179,8 +1247,11 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
             for (size_t i = 0; b && i < bl; i++) ds41_tool_choice_byte(g, (char)b[i]);
         }
         if (ds41_detok_push(g->detok, token, &piece, &piece_len) != 0) return oom(err);
-        ds41_stop_output so;
-        if (ds41_stop_matcher_feed(g->stop, piece, piece_len, &so, err) != 0) return -1;
+        ds41_stop_output so = {.text = piece, .len = piece_len};
+        /* before min_tokens, stop strings are not looked for (a match across the boundary is not
+         * seen either) */
+        if (gen_index >= g->min_tokens && ds41_stop_matcher_feed(g->stop, piece, piece_len, &so, err) != 0)
+            return -1;
         ds41_buf_put(&g->text, so.text, so.len);
         if (g->text.oom) return oom(err);
         if (so.stopped) {
@@ -1199,6 +1270,8 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
             g->finish = DS41_GENERATION_CONTEXT;
     }
     split_advance(g, false);
+    ds41_json_format_token(g, token, ds41_gen_verdict_emits(v));
+    g->t_last = mono_ns();
     if (g->finish != DS41_GENERATION_RUNNING && finalize(g, err) != 0) return -1;
     if (g->step_reasoning.oom || g->step_content.oom || g->all_reasoning.oom || g->all_content.oom ||
         deltas_reserve(g) != 0)

@@ -113,6 +113,22 @@
  * parallel_tool_calls false keeps the first call only (the parsed message and the stream; under
  * REQUIRED / NAMED the grammar closes the block after one invoke).
  *
+ * Structured output (CHAT).  params.response_format {"type": "json_object"} / "json_schema"
+ * (engine/text/json_schema.h ds41_schema_compile_format: chat's and the Responses API's shapes;
+ * a schema outside the subset is an error starting "response_format") holds the content to one
+ * JSON document of the schema: from the start of the content (thinking mode: after "</think>";
+ * EOS is masked in the reasoning) every token whose bytes cannot continue a valid document is
+ * masked (-inf) before sampling, EOS is allowed once the document is complete and is the only
+ * token once it cannot grow, and when the budget (max_tokens, the context) would no longer hold
+ * the document's shortest close plus EOS, the close is forced one token per byte, then EOS.  The
+ * matcher allows at most 2 whitespace bytes in a row and strings of at most 512 bytes, and the
+ * content never holds the EOS text.  Not applied with a REQUIRED / NAMED tool choice (that
+ * constraint holds the output), to a continued assistant message (prefix), or when a forced
+ * token leaves the document; with ignore_eos it ends once the document is complete.  Cost per
+ * step: a walk of the vocabulary in byte order (ds41_tokenizer_byte_order: a shared prefix is fed
+ * once, the tokens below a dead prefix are skipped), and inside a string a plain token (whole
+ * UTF-8 characters without '"', '\\', controls or '<') is taken without feeding its bytes.
+ *
  * Forced output (tests only).  params.forced_ids makes the first n_forced generated tokens those
  * ids instead of samples (the logits are still required, checked and, with logprobs, described);
  * limits, stop strings, text splitting and the final parse treat them like sampled tokens.  This
@@ -202,6 +218,9 @@ typedef struct ds41_generation_params {
                              stays out of T (see "Text") */
     bool skip_special;    /* drop the special tokens' text from what is returned (see "Special
                              tokens"); false keeps it (the daemon's skip_special_tokens: false) */
+    uint32_t min_tokens;  /* EOS and stop ids are masked, and stop strings not looked for, until
+                             this many tokens are generated (unless a constraint allows only the
+                             end); 0 = none */
 
     /* tests only: the first generated tokens */
     const uint32_t *forced_ids;
@@ -270,6 +289,12 @@ size_t ds41_generation_cached_tokens(const ds41_generation *g);
 /* The limits it was made with (0 = none): generated tokens, prompt + generated tokens. */
 uint32_t ds41_generation_max_tokens(const ds41_generation *g);
 uint32_t ds41_generation_max_context(const ds41_generation *g);
+
+/* Timings: the scheduler marks when the request was admitted (before that, the creation counts);
+ * prefill_ms runs from then to the first step (the prompt's logits), decode_ms from the first
+ * step's start to the last step's end (every generated token).  Monotonic clock; 0 before. */
+void ds41_generation_mark_started(ds41_generation *g);
+void ds41_generation_timings(const ds41_generation *g, double *prefill_ms, double *decode_ms);
 
 /* The rendered prompt text (CHAT and RAW; "" for IDS), NUL-terminated. */
 const char *ds41_generation_prompt_text(const ds41_generation *g, size_t *len);

@@ -13,6 +13,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* The markers the chat-output splitter watches (REFERENCE §11.7). */
 #define TOOL_CALLS_START "\n\n<" DS41_CHAT_DSML " calls"
@@ -100,6 +101,18 @@ typedef struct special_text {
     size_t len;
 } special_text;
 
+/* The structured-output constraint (generate.h "Structured output"). */
+typedef enum jf_state {
+    JF_OFF = 0,
+    JF_WAIT_THINK, /* thinking mode: free reasoning (no EOS) until the content starts */
+    JF_ON,         /* the content is held to the schema */
+} jf_state;
+
+typedef struct jstate {
+    ds41_json_match m;
+    uint8_t guard; /* bytes of jf_eos the text ends with */
+} jstate;
+
 struct ds41_generation {
     const ds41_tokenizer *tok;
     uint32_t n_vocab;
@@ -180,6 +193,27 @@ struct ds41_generation {
     float *masked;     /* n_vocab logits with the constraint applied */
     uint32_t max_tokens;
 
+    /* structured output (generate_json_format.c) */
+    jf_state jf;
+    ds41_schema *jf_schema;
+    jstate js;        /* JF_ON: the content so far */
+    jstate *jf_stack; /* the vocabulary walk's states, one per byte depth */
+    size_t jf_depth_cap;
+    size_t jf_growth;    /* ds41_schema_step_growth */
+    uint8_t jf_fail[64]; /* KMP failure function of the EOS text (the guard) */
+    const char *jf_eos;  /* the text the content may not contain (the parser would end there) */
+    size_t jf_eos_len;
+    uint32_t jf_byte_tok[256]; /* a token of each single byte (UINT32_MAX: none) */
+    uint8_t *jf_plain;         /* per token: its bytes are whole UTF-8 characters a string may hold
+                                  as they are (no '"', '\\', control character or '<') */
+
+    /* min_tokens: EOS, stop ids and stop strings wait until this many tokens are generated */
+    uint32_t min_tokens;
+
+    /* timings (monotonic ns): admitted, the first step (the prompt's logits are there), the last */
+    uint64_t t_start, t_first, t_last;
+    bool started;
+
     ds41_generation_finish finish;
     int stop_index; /* DS41_GENERATION_STOP_STRING: which stop string */
     bool has_result;
@@ -187,6 +221,41 @@ struct ds41_generation {
 };
 
 static inline int oom(ds41_error *err) { return ds41_fail(err, "out of memory"); }
+
+/* The tokens left for this step and the ones after it (SIZE_MAX: no limit). */
+static inline size_t ds41_gen_budget_left(const ds41_generation *g) {
+    size_t gen = g->n_tokens - g->n_prompt; /* generated before this step */
+    size_t left = SIZE_MAX;
+    if (g->max_tokens) left = g->max_tokens > gen ? g->max_tokens - gen : 0;
+    if (g->max_context) {
+        size_t c = g->max_context > g->n_tokens ? g->max_context - g->n_tokens : 0;
+        if (c < left) left = c;
+    }
+    return left;
+}
+
+/* The generation's n_vocab buffer for masked logits (allocated on first use; NULL: no memory). */
+static inline float *ds41_gen_masked(ds41_generation *g) {
+    if (!g->masked) g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
+    return g->masked;
+}
+
+/* logits with EOS masked (a constraint waiting for the reasoning to end), or logits itself when
+ * nothing else is left or memory is short (generate.c). */
+const float *ds41_gen_without_eos(ds41_generation *g, const float *logits);
+
+/* ---- the structured-output constraint (generate_json_format.c) ---- */
+
+/* Compiles params->response_format (json_object / json_schema) and arms the constraint; nothing
+ * for text or none, or when the tool-choice constraint holds the output. */
+int ds41_json_format_setup(ds41_generation *g, const ds41_generation_params *p, bool prefix, ds41_error *err);
+void ds41_json_format_free(ds41_generation *g);
+/* Before each step: force the document's shortest close when the budget would no longer hold it. */
+void ds41_json_format_budget(ds41_generation *g);
+/* The logits under the constraint (NULL: its close is forced from this step; see cforce). */
+const float *ds41_json_format_logits(ds41_generation *g, const float *logits);
+/* After each step (the splitter has run): the token's bytes through the matcher. */
+void ds41_json_format_token(ds41_generation *g, uint32_t token, bool emitted);
 
 /* ---- the tool-choice constraint (generate_tool_choice.c) ---- */
 

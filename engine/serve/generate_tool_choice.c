@@ -24,18 +24,6 @@ void ds41_tool_choice_clear(ds41_generation *g) {
     g->n_cands = 0;
 }
 
-/* The tokens left for this step and the ones after it (SIZE_MAX: no limit). */
-static size_t budget_left(const ds41_generation *g) {
-    size_t gen = g->n_tokens - g->n_prompt; /* generated before this step */
-    size_t left = SIZE_MAX;
-    if (g->max_tokens) left = g->max_tokens > gen ? g->max_tokens - gen : 0;
-    if (g->max_context) {
-        size_t c = g->max_context > g->n_tokens ? g->max_context - g->n_tokens : 0;
-        if (c < left) left = c;
-    }
-    return left;
-}
-
 static size_t eos_cost(const ds41_generation *g) {
     return g->eos_id >= 0 ? 1 : 0;
 }
@@ -419,7 +407,7 @@ static void force_close(ds41_generation *g) {
  * them out).  A value's tokens are checked one by one in constraint_logits. */
 void ds41_tool_choice_budget(ds41_generation *g) {
     if (g->cforce_pos < g->n_cforce) return;
-    size_t left = budget_left(g);
+    size_t left = ds41_gen_budget_left(g);
     if (left == SIZE_MAX) return;
     if (g->cst == CS_VALUE) {
         size_t need = vstate_close(g, &g->vs);
@@ -453,11 +441,8 @@ void ds41_tool_choice_budget(ds41_generation *g) {
  * cannot follow skipped at once. */
 const float *ds41_tool_choice_logits(ds41_generation *g, const float *logits) {
     if (g->cst == CS_OFF) return logits;
-    if (!g->masked) {
-        g->masked = malloc((size_t)g->n_vocab * sizeof *g->masked);
-        if (!g->masked) return logits;
-    }
-    float *m = g->masked;
+    float *m = ds41_gen_masked(g);
+    if (!m) return logits;
     if (g->cst == CS_LITERAL) {
         bool any = false;
         for (uint32_t t = 0; t < g->n_vocab; t++) {
@@ -479,7 +464,7 @@ const float *ds41_tool_choice_logits(ds41_generation *g, const float *logits) {
         return m;
     }
     if (g->cst == CS_VALUE) {
-        size_t left = budget_left(g);
+        size_t left = ds41_gen_budget_left(g);
         size_t limit =
             left == SIZE_MAX ? SIZE_MAX : left - 1 - eos_cost(g); /* constraint_budget: left > 1 + eos */
         bool first[256];
@@ -523,12 +508,7 @@ const float *ds41_tool_choice_logits(ds41_generation *g, const float *logits) {
         m[g->eos_id] = logits[g->eos_id];
         return m;
     }
-    /* WAIT_THINK: everything but EOS */
-    memcpy(m, logits, (size_t)g->n_vocab * sizeof *m);
-    if (g->eos_id >= 0) m[g->eos_id] = -INFINITY;
-    for (uint32_t t = 0; t < g->n_vocab; t++)
-        if (m[t] > -INFINITY) return m;
-    return logits;
+    return ds41_gen_without_eos(g, logits); /* WAIT_THINK */
 }
 
 /* The tools the constraint may call, from the request's tools array (their parameters schemas

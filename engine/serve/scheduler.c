@@ -428,6 +428,7 @@ static void admit(ds41_scheduler *s) {
             add_ending(s, r, DS41_SCHED_ERROR, "%s", err.msg);
             continue;
         }
+        ds41_generation_mark_started(r->g);
         if (hit != SIZE_MAX) {
             if (ds41_generation_mark_cached(r->g, cached, &err) != 0) {
                 ds41_kv_seq_free(seq);

@@ -15,6 +15,7 @@ enum { T_NULL = 1, T_BOOL = 2, T_INT = 4, T_NUM = 8, T_STR = 16, T_ARR = 32, T_O
 #define WS_MAX 16
 #define INT_DIGITS 18
 #define EXP_DIGITS 2
+#define FRAC_DIGITS 18
 #define DSML_MARK "｜DSML｜"
 
 typedef struct text {
@@ -460,8 +461,8 @@ static void compute_min(ds41_schema *s) {
     }
 }
 
-int ds41_schema_compile(const json_t *params, const char *path, ds41_schema **out, char *err_path,
-                        size_t err_path_cap, ds41_error *err) {
+static int compile_root(const json_t *params, const char *path, bool object_root, ds41_schema **out,
+                        char *err_path, size_t err_path_cap, ds41_error *err) {
     *out = NULL;
     if (err_path && err_path_cap) err_path[0] = 0;
     ds41_schema *s = calloc(1, sizeof *s);
@@ -480,7 +481,7 @@ int ds41_schema_compile(const json_t *params, const char *path, ds41_schema **ou
     json_decref(empty);
     if (rc) goto fail;
     snode *r = &s->nodes[s->root];
-    if (r->types != T_OBJ || r->nenum) {
+    if (object_root && (r->types != T_OBJ || r->nenum)) {
         char p[512];
         join(p, sizeof p, path, r->nenum ? "enum" : "type");
         cfail(&c, p, "the parameters must be an object schema (\"type\": \"object\")");
@@ -512,6 +513,81 @@ int ds41_schema_compile(const json_t *params, const char *path, ds41_schema **ou
 fail:
     ds41_schema_free(s);
     return -1;
+}
+
+int ds41_schema_compile(const json_t *params, const char *path, ds41_schema **out, char *err_path,
+                        size_t err_path_cap, ds41_error *err) {
+    return compile_root(params, path, true, out, err_path, err_path_cap, err);
+}
+
+int ds41_schema_compile_value(const json_t *schema, const char *path, ds41_schema **out, char *err_path,
+                              size_t err_path_cap, ds41_error *err) {
+    return compile_root(schema, path, false, out, err_path, err_path_cap, err);
+}
+
+int ds41_schema_compile_format(const json_t *format, const char *path, ds41_schema **out, char *err_path,
+                               size_t err_path_cap, ds41_error *err) {
+    *out = NULL;
+    if (err_path && err_path_cap) err_path[0] = 0;
+    if (!format || json_is_null(format)) return 0;
+    const char *type = json_string_value(json_object_get(format, "type"));
+    if (!json_is_object(format) || !type) {
+        if (err_path && err_path_cap) snprintf(err_path, err_path_cap, "%s.type", path);
+        return ds41_fail(err, "%s.type: must be 'text', 'json_object' or 'json_schema'", path);
+    }
+    if (strcmp(type, "text") == 0) return 0;
+    char p[512];
+    if (strcmp(type, "json_object") == 0) {
+        json_t *obj = json_pack("{s:s}", "type", "object");
+        if (!obj) return ds41_fail(err, "out of memory");
+        int rc = compile_root(obj, path, false, out, err_path, err_path_cap, err);
+        json_decref(obj);
+        return rc;
+    }
+    if (strcmp(type, "json_schema") == 0) {
+        /* chat completions nest it ({"json_schema": {"schema": ...}}); the Responses API's
+         * text.format has it at the top ({"type": "json_schema", "schema": ...}) */
+        const json_t *schema = json_object_get(format, "schema");
+        join(p, sizeof p, path, "schema");
+        const json_t *js = json_object_get(format, "json_schema");
+        if (json_is_object(js)) {
+            schema = json_object_get(js, "schema");
+            join(p, sizeof p, path, "json_schema.schema");
+        }
+        json_t *any = NULL;
+        if (!schema) schema = any = json_object(); /* no schema: any JSON value */
+        if (!schema) return ds41_fail(err, "out of memory");
+        int rc = compile_root(schema, p, false, out, err_path, err_path_cap, err);
+        json_decref(any);
+        return rc;
+    }
+    if (err_path && err_path_cap) snprintf(err_path, err_path_cap, "%s.type", path);
+    return ds41_fail(err, "%s.type: must be 'text', 'json_object' or 'json_schema', not '%s'", path, type);
+}
+
+/* The most one byte fed to a matcher can lengthen its shortest completion: opening a value's
+ * object (its required properties), a key (the property's name and shortest value), an array
+ * item, and a few bytes for escapes, UTF-8 sequences and numbers. */
+size_t ds41_schema_step_growth(const ds41_schema *s) {
+    size_t d = 8, name = 0;
+    for (size_t i = 0; i < s->n_props; i++)
+        if (s->props[i].name.len > name) name = s->props[i].name.len;
+    for (size_t i = 0; i < s->n_nodes; i++) {
+        const snode *n = &s->nodes[i];
+        size_t b = 5; /* "false" */
+        for (uint32_t k = 0; k < n->nenum; k++)
+            if (s->enums[n->enum0 + k].len > b) b = s->enums[n->enum0 + k].len;
+        if (n->types & T_OBJ) {
+            size_t o = 2;
+            for (uint32_t k = 0; k < n->nprops; k++) {
+                const sprop *pr = &s->props[n->prop0 + k];
+                if (pr->required) o += 1 + pr->name.len + 3 + s->nodes[pr->node].min_len;
+            }
+            if (o > b) b = o;
+        }
+        if (b + name + 8 > d) d = b + name + 8;
+    }
+    return d;
 }
 
 void ds41_schema_free(ds41_schema *s) {
@@ -560,6 +636,7 @@ void ds41_json_match_init(ds41_json_match *m, const ds41_schema *s, size_t param
     m->s = s;
     m->root = s->props[s->order[param]].node;
     m->raw = raw;
+    m->ws_max = WS_MAX;
     if (raw) {
         const snode *n = &s->nodes[m->root];
         m->lnode = m->root;
@@ -571,6 +648,14 @@ void ds41_json_match_init(ds41_json_match *m, const ds41_schema *s, size_t param
             m->lex = L_RAW;
         }
     }
+}
+
+void ds41_json_match_init_value(ds41_json_match *m, const ds41_schema *s, unsigned ws_max, unsigned str_max) {
+    memset(m, 0, offsetof(ds41_json_match, f));
+    m->s = s;
+    m->root = s->root;
+    m->ws_max = (uint8_t)(ws_max < WS_MAX ? ws_max : WS_MAX);
+    m->str_max = (uint16_t)(str_max < UINT16_MAX ? str_max : UINT16_MAX);
 }
 
 void ds41_json_match_copy(ds41_json_match *dst, const ds41_json_match *src) {
@@ -725,6 +810,7 @@ static bool value_start(ds41_json_match *m, uint16_t ni, unsigned char c) {
     if (c == '"' && n->types & T_STR) {
         m->lex = L_STR;
         m->esc = m->u8need = 0;
+        m->slen = 0;
         return true;
     }
     if ((c == '-' || (c >= '0' && c <= '9')) && n->types & (T_INT | T_NUM)) {
@@ -773,9 +859,14 @@ static int number_byte(ds41_json_match *m, unsigned char c) {
     case N_DOT:
         if (!dig) return -1;
         m->numst = N_FRAC;
+        m->ndig = 1;
         return 1;
     case N_FRAC:
-        if (dig) return 1;
+        if (dig) {
+            if (m->ndig >= FRAC_DIGITS) return -1;
+            m->ndig++;
+            return 1;
+        }
         if (c == 'e' || c == 'E') {
             m->numst = N_E;
             return 1;
@@ -813,7 +904,7 @@ static bool enum_final(const ds41_json_match *m, const text *t) {
 }
 
 static bool ws_byte(ds41_json_match *m) {
-    if (m->ws >= WS_MAX) return false;
+    if (m->ws >= m->ws_max) return false;
     m->ws++;
     return true;
 }
@@ -830,8 +921,12 @@ static bool feed(ds41_json_match *m, unsigned char c) {
         return true;
     case L_STR:
     case L_FKEY: {
+        /* a bounded string ends once str_max bytes are written (an open escape or UTF-8
+         * sequence may finish) */
+        if (m->str_max && m->slen >= m->str_max && !m->esc && !m->u8need && c != '"') return false;
         int r = string_byte(m, c);
         if (r == 0) return false;
+        m->slen++;
         if (r == 2) {
             if (m->lex == L_FKEY) {
                 m->lex = L_NONE;
@@ -922,6 +1017,7 @@ static bool feed(ds41_json_match *m, unsigned char c) {
         if (n->free_keys) {
             m->lex = L_FKEY;
             m->esc = m->u8need = 0;
+            m->slen = 0;
         } else {
             m->lex = L_KEY;
             m->lo = n->prop0;
@@ -980,6 +1076,10 @@ bool ds41_json_match_byte(ds41_json_match *m, unsigned char c) {
         return false;
     }
     return true;
+}
+
+bool ds41_json_match_in_string(const ds41_json_match *m) {
+    return !m->dead && (m->lex == L_STR || m->lex == L_FKEY);
 }
 
 bool ds41_json_match_complete(const ds41_json_match *m) {

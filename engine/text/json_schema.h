@@ -29,8 +29,9 @@
  * Matching (ds41_json_match) is byte by byte and never accepts a byte after which no valid
  * completion exists, so a constrained generation cannot paint itself into a corner.  It accepts
  * only JSON that jansson and Python parse back: strings of well-formed UTF-8 without control
- * characters, \u escapes that are neither 0000 nor surrogates, integers of at most 18 digits,
- * exponents of at most 2 digits, whitespace runs of at most 16 bytes between tokens, objects
+ * characters, \u escapes that are neither 0000 nor surrogates, integers and fractions of at most
+ * 18 digits, exponents of at most 2 digits, whitespace runs of at most 16 bytes between tokens (a
+ * value matcher: ws_max), strings of at most str_max bytes (a value matcher; 0: no limit), objects
  * with each property at most once and '}' only once every required property is present.
  * Values may not contain the DSML marker "｜DSML｜" (it would end the DSML parameter).
  *
@@ -59,7 +60,21 @@ typedef struct ds41_schema ds41_schema;
  * "tools[2].function.parameters.properties.city.type". */
 int ds41_schema_compile(const json_t *params, const char *path, ds41_schema **out, char *err_path,
                         size_t err_path_cap, ds41_error *err);
+/* A whole JSON document's schema (structured output): as ds41_schema_compile, but the top level
+ * may be any schema of the subset ({} or NULL: any JSON value). */
+int ds41_schema_compile_value(const json_t *schema, const char *path, ds41_schema **out, char *err_path,
+                              size_t err_path_cap, ds41_error *err);
+/* A response format: {"type": "text"} or NULL (*out NULL: nothing to enforce), {"type":
+ * "json_object"} (any JSON object), {"type": "json_schema", "json_schema": {"schema": S}} (chat
+ * completions) or {"type": "json_schema", "schema": S} (the Responses API's text.format): S as
+ * ds41_schema_compile_value (absent: any JSON value).  path names the format
+ * ("response_format"); refusals name the keyword's path as ds41_schema_compile's do. */
+int ds41_schema_compile_format(const json_t *format, const char *path, ds41_schema **out, char *err_path,
+                               size_t err_path_cap, ds41_error *err);
 void ds41_schema_free(ds41_schema *s);
+/* An upper bound on how much one byte fed to a matcher of s can lengthen its shortest completion
+ * (ds41_json_match_completion): a budget check may skip tokens that cannot come near it. */
+size_t ds41_schema_step_growth(const ds41_schema *s);
 
 /* The top-level properties (DSML parameters), in the schema's order. */
 size_t ds41_schema_n_params(const ds41_schema *s);
@@ -84,19 +99,25 @@ typedef struct ds41_json_frame {
 typedef struct ds41_json_match {
     const ds41_schema *s;
     uint16_t root;
-    uint8_t raw, done, ws, depth;
+    uint8_t raw, done, ws, depth, ws_max;
     uint8_t lex, esc, u8need, u8lo, u8hi, numst, ndig, int_only, dead;
     uint16_t lnode, hexval;
+    uint16_t str_max, slen; /* value matchers: the string length bound; bytes of the open string */
     uint32_t lo, hi, pos;
     ds41_json_frame f[DS41_JSON_MATCH_DEPTH];
 } ds41_json_match;
 
 void ds41_json_match_init(ds41_json_match *m, const ds41_schema *s, size_t param, bool raw);
+/* A matcher over a whole document of a ds41_schema_compile_value / _format schema: at most ws_max
+ * whitespace bytes in a row (at most 16), strings of at most str_max bytes (0: no limit). */
+void ds41_json_match_init_value(ds41_json_match *m, const ds41_schema *s, unsigned ws_max, unsigned str_max);
 void ds41_json_match_copy(ds41_json_match *dst, const ds41_json_match *src);
 /* Feeds one byte; false (and the matcher dead) when no valid value continues with it. */
 bool ds41_json_match_byte(ds41_json_match *m, unsigned char c);
 /* What was fed is a whole valid value (a number or enum value may still grow). */
 bool ds41_json_match_complete(const ds41_json_match *m);
+/* Inside a string (a value or a free key): the bytes of the open string so far (slen). */
+bool ds41_json_match_in_string(const ds41_json_match *m);
 /* The shortest bytes that make what was fed a whole valid value: writes up to cap bytes to out
  * (out may be NULL with cap 0) and returns the full length. */
 size_t ds41_json_match_completion(const ds41_json_match *m, char *out, size_t cap);

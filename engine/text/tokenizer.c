@@ -825,6 +825,8 @@ struct ds41_tokenizer {
     uint32_t *dec_off; /* [size + 1]; dec_off[i] == dec_off[i+1] with !exists: none */
     uint8_t *dec_bytes;
     uint8_t *flags; /* [size]: bit 0 exists, bit 1 special */
+    uint32_t *byte_order, *byte_lcp; /* ds41_tokenizer_byte_order */
+    size_t n_byte_order;
 };
 
 #define F_EXISTS 1
@@ -883,6 +885,8 @@ void ds41_tokenizer_free(ds41_tokenizer *t) {
     free(t->dec_off);
     free(t->dec_bytes);
     free(t->flags);
+    free(t->byte_order);
+    free(t->byte_lcp);
     ds41_vocab_free(t->owned);
     free(t);
 }
@@ -1027,6 +1031,57 @@ static int build_bpe(ds41_tokenizer *t, ds41_error *err) {
     return 0;
 }
 
+typedef struct byte_key {
+    const uint8_t *b;
+    uint32_t len, id;
+} byte_key;
+
+static int byte_key_cmp(const void *a, const void *b) {
+    const byte_key *x = a, *y = b;
+    size_t n = x->len < y->len ? x->len : y->len;
+    int r = memcmp(x->b, y->b, n);
+    if (r) return r;
+    if (x->len != y->len) return x->len < y->len ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* The ordinary tokens sorted by their bytes, with each one's common prefix with the one before:
+ * a walk in this order is a walk of the vocabulary's byte trie (constrained decoding tests each
+ * shared prefix once). */
+static int build_byte_order(ds41_tokenizer *t, ds41_error *err) {
+    byte_key *k = malloc((t->size ? t->size : 1) * sizeof *k);
+    if (!k) return ds41_fail(err, "out of memory");
+    size_t n = 0;
+    for (uint32_t id = 0; id < t->size; id++) {
+        uint32_t len = t->dec_off[id + 1] - t->dec_off[id];
+        if ((t->flags[id] & F_EXISTS) && !(t->flags[id] & F_SPECIAL) && len)
+            k[n++] = (byte_key){t->dec_bytes + t->dec_off[id], len, id};
+    }
+    qsort(k, n, sizeof *k, byte_key_cmp);
+    t->byte_order = malloc((n ? n : 1) * sizeof *t->byte_order);
+    t->byte_lcp = malloc((n ? n : 1) * sizeof *t->byte_lcp);
+    if (!t->byte_order || !t->byte_lcp) {
+        free(k);
+        return ds41_fail(err, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint32_t l = 0;
+        if (i)
+            while (l < k[i].len && l < k[i - 1].len && k[i].b[l] == k[i - 1].b[l]) l++;
+        t->byte_order[i] = k[i].id;
+        t->byte_lcp[i] = l;
+    }
+    t->n_byte_order = n;
+    free(k);
+    return 0;
+}
+
+const uint32_t *ds41_tokenizer_byte_order(const ds41_tokenizer *t, const uint32_t **lcp, size_t *n) {
+    *lcp = t->byte_lcp;
+    *n = t->n_byte_order;
+    return t->byte_order;
+}
+
 static int build_decode(ds41_tokenizer *t, ds41_error *err) {
     t->size = ds41_vocab_size(t->vocab);
     t->dec_off = calloc((size_t)t->size + 1, sizeof *t->dec_off);
@@ -1051,7 +1106,7 @@ static int build_decode(ds41_tokenizer *t, ds41_error *err) {
         }
     }
     t->dec_off[t->size] = (uint32_t)off;
-    return 0;
+    return build_byte_order(t, err);
 }
 
 ds41_tokenizer *ds41_tokenizer_new(const ds41_vocab *vocab, ds41_error *err) {

@@ -136,6 +136,11 @@ int ds41_tokenizer_encode(const ds41_tokenizer *t, const char *text, size_t len,
  * hole or an id >= the vocabulary size. */
 const uint8_t *ds41_tokenizer_token_bytes(const ds41_tokenizer *t, uint32_t id, size_t *len);
 
+/* The ids of the tokens that are not special and have bytes, sorted by their bytes (shorter
+ * first on a common prefix), *n of them; lcp[i] is how many leading bytes token i shares with
+ * token i - 1 (lcp[0] = 0).  Walking this order walks the vocabulary's byte trie. */
+const uint32_t *ds41_tokenizer_byte_order(const ds41_tokenizer *t, const uint32_t **lcp, size_t *n);
+
 /* Whether ID is an added token marked special (what skip_special drops). */
 bool ds41_tokenizer_is_special(const ds41_tokenizer *t, uint32_t id);
 

@@ -9,15 +9,14 @@
 #include <jansson.h>
 
 #include "engine/text/json_schema.h"
+#include "tests/fuzz/fuzz_split.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    const uint8_t *sep = memchr(data, 0xFF, size);
-    size_t sl = sep ? (size_t)(sep - data) : size;
-    const uint8_t *feed = sep ? sep + 1 : data + size;
-    size_t fl = size - (size_t)(feed - data);
-    json_t *j = json_loadb((const char *)data, sl, JSON_DECODE_ANY, NULL);
+    const uint8_t *feed;
+    size_t fl;
+    json_t *j = fuzz_split_json(data, size, &feed, &fl);
     if (!j) return 0;
     ds41_schema *s = NULL;
     ds41_error err;
