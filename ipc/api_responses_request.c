@@ -439,6 +439,11 @@ static int convert_text(const json_t *text, ds41_api_request *r, ds41_svc_error 
         return refuse(err, "text.format.type", "invalid_value",
                       "'text.format.type' must be 'text', 'json_object' or 'json_schema', not '%s'", type);
     }
+    /* What the enforcement cannot hold the output to is refused here, naming the keyword. */
+    if (rf && ds41_api_check_format_schema(f, p, err)) {
+        json_decref(rf);
+        return -1;
+    }
     if (!rf) return no_memory(err);
     r->response_format_json = ds41_json_dump(rf, NULL);
     json_decref(rf);

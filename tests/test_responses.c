@@ -168,6 +168,9 @@ static void test_parse_refusals(void) {
         {"{\"input\":\"x\",\"text\":{\"format\":{\"type\":\"json_schema\",\"schema\":{}}}}",
          "text.format.name", "missing_field"},
         {"{\"input\":\"x\",\"text\":{\"fmt\":{}}}", "text.fmt", "unknown_field"},
+        {"{\"input\":\"x\",\"text\":{\"format\":{\"type\":\"json_schema\",\"name\":\"n\",\"schema\":{\"type\":"
+         "\"string\",\"pattern\":\"a\"}}}}",
+         "text.format.schema.pattern", "invalid_value"},
         {"{\"input\":\"x\",\"reasoning\":{\"effort\":\"huge\"}}", "reasoning.effort", "invalid_value"},
         {"{\"input\":\"x\",\"reasoning\":{\"budget\":3}}", "reasoning.budget", "unknown_field"},
         {"{\"input\":\"x\",\"temperature\":3}", "temperature", "invalid_value"},
