@@ -82,8 +82,12 @@ int ds41_api_check_keys(const json_t *obj, const char *prefix, const char *const
                 break;
             }
         if (!ok) {
+            /* An empty key still gets a name: the field is [""] of its object. */
             char path[160];
-            join_path(path, sizeof path, prefix, key);
+            if (key[0])
+                join_path(path, sizeof path, prefix, key);
+            else
+                snprintf(path, sizeof path, "%s[\"\"]", prefix);
             return bad(err, path, "unknown_field", "unknown field '%s'", path);
         }
     }
