@@ -827,15 +827,7 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     g->accept.model[sizeof g->accept.model - 1] = 0;
     if (!ds41_utf8_valid(g->accept.model, strlen(g->accept.model), NULL)) g->accept.model[0] = 0;
     if (rc != 0) {
-        /* Refused: no event was (or will be) delivered. */
-        pthread_mutex_lock(&g->mu);
-        g->done = true;
-        ds41_http_stream *s = g->out;
-        g->out = NULL;
-        pthread_mutex_unlock(&g->mu);
-        if (s) ds41_http_stream_end(s);
-        if (err.status == DS41_SVC_OK)
-            ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "the service refused the request without a reason");
+        ds41_api_submit_refused(&g->mu, &g->done, &g->out, &err);
         ds41_api_respond_svc_error(ex, &err);
         gen_unref(g); /* the service's reference */
         gen_unref(g);
@@ -1296,4 +1288,15 @@ void ds41_api_free(ds41_api *api) {
 
 const ds41_http_router *ds41_api_router(const ds41_api *api) {
     return &api->router;
+}
+
+void ds41_api_submit_refused(pthread_mutex_t *mu, bool *done, ds41_http_stream **out, ds41_svc_error *err) {
+    pthread_mutex_lock(mu);
+    *done = true;
+    ds41_http_stream *s = *out;
+    *out = NULL;
+    pthread_mutex_unlock(mu);
+    if (s) ds41_http_stream_end(s);
+    if (err->status == DS41_SVC_OK)
+        ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "the service refused the request without a reason");
 }

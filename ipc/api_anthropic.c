@@ -1108,14 +1108,7 @@ void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
     }
     pthread_mutex_unlock(&c->mu);
     if (rc != 0) {
-        pthread_mutex_lock(&c->mu);
-        c->done = true;
-        ds41_http_stream *s = c->out;
-        c->out = NULL;
-        pthread_mutex_unlock(&c->mu);
-        if (s) ds41_http_stream_end(s);
-        if (err.status == DS41_SVC_OK)
-            ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "the service refused the request without a reason");
+        ds41_api_submit_refused(&c->mu, &c->done, &c->out, &err);
         respond_error(ex, &err);
         ctx_unref(c);
         ctx_unref(c);

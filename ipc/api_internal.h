@@ -48,6 +48,12 @@ int ds41_api_parse_tools(const json_t *tools, char **out_json, json_t **names, d
  * else 400 naming the keyword's path under path. */
 int ds41_api_check_format_schema(const json_t *format, const char *path, ds41_svc_error *err);
 
+/* A generation the service refused at submission (no event was or will be
+ * delivered): under mu, mark it done and take its stream (*out), end that
+ * stream, and make sure err says why.  The caller then answers err and drops
+ * both references. */
+void ds41_api_submit_refused(pthread_mutex_t *mu, bool *done, ds41_http_stream **out, ds41_svc_error *err);
+
 /* thinking / chat_template_kwargs / reasoning_effort -> mode and effort. */
 int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort, ds41_svc_error *err);
 

@@ -567,14 +567,7 @@ void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx) {
     c->accept.model[sizeof c->accept.model - 1] = 0;
     if (!ds41_utf8_valid(c->accept.model, strlen(c->accept.model), NULL)) c->accept.model[0] = 0;
     if (rc != 0) {
-        pthread_mutex_lock(&c->mu);
-        c->done = true;
-        ds41_http_stream *s = c->out;
-        c->out = NULL;
-        pthread_mutex_unlock(&c->mu);
-        if (s) ds41_http_stream_end(s);
-        if (err.status == DS41_SVC_OK)
-            ds41_svc_fail(&err, DS41_SVC_INTERNAL, NULL, "the service refused the request without a reason");
+        ds41_api_submit_refused(&c->mu, &c->done, &c->out, &err);
         ds41_api_respond_svc_error(ex, &err);
         ctx_unref(c);
         ctx_unref(c);
