@@ -545,8 +545,15 @@ static int parse_metadata(const json_t *root, ds41_svc_error *err) {
     const char *key;
     json_t *v;
     json_object_foreach(md, key, v) {
+        /* The key in the field's name, cut to 64 bytes at a character boundary
+         * (jansson's keys are valid UTF-8; the error's param must stay so). */
+        size_t kn = strlen(key);
+        if (kn > 64) {
+            kn = 64;
+            while (kn > 0 && ((unsigned char)key[kn] & 0xC0) == 0x80) kn--;
+        }
         char p[96];
-        snprintf(p, sizeof p, "metadata.%.64s", key);
+        snprintf(p, sizeof p, "metadata.%.*s", (int)kn, key);
         if (!json_is_string(v)) return wrong_type(err, p, "a string", v);
         if (strlen(key) > 64 || json_string_length(v) > MAX_METADATA_VALUE)
             return refuse(err, p, "invalid_value", "metadata keys have at most 64 bytes, values at most %d",
