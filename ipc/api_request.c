@@ -35,6 +35,7 @@ int ds41_api_field_error(ds41_svc_error *err, const char *param, const char *cod
     va_start(ap, fmt);
     vsnprintf(err->message, sizeof err->message, fmt, ap);
     va_end(ap);
+    ds41_svc_error_clip_utf8(err);
     return -1;
 }
 

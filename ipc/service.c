@@ -1,5 +1,7 @@
 #include "ipc/service.h"
 
+#include "config/utf8.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -14,7 +16,13 @@ int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param
     va_start(ap, fmt);
     vsnprintf(err->message, sizeof err->message, fmt, ap);
     va_end(ap);
+    ds41_svc_error_clip_utf8(err);
     return -1;
+}
+
+void ds41_svc_error_clip_utf8(ds41_svc_error *err) {
+    err->param[ds41_utf8_valid_prefix(err->param, strlen(err->param))] = 0;
+    err->message[ds41_utf8_valid_prefix(err->message, strlen(err->message))] = 0;
 }
 
 const char *ds41_svc_status_code(ds41_svc_status status) {

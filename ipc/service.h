@@ -65,6 +65,12 @@ typedef struct ds41_svc_error {
 int ds41_svc_fail(ds41_svc_error *err, ds41_svc_status status, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* Cut err's param and message to their longest valid UTF-8 prefix: a field
+ * name or a value quoted with %.Ns, or cut by the buffer's size, may end
+ * inside a character, and the error goes out as JSON.  ds41_svc_fail and the
+ * API's field errors call it. */
+void ds41_svc_error_clip_utf8(ds41_svc_error *err);
+
 /* The default machine code for a status ("queue_full", "kv_full", ...). */
 const char *ds41_svc_status_code(ds41_svc_status status);
 

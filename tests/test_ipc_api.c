@@ -51,6 +51,23 @@ typedef struct bad_case {
     const char *code;
 } bad_case;
 
+/* A field name cut inside a character (metadata keys are quoted up to 64
+ * bytes) still makes a well-formed JSON error naming a valid UTF-8 prefix. */
+static void test_error_field_utf8(void) {
+    char body[512], key[80];
+    memset(key, 'k', 63);
+    memcpy(key + 63, "\xe2\x82\xac", 3); /* U+20AC across the 64-byte cut */
+    key[66] = 0;
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"metadata\":{\"%s\":1}}", key);
+    resp x = post("/v1/chat/completions", body);
+    const char *param = x.json ? json_string_value(json_object_get(json_object_get(x.json, "error"), "param")) : NULL;
+    char want[96];
+    snprintf(want, sizeof want, "metadata.%.63s", key);
+    TAP_CHECK(x.r.status == 400 && param && strcmp(param, want) == 0,
+              "a field name cut inside a UTF-8 character is named by its valid prefix (%s)", param ? param : "no JSON");
+    resp_free(&x);
+}
+
 static void test_chat_parse_errors(void) {
     static const bad_case cases[] = {
         {"{", "", "invalid_json"},
@@ -874,6 +891,7 @@ int main(void) {
               "an incomplete service is refused: %s", err.msg);
 
     test_chat_parse_errors();
+    test_error_field_utf8();
     test_chat_parse_full();
     test_thinking_mapping();
     test_skip_special_tokens();
