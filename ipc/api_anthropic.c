@@ -666,7 +666,10 @@ int ds41_anth_message_init(ds41_anth_message *m, const char *id, const char *mod
                            bool stream, const char *const *stop, size_t n_stop) {
     memset(m, 0, sizeof *m);
     snprintf(m->id, sizeof m->id, "%s", id);
-    snprintf(m->model, sizeof m->model, "%s", model ? model : "");
+    /* A long model name is cut at a character boundary: the message goes out as JSON. */
+    const char *mn = model ? model : "";
+    const size_t mlen = ds41_utf8_cut(mn, strlen(mn), sizeof m->model - 1);
+    snprintf(m->model, sizeof m->model, "%.*s", (int)mlen, mn);
     m->id_bits = id_bits;
     m->stream = stream;
     if (n_stop) {
