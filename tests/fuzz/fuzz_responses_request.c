@@ -84,8 +84,10 @@ static void check_parser_agrees(const char *body, size_t len, const ds41_http_me
     ds41_responses_request req;
     ds41_svc_error err = {0};
     int rc = ds41_responses_parse(body, len, &req, &err);
+    const bool parsed = rc == 0; /* req holds memory until freed */
     if (rc == 0 && !req.previous_response_id) rc = ds41_responses_messages(&req, NULL, NULL, &err);
     if (rc != 0) {
+        if (parsed) ds41_responses_request_free(&req);
         if (err.status != DS41_SVC_BAD_REQUEST) return; /* out of memory */
         if (r->status != 400) fail("the parser refuses what the route accepted", r);
         json_t *j = json_loadb(r->body, r->body_len, 0, NULL);
