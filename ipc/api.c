@@ -837,21 +837,11 @@ static void handle_generation(ds41_http_exchange *ex, ds41_api *api, ds41_gen_ki
     if (g->stream) {
         pthread_mutex_lock(&g->mu);
         if (!g->done) start_stream_locked(g);
-        ds41_http_stream *s = g->out;
         pthread_mutex_unlock(&g->mu);
         static const char stop_event[] =
             "data: {\"error\":{\"message\":\"the server is shutting down\",\"type\":\"server_error\","
             "\"param\":null,\"code\":\"shutting_down\"}}\n\n";
-        ds41_http_respond_stream(ex, 200, "text/event-stream", s, stop_event);
-        pthread_mutex_lock(&g->mu);
-        g->attached = true;
-        ds41_http_stream *to_end = NULL;
-        if (g->end_pending) {
-            to_end = g->out;
-            g->out = NULL;
-        }
-        pthread_mutex_unlock(&g->mu);
-        if (to_end) ds41_http_stream_end(to_end);
+        ds41_api_attach_stream(ex, &g->mu, &g->out, &g->attached, &g->end_pending, stop_event);
         gen_unref(g);
         return;
     }
@@ -1299,4 +1289,21 @@ void ds41_api_submit_refused(pthread_mutex_t *mu, bool *done, ds41_http_stream *
     if (s) ds41_http_stream_end(s);
     if (err->status == DS41_SVC_OK)
         ds41_svc_fail(err, DS41_SVC_INTERNAL, NULL, "the service refused the request without a reason");
+}
+
+void ds41_api_attach_stream(ds41_http_exchange *ex, pthread_mutex_t *mu, ds41_http_stream **out, bool *attached,
+                            const bool *end_pending, const char *stop_event) {
+    pthread_mutex_lock(mu);
+    ds41_http_stream *s = *out;
+    pthread_mutex_unlock(mu);
+    ds41_http_respond_stream(ex, 200, "text/event-stream", s, stop_event);
+    pthread_mutex_lock(mu);
+    *attached = true;
+    ds41_http_stream *to_end = NULL;
+    if (*end_pending) {
+        to_end = *out;
+        *out = NULL;
+    }
+    pthread_mutex_unlock(mu);
+    if (to_end) ds41_http_stream_end(to_end);
 }

@@ -1124,21 +1124,11 @@ void ds41_api_route_anthropic_messages(ds41_http_exchange *ex, void *ctx) {
             ds41_anth_message_start(&c->msg, &b);
             write_locked(c, &b);
         }
-        ds41_http_stream *s = c->out;
         pthread_mutex_unlock(&c->mu);
         static const char stop_event[] =
             "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\","
             "\"message\":\"the server is shutting down\"}}\n\n";
-        ds41_http_respond_stream(ex, 200, "text/event-stream", s, stop_event);
-        pthread_mutex_lock(&c->mu);
-        c->attached = true;
-        ds41_http_stream *to_end = NULL;
-        if (c->end_pending) {
-            to_end = c->out;
-            c->out = NULL;
-        }
-        pthread_mutex_unlock(&c->mu);
-        if (to_end) ds41_http_stream_end(to_end);
+        ds41_api_attach_stream(ex, &c->mu, &c->out, &c->attached, &c->end_pending, stop_event);
         ctx_unref(c);
         return;
     }

@@ -54,6 +54,13 @@ int ds41_api_check_format_schema(const json_t *format, const char *path, ds41_sv
  * both references. */
 void ds41_api_submit_refused(pthread_mutex_t *mu, bool *done, ds41_http_stream **out, ds41_svc_error *err);
 
+/* Hand a streamed generation's stream (*out, taken under mu) to the
+ * exchange, with stop_event as what a draining server sends; then, under
+ * mu, mark it attached and end the stream if the generation finished while
+ * it was being attached (end_pending).  The caller then drops its reference. */
+void ds41_api_attach_stream(ds41_http_exchange *ex, pthread_mutex_t *mu, ds41_http_stream **out, bool *attached,
+                            const bool *end_pending, const char *stop_event);
+
 /* thinking / chat_template_kwargs / reasoning_effort -> mode and effort. */
 int ds41_api_parse_thinking(const json_t *root, ds41_thinking *mode, int *effort, ds41_svc_error *err);
 

@@ -579,16 +579,7 @@ void ds41_api_route_responses_create(ds41_http_exchange *ex, void *ctx) {
         pthread_mutex_unlock(&c->mu);
         static const char stop_event[] = "event: error\ndata: {\"type\":\"error\",\"code\":\"shutting_down\","
                                          "\"message\":\"the server is shutting down\",\"param\":null}\n\n";
-        ds41_http_respond_stream(ex, 200, "text/event-stream", c->out, stop_event);
-        pthread_mutex_lock(&c->mu);
-        c->attached = true;
-        ds41_http_stream *to_end = NULL;
-        if (c->end_pending) {
-            to_end = c->out;
-            c->out = NULL;
-        }
-        pthread_mutex_unlock(&c->mu);
-        if (to_end) ds41_http_stream_end(to_end);
+        ds41_api_attach_stream(ex, &c->mu, &c->out, &c->attached, &c->end_pending, stop_event);
         ctx_unref(c);
         return;
     }

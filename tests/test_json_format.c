@@ -395,9 +395,7 @@ static void bench_big(fixture *fx) {
 int main(void) {
     test_compile();
     char root[512];
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/ds41-jf-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-jf-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }
