@@ -7,6 +7,7 @@
 #include "ds41_version.h"
 #include "engine/backend/backend.h"
 #include "engine/backend/cpu/cpu_backend.h"
+#include "engine/forward/dspark.h"
 #include "engine/forward/forward.h"
 #include "engine/backend/cpu/threadpool.h"
 #include "storage/safetensors.h"
@@ -24,7 +25,7 @@ static void usage(FILE *f) {
             "usage: ds41-eval --model DIR --ids 0,17,42,... [--chunk N] [--decode K] [--reference]\n"
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "                 [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE] [--config ds41d.yaml]\n"
-            "                 [--no-predict] [--replay DUMP.safetensors]\n"
+            "                 [--no-predict] [--replay DUMP.safetensors] [--drafts]\n"
             "       ds41-eval --version\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
@@ -41,6 +42,12 @@ static void usage(FILE *f) {
             "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"
             "covering the tables: resident); each greedy token's rows are prefetched before its\n"
             "step.  The logits are the same either way.\n"
+            "--drafts (a model with DSpark stages): before each greedy step feeds its token,\n"
+            "the DSpark head drafts a block from that token (greedy, never fed back: the\n"
+            "logits are the same as without); the JSON then ends with\n"
+            "  \"drafts\":[{\"position\":p,\"ids\":[...],\"confidence\":[...]},...]\n"
+            "one per greedy step, p = the position of its first draft token (the step's\n"
+            "token's position + 1), dspark_block_size drafts each.\n"
             "--dump writes the section 10.1 stream dump, with the decisions (index top-k,\n"
             "candidate blocks, routed experts) and the scores they were made from.\n"
             "--replay DUMP (with --dump, without --ids/--decode) replays a dump teacher-forced:\n"
@@ -318,8 +325,16 @@ static void put_floats(FILE *f, const float *x, size_t n) {
     fputc(']', f);
 }
 
+/* The DSpark drafts of --drafts: per greedy step, nd ids and confidences. */
+typedef struct drafts_out {
+    size_t nd;        /* drafts per block; 0: no --drafts */
+    int32_t *ids;     /* [K][nd] */
+    float *conf;      /* [K][nd] */
+    uint64_t *pos;    /* [K] position of each block's first draft */
+} drafts_out;
+
 static int write_json(const char *path, const int32_t *ids, size_t S, const float *pre_logits, const int32_t *dec,
-                      const float *dec_logits, size_t K, size_t V, ds41_error *err) {
+                      const float *dec_logits, size_t K, size_t V, const drafts_out *dr, ds41_error *err) {
     FILE *f = fopen(path, "w");
     if (!f) return ds41_fail(err, "%s: %s", path, strerror(errno));
     fputs("{\"ids\":[", f);
@@ -335,7 +350,20 @@ static int write_json(const char *path, const int32_t *ids, size_t S, const floa
         put_floats(f, dec_logits + k * V, V);
         fputc('}', f);
     }
-    fputs("]}\n", f);
+    fputc(']', f);
+    if (dr->nd) {
+        fputs(",\"drafts\":[", f);
+        for (size_t k = 0; k < K; k++) {
+            fprintf(f, k ? ",{\"position\":%llu,\"ids\":[" : "{\"position\":%llu,\"ids\":[",
+                    (unsigned long long)dr->pos[k]);
+            for (size_t j = 0; j < dr->nd; j++) fprintf(f, j ? ",%d" : "%d", dr->ids[k * dr->nd + j]);
+            fputs("],\"confidence\":", f);
+            put_floats(f, dr->conf + k * dr->nd, dr->nd);
+            fputc('}', f);
+        }
+        fputc(']', f);
+    }
+    fputs("}\n", f);
     int bad = ferror(f);
     if (fclose(f) != 0 || bad) return ds41_fail(err, "%s: write error", path);
     return 0;
@@ -482,11 +510,12 @@ int main(int argc, char **argv) {
         {"pin", no_argument, NULL, 'P'},
         {"no-predict", no_argument, NULL, 'N'},
         {"replay", required_argument, NULL, 'R'},
+        {"drafts", no_argument, NULL, 'D'},
         DS41_BUDGET_LONGOPTS,
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL, *replay_path = NULL;
-    int decode_given = 0;
+    int decode_given = 0, want_drafts = 0;
     size_t chunk = 0, K = 0;
     ds41_engine_opts eo = {.reference = false};
     ds41_budget_flags budgets = {.tool = "ds41-eval"};
@@ -539,6 +568,7 @@ int main(int argc, char **argv) {
             break;
         case 'd': dump = optarg; break;
         case 'R': replay_path = optarg; break;
+        case 'D': want_drafts = 1; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;
         case 'V':
@@ -613,6 +643,7 @@ int main(int argc, char **argv) {
     ds41_kv_seq *seq = NULL;
     float *pre_logits = NULL, *dec_logits = NULL;
     int32_t *dec = NULL;
+    drafts_out dr = {0};
     part *parts = NULL;
     /* Budgets: the flags, else --config's memory.*_cache_bytes, else auto. */
     ds41_budget_run run = {.kv_tokens = (uint64_t)S + K, .batch = 1};
@@ -653,6 +684,18 @@ int main(int argc, char **argv) {
             goto done;
         }
     }
+    if (want_drafts && !cfg->dspark_enabled) {
+        fprintf(stderr, "ds41-eval: --drafts: %s has no DSpark stages (dspark_block_size 0)\n", model);
+        status = 2;
+        goto done;
+    }
+    if (want_drafts) {
+        dr.nd = (size_t)cfg->dspark_block_size;
+        dr.ids = malloc((K ? K : 1) * dr.nd * sizeof *dr.ids);
+        dr.conf = malloc((K ? K : 1) * dr.nd * sizeof *dr.conf);
+        dr.pos = malloc((K ? K : 1) * sizeof *dr.pos);
+        if (!dr.ids || !dr.conf || !dr.pos) goto oom;
+    }
     pool = ds41_engine_new_pool(e, 0, 0, &err);
     seq = pool ? ds41_kv_seq_new(pool, &err) : NULL;
     pre_logits = malloc(S * V * sizeof *pre_logits);
@@ -689,7 +732,7 @@ int main(int argc, char **argv) {
 
     for (size_t off = 0; off < S; off += chunk) {
         ds41_fwd_item item = {.seq = seq, .ids = ids + off, .n_ids = S - off < chunk ? S - off : chunk,
-                              .logits = pre_logits + off * V};
+                              .logits = pre_logits + off * V, .spec_taps = want_drafts != 0};
         col.cur = dump ? &parts[0] : NULL;
         col.row_off = off;
         if (ds41_forward(e, &item, 1, dump ? &hooks : NULL, &err) != 0) goto fail;
@@ -703,14 +746,22 @@ int main(int argc, char **argv) {
             goto fail;
         }
         if (ds41_engine_prefetch(e, seq, dec[k], &err) != 0) goto fail;
-        ds41_fwd_item item = {.seq = seq, .ids = &dec[k], .n_ids = 1, .logits = dec_logits + k * V};
+        if (want_drafts) {
+            /* The head's block from the token this step feeds (never fed back). */
+            dr.pos[k] = ds41_kv_seq_tokens(seq) + 1;
+            ds41_draft_req rq = {.seq = seq, .token = dec[k], .k = dr.nd, .ids = dr.ids + k * dr.nd,
+                                 .confidence = dr.conf + k * dr.nd};
+            if (ds41_dspark_draft(e, &rq, 1, &err) != 0) goto fail;
+        }
+        ds41_fwd_item item = {.seq = seq, .ids = &dec[k], .n_ids = 1, .logits = dec_logits + k * V,
+                              .spec_taps = want_drafts != 0};
         col.cur = dump ? &parts[k + 1] : NULL;
         col.row_off = 0;
         if (ds41_forward(e, &item, 1, dump ? &hooks : NULL, &err) != 0) goto fail;
         last = dec_logits + k * V;
     }
     if (col.oom) goto oom;
-    if (write_json(out, ids, S, pre_logits, dec, dec_logits, K, V, &err) != 0) goto fail;
+    if (write_json(out, ids, S, pre_logits, dec, dec_logits, K, V, &dr, &err) != 0) goto fail;
     if (dump) {
         for (size_t k = 0; k <= K; k++) pack_scores(&parts[k], (size_t)cfg->n_layers);
         int64_t *ids64 = malloc(S * sizeof *ids64), *dec64 = malloc((K ? K : 1) * sizeof *dec64);
@@ -740,6 +791,9 @@ done:
     free(pre_logits);
     free(dec_logits);
     free(dec);
+    free(dr.ids);
+    free(dr.conf);
+    free(dr.pos);
     ds41_kv_seq_free(seq);
     ds41_kv_pool_free(pool);
     ds41_engine_free(e);

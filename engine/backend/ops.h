@@ -111,10 +111,19 @@ static inline const uint8_t *ds41_kv_pages_entry(const ds41_kv_pages *k, size_t 
  * it), else slot p % window of the item's ring, rings[i] + slot *
  * ring_row_bytes (engine/model/kv_cache.h); compressed entry sel[m *
  * sel_stride + j], j < count[m], through comp's page tables (row_reach not
- * read).  sel NULL: a window-only layer. */
+ * read).  sel NULL: a window-only layer.
+ *
+ * block > 0: a DSpark draft block (REFERENCE §7, §10.7), no causal mask:
+ * every item's chunk is exactly `block` rows at positions item_pos0 ..
+ * item_pos0 + block - 1, none of them in the ring, and every row of the
+ * item attends the ring's positions max(0, item_pos0 - window) ..
+ * item_pos0 - 1 ascending, then all `block` chunk rows in order (sel must
+ * be NULL).  A caller's window pointer array holds window + block
+ * entries. */
 typedef struct ds41_attn_step {
     const ds41_kv_layout *layout;
     uint32_t window;
+    uint32_t block;              /* 0: causal (the forward pass); > 0: a draft block */
     const uint8_t *chunk;        /* [M][ring_row_bytes] the step's window rows */
     const uint8_t *const *rings; /* [n_items] each sequence's ring of the layer */
     const size_t *row_item;      /* [M] */
@@ -135,6 +144,12 @@ static inline ds41_attn_rows ds41_attn_step_rows(const ds41_attn_step *s, size_t
     const uint64_t a = s->row_pos[m], p0 = s->item_pos0[it], W = s->window;
     const uint64_t first = a + 1 > W ? a + 1 - W : 0;
     ds41_attn_rows rows = {.layout = s->layout, .window = wrows, .comp = crows};
+    if (s->block) {
+        for (uint64_t pos = p0 > W ? p0 - W : 0; pos < p0; pos++)
+            wrows[rows.n_window++] = s->rings[it] + (size_t)(pos % W) * rb;
+        for (uint32_t j = 0; j < s->block; j++) wrows[rows.n_window++] = s->chunk + (s->item_row0[it] + j) * rb;
+        return rows;
+    }
     for (uint64_t pos = first; pos <= a; pos++)
         wrows[rows.n_window++] = pos >= p0 ? s->chunk + (s->item_row0[it] + (size_t)(pos - p0)) * rb
                                            : s->rings[it] + (size_t)(pos % W) * rb;

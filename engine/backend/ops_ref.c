@@ -388,7 +388,7 @@ static void ref_attend(const ds41_ops *self, const float *q, size_t M, int n_hea
                        const float *sink, float scale, const ds41_attn_step *step, float *out) {
     ds41_scratch *st = ref_stack();
     const ds41_scratch_mark st_mark = ds41_scratch_mark_now(st);
-    const uint8_t **wrows = scratch(st, step->window * sizeof *wrows);
+    const uint8_t **wrows = scratch(st, ((size_t)step->window + step->block) * sizeof *wrows);
     const uint8_t **crows = scratch(st, (step->sel_stride ? step->sel_stride : 1) * sizeof *crows);
     const size_t qo = (size_t)n_heads * (size_t)head_dim;
     for (size_t m = 0; m < M; m++) {

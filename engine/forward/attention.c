@@ -324,6 +324,18 @@ int ds41__attention_prepare(ds41_engine *e, fwd_batch *b, ds41_error *err) {
 
 /* ---- the sub-layer ------------------------------------------------------------------------ */
 
+void ds41__window_kv(ds41_engine *e, int L, const float *xn, size_t M, const float *cs, float *kvraw, float *kv,
+                     uint8_t *rows, size_t row_bytes) {
+    const ds41_layer_weights *lw = &e->w.layers[L];
+    const ds41_ops *ops = e->ops;
+    const size_t hd = (size_t)e->cfg.head_dim;
+    const int rd = (int)e->cfg.rope_head_dim;
+    ops->linear(ops, &lw->wkv, xn, M, kvraw, DS41_OUT_BF16);
+    ops->rmsnorm(ops, lw->kv_norm, kvraw, M, hd, e->norm_eps, kv);
+    ops->rope(ops, kv + hd - (size_t)rd, M, 1, hd, hd, rd / 2, cs, 0);
+    ops->act_quant_fp8(ops, kv, M, hd, rows, row_bytes);
+}
+
 int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, ds41_error *err) {
     const ds41_model_config *c = &e->cfg;
     const ds41_layer_role *role = &c->roles[L];
@@ -366,12 +378,8 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     ops->linear(ops, &lw->wq_b, qr, M, q, DS41_OUT_BF16);
     ops->rope(ops, q + hd - (size_t)rd, M, (int)H, H * hd, hd, rd / 2, b->rope_cs, 0);
 
-    /* Window KV: kv_norm(wkv(x)), rope, FP8 1x32 QDQ (kept packed, in the
-     * ring's row format, for this chunk's queries). */
-    ops->linear(ops, &lw->wkv, xn, M, kvraw, DS41_OUT_BF16);
-    ops->rmsnorm(ops, lw->kv_norm, kvraw, M, hd, e->norm_eps, kv);
-    ops->rope(ops, kv + hd - (size_t)rd, M, 1, hd, hd, rd / 2, b->rope_cs, 0);
-    ops->act_quant_fp8(ops, kv, M, hd, chunk_rows, row_bytes);
+    /* Window KV (kept packed, in the ring's row format, for this chunk's queries). */
+    ds41__window_kv(e, L, xn, M, b->rope_cs, kvraw, kv, chunk_rows, row_bytes);
 
     if (role->kv_source && (rc = compressor(e, b, L, xn, err)) != 0) goto out;
     if (role->ratio > 0 && role->index_source && (rc = indexer(e, b, L, xn, qr, err)) != 0) goto out;
@@ -387,6 +395,7 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
      * (engine/backend/ops.h: ds41_attn_step), attended in one call. */
     ds41_attn_step step = {.layout = lay,
                            .window = (uint32_t)W,
+                           .block = b->draft_block,
                            .chunk = chunk_rows,
                            .rings = rings,
                            .row_item = b->row_item,
@@ -423,8 +432,9 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
     ops->rope(ops, o + hd - (size_t)rd, M, (int)H, H * hd, hd, rd / 2, b->rope_cs, 1);
 
     /* The chunk's last min(n, W) window rows go to the ring now that every
-     * query of the chunk has read what it needs. */
-    for (size_t it = 0; it < b->n_items; it++) {
+     * query of the chunk has read what it needs (a draft block's never:
+     * REFERENCE §7 writes only the backbone positions' main_kv there). */
+    for (size_t it = 0; it < b->n_items && !b->draft_block; it++) {
         const ds41_fwd_item *item = &b->items[it];
         const size_t n = item->n_ids, start = n > W ? n - W : 0;
         for (size_t i = start; i < n; i++)

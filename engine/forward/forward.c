@@ -456,6 +456,8 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
             if (it->ids[t] < 0 || it->ids[t] >= c->vocab_size)
                 return ds41_fail(err, "forward: item %zu token %zu: id %d outside [0, %lld)", i, t, it->ids[t],
                                  (long long)c->vocab_size);
+        if (it->spec_taps && !c->dspark_enabled)
+            return ds41_fail(err, "forward: item %zu asks for DSpark taps, but %s has no DSpark stages", i, c->label);
         ds41_kv_pool *p = ds41_kv_seq_pool(it->seq);
         const ds41_kv_layout *l = ds41_kv_pool_layout(p);
         if (l->n_layers != (int)c->n_roles || l->latent_dim != (uint32_t)c->head_dim ||
@@ -659,6 +661,61 @@ static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *e
     return 0;
 }
 
+/* The buffers of one block over M rows, from the engine's backend scratch
+ * (the caller's frame). */
+int ds41__block_bufs(ds41_engine *e, size_t M, fwd_block_bufs *bb) {
+    const size_t hc = (size_t)e->cfg.hc_mult, D = (size_t)e->cfg.dim;
+    bb->h = ds41__dev(e, M * hc * D * sizeof *bb->h);
+    bb->h2 = ds41__dev(e, M * hc * D * sizeof *bb->h2);
+    bb->pre_mix = ds41__dev(e, M * hc * sizeof *bb->pre_mix);
+    bb->a_pre = ds41__dev(e, M * hc * sizeof *bb->a_pre);
+    bb->a_post = ds41__dev(e, M * hc * sizeof *bb->a_post);
+    bb->a_comb = ds41__dev(e, M * hc * hc * sizeof *bb->a_comb);
+    bb->f_post = ds41__dev(e, M * hc * sizeof *bb->f_post);
+    bb->f_comb = ds41__dev(e, M * hc * hc * sizeof *bb->f_comb);
+    bb->x = ds41__dev(e, M * D * sizeof *bb->x);
+    bb->xn = ds41__dev(e, M * D * sizeof *bb->xn);
+    bb->br = ds41__dev(e, M * D * sizeof *bb->br);
+    return bb->h && bb->h2 && bb->pre_mix && bb->a_pre && bb->a_post && bb->a_comb && bb->f_post && bb->f_comb &&
+           bb->x && bb->xn && bb->br;
+}
+
+int ds41__block(ds41_engine *e, fwd_batch *b, int L, fwd_block_bufs *bb, ds41_error *err) {
+    const ds41_model_config *c = &e->cfg;
+    const ds41_ops *ops = e->ops;
+    const ds41_layer_weights *lw = &e->w.layers[L];
+    const size_t M = b->M, hc = (size_t)c->hc_mult, D = (size_t)c->dim;
+
+    /* Attention sub-layer (§2.7 steps 1-2). */
+    ops->hc_mix(ops, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base, bb->h, M, (int)hc, D, e->norm_eps,
+                (int)c->hc_sinkhorn_iters, e->hc_eps, bb->a_pre, bb->a_post, bb->a_comb);
+    /* The FFN's pre-mix is known now: start this layer's likely expert
+     * reads so they overlap the attention. */
+    ds41__moe_predict_early(e, b, L, bb->h, bb->a_pre);
+    ops->hc_pre(ops, bb->h, bb->pre_mix, M, (int)hc, D, bb->x);
+    ops->rmsnorm(ops, lw->attn_norm, bb->x, M, D, e->norm_eps, bb->xn);
+    if (ds41__attention(e, b, L, bb->xn, bb->br, err) != 0) return -1;
+    report(e, b->hooks, b, DS41_STREAM_ATTN, L, bb->br, D);
+    ops->hc_post(ops, bb->br, bb->h, bb->a_post, bb->a_comb, M, (int)hc, D, bb->h2);
+    float *t = bb->h;
+    bb->h = bb->h2;
+    bb->h2 = t;
+
+    /* FFN sub-layer (steps 3-4): its input uses the attention's pre;
+     * its own pre goes to the next block (step 5). */
+    ops->hc_mix(ops, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base, bb->h, M, (int)hc, D, e->norm_eps,
+                (int)c->hc_sinkhorn_iters, e->hc_eps, bb->pre_mix, bb->f_post, bb->f_comb);
+    ops->hc_pre(ops, bb->h, bb->a_pre, M, (int)hc, D, bb->x);
+    ops->rmsnorm(ops, lw->ffn_norm, bb->x, M, D, e->norm_eps, bb->xn);
+    if (ds41__moe(e, b, L, bb->xn, bb->br, err) != 0) return -1;
+    report(e, b->hooks, b, DS41_STREAM_FFN, L, bb->br, D);
+    ops->hc_post(ops, bb->br, bb->h, bb->f_post, bb->f_comb, M, (int)hc, D, bb->h2);
+    t = bb->h;
+    bb->h = bb->h2;
+    bb->h2 = t;
+    return 0;
+}
+
 int ds41_engine_check_mappings(const ds41_engine *e, ds41_error *err) {
     return ds41_checkpoint_check_mappings(e->ckpt, err);
 }
@@ -735,23 +792,16 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
     float *pre_init = ds41__host(e, M * hc * sizeof *pre_init);
     uint32_t *logit_row = ds41__host(e, n_logit_rows * sizeof *logit_row);
     b.rope_cs = ds41__dev(e, M * (size_t)c->rope_head_dim * sizeof *b.rope_cs);
-    float *h = ds41__dev(e, M * hc * D * sizeof *h);
-    float *h2 = ds41__dev(e, M * hc * D * sizeof *h2);
-    float *pre_mix = ds41__dev(e, M * hc * sizeof *pre_mix);
-    float *a_pre = ds41__dev(e, M * hc * sizeof *a_pre);
-    float *a_post = ds41__dev(e, M * hc * sizeof *a_post);
-    float *a_comb = ds41__dev(e, M * hc * hc * sizeof *a_comb);
-    float *f_post = ds41__dev(e, M * hc * sizeof *f_post);
-    float *f_comb = ds41__dev(e, M * hc * hc * sizeof *f_comb);
-    float *x = ds41__dev(e, M * D * sizeof *x);
-    float *xn = ds41__dev(e, M * D * sizeof *xn);
-    float *br = ds41__dev(e, M * D * sizeof *br);
+    fwd_block_bufs bb;
+    const int bb_ok = ds41__block_bufs(e, M, &bb);
+    fwd_spec spec;
+    memset(&spec, 0, sizeof spec);
     float *lx = ds41__dev(e, n_logit_rows * D * sizeof *lx);
     float *normed = ds41__dev(e, n_logit_rows * D * sizeof *normed);
     float *lg = ds41__dev(e, n_logit_rows * V * sizeof *lg);
     if (!b.item_row0 || !b.item_pos0 || !b.row_item || !b.row_pos || !b.row_token || !b.rope_cs ||
-        !b.idx_list || !b.idx_count || !hash_ids || !pre_init || !logit_row || !h || !h2 || !pre_mix || !a_pre ||
-        !a_post || !a_comb || !f_post || !f_comb || !x || !xn || !br || !lx || !normed || !lg) {
+        !b.idx_list || !b.idx_count || !hash_ids || !pre_init || !logit_row || !bb_ok || !lx || !normed ||
+        !lg) {
         ds41_fail(err, "forward: out of memory");
         goto out;
     }
@@ -765,6 +815,10 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
             b.row_pos[r] = b.item_pos0[i] + t;
         }
     }
+    if (!ds41__dspark_spec_begin(e, &b, &spec)) {
+        ds41_fail(err, "forward: out of memory");
+        goto out;
+    }
     if (ds41__attention_prepare(e, &b, err) != 0) goto out;
     if (nsl && engram_hash(e, &b, hash_ids, err) != 0) goto out;
     if (nsl && e->ecache && engram_request(e, &b, hash_ids, err) != 0) goto out;
@@ -772,57 +826,34 @@ static int forward_pass(ds41_engine *e, ds41_fwd_item *items, size_t n_items, co
     /* Embedding into every copy; block 0's pre-mix is one-hot copy 0. */
     for (size_t i = 0, r = 0; i < n_items; i++)
         for (size_t t = 0; t < items[i].n_ids; t++, r++) b.row_token[r] = items[i].ids[t];
-    ops->embed(ops, e->w.embed, b.row_token, M, (int)hc, D, h);
+    ops->embed(ops, e->w.embed, b.row_token, M, (int)hc, D, bb.h);
     for (size_t r = 0; r < M; r++)
         for (size_t cp = 0; cp < hc; cp++) pre_init[r * hc + cp] = cp == 0 ? 1.0f : 0.0f;
-    e->mem->upload(e->mem, pre_mix, pre_init, M * hc * sizeof *pre_init);
+    e->mem->upload(e->mem, bb.pre_mix, pre_init, M * hc * sizeof *pre_init);
 
     for (int L = 0; L < n_layers; L++) {
         const ds41_layer_role *role = &c->roles[L];
-        const ds41_layer_weights *lw = &e->w.layers[L];
-        report(e, hooks, &b, DS41_STREAM_H, L, h, hc * D);
-        report(e, hooks, &b, DS41_STREAM_PRE, L, pre_mix, hc);
-        if (hooks && hooks->feed && feed(e, hooks, &b, L, h, pre_mix, hc, D, err) != 0) goto out;
+        report(e, hooks, &b, DS41_STREAM_H, L, bb.h, hc * D);
+        report(e, hooks, &b, DS41_STREAM_PRE, L, bb.pre_mix, hc);
+        if (hooks && hooks->feed && feed(e, hooks, &b, L, bb.h, bb.pre_mix, hc, D, err) != 0) goto out;
         if (e->ecache) {
             /* Keep the requested rows flowing: reap what arrived, issue what waits. */
             ds41_error perr;
             (void)ds41_engram_cache_poll(e->ecache, &perr); /* a failing reader shows in the gather */
         }
-        if (role->engram_slot >= 0 && engram_apply(e, &b, L, hash_ids, h, err) != 0) goto out;
+        if (role->engram_slot >= 0 && engram_apply(e, &b, L, hash_ids, bb.h, err) != 0) goto out;
 
-        /* Attention sub-layer (§2.7 steps 1-2). */
-        ops->hc_mix(ops, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base, h, M, (int)hc, D, e->norm_eps,
-                    (int)c->hc_sinkhorn_iters, e->hc_eps, a_pre, a_post, a_comb);
-        /* The FFN's pre-mix is known now: start this layer's likely expert
-         * reads so they overlap the attention. */
-        ds41__moe_predict_early(e, &b, L, h, a_pre);
-        ops->hc_pre(ops, h, pre_mix, M, (int)hc, D, x);
-        ops->rmsnorm(ops, lw->attn_norm, x, M, D, e->norm_eps, xn);
-        if (ds41__attention(e, &b, L, xn, br, err) != 0) goto out;
-        report(e, hooks, &b, DS41_STREAM_ATTN, L, br, D);
-        ops->hc_post(ops, br, h, a_post, a_comb, M, (int)hc, D, h2);
-        float *t = h;
-        h = h2;
-        h2 = t;
-
-        /* FFN sub-layer (steps 3-4): its input uses the attention's pre;
-         * its own pre goes to the next block (step 5). */
-        ops->hc_mix(ops, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base, h, M, (int)hc, D, e->norm_eps,
-                    (int)c->hc_sinkhorn_iters, e->hc_eps, pre_mix, f_post, f_comb);
-        ops->hc_pre(ops, h, a_pre, M, (int)hc, D, x);
-        ops->rmsnorm(ops, lw->ffn_norm, x, M, D, e->norm_eps, xn);
-        if (ds41__moe(e, &b, L, xn, br, err) != 0) goto out;
-        report(e, hooks, &b, DS41_STREAM_FFN, L, br, D);
-        ops->hc_post(ops, br, h, f_post, f_comb, M, (int)hc, D, h2);
-        t = h;
-        h = h2;
-        h2 = t;
+        if (spec.n && role->dspark_tap && ds41__dspark_tap(e, &b, &spec, L, bb.h, err) != 0) goto out;
+        if (ds41__block(e, &b, L, &bb, err) != 0) goto out;
     }
-    report(e, hooks, &b, DS41_STREAM_H, n_layers, h, hc * D);
+    report(e, hooks, &b, DS41_STREAM_H, n_layers, bb.h, hc * D);
+    /* The DSpark stages' windows from this step's taps (items with spec_taps). */
+    if (spec.n && ds41__dspark_seed(e, &b, &spec, err) != 0) goto out;
 
     /* Final collapse with the last FFN pre, norm, fp32 head (§2.6-2.7). */
     if (n_logit_rows) {
-        ops->hc_pre(ops, h, pre_mix, M, (int)hc, D, x);
+        float *x = bb.x;
+        ops->hc_pre(ops, bb.h, bb.pre_mix, M, (int)hc, D, x);
         size_t k = 0;
         for (size_t i = 0; i < n_items; i++) {
             if (!items[i].logits) continue;

@@ -201,6 +201,11 @@ typedef struct ds41_fwd_item {
     size_t n_ids;        /* >= 1 */
     float *logits;       /* NULL: no logits; else [n_ids][vocab] (all positions) or [vocab] (last_only) */
     bool logits_last_only;
+    /* DSpark (REFERENCE §7, engine/forward/dspark.h): also compute every
+     * row's taps and write the DSpark stages' window rings at the rows'
+     * positions (what ds41_dspark_draft reads).  An error when the model has
+     * no DSpark stages. */
+    bool spec_taps;
 } ds41_fwd_item;
 
 /* Streams reported to a hook (REFERENCE §10.1 names in brackets). */

@@ -113,6 +113,10 @@ typedef struct fwd_batch {
     uint8_t *cand;
     size_t cand_stride;
     const ds41_fwd_hooks *hooks; /* NULL or the caller's observer (decisions are reported to it) */
+    /* > 0: the rows are DSpark draft blocks of this many rows per item
+     * (engine/forward/dspark.c): the attention attends as ds41_attn_step.block
+     * says and writes no ring. */
+    uint32_t draft_block;
 } fwd_batch;
 
 /* Report a decision of row r to the batch's hook, if it has one (sel and
@@ -143,6 +147,53 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
  * the attention's hc_mix computes).  No-op unless experts are streamed with
  * prediction on; best effort (out of memory skips it). */
 void ds41__moe_predict_early(ds41_engine *e, const fwd_batch *b, int L, const float *h, const float *ffn_pre);
+
+/* The buffers one block works in over M rows (backend memory): the stream h
+ * [M][hc][dim] (h2 its double buffer), the incoming attention pre-mix
+ * [M][hc], the hc mixes of the two sub-layers, and [M][dim] scratch. */
+typedef struct fwd_block_bufs {
+    float *h, *h2, *pre_mix;
+    float *a_pre, *a_post, *a_comb, *f_post, *f_comb;
+    float *x, *xn, *br;
+} fwd_block_bufs;
+
+/* Take them from the engine's backend scratch (the caller's frame): 0 on out
+ * of memory. */
+int ds41__block_bufs(ds41_engine *e, size_t M, fwd_block_bufs *bb);
+
+/* Block L with hyper-connections (§2.7) on bb->h with bb->pre_mix: on
+ * return bb->h is the block's output and bb->pre_mix the next block's
+ * attention pre-mix.  The backbone's layers and the DSpark stages alike.
+ * Errors: out of memory, KV cache full. */
+int ds41__block(ds41_engine *e, fwd_batch *b, int L, fwd_block_bufs *bb, ds41_error *err);
+
+/* The window KV of M rows at layer L (§2.8 step 2): kv_norm(wkv(xn)), rope
+ * with the rows' table cs [M][rope_head_dim], FP8 1x32 QDQ, packed in the
+ * ring's row format into rows [M][row_bytes].  kvraw, kv: [M][head_dim]
+ * scratch (backend memory, like everything else). */
+void ds41__window_kv(ds41_engine *e, int L, const float *xn, size_t M, const float *cs, float *kvraw, float *kv,
+                     uint8_t *rows, size_t row_bytes);
+
+/* DSpark taps of one forward call (engine/forward/dspark.c): the rows of its
+ * items with spec_taps. */
+typedef struct fwd_spec {
+    size_t n;       /* rows; 0: no item asked */
+    uint32_t *row;  /* [n] their batch rows, ascending (host) */
+    uint64_t *pos;  /* [n] their positions (host) */
+    float *inv;     /* [n][hc] = fp32(1/hc): the copy average as an hc_pre */
+    float *taps;    /* [n][targets * dim] (backend memory) */
+} fwd_spec;
+
+/* Set up *s for the batch from the caller's frame: 0 on out of memory. */
+int ds41__dspark_spec_begin(ds41_engine *e, const fwd_batch *b, fwd_spec *s);
+/* Block L's input stream h [M][hc][dim] (after any Engram), when L is a
+ * target layer, averaged over the copies into the tap rows.  Errors: out of
+ * memory. */
+int ds41__dspark_tap(ds41_engine *e, const fwd_batch *b, fwd_spec *s, int L, const float *h, ds41_error *err);
+/* After the last block: main_x from the taps, every stage's window KV at
+ * the rows' positions into the stage rings (the last window rows of each
+ * item).  Errors: out of memory. */
+int ds41__dspark_seed(ds41_engine *e, fwd_batch *b, fwd_spec *s, ds41_error *err);
 
 /* cos/sin for layer L at every row's position into b->rope_cs (cached per layer). */
 void ds41__rope_rows(ds41_engine *e, fwd_batch *b, int L);

@@ -274,7 +274,9 @@ int ds41__moe(ds41_engine *e, fwd_batch *b, int L, const float *xn, float *out, 
     size_t n_pending = 0;
     for (int ex = 0; ex < E; ex++)
         if (count[ex]) pending[n_pending++] = ex;
-    ds41_expert_cache *xc = e->xc;
+    /* The expert tier holds the text layers' experts; a DSpark stage's are
+     * used in place from the mapping. */
+    ds41_expert_cache *xc = L < (int)c->n_layers ? e->xc : NULL;
     const expert_work wk = {.e = e, .lw = lw, .M = M, .D = D, .I = I, .SI = SI, .hid = hid, .sh = sh,
                             .xn = xn, .count = count, .first = first, .xe = xe, .route = route,
                             .g = g, .u = u, .h = h, .oe = oe, .lin = lin, .lx = lx, .ly = ly, .lm = lm,

@@ -94,6 +94,16 @@ typedef struct ds41_weights {
     const uint16_t *norm;  /* bf16 [dim] */
     ds41_layer_weights *layers; /* [n_layers] = config roles (backbone + DSpark stages) */
     size_t n_layers;
+    /* The DSpark extras (REFERENCE §3, §7), bound when DSpark is on, else
+     * kind NONE / NULL: stage 0's main_proj (FP8 [dim][dim * targets]) and
+     * main_norm; the last stage's norm, Markov embedding (bf16
+     * [vocab][markov_rank]), Markov head and confidence projection (BF16,
+     * fp32 matmuls: [vocab][markov_rank] and [1][dim + markov_rank]). */
+    ds41_linear mtp_main_proj;
+    const uint16_t *mtp_main_norm;
+    const uint16_t *mtp_norm;
+    const uint16_t *mtp_markov_embed;
+    ds41_linear mtp_markov_head, mtp_confidence;
     size_t n_bound;     /* planned tensors found and checked */
     size_t n_unplanned; /* checkpoint tensors the plan does not know (ignored) */
     uint64_t copied_bytes; /* wo_a dequantized + misaligned copies */

@@ -18,7 +18,7 @@ Library use:
     logits = model.forward(state, [5])              # decode = a chunk of one
 
 CLI (same interface as the C tool ds41-eval):
-    ds41_ref.py --model DIR --ids 0,17,42 [--chunk N] [--decode K] [--dump STREAMS.safetensors] --out FILE.json
+    ds41_ref.py --model DIR --ids 0,17,42 [--chunk N] [--decode K] [--drafts] [--dump STREAMS.safetensors] --out FILE.json
     ds41_ref.py --model DIR --layer-check DUMP.safetensors --out REPORT.json
 """
 
@@ -1141,6 +1141,22 @@ class Config:
             if not 0 <= self.engram_pad < self.vocab:
                 raise RefError(f"{where}: engram_pad_id out of range")
 
+        # DSpark (REFERENCE.md 7): on when dspark_block_size > 0 and n_mtp_layers >= 1.
+        self.dspark_block = g('dspark_block_size') if d.get('dspark_block_size') else 0
+        self.dspark = self.dspark_block > 0 and self.n_mtp > 0
+        if self.dspark:
+            self.dspark_noise = gi('dspark_noise_token_id', 0)
+            self.dspark_targets = gl('dspark_target_layer_ids')
+            self.dspark_rank = gi('dspark_markov_rank', 1)
+            self.dspark_experts = d.get('dspark_n_routed_experts') or self.n_experts
+            self.dspark_topk = d.get('dspark_n_activated_experts') or self.topk_experts
+            if not self.dspark_targets or any(not 0 <= L < nl for L in self.dspark_targets):
+                raise RefError(f"{where}: dspark_target_layer_ids must list backbone layers")
+            if len(self.ratios) < nl + self.n_mtp or any(self.ratios[nl:nl + self.n_mtp]):
+                raise RefError(f"{where}: compress_ratios must give ratio 0 to the {self.n_mtp} DSpark stages")
+            if self.dspark_noise >= self.vocab or self.dspark_topk > self.dspark_experts:
+                raise RefError(f"{where}: dspark_noise_token_id or dspark_n_activated_experts out of range")
+
         self.ropes = {}
 
     def rope_params(self, L):
@@ -1225,9 +1241,13 @@ class Model:
         H, hd = cfg.n_heads, cfg.head_dim
         nmix = (2 + cfg.hc) * cfg.hc
         self.layers = []
-        for L in range(cfg.n_layers):
-            p = f'layers.{L}.'
+        stage_layers = list(range(cfg.n_layers, cfg.n_layers + cfg.n_mtp)) if cfg.dspark else []
+        for L in list(range(cfg.n_layers)) + stage_layers:
+            stage = L >= cfg.n_layers
+            p = f'mtp.{L - cfg.n_layers}.' if stage else f'layers.{L}.'
+            n_experts = cfg.dspark_experts if stage else cfg.n_experts
             w = _Obj()
+            w.topk = cfg.dspark_topk if stage else cfg.topk_experts
             w.attn_norm = bf(p + 'attn_norm.weight', [D])
             w.ffn_norm = bf(p + 'ffn_norm.weight', [D])
             w.sink = fl(p + 'attn.attn_sink', [H])
@@ -1242,11 +1262,11 @@ class Model:
                 setattr(w, 'hc_' + sub, (fl(p + f'hc_{sub}_fn', [nmix, cfg.hc * D]),
                                          fl(p + f'hc_{sub}_scale', [3]),
                                          fl(p + f'hc_{sub}_base', [nmix])))
-            w.gate = bf(p + 'ffn.gate.weight', [cfg.n_experts, D])
-            w.gate_bias = fl(p + 'ffn.gate.bias', [cfg.n_experts])
-            w.experts = [None] * cfg.n_experts
-            w.expert_names = [p + f'ffn.experts.{e}.' for e in range(cfg.n_experts)]
-            for e in range(cfg.n_experts):
+            w.gate = bf(p + 'ffn.gate.weight', [n_experts, D])
+            w.gate_bias = fl(p + 'ffn.gate.bias', [n_experts])
+            w.experts = [None] * n_experts
+            w.expert_names = [p + f'ffn.experts.{e}.' for e in range(n_experts)]
+            for e in range(n_experts):
                 q = w.expert_names[e]
                 ew = _Obj()
                 ew.w1 = fp4(q + 'w1', cfg.inter, D)
@@ -1283,6 +1303,16 @@ class Model:
             base, yarn = cfg.rope_params(L)
             w.rope = Rope(cfg.rd, base, yarn)
             self.layers.append(w)
+        if cfg.dspark:
+            # The DSpark extras (REFERENCE.md 3): stage 0's main_proj / main_norm, the last stage's
+            # norm, Markov head and confidence projection (fp32 parameters: exact upcasts).
+            nt, r, last = len(cfg.dspark_targets), cfg.dspark_rank, f'mtp.{cfg.n_mtp - 1}.'
+            self.main_proj = fp8('mtp.0.main_proj', D, D * nt)
+            self.main_norm = bf('mtp.0.main_norm.weight', [D])
+            self.mtp_norm = bf(last + 'norm.weight', [D])
+            self.markov_embed = bf(last + 'markov_head.embed.weight', [V, r])
+            self.markov_head = bf(last + 'markov_head.head.weight', [V, r])
+            self.w_conf = bf(last + 'confidence_head.proj.weight', [1, D + r])
 
         self.softmax_scale = f32(float(hd) ** -0.5)
         if cfg.index_sources:
@@ -1322,7 +1352,8 @@ class Model:
         st.pos = 0
         st.ids = []
         st.cids = []
-        st.win = [[] for _ in range(cfg.n_layers)]      # window KV rows per absolute position
+        # window KV rows per absolute position, backbone layers then DSpark stages
+        st.win = [[] for _ in range(cfg.n_layers + (cfg.n_mtp if cfg.dspark else 0))]
         st.carry = {L: [] for L in cfg.kv_sources}       # ratio>1 compressor carry: (kv, score) fp32
         st.ckv = {L: np.zeros((0, cfg.head_dim), np.float32) for L in cfg.kv_sources}
         st.kcache = {L: np.zeros((0, getattr(cfg, 'idx_hd', 32)), np.float32) for L in cfg.kv_sources}
@@ -1472,15 +1503,30 @@ class Model:
         return lists
 
     # ---------------------------------------------------------------------------------------------
-    def attention(self, L, st, ctx, x, pos):
+    def window_kv(self, L, x, pos):
+        """QDQ_fp8(rope(kv_norm(wkv(x)))) at positions pos (REFERENCE.md 2.8 step 2)."""
+        w = self.layers[L]
+        kv = rmsnorm(qlinear(x, w.wkv), w.kv_norm, self.cfg.eps)
+        return qdq_fp8(w.rope.apply(kv, pos))
+
+    def attention(self, L, st, ctx, x, pos, draft=False):
+        """draft: x is a DSpark draft block (REFERENCE.md 7, 10.7): every row attends the stage's
+        window before the block, then all rows of the block; the window is not written."""
         cfg = self.cfg
         w = self.layers[L]
         S = x.shape[0]
         H, hd = cfg.n_heads, cfg.head_dim
         qr = rmsnorm(qlinear(x, w.wq_a), w.q_norm, cfg.eps)
         q = w.rope.apply(qlinear(qr, w.wq_b).reshape(S, H, hd), pos)
-        kv = rmsnorm(qlinear(x, w.wkv), w.kv_norm, cfg.eps)
-        kv = qdq_fp8(w.rope.apply(kv, pos))
+        kv = self.window_kv(L, x, pos)
+        if draft:
+            p0 = int(pos[0])
+            # DECISION: the canonical list of a draft row (REFERENCE.md 10.7): the stage window's
+            # positions max(0, p0-W) .. p0-1 ascending, then the S block rows in order; no causal
+            # mask, the same list for every row.
+            rows = np.concatenate([np.stack(st.win[L][max(0, p0 - cfg.window):p0]), kv])
+            o = np.stack([sparse_attn(q[s], rows, w.sink, self.softmax_scale) for s in range(S)])
+            return self.attn_out(w, o, pos)
         st.win[L].extend(list(kv))
         ratio = cfg.ratios[L]
         lists = None
@@ -1515,6 +1561,12 @@ class Model:
             if rows.shape[0] > 64:
                 self.stats['attn_chunks_gt1'] += 1
             o[s] = sparse_attn(q[s], rows, w.sink, self.softmax_scale)
+        return self.attn_out(w, o, pos)
+
+    def attn_out(self, w, o, pos):
+        """Inverse rope of the attention output, grouped wo_a, wo_b (REFERENCE.md 2.6, 2.8 step 4)."""
+        cfg = self.cfg
+        S = o.shape[0]
         o = w.rope.apply(o, pos, inverse=True)
         G = cfg.o_groups
         og = o.reshape(S, G, -1)
@@ -1545,7 +1597,7 @@ class Model:
             logits = (logits / cfg.gate_temp).astype(np.float32)
         sc = f_sqrt(f_softplus(logits))
         biased = sc + w.gate_bias
-        k = cfg.topk_experts
+        k = w.topk
         sel = topk_lowest_index(biased, k)                                 # [S, k], top-k order
         if ctx is not None and getattr(ctx, 'dec', None) is not None:
             eps = route_error_bound(biased)
@@ -1572,11 +1624,11 @@ class Model:
         return bf16(y)
 
     # ---------------------------------------------------------------------------------------------
-    def block(self, L, st, ctx, x, pre_mix, pos):
+    def block(self, L, st, ctx, x, pre_mix, pos, draft=False):
         cfg = self.cfg
         w = self.layers[L]
         a_pre, a_post, a_comb = self.hc_mixes(x, w.hc_attn)
-        ha = self.attention(L, st, ctx, rmsnorm(hc_pre(x, pre_mix), w.attn_norm, cfg.eps), pos)
+        ha = self.attention(L, st, ctx, rmsnorm(hc_pre(x, pre_mix), w.attn_norm, cfg.eps), pos, draft)
         x = hc_post(ha, x, a_post, a_comb)
         f_pre, f_post, f_comb = self.hc_mixes(x, w.hc_ffn)
         hf = self.moe(w, rmsnorm(hc_pre(x, a_pre), w.ffn_norm, cfg.eps), L, ctx)
@@ -1622,6 +1674,7 @@ class Model:
             if rec is not None:
                 rec.setdefault(name, []).append(np.array(arr, np.float32))
 
+        taps = {}
         for L in range(cfg.n_layers):
             if override is not None:
                 x = np.asarray(override['h'][L], np.float32)
@@ -1630,6 +1683,8 @@ class Model:
             put(f'pre.{L}', pre)
             if L in cfg.engram_layers:
                 x = self.engram_apply(L, st, x, pos)
+            if cfg.dspark and L in cfg.dspark_targets:
+                taps[L] = self.tap(x)
             x, pre, ha, hf = self.block(L, st, ctx, x, pre, pos)
             put(f'attn.{L}', ha)
             put(f'ffn.{L}', hf)
@@ -1641,19 +1696,80 @@ class Model:
         put(f'h.{cfg.n_layers}', x)
         if rec is not None:
             rec.setdefault('decisions', []).append(ctx.dec)
+        if cfg.dspark:
+            self.seed_stages(st, [taps[L] for L in cfg.dspark_targets], pos)
         h = rmsnorm(hc_pre(x, pre), self.norm, cfg.eps)
         logits = xdot(h, self.head)
         put('logits', logits)
         st.pos += S
         return logits
 
+    # ---------------------------------------------------------------------------------------------
+    # DSpark (REFERENCE.md 7, 10.7)
+    def tap(self, x):
+        """bf16(mean over the hc copies) of the stream x [S,hc,D] entering a target block."""
+        # DECISION: the copy mean is hc_pre with every weight fp32(1/hc): the short sum of 10.4 in
+        # copy order (as hc_pre), each product rounded; for a power-of-two hc (the release: 4)
+        # that is bf16(fp32(((h0+h1)+h2)+h3) / hc) exactly.
+        S, hc = x.shape[0], x.shape[1]
+        return hc_pre(x, np.full((S, hc), f32(1.0 / hc), np.float32))
+
+    def seed_stages(self, st, taps, pos):
+        """main_x = main_norm(main_proj(concat taps)); each stage's window KV of main_x at the chunk's
+        positions appended to its window (REFERENCE.md 7 steps 1, 3, 4: prefill seeding and the
+        decode-time write of position p are the same rows)."""
+        cfg = self.cfg
+        # DECISION: every forward call writes the stage windows of all its positions (the official
+        # prefill seeds the last window positions and each decode step writes its own; the window
+        # read by a draft is the same), so a draft can follow any chunk.
+        main_x = rmsnorm(qlinear(np.concatenate(taps, axis=-1), self.main_proj), self.main_norm, cfg.eps)
+        for k in range(cfg.n_mtp):
+            L = cfg.n_layers + k
+            st.win[L].extend(list(self.window_kv(L, main_x, pos)))
+
+    def forward_spec(self, st, token):
+        """Draft block after the sequence's last position p = st.pos - 1 for the sampled token at
+        p+1: returns (drafts [B] for positions p+2.., corrected logits [B,V], confidence [B]).
+        The sequence's state is not changed."""
+        cfg = self.cfg
+        if not cfg.dspark:
+            raise RefError("forward_spec: the model has no DSpark stages")
+        if st.pos < 1:
+            raise RefError("forward_spec: the sequence is empty")
+        B = cfg.dspark_block
+        ids = [int(token)] + [cfg.dspark_noise] * (B - 1)
+        pos = np.arange(st.pos, st.pos + B, dtype=np.int64)
+        x = np.repeat(self.embed[ids][:, None, :], cfg.hc, axis=1)
+        pre = np.zeros((B, cfg.hc), np.float32)
+        pre[:, 0] = 1.0
+        ctx = _Obj()
+        ctx.dec = None
+        ctx.force = None
+        for k in range(cfg.n_mtp):
+            x, pre, _, _ = self.block(cfg.n_layers + k, st, ctx, x, pre, pos, draft=True)
+        xh = hc_pre(x, pre)
+        logits = xdot(rmsnorm(xh, self.mtp_norm, cfg.eps), self.head)
+        out = [int(token)]
+        conf = np.zeros(B, np.float32)
+        for i in range(B):
+            e = self.markov_embed[out[i]]
+            logits[i] = logits[i] + xdot(e[None, :], self.markov_head)[0]
+            out.append(int(np.argmax(logits[i])))          # lowest id on ties
+            # DECISION: the confidence input is [x ; e_i] with x = hc_pre(h, pre_mix) of the row
+            # (before the stage norm, as REFERENCE.md 7 writes it) and e_i the Markov embedding of
+            # the row's input id (the one its logits were corrected with).
+            conf[i] = xdot(np.concatenate([xh[i], e])[None, :], self.w_conf)[0, 0]
+        return np.array(out[1:], np.int64), logits, conf
+
 
 # ================================================================================================
 # Driver: prefill in chunks, greedy decode, stream dumps, layer-local check
 # ================================================================================================
 
-def run_ids(model, ids, chunk=None, decode=0, want_dump=False):
-    """Returns (prefill logits [S,V], [(token, logits [V])...], dump tensors list or None)."""
+def run_ids(model, ids, chunk=None, decode=0, want_dump=False, drafts=None):
+    """Returns (prefill logits [S,V], [(token, logits [V])...], dump tensors list or None).
+    drafts: a list that gets, before each greedy step feeds its token, the DSpark draft block from
+    that token: (position of the first draft, draft ids, confidences)."""
     st = model.new_state()
     chunk = chunk or len(ids)
     rec = {} if want_dump else None
@@ -1669,6 +1785,9 @@ def run_ids(model, ids, chunk=None, decode=0, want_dump=False):
     last = prefill[-1]
     for k in range(decode):
         t = int(np.argmax(last))        # lowest id on ties
+        if drafts is not None:
+            d_ids, _, d_conf = model.forward_spec(st, t)
+            drafts.append((st.pos + 1, d_ids, d_conf))
         r = {} if want_dump else None
         out = model.forward(st, [t], rec=r)[0]
         if want_dump:
@@ -1724,11 +1843,17 @@ def fmt_floats(v):
     return '[' + ','.join('%.9g' % x for x in np.asarray(v, np.float32).tolist()) + ']'
 
 
-def result_json(ids, prefill, greedy):
-    """The ds41-eval output format: compact JSON, floats as %.9g, one trailing newline."""
+def result_json(ids, prefill, greedy, drafts=None):
+    """The ds41-eval output format: compact JSON, floats as %.9g, one trailing newline; with
+    drafts (run_ids), a "drafts" list after "greedy"."""
     parts = ['{"ids":[', ','.join(str(int(i)) for i in ids), '],"prefill_logits":[',
              ','.join(fmt_floats(row) for row in prefill), '],"greedy":[',
-             ','.join('{"token":%d,"logits":%s}' % (t, fmt_floats(lg)) for t, lg in greedy), ']}\n']
+             ','.join('{"token":%d,"logits":%s}' % (t, fmt_floats(lg)) for t, lg in greedy), ']']
+    if drafts is not None:
+        parts += [',"drafts":[',
+                  ','.join('{"position":%d,"ids":[%s],"confidence":%s}' %
+                           (p, ','.join(str(int(i)) for i in d), fmt_floats(c)) for p, d, c in drafts), ']']
+    parts.append('}\n')
     return ''.join(parts)
 
 
@@ -1886,6 +2011,8 @@ def main(argv=None):
     ap.add_argument('--chunk', type=int, default=0, help='prefill chunk size (default: whole prompt)')
     ap.add_argument('--decode', type=int, default=0, help='greedy decode steps')
     ap.add_argument('--dump', help='write the section 10.1 stream dump (safetensors)')
+    ap.add_argument('--drafts', action='store_true',
+                    help='before each greedy step, the DSpark draft block from its token ("drafts")')
     ap.add_argument('--layer-check', help='recompute every block from this stream dump and report')
     ap.add_argument('--out', required=True, help='output JSON file')
     a = ap.parse_args(argv)
@@ -1907,9 +2034,12 @@ def main(argv=None):
             raise RefError('--ids: empty prompt')
         if a.chunk < 0 or a.decode < 0:
             raise RefError('--chunk and --decode must be >= 0')
-        prefill, greedy, dump = run_ids(model, ids, a.chunk or None, a.decode, bool(a.dump))
+        if a.drafts and not model.cfg.dspark:
+            raise RefError('--drafts: the model has no DSpark stages')
+        drafts = [] if a.drafts else None
+        prefill, greedy, dump = run_ids(model, ids, a.chunk or None, a.decode, bool(a.dump), drafts)
         with open(a.out, 'w', encoding='utf-8') as fh:
-            fh.write(result_json(ids, prefill, greedy))
+            fh.write(result_json(ids, prefill, greedy, drafts))
         if a.dump:
             write_safetensors(a.dump, dump)
         return 0

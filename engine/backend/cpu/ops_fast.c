@@ -1080,7 +1080,7 @@ static void fast_sparse_attn(const ds41_ops *self, const float *q, int n_heads, 
 static void fast_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
                         const float *sink, float scale, const ds41_attn_step *step, float *out) {
     fast_ctx *c = ctx_of(self);
-    const size_t nw = step->window, nc = step->sel_stride ? step->sel_stride : 1;
+    const size_t nw = (size_t)step->window + step->block, nc = step->sel_stride ? step->sel_stride : 1;
     const uint8_t **wrows = ensure(&c->attn_rows, (nw + nc) * sizeof *wrows), **crows = wrows + nw;
     const size_t qo = (size_t)n_heads * (size_t)head_dim;
     for (size_t m = 0; m < M; m++) {
