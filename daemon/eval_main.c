@@ -327,14 +327,15 @@ static void put_floats(FILE *f, const float *x, size_t n) {
 
 /* The DSpark drafts of --drafts: per greedy step, nd ids and confidences. */
 typedef struct drafts_out {
-    size_t nd;        /* drafts per block; 0: no --drafts */
-    int32_t *ids;     /* [K][nd] */
-    float *conf;      /* [K][nd] */
-    uint64_t *pos;    /* [K] position of each block's first draft */
+    size_t nd;     /* drafts per block; 0: no --drafts */
+    int32_t *ids;  /* [K][nd] */
+    float *conf;   /* [K][nd] */
+    uint64_t *pos; /* [K] position of each block's first draft */
 } drafts_out;
 
-static int write_json(const char *path, const int32_t *ids, size_t S, const float *pre_logits, const int32_t *dec,
-                      const float *dec_logits, size_t K, size_t V, const drafts_out *dr, ds41_error *err) {
+static int write_json(const char *path, const int32_t *ids, size_t S, const float *pre_logits,
+                      const int32_t *dec, const float *dec_logits, size_t K, size_t V, const drafts_out *dr,
+                      ds41_error *err) {
     FILE *f = fopen(path, "w");
     if (!f) return ds41_fail(err, "%s: %s", path, strerror(errno));
     fputs("{\"ids\":[", f);
@@ -731,8 +732,11 @@ int main(int argc, char **argv) {
     }
 
     for (size_t off = 0; off < S; off += chunk) {
-        ds41_fwd_item item = {.seq = seq, .ids = ids + off, .n_ids = S - off < chunk ? S - off : chunk,
-                              .logits = pre_logits + off * V, .spec_taps = want_drafts != 0};
+        ds41_fwd_item item = {.seq = seq,
+                              .ids = ids + off,
+                              .n_ids = S - off < chunk ? S - off : chunk,
+                              .logits = pre_logits + off * V,
+                              .spec_taps = want_drafts != 0};
         col.cur = dump ? &parts[0] : NULL;
         col.row_off = off;
         if (ds41_forward(e, &item, 1, dump ? &hooks : NULL, &err) != 0) goto fail;
@@ -749,11 +753,17 @@ int main(int argc, char **argv) {
         if (want_drafts) {
             /* The head's block from the token this step feeds (never fed back). */
             dr.pos[k] = ds41_kv_seq_tokens(seq) + 1;
-            ds41_draft_req rq = {.seq = seq, .token = dec[k], .k = dr.nd, .ids = dr.ids + k * dr.nd,
+            ds41_draft_req rq = {.seq = seq,
+                                 .token = dec[k],
+                                 .k = dr.nd,
+                                 .ids = dr.ids + k * dr.nd,
                                  .confidence = dr.conf + k * dr.nd};
             if (ds41_dspark_draft(e, &rq, 1, &err) != 0) goto fail;
         }
-        ds41_fwd_item item = {.seq = seq, .ids = &dec[k], .n_ids = 1, .logits = dec_logits + k * V,
+        ds41_fwd_item item = {.seq = seq,
+                              .ids = &dec[k],
+                              .n_ids = 1,
+                              .logits = dec_logits + k * V,
                               .spec_taps = want_drafts != 0};
         col.cur = dump ? &parts[k + 1] : NULL;
         col.row_off = 0;

@@ -22,6 +22,7 @@
  * or writes guard memory from the host dies of SIGSEGV, while the same bytes
  * go through upload, download and an op. */
 #include "engine/backend/cpu/cpu_backend.h"
+#include "engine/forward/dspark.h"
 #include "engine/forward/forward.h"
 #include "engine/model/model_gen.h"
 #include "engine/model/pcg64.h"
@@ -945,6 +946,102 @@ static void test_teeth(void) {
     }
 }
 
+/* ---- DSpark drafts ------------------------------------------------------------------------------------ */
+
+/* A sequence's serialized state into a malloc'd buffer (*len bytes); NULL on failure. */
+static uint8_t *seq_state(const ds41_kv_seq *seq, size_t *len, ds41_error *err) {
+    *len = ds41_kv_seq_serialized_size(seq);
+    uint8_t *buf = malloc(*len ? *len : 1);
+    size_t w = 0;
+    if (!buf || ds41_kv_seq_serialize(seq, buf, *len, &w, err) != 0 || w != *len) {
+        free(buf);
+        if (!err->msg[0]) ds41_fail(err, "out of memory");
+        return NULL;
+    }
+    return buf;
+}
+
+/* Prompts 0 and 1 prefilled with spec_taps (in chunks of 7), then greedy
+ * steps of both in one call each; before each step the DSpark head drafts a
+ * block from each sequence's token, both in one call (ids, confidences and
+ * corrected logits observed), and sequence 0 again alone: the same bytes
+ * (a draft does not depend on its batch), and neither call changes the
+ * sequences' state (their serializations before and after are equal). */
+static int sc_drafts(ds41_engine *e, const model *m, const void *arg, obs *o, ds41_error *err) {
+    (void)arg;
+    const size_t V = m->V, B = (size_t)ds41_engine_config(e)->dspark_block_size;
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, err);
+    ds41_kv_seq *seq[2] = {0};
+    float *lg = malloc(7 * V * sizeof *lg), *last = malloc(2 * V * sizeof *last);
+    float *dlog = malloc(3 * B * V * sizeof *dlog), *conf = malloc(3 * B * sizeof *conf);
+    int32_t *dids = malloc(3 * B * sizeof *dids);
+    int rc = pool && lg && last && dlog && conf && dids && (seq[0] = ds41_kv_seq_new(pool, err)) &&
+                     (seq[1] = ds41_kv_seq_new(pool, err))
+                 ? 0
+                 : (err->msg[0] ? -1 : ds41_fail(err, "out of memory"));
+    for (int s = 0; s < 2 && rc == 0; s++)
+        for (size_t off = 0; off < m->len[s] && rc == 0; off += 7) {
+            const size_t n = m->len[s] - off < 7 ? m->len[s] - off : 7;
+            ds41_fwd_item it = {
+                .seq = seq[s], .ids = m->prompt[s] + off, .n_ids = n, .logits = lg, .spec_taps = true};
+            rc = ds41_forward(e, &it, 1, NULL, err);
+            if (rc == 0 && off + n == m->len[s]) memcpy(last + s * V, lg + (n - 1) * V, V * sizeof *lg);
+        }
+    for (size_t step = 0; step < m->steps && rc == 0; step++) {
+        int32_t tok[2] = {ds41_argmax(last, V), ds41_argmax(last + V, V)};
+        size_t len[2] = {0, 0}, len2 = 0;
+        uint8_t *before[2] = {seq_state(seq[0], &len[0], err), seq_state(seq[1], &len[1], err)};
+        ds41_draft_req rq[3];
+        for (int i = 0; i < 3; i++)
+            rq[i] = (ds41_draft_req){.seq = seq[i % 2],
+                                     .token = tok[i % 2],
+                                     .k = B,
+                                     .ids = dids + i * B,
+                                     .confidence = conf + i * B,
+                                     .logits = dlog + i * B * V};
+        if (!before[0] || !before[1]) rc = -1;
+        if (rc == 0) rc = ds41_dspark_draft(e, rq, 2, err);
+        if (rc == 0) rc = ds41_dspark_draft(e, rq + 2, 1, err);
+        obs_label(o, "drafts before step %zu: ids", step);
+        obs_put(o, dids, 2 * B * sizeof *dids);
+        obs_label(o, "drafts before step %zu: confidences", step);
+        obs_put(o, conf, 2 * B * sizeof *conf);
+        obs_label(o, "drafts before step %zu: logits", step);
+        obs_put(o, dlog, 2 * B * V * sizeof *dlog);
+        if (rc == 0 && (memcmp(dids, dids + 2 * B, B * sizeof *dids) != 0 ||
+                        memcmp(conf, conf + 2 * B, B * sizeof *conf) != 0 ||
+                        memcmp(dlog, dlog + 2 * B * V, B * V * sizeof *dlog) != 0))
+            rc = ds41_fail(err, "step %zu: sequence 0's drafts alone differ from its drafts in a batch of 2",
+                           step);
+        for (int s = 0; s < 2 && rc == 0; s++) {
+            uint8_t *after = seq_state(seq[s], &len2, err);
+            if (!after)
+                rc = -1;
+            else if (len2 != len[s] || memcmp(after, before[s], len2) != 0)
+                rc = ds41_fail(err, "step %zu: drafting changed sequence %d's state", step, s);
+            free(after);
+        }
+        free(before[0]);
+        free(before[1]);
+        ds41_fwd_item it[2];
+        for (int s = 0; s < 2; s++)
+            it[s] = (ds41_fwd_item){
+                .seq = seq[s], .ids = &tok[s], .n_ids = 1, .logits = last + s * V, .spec_taps = true};
+        if (rc == 0) rc = ds41_forward(e, it, 2, NULL, err);
+        obs_label(o, "step %zu: logits", step);
+        obs_put(o, last, 2 * V * sizeof *last);
+    }
+    ds41_kv_seq_free(seq[0]);
+    ds41_kv_seq_free(seq[1]);
+    ds41_kv_pool_free(pool);
+    free(lg);
+    free(last);
+    free(dlog);
+    free(conf);
+    free(dids);
+    return rc;
+}
+
 /* ---- the suite on one checkpoint ------------------------------------------------------------------- */
 
 static void suite(model *m, bool sched, bool stream) {
@@ -962,6 +1059,8 @@ static void suite(model *m, bool sched, bool stream) {
             &hooked);
     compare(m, "a fork inside a page, both branches continuing, a fork of the fork", sc_fork, NULL);
     compare(m, "serialize, restore into the pool and into other pages, continue", sc_snapshot, NULL);
+    compare(m, "DSpark drafts (2 sequences with spec_taps, batched and alone) before every greedy step",
+            sc_drafts, NULL);
     if (sched) {
         compare(m, "scheduler: 6 concurrent requests", sc_sched_concurrent, NULL);
         compare(m, "scheduler: prefix cache (same prompt, next turn)", sc_sched_prefix, NULL);

@@ -147,7 +147,8 @@ static inline ds41_attn_rows ds41_attn_step_rows(const ds41_attn_step *s, size_t
     if (s->block) {
         for (uint64_t pos = p0 > W ? p0 - W : 0; pos < p0; pos++)
             wrows[rows.n_window++] = s->rings[it] + (size_t)(pos % W) * rb;
-        for (uint32_t j = 0; j < s->block; j++) wrows[rows.n_window++] = s->chunk + (s->item_row0[it] + j) * rb;
+        for (uint32_t j = 0; j < s->block; j++)
+            wrows[rows.n_window++] = s->chunk + (s->item_row0[it] + j) * rb;
         return rows;
     }
     for (uint64_t pos = first; pos <= a; pos++)

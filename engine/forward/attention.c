@@ -324,8 +324,8 @@ int ds41__attention_prepare(ds41_engine *e, fwd_batch *b, ds41_error *err) {
 
 /* ---- the sub-layer ------------------------------------------------------------------------ */
 
-void ds41__window_kv(ds41_engine *e, int L, const float *xn, size_t M, const float *cs, float *kvraw, float *kv,
-                     uint8_t *rows, size_t row_bytes) {
+void ds41__window_kv(ds41_engine *e, int L, const float *xn, size_t M, const float *cs, float *kvraw,
+                     float *kv, uint8_t *rows, size_t row_bytes) {
     const ds41_layer_weights *lw = &e->w.layers[L];
     const ds41_ops *ops = e->ops;
     const size_t hd = (size_t)e->cfg.head_dim;

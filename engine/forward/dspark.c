@@ -45,7 +45,8 @@ int ds41__dspark_spec_begin(ds41_engine *e, const fwd_batch *b, fwd_spec *s) {
     return 1;
 }
 
-int ds41__dspark_tap(ds41_engine *e, const fwd_batch *b, fwd_spec *s, int L, const float *h, ds41_error *err) {
+int ds41__dspark_tap(ds41_engine *e, const fwd_batch *b, fwd_spec *s, int L, const float *h,
+                     ds41_error *err) {
     (void)b;
     const ds41_model_config *c = &e->cfg;
     const size_t hc = (size_t)c->hc_mult, D = (size_t)c->dim, nt = c->dspark_target_layer_ids.n, n = s->n;
@@ -116,7 +117,8 @@ static int check_requests(const ds41_engine *e, const ds41_draft_req *reqs, size
     const ds41_kv_pool *pool = NULL;
     for (size_t i = 0; i < n; i++) {
         const ds41_draft_req *r = &reqs[i];
-        if (!r->seq || !r->ids) return ds41_fail(err, "dspark: request %zu has no sequence or no ids buffer", i);
+        if (!r->seq || !r->ids)
+            return ds41_fail(err, "dspark: request %zu has no sequence or no ids buffer", i);
         if (r->k < 1 || (int64_t)r->k > c->dspark_block_size)
             return ds41_fail(err, "dspark: request %zu: k = %zu outside 1..%lld (dspark_block_size)", i, r->k,
                              (long long)c->dspark_block_size);
@@ -128,7 +130,8 @@ static int check_requests(const ds41_engine *e, const ds41_draft_req *reqs, size
         if (ds41_kv_seq_tokens(r->seq) > UINT64_MAX / 4)
             return ds41_fail(err, "dspark: request %zu: position overflow", i);
         for (size_t j = 0; j < i; j++)
-            if (reqs[j].seq == r->seq) return ds41_fail(err, "dspark: requests %zu and %zu share a sequence", j, i);
+            if (reqs[j].seq == r->seq)
+                return ds41_fail(err, "dspark: requests %zu and %zu share a sequence", j, i);
         const ds41_kv_pool *p = ds41_kv_seq_pool(r->seq);
         const ds41_kv_layout *l = ds41_kv_pool_layout(p);
         if (l->n_layers != (int)c->n_roles || l->latent_dim != (uint32_t)c->head_dim ||
@@ -176,8 +179,8 @@ static int draft(ds41_engine *e, ds41_draft_req *reqs, size_t n, ds41_error *err
     fwd_block_bufs bb;
     const int bb_ok = ds41__block_bufs(e, M, &bb);
     float *lg = dev(M * V * sizeof *lg);
-    float *hl = host(M * V * sizeof *hl);       /* the head's logits, then Markov-corrected */
-    float *er = dev(n * R * sizeof *er);         /* the Markov embedding of each request's current id */
+    float *hl = host(M * V * sizeof *hl); /* the head's logits, then Markov-corrected */
+    float *er = dev(n * R * sizeof *er);  /* the Markov embedding of each request's current id */
     float *mk = dev(n * V * sizeof *mk);
     float *mkh = host(n * V * sizeof *mkh);
     int32_t *cur = host(n * sizeof *cur);
@@ -219,8 +222,8 @@ static int draft(ds41_engine *e, ds41_draft_req *reqs, size_t n, ds41_error *err
     ops->linear(ops, &e->w.head, bb.xn, M, lg, DS41_OUT_F32);
     mem->download(mem, hl, lg, M * V * sizeof *hl);
     for (size_t i = 0; i < n; i++)
-        mem->copy_2d(mem, cat + i * kmax * KC, KC * sizeof *cat, bb.x + i * B * D, D * sizeof *cat, D * sizeof *cat,
-                     kmax);
+        mem->copy_2d(mem, cat + i * kmax * KC, KC * sizeof *cat, bb.x + i * B * D, D * sizeof *cat,
+                     D * sizeof *cat, kmax);
 
     /* Markov correction, row by row: row j's logits get e(id_j) . markov_head,
      * id_0 = the token, id_{j+1} = the argmax of row j's corrected logits. */

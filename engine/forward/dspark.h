@@ -52,13 +52,14 @@
 
 /* One sequence's draft request. */
 typedef struct ds41_draft_req {
-    ds41_kv_seq *seq;   /* in: from a pool of this engine, ds41_kv_seq_tokens(seq) = q + 1 >= 1 */
-    int32_t token;      /* in: the token sampled for position q + 1, in [0, vocab_size) */
-    size_t k;           /* in: drafts wanted, 1 .. dspark_block_size (the block is computed whole) */
-    int32_t *ids;       /* out: [k] the drafts for positions q+2 .. q+1+k */
-    float *confidence;  /* out (NULL: not wanted): [k] raw confidence logits ([x ; e_i] . w_conf, no sigmoid) */
-    float *logits;      /* out (NULL: not wanted): [k][vocab] the Markov-corrected fp32 logits each draft is
-                         * the argmax of (the draft distribution a sampler would use, q of a verifier) */
+    ds41_kv_seq *seq; /* in: from a pool of this engine, ds41_kv_seq_tokens(seq) = q + 1 >= 1 */
+    int32_t token;    /* in: the token sampled for position q + 1, in [0, vocab_size) */
+    size_t k;         /* in: drafts wanted, 1 .. dspark_block_size (the block is computed whole) */
+    int32_t *ids;     /* out: [k] the drafts for positions q+2 .. q+1+k */
+    float
+        *confidence; /* out (NULL: not wanted): [k] raw confidence logits ([x ; e_i] . w_conf, no sigmoid) */
+    float *logits;   /* out (NULL: not wanted): [k][vocab] the Markov-corrected fp32 logits each draft is
+                      * the argmax of (the draft distribution a sampler would use, q of a verifier) */
 } ds41_draft_req;
 
 /* Draft for every request, all in one batch (rows = n * block_size).

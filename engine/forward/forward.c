@@ -457,7 +457,8 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
                 return ds41_fail(err, "forward: item %zu token %zu: id %d outside [0, %lld)", i, t, it->ids[t],
                                  (long long)c->vocab_size);
         if (it->spec_taps && !c->dspark_enabled)
-            return ds41_fail(err, "forward: item %zu asks for DSpark taps, but %s has no DSpark stages", i, c->label);
+            return ds41_fail(err, "forward: item %zu asks for DSpark taps, but %s has no DSpark stages", i,
+                             c->label);
         ds41_kv_pool *p = ds41_kv_seq_pool(it->seq);
         const ds41_kv_layout *l = ds41_kv_pool_layout(p);
         if (l->n_layers != (int)c->n_roles || l->latent_dim != (uint32_t)c->head_dim ||
@@ -676,8 +677,8 @@ int ds41__block_bufs(ds41_engine *e, size_t M, fwd_block_bufs *bb) {
     bb->x = ds41__dev(e, M * D * sizeof *bb->x);
     bb->xn = ds41__dev(e, M * D * sizeof *bb->xn);
     bb->br = ds41__dev(e, M * D * sizeof *bb->br);
-    return bb->h && bb->h2 && bb->pre_mix && bb->a_pre && bb->a_post && bb->a_comb && bb->f_post && bb->f_comb &&
-           bb->x && bb->xn && bb->br;
+    return bb->h && bb->h2 && bb->pre_mix && bb->a_pre && bb->a_post && bb->a_comb && bb->f_post &&
+           bb->f_comb && bb->x && bb->xn && bb->br;
 }
 
 int ds41__block(ds41_engine *e, fwd_batch *b, int L, fwd_block_bufs *bb, ds41_error *err) {

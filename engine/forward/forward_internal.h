@@ -171,17 +171,17 @@ int ds41__block(ds41_engine *e, fwd_batch *b, int L, fwd_block_bufs *bb, ds41_er
  * with the rows' table cs [M][rope_head_dim], FP8 1x32 QDQ, packed in the
  * ring's row format into rows [M][row_bytes].  kvraw, kv: [M][head_dim]
  * scratch (backend memory, like everything else). */
-void ds41__window_kv(ds41_engine *e, int L, const float *xn, size_t M, const float *cs, float *kvraw, float *kv,
-                     uint8_t *rows, size_t row_bytes);
+void ds41__window_kv(ds41_engine *e, int L, const float *xn, size_t M, const float *cs, float *kvraw,
+                     float *kv, uint8_t *rows, size_t row_bytes);
 
 /* DSpark taps of one forward call (engine/forward/dspark.c): the rows of its
  * items with spec_taps. */
 typedef struct fwd_spec {
-    size_t n;       /* rows; 0: no item asked */
-    uint32_t *row;  /* [n] their batch rows, ascending (host) */
-    uint64_t *pos;  /* [n] their positions (host) */
-    float *inv;     /* [n][hc] = fp32(1/hc): the copy average as an hc_pre */
-    float *taps;    /* [n][targets * dim] (backend memory) */
+    size_t n;      /* rows; 0: no item asked */
+    uint32_t *row; /* [n] their batch rows, ascending (host) */
+    uint64_t *pos; /* [n] their positions (host) */
+    float *inv;    /* [n][hc] = fp32(1/hc): the copy average as an hc_pre */
+    float *taps;   /* [n][targets * dim] (backend memory) */
 } fwd_spec;
 
 /* Set up *s for the batch from the caller's frame: 0 on out of memory. */

@@ -307,8 +307,8 @@ int ds41_weights_bind_progress(ds41_weights *w, const ds41_model_config *cfg, co
     }
     if (!b.failed && cfg->dspark_enabled && cfg->n_mtp_layers > 0) {
         snprintf(b.prefix, sizeof b.prefix, "mtp.0.");
-        bind_q_linear(&b, &w->mtp_main_proj, DS41_WEIGHT_FP8, cfg->dim * (int64_t)cfg->dspark_target_layer_ids.n,
-                      "main_proj");
+        bind_q_linear(&b, &w->mtp_main_proj, DS41_WEIGHT_FP8,
+                      cfg->dim * (int64_t)cfg->dspark_target_layer_ids.n, "main_proj");
         w->mtp_main_norm = bf16_tensor(&b, "main_norm.weight");
         snprintf(b.prefix, sizeof b.prefix, "mtp.%lld.", (long long)(cfg->n_mtp_layers - 1));
         w->mtp_norm = bf16_tensor(&b, "norm.weight");

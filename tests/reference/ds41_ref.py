@@ -1769,7 +1769,7 @@ class Model:
 def run_ids(model, ids, chunk=None, decode=0, want_dump=False, drafts=None):
     """Returns (prefill logits [S,V], [(token, logits [V])...], dump tensors list or None).
     drafts: a list that gets, before each greedy step feeds its token, the DSpark draft block from
-    that token: (position of the first draft, draft ids, confidences)."""
+    that token: (position of the first draft, draft ids, confidences, corrected logits [B,V])."""
     st = model.new_state()
     chunk = chunk or len(ids)
     rec = {} if want_dump else None
@@ -1786,8 +1786,8 @@ def run_ids(model, ids, chunk=None, decode=0, want_dump=False, drafts=None):
     for k in range(decode):
         t = int(np.argmax(last))        # lowest id on ties
         if drafts is not None:
-            d_ids, _, d_conf = model.forward_spec(st, t)
-            drafts.append((st.pos + 1, d_ids, d_conf))
+            d_ids, d_logits, d_conf = model.forward_spec(st, t)
+            drafts.append((st.pos + 1, d_ids, d_conf, d_logits))
         r = {} if want_dump else None
         out = model.forward(st, [t], rec=r)[0]
         if want_dump:
@@ -1852,7 +1852,7 @@ def result_json(ids, prefill, greedy, drafts=None):
     if drafts is not None:
         parts += [',"drafts":[',
                   ','.join('{"position":%d,"ids":[%s],"confidence":%s}' %
-                           (p, ','.join(str(int(i)) for i in d), fmt_floats(c)) for p, d, c in drafts), ']']
+                           (p, ','.join(str(int(i)) for i in d), fmt_floats(c)) for p, d, c, _ in drafts), ']']
     parts.append('}\n')
     return ''.join(parts)
 
