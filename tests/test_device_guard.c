@@ -1042,6 +1042,101 @@ static int sc_drafts(ds41_engine *e, const model *m, const void *arg, obs *o, ds
     return rc;
 }
 
+/* The draft call's refusals (nothing written), and k drafts = the first k of
+ * a whole block (the Markov chain stops early, nothing else changes). */
+static void draft_api(const model *m) {
+    ds41_engine *e = m->plain;
+    const size_t B = (size_t)ds41_engine_config(e)->dspark_block_size;
+    ds41_error err = {{0}};
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, &err);
+    ds41_kv_seq *a = pool ? ds41_kv_seq_new(pool, &err) : NULL,
+                *b = pool ? ds41_kv_seq_new(pool, &err) : NULL;
+    if (!TAP_CHECK(a && b, "draft API: a pool and two sequences%s", err.msg)) goto out;
+    int32_t ids[16], full[16];
+    float conf[16], full_conf[16];
+    for (int i = 0; i < 16; i++) ids[i] = -7;
+    ds41_draft_req rq = {.seq = a, .token = 1, .k = B, .ids = ids};
+    const int r0 = ds41_dspark_draft(e, &rq, 1, &err);
+    TAP_CHECK(r0 != 0 && strstr(err.msg, "consumed no token") && ids[0] == -7,
+              "draft API: a sequence at position 0 is refused, nothing written (%s)", err.msg);
+    ds41_fwd_item it[2] = {{.seq = a, .ids = m->prompt[0], .n_ids = m->len[0], .spec_taps = true},
+                           {.seq = b, .ids = m->prompt[1], .n_ids = m->len[1], .spec_taps = true}};
+    err.msg[0] = 0;
+    if (!TAP_CHECK(ds41_forward(e, it, 2, NULL, &err) == 0, "draft API: prefill with spec_taps%s", err.msg))
+        goto out;
+    struct {
+        ds41_draft_req r[2];
+        size_t n;
+        const char *msg, *what;
+    } bad[] = {
+        {{{.seq = a, .token = 1, .k = 0, .ids = ids}}, 1, "outside 1..", "k = 0"},
+        {{{.seq = a, .token = 1, .k = B + 1, .ids = ids}}, 1, "outside 1..", "k = dspark_block_size + 1"},
+        {{{.seq = a, .token = (int32_t)m->V, .k = 1, .ids = ids}},
+         1,
+         "outside [0,",
+         "a token past the vocabulary"},
+        {{{.seq = a, .token = -1, .k = 1, .ids = ids}}, 1, "outside [0,", "a negative token"},
+        {{{.seq = a, .token = 1, .k = 1, .ids = NULL}}, 1, "no ids buffer", "no ids buffer"},
+        {{{.seq = a, .token = 1, .k = 1, .ids = ids}, {.seq = a, .token = 2, .k = 1, .ids = ids + 8}},
+         2,
+         "share a sequence",
+         "a sequence twice"},
+        {{{.seq = a, .token = 1, .k = 1, .ids = ids}}, 0, "no draft requests", "no request"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        err.msg[0] = 0;
+        const int rc = ds41_dspark_draft(e, bad[i].r, bad[i].n, &err);
+        TAP_CHECK(rc != 0 && strstr(err.msg, bad[i].msg) && ids[0] == -7 && ids[8] == -7,
+                  "draft API: %s is refused, nothing written (%s)", bad[i].what, err.msg);
+    }
+    err.msg[0] = 0;
+    ds41_draft_req whole = {.seq = a, .token = 3, .k = B, .ids = full, .confidence = full_conf};
+    int ok = ds41_dspark_draft(e, &whole, 1, &err) == 0;
+    for (size_t k = 1; k <= B && ok; k++) {
+        ds41_draft_req part[2] = {{.seq = a, .token = 3, .k = k, .ids = ids, .confidence = conf},
+                                  {.seq = b, .token = 4, .k = B, .ids = ids + 8}};
+        ok = ds41_dspark_draft(e, part, 2, &err) == 0 && memcmp(ids, full, k * sizeof *ids) == 0 &&
+             memcmp(conf, full_conf, k * sizeof *conf) == 0;
+    }
+    TAP_CHECK(ok,
+              "draft API: k = 1..%zu drafts (next to a whole block of another sequence) are the first k of a "
+              "whole block, confidences included%s",
+              B, err.msg);
+out:
+    ds41_kv_seq_free(a);
+    ds41_kv_seq_free(b);
+    ds41_kv_pool_free(pool);
+}
+
+/* A model without DSpark stages refuses taps and drafts. */
+static void no_dspark(void) {
+    static const char *const off[] = {"dspark_block_size=0"};
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/no-dspark", root);
+    ds41_error err = {{0}};
+    ds41_model_gen_opts go = {.preset = "tiny", .seed = 5, .sets = off, .n_sets = 1};
+    ds41_engine *e = ds41_model_generate(dir, &go, NULL, &err) == 0 ? load(dir, NULL, false, &err) : NULL;
+    ds41_kv_pool *pool = e ? ds41_engine_new_pool(e, 0, 0, &err) : NULL;
+    ds41_kv_seq *seq = pool ? ds41_kv_seq_new(pool, &err) : NULL;
+    if (TAP_CHECK(seq, "no-DSpark model: loads%s", err.msg)) {
+        const int32_t tok[2] = {5, 6};
+        int32_t ids[4] = {-7, -7, -7, -7};
+        ds41_fwd_item it = {.seq = seq, .ids = tok, .n_ids = 2, .spec_taps = true};
+        const int rf = ds41_forward(e, &it, 1, NULL, &err);
+        TAP_CHECK(rf != 0 && strstr(err.msg, "no DSpark stages") && ds41_kv_seq_tokens(seq) == 0,
+                  "no-DSpark model: a forward item with spec_taps is refused, the sequence untouched (%s)",
+                  err.msg);
+        it.spec_taps = false;
+        ds41_draft_req rq = {.seq = seq, .token = 1, .k = 1, .ids = ids};
+        const int rd = ds41_forward(e, &it, 1, NULL, &err) == 0 ? ds41_dspark_draft(e, &rq, 1, &err) : 0;
+        TAP_CHECK(rd != 0 && strstr(err.msg, "no DSpark stages") && ids[0] == -7,
+                  "no-DSpark model: a draft is refused (%s)", err.msg);
+    }
+    ds41_kv_seq_free(seq);
+    ds41_kv_pool_free(pool);
+    ds41_engine_free(e);
+}
+
 /* ---- the suite on one checkpoint ------------------------------------------------------------------- */
 
 static void suite(model *m, bool sched, bool stream) {
@@ -1097,7 +1192,9 @@ int main(void) {
     if (TAP_CHECK(model_open(&m, "tiny", NULL, 0, 31, slow ? 24 : 40, slow ? 4 : 6) == 0,
                   "tiny: checkpoint, engines, tokenizer"))
         suite(&m, true, true);
+    if (m.plain) draft_api(&m);
     model_close(&m);
+    no_dspark();
     if (TAP_CHECK(model_open(&m, "long", NULL, 0, 32, slow ? 70 : 100, slow ? 3 : 5) == 0,
                   "long: checkpoint, engines, tokenizer"))
         suite(&m, true, false);
