@@ -1,5 +1,6 @@
 """TAP output and subprocess helper shared by the reference tests (meson runs them as TAP)."""
 
+import os
 import subprocess
 import sys
 
@@ -29,6 +30,15 @@ def plan():
     """Print the plan line; the exit status (1 if a test failed)."""
     print(f"1..{_tests}")
     return 1 if _failed else 0
+
+
+def missing(*paths):
+    """Print the TAP skip plan and return True when one of the programs is not built."""
+    for p in paths:
+        if not os.path.exists(p):
+            print(f"1..0 # SKIP {p} not built")
+            return True
+    return False
 
 
 def run(cmd, env=None, check=True):

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from tap_out import note, plan, run, tap
+from tap_out import missing, note, plan, run, tap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -106,10 +106,8 @@ def check_fast(label, ref_doc, drafts_ref, fast_raw):
 
 
 def main():
-    for exe in (MKMODEL, EVAL):
-        if not os.path.exists(exe):
-            print(f"1..0 # SKIP {exe} not built")
-            return 0
+    if missing(MKMODEL, EVAL):
+        return 0
     tmp = tempfile.mkdtemp(prefix='ds41-dspark-')
     t0 = time.time()
     try:
