@@ -175,42 +175,32 @@ class Fill:
     def f32(self, name, n, hi_values):
         return self._limited(name, 4 * n, 4, 3, hi_values)
 
-    def q8_0(self, name, n, k):
-        """Q8_0 blocks (fp16 scale + 32 int8): uniform int8 codes, one scale
-        making the weights' standard deviation 1/sqrt(k)."""
-        d = struct.pack("<e", 1.0 / (73.6 * k ** 0.5))
-        nb = n // 32
+    def _blocks(self, name, n_blocks, block_bytes, head):
+        """Blocks of random bytes, each starting with the bytes `head` (a
+        quantized block's scale)."""
 
         def produce(f):
             r = self.rng(name)
-            per = self.CHUNK // 34
-            left = nb
+            per = self.CHUNK // block_bytes
+            left = n_blocks
             while left:
                 m = min(left, per)
-                buf = bytearray(r.randbytes(34 * m))
-                buf[0::34] = d[0:1] * m
-                buf[1::34] = d[1:2] * m
+                buf = bytearray(r.randbytes(block_bytes * m))
+                for i, byte in enumerate(head):
+                    buf[i::block_bytes] = bytes([byte]) * m
                 f.write(buf)
                 left -= m
         return produce
+
+    def q8_0(self, name, n, k):
+        """Q8_0 blocks (fp16 scale + 32 int8): uniform int8 codes, one scale
+        making the weights' standard deviation 1/sqrt(k)."""
+        return self._blocks(name, n // 32, 34, struct.pack("<e", 1.0 / (73.6 * k ** 0.5)))
 
     def mxfp4(self, name, n, k):
         """MXFP4 blocks (ue8m0 scale + 16 code bytes): uniform e2m1 codes
         (RMS 2.93) under one power-of-two scale near 1/(2.93 sqrt(k))."""
-        e = 127 - round(math.log2(2.93 * k ** 0.5))
-        nb = n // 32
-
-        def produce(f):
-            r = self.rng(name)
-            per = self.CHUNK // 17
-            left = nb
-            while left:
-                m = min(left, per)
-                buf = bytearray(r.randbytes(17 * m))
-                buf[0::17] = bytes([e]) * m
-                f.write(buf)
-                left -= m
-        return produce
+        return self._blocks(name, n // 32, 17, bytes([127 - round(math.log2(2.93 * k ** 0.5))]))
 
 
 # High bytes: bf16 / f32 sign + top 7 exponent bits.

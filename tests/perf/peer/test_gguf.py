@@ -33,6 +33,18 @@ def check(ok, what):
     return ok
 
 
+def refused(tmp, data, needle, what):
+    """The reader refuses `data` with a message containing `needle`."""
+    path = os.path.join(tmp, "broken.gguf")
+    with open(path, "wb") as f:
+        f.write(data)
+    try:
+        gguf.Reader(path)
+        check(False, what)
+    except gguf.ParseError as ex:
+        check(needle in str(ex), f"{what} ({ex})")
+
+
 def e2m1(code):
     v = [0, 0.5, 1, 1.5, 2, 3, 4, 6][code & 7]
     return -v if code & 8 else v
@@ -145,14 +157,7 @@ def main():
     # The reader refuses broken files.
     with open(out, "rb") as f:
         raw = f.read()
-    cut = os.path.join(tmp, "cut.gguf")
-    with open(cut, "wb") as f:
-        f.write(raw[:r.data_offset + end - 1])
-    try:
-        gguf.Reader(cut)
-        check(False, "a truncated file is refused")
-    except gguf.ParseError as ex:
-        check("past the end" in str(ex), f"a truncated file is refused ({ex})")
+    refused(tmp, raw[:r.data_offset + end - 1], "past the end", "a truncated file is refused")
     # Shift the first tensor's offset by one byte: misaligned.
     first = r.tensors[0]
     name_b = first["name"].encode()
@@ -161,23 +166,10 @@ def main():
     off_at = at + 4 + 8 * nd + 4
     bad = bytearray(raw)
     bad[off_at:off_at + 8] = struct.pack("<Q", first["offset"] + 1)
-    mis = os.path.join(tmp, "misaligned.gguf")
-    with open(mis, "wb") as f:
-        f.write(bad)
-    try:
-        gguf.Reader(mis)
-        check(False, "a misaligned tensor offset is refused")
-    except gguf.ParseError as ex:
-        check("not aligned" in str(ex), f"a misaligned tensor offset is refused ({ex})")
+    refused(tmp, bad, "not aligned", "a misaligned tensor offset is refused")
     bad = bytearray(raw)
     bad[4:8] = struct.pack("<I", 2)
-    with open(mis, "wb") as f:
-        f.write(bad)
-    try:
-        gguf.Reader(mis)
-        check(False, "GGUF version 2 is refused")
-    except gguf.ParseError as ex:
-        check("version 2" in str(ex), f"GGUF version 2 is refused ({ex})")
+    refused(tmp, bad, "version 2", "GGUF version 2 is refused")
 
     subprocess.run(["rm", "-rf", tmp], check=True)
     print(f"1..{n_test}")
