@@ -110,11 +110,18 @@ EOF2
     if "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 --engram-cache-bytes 16KiB \
         >"$work/eng.txt" 2>/dev/null && grep -q '^engram     rows streamed: budget 16384 bytes' "$work/eng.txt" &&
         grep -q '^  engram B=1 .*hit rate' "$work/eng.txt" &&
-        "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 >"$work/res.txt" 2>/dev/null &&
+        "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 --ops >"$work/res.txt" 2>/dev/null &&
         grep -q '^engram     tables resident' "$work/res.txt"; then
         ok "text report: the Engram tier streamed or resident"
     else
         notok "text report: the Engram tier streamed or resident"; sed 's/^/# /' "$work/eng.txt"
+    fi
+    # (that last run had --ops: its text split)
+    if grep -q '^ops prefill ' "$work/res.txt" && grep -q '^ops B=1 ' "$work/res.txt" &&
+        grep -q '^  block 9 .*attn: .*; ffn: .*experts' "$work/res.txt" && grep -q '^  head ' "$work/res.txt"; then
+        ok "--ops text report"
+    else
+        notok "--ops text report"; sed 's/^/# /' "$work/res.txt"
     fi
     # --ops: per-layer time split by op (tiny: 10 blocks, Engram before 1 and 5).
     if "$bin/ds41-bench" --model "$work/m" --json --ops --prompt 12 --steps 2 --batches 1,2 --bandwidth-gib 1 \
@@ -155,13 +162,6 @@ EOF4
     else
         notok "--ops: per block, attention and FFN time split by op, the head, the rest between ops"
         sed 's/^/# /' "$work/err.log" "$work/opscheck.log"
-    fi
-    if "$bin/ds41-bench" --model "$work/m" --ops --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 \
-        >"$work/ops.txt" 2>/dev/null && grep -q '^ops prefill ' "$work/ops.txt" && grep -q '^ops B=1 ' "$work/ops.txt" &&
-        grep -q '^  block 9 .*attn: .*; ffn: .*experts' "$work/ops.txt" && grep -q '^  head ' "$work/ops.txt"; then
-        ok "--ops text report"
-    else
-        notok "--ops text report"; sed 's/^/# /' "$work/ops.txt"
     fi
     bad=0
     for a in "--threads 0" "--prompt x" "--batches 1,,2" "--cpu sse" "--bandwidth-gib 0" "--steps -1" "--engram-cache-bytes 5XB"; do
