@@ -9,6 +9,7 @@
  * a fraction of the measured read bandwidth.  Timing starts after a warm-up
  * that has touched the weights (page faults of the mapping do not count). */
 #include "daemon/bench_kernels.h"
+#include "daemon/bench_ops.h"
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
 #include "engine/backend/backend.h"
@@ -33,7 +34,7 @@ static void usage(FILE *f) {
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE]\n"
                "                  [--config ds41d.yaml] [--no-predict] [--predict early|next|both]\n"
-               "                  [--predict-extra N]\n"
+               "                  [--predict-extra N] [--ops]\n"
                "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL] [--bandwidth-gib G]\n"
                "       ds41-bench --version\n"
                "\n"
@@ -68,6 +69,10 @@ static void usage(FILE *f) {
                "            second it consumes per format (FP4 experts 6 x 512x2048, FP8 2048x2048,\n"
                "            bf16 8192x2048) for 1, 4 and 16 rows, weights in cache and from memory\n"
                "            (a set of --bandwidth-gib G GiB, default 2), next to the read bandwidth\n"
+               "  ops       (--ops) per-layer time split by op for the prefill and each decode batch:\n"
+               "            every op call of the backend timed and charged to its block's attention\n"
+               "            or FFN part (linears split by format, a MoE layer's experts as one op),\n"
+               "            the head, and the time between ops\n"
                "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
                "memory the process may use (MemAvailable, cgroup limits; see ds41d.yaml(5)).\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
@@ -322,7 +327,15 @@ static void engram_phase_text(const char *what, const engram_phase *p) {
            p->read_gbs, (double)s->latency_p50_ns / 1e3, (double)s->latency_p99_ns / 1e3);
 }
 
+/* --ops: the op profile (NULL without --ops), snapshotted per timed phase. */
+static ds41_op_profile *g_prof;
+
+static ds41_op_profile *prof_snapshot(void) {
+    return g_prof ? ds41_op_profile_snapshot(g_prof) : NULL;
+}
+
 typedef struct decode_result {
+    ds41_op_profile *ops;
     size_t batch, steps;
     double seconds_per_step, tokens_per_s;
     double bytes_per_step, bytes_per_s, fraction;
@@ -362,6 +375,7 @@ static int bench_decode(ds41_engine *e, ds41_backend *be, size_t B, size_t steps
             be->stats(be, &st, true);
             tier_begin(e);
             ds41_engine_engram_reset_stats(e);
+            if (g_prof) ds41_op_profile_reset(g_prof);
             t0 = now();
         }
         for (size_t b = 0; b < B; b++) {
@@ -373,6 +387,7 @@ static int bench_decode(ds41_engine *e, ds41_backend *be, size_t B, size_t steps
         if (ds41_forward(e, items, B, NULL, err) != 0) goto out;
     }
     const double t = now() - t0;
+    r->ops = prof_snapshot();
     be->stats(be, &st, true);
     tier_end(e, t, (double)(B * steps), &r->tier);
     engram_phase_end(e, B * steps, t, &r->eng);
@@ -397,6 +412,7 @@ out:
 }
 
 typedef struct prefill_result {
+    ds41_op_profile *ops;
     size_t tokens;
     double seconds, tokens_per_s, flops, gflops, fraction;
     tier_result tier;
@@ -426,9 +442,11 @@ static int bench_prefill(ds41_engine *e, ds41_backend *be, size_t P, double peak
         be->stats(be, &st, true);
         tier_begin(e);
         ds41_engine_engram_reset_stats(e);
+        if (g_prof) ds41_op_profile_reset(g_prof);
         const double t0 = now();
         const int frc = ds41_forward(e, &it, 1, NULL, err);
         const double t = now() - t0;
+        if (pass == 1) r->ops = prof_snapshot();
         be->stats(be, &st, true);
         tier_end(e, t, (double)P, &r->tier);
         engram_phase_end(e, P, t, &r->eng);
@@ -503,6 +521,7 @@ int main(int argc, char **argv) {
         {"pin", no_argument, NULL, 'P'},
         {"no-predict", no_argument, NULL, 'N'},
         {"kernels", no_argument, NULL, 'K'},
+        {"ops", no_argument, NULL, 'O'},
         DS41_BUDGET_LONGOPTS,
         {"predict", required_argument, NULL, 'R'},
         {"predict-extra", required_argument, NULL, 'x'},
@@ -513,7 +532,7 @@ int main(int argc, char **argv) {
     const char *model = NULL;
     size_t threads = 0, P = 256, steps = 8, gib = 4;
     size_t batches[16] = {1, 4, 16}, n_batches = 3;
-    int json = 0, kernels = 0, gib_set = 0;
+    int json = 0, kernels = 0, gib_set = 0, ops = 0;
     ds41_engine_opts eo = {.reference = false};
     ds41_budget_flags budgets = {.tool = "ds41-bench"};
     int ch;
@@ -538,6 +557,9 @@ int main(int argc, char **argv) {
             break;
         case 'K':
             kernels = 1;
+            break;
+        case 'O':
+            ops = 1;
             break;
         case 'P':
             eo.cpu.pin = true;
@@ -653,6 +675,25 @@ int main(int argc, char **argv) {
         if (batches[i] > max_batch) max_batch = batches[i];
     ds41_budget_run run = {.kv_tokens = (uint64_t)P + steps, .batch = (uint32_t)max_batch};
     if (ds41_budget_flags_apply(&budgets, model, &run, &eo, NULL, 0) != 0) return 2;
+    if (ops) {
+        /* The engine runs on a backend whose op table is wrapped with timers. */
+        ds41_model_config oc;
+        if (ds41_model_config_load(model, &oc, &err) != 0) {
+            fprintf(stderr, "ds41-bench: %s\n", err.msg);
+            return 2;
+        }
+        const int n_layers = (int)oc.n_layers;
+        ds41_model_config_free(&oc);
+        if (!(eo.backend = ds41_backend_cpu_new(&eo.cpu, &err))) {
+            fprintf(stderr, "ds41-bench: %s\n", err.msg);
+            return 1;
+        }
+        if (!(g_prof = ds41_op_profile_install(eo.backend, n_layers))) {
+            fprintf(stderr, "ds41-bench: --ops: out of memory\n");
+            ds41_backend_free(eo.backend);
+            return 1;
+        }
+    }
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-bench: %s\n", err.msg);
@@ -662,7 +703,7 @@ int main(int argc, char **argv) {
     int status = 1;
     ds41_cpu_measure mach;
     prefill_result pre = {0};
-    decode_result dec[16];
+    decode_result dec[16] = {{0}};
     /* Other work on the machine skews every figure: report the load. */
     double load[1] = {-1.0};
     if (getloadavg(load, 1) != 1) load[0] = -1.0;
@@ -769,7 +810,21 @@ int main(int argc, char **argv) {
             engram_phase_json(&dec[i].eng);
             printf("}");
         }
-        printf("],\"experts\":{\"streamed\":%s", streamed ? "true" : "false");
+        printf("]");
+        if (pre.ops) {
+            printf(",\"ops\":[");
+            ds41_op_profile_print_json(pre.ops, stdout, "prefill", pre.seconds, 1);
+            for (size_t i = 0; i < n_batches; i++)
+                if (dec[i].ops) {
+                    char what[32];
+                    snprintf(what, sizeof what, "decode B=%zu", dec[i].batch);
+                    putchar(',');
+                    ds41_op_profile_print_json(dec[i].ops, stdout, what,
+                                               dec[i].seconds_per_step * (double)dec[i].steps, dec[i].steps);
+                }
+            printf("]");
+        }
+        printf(",\"experts\":{\"streamed\":%s", streamed ? "true" : "false");
         if (streamed) {
             ds41_expert_cache_stats g;
             ds41_engine_expert_stats(e, &g, false);
@@ -824,6 +879,14 @@ int main(int argc, char **argv) {
                    dec[i].batch, dec[i].tokens_per_s, 1e3 * dec[i].seconds_per_step,
                    dec[i].bytes_per_step / 1e6, dec[i].bytes_per_s / 1e9, 100 * dec[i].fraction,
                    mach.read_gbs > 0 ? 1e3 * dec[i].bytes_per_step / (mach.read_gbs * 1e9) : 0.0);
+        if (pre.ops) ds41_op_profile_print_text(pre.ops, stdout, "prefill", pre.seconds, 1);
+        for (size_t i = 0; i < n_batches; i++)
+            if (dec[i].ops) {
+                char what[32];
+                snprintf(what, sizeof what, "B=%zu", dec[i].batch);
+                ds41_op_profile_print_text(dec[i].ops, stdout, what,
+                                           dec[i].seconds_per_step * (double)dec[i].steps, dec[i].steps);
+            }
         if (streamed) {
             ds41_expert_cache_stats g;
             ds41_engine_expert_stats(e, &g, false);
@@ -858,5 +921,8 @@ fail:
     fprintf(stderr, "ds41-bench: %s\n", err.msg);
 done:
     ds41_engine_free(e);
+    ds41_op_profile_free(pre.ops);
+    for (size_t i = 0; i < n_batches; i++) ds41_op_profile_free(dec[i].ops);
+    ds41_op_profile_free(g_prof);
     return status;
 }

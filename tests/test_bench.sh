@@ -110,11 +110,58 @@ EOF2
     if "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 --engram-cache-bytes 16KiB \
         >"$work/eng.txt" 2>/dev/null && grep -q '^engram     rows streamed: budget 16384 bytes' "$work/eng.txt" &&
         grep -q '^  engram B=1 .*hit rate' "$work/eng.txt" &&
-        "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 >"$work/res.txt" 2>/dev/null &&
+        "$bin/ds41-bench" --model "$work/m" --prompt 8 --steps 1 --batches 1 --bandwidth-gib 1 --ops >"$work/res.txt" 2>/dev/null &&
         grep -q '^engram     tables resident' "$work/res.txt"; then
         ok "text report: the Engram tier streamed or resident"
     else
         notok "text report: the Engram tier streamed or resident"; sed 's/^/# /' "$work/eng.txt"
+    fi
+    # (that last run had --ops: its text split)
+    if grep -q '^ops prefill ' "$work/res.txt" && grep -q '^ops B=1 ' "$work/res.txt" &&
+        grep -q '^  block 9 .*attn: .*; ffn: .*experts' "$work/res.txt" && grep -q '^  head ' "$work/res.txt"; then
+        ok "--ops text report"
+    else
+        notok "--ops text report"; sed 's/^/# /' "$work/res.txt"
+    fi
+    # --ops: per-layer time split by op (tiny: 10 blocks, Engram before 1 and 5).
+    if "$bin/ds41-bench" --model "$work/m" --json --ops --prompt 12 --steps 2 --batches 1,2 --bandwidth-gib 1 \
+        --threads 2 >"$work/ops.json" 2>"$work/err.log" &&
+        "$py" - "$work/ops.json" "$work/out.json" >"$work/opscheck.log" 2>&1 <<'EOF4'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert 'ops' not in json.load(open(sys.argv[2])), 'ops reported without --ops'
+ops = doc['ops']
+assert [o['phase'] for o in ops] == ['prefill', 'decode B=1', 'decode B=2'], [o['phase'] for o in ops]
+steps = {'prefill': doc['prefill']['seconds']}
+steps.update({f"decode B={x['batch']}": x['seconds_per_step'] for x in doc['decode']})
+for o in ops:
+    assert abs(o['seconds_per_step'] - steps[o['phase']]) <= 1e-6 * steps[o['phase']] + 2e-6, o['phase']
+    assert len(o['blocks']) == 10 and [b['block'] for b in o['blocks']] == list(range(10))
+    total = 0
+    for b in o['blocks']:
+        a, f = b['attn'], b['ffn']
+        # every sub-layer ends with its hc_post; attention and experts where they belong
+        assert a.get('hc_post', 0) > 0 and f.get('hc_post', 0) > 0, b
+        assert a.get('attend', 0) + a.get('sparse_attn', 0) > 0 and a.get('linear_fp8', 0) > 0, b
+        assert f.get('experts', 0) > 0 and f.get('router', 0) > 0 and 'experts' not in a, b
+        assert ('engram_mix' in a) == (b['block'] in (1, 5)) and 'engram_mix' not in f, b
+        assert all(v >= 0 for v in list(a.values()) + list(f.values()))
+        total += sum(a.values()) + sum(f.values())
+    h = o['head']
+    assert h.get('embed', 0) > 0 and h.get('linear_bf16', 0) > 0 and 'experts' not in h, h
+    total += sum(h.values())
+    # the ops' time is part of the step's; the rest is between ops
+    assert total <= o['seconds_per_step'] * 1.001 + 1e-6, (total, o['seconds_per_step'])
+    assert abs(o['between_ops_seconds_per_step'] - (o['seconds_per_step'] - total)) <= 1e-6 * o['seconds_per_step'] + 1e-6
+print('decode B=1: ops %.3f of %.3f ms/step' % (1e3 * (ops[1]['seconds_per_step'] - ops[1]['between_ops_seconds_per_step']),
+                                              1e3 * ops[1]['seconds_per_step']))
+EOF4
+    then
+        ok "--ops: per block, attention and FFN time split by op, the head, the rest between ops"
+        sed 's/^/# /' "$work/opscheck.log"
+    else
+        notok "--ops: per block, attention and FFN time split by op, the head, the rest between ops"
+        sed 's/^/# /' "$work/err.log" "$work/opscheck.log"
     fi
     bad=0
     for a in "--threads 0" "--prompt x" "--batches 1,,2" "--cpu sse" "--bandwidth-gib 0" "--steps -1" "--engram-cache-bytes 5XB"; do

@@ -132,12 +132,83 @@ static const preset_kv preset_bench[] = {
     {NULL, NULL},
 };
 
-const char *const ds41_model_presets[] = {"tiny", "long", "bench", NULL};
+/* The released layer dimensions (REFERENCE §0.1: dim 5120, 64 heads x 512,
+ * q_lora 1280, o 8 x 1024, 384 experts of 2304 top-6 + 1 shared, window 128,
+ * index 32 x 128 top-512, candidate blocks 2048 x 8, the release's rope,
+ * YaRN, routing and hc values) in four layers, one per attention role the
+ * release repeats, so kernels and benches run at the real shapes:
+ *   0  ratio 2, KV + index source         (release layers 2, 8, 14)
+ *   1  ratio 1, KV + index + candidate source (release layer 20)
+ *   2  ratio 1, index source, candidate user  (release 24, 28, 32, 36)
+ *   3  ratio 1, consumer of 1's KV and 2's indices (25-27, 29-31, ...: most
+ *      of the release's layers)
+ * The window-only layers 0 and 1 of the release are left out: their
+ * attention is the window part every layer above has.  Engram runs before
+ * blocks 1 and 3 with its tables scaled down: engram_vocab_size 60000 instead
+ * of 16,000,000 (about 1.4 M rows and 380 MB per table instead of 384 M rows
+ * and ~100 GB; the rows a token reads and their width are the release's).
+ * DSpark is off (n_mtp_layers 0; --set can turn it on).  A layer's routed
+ * experts are 7.2 GB of FP4: the checkpoint is about 33 GB. */
+static const preset_kv preset_release_slice[] = {
+    {"vocab_size", "129280"},
+    {"dim", "5120"},
+    {"moe_inter_dim", "2304"},
+    {"n_layers", "4"},
+    {"n_mtp_layers", "0"},
+    {"dspark_block_size", "0"},
+    {"n_heads", "64"},
+    {"head_dim", "512"},
+    {"rope_head_dim", "64"},
+    {"q_lora_rank", "1280"},
+    {"o_groups", "8"},
+    {"o_lora_rank", "1024"},
+    {"n_routed_experts", "384"},
+    {"n_activated_experts", "6"},
+    {"n_shared_experts", "1"},
+    {"score_func", "\"sqrtsoftplus\""},
+    {"route_scale", "1.5"},
+    {"swiglu_limit", "10.0"},
+    {"norm_eps", "1e-20"},
+    {"window_size", "128"},
+    {"kv_source_layers", "[0, 1]"},
+    {"index_source_layers", "[0, 1, 2]"},
+    {"candidate_source_layer", "1"},
+    {"candidate_topk_blocks", "2048"},
+    {"candidate_block_size", "8"},
+    {"index_n_heads", "32"},
+    {"index_head_dim", "128"},
+    {"index_topk", "512"},
+    {"rope_theta", "10000"},
+    {"compress_rope_theta", "160000"},
+    {"original_seq_len", "65536"},
+    {"rope_factor", "16"},
+    {"beta_fast", "32"},
+    {"beta_slow", "1"},
+    {"hc_mult", "4"},
+    {"hc_sinkhorn_iters", "20"},
+    {"hc_eps", "1e-06"},
+    {"engram_layer_ids", "[1, 3]"},
+    {"engram_vocab_size", "60000"},
+    {"engram_num_embeddings", "[1440000, 1440000]"},
+    {"engram_max_ngram_size", "4"},
+    {"engram_n_heads", "8"},
+    {"engram_head_dim", "256"},
+    {"engram_pad_id", "2"},
+    {"engram_compressed_vocab_size", "1"},
+    {"dtype", "\"fp8\""},
+    {"expert_dtype", "\"fp4\""},
+    {"compress_ratios", "[2, 1, 1, 1]"},
+    {"vision_n_layers", "0"},
+    {NULL, NULL},
+};
+
+const char *const ds41_model_presets[] = {"tiny", "long", "bench", "release-slice", NULL};
 
 static const preset_kv *find_preset(const char *name) {
     if (!name || strcmp(name, "tiny") == 0) return preset_tiny;
     if (strcmp(name, "long") == 0) return preset_long;
     if (strcmp(name, "bench") == 0) return preset_bench;
+    if (strcmp(name, "release-slice") == 0) return preset_release_slice;
     return NULL;
 }
 
@@ -154,7 +225,7 @@ static int set_int(ds41_model_config *cfg, const char *key, int64_t v, ds41_erro
 int ds41_model_gen_preset_config(const char *preset, const char *const *sets, size_t n_sets,
                                  ds41_model_config *cfg, ds41_error *err) {
     const preset_kv *p = find_preset(preset);
-    if (!p) return ds41_fail(err, "unknown preset '%s' (tiny, long, bench)", preset);
+    if (!p) return ds41_fail(err, "unknown preset '%s' (tiny, long, bench, release-slice)", preset);
     ds41_model_config_init(cfg);
     for (; p->key; p++) {
         if (set_key(cfg, p->key, p->json, err) != 0) {

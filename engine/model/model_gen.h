@@ -29,7 +29,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Names of the built-in presets, NULL-terminated: "tiny", "long", "bench". */
+/* Names of the built-in presets, NULL-terminated: "tiny", "long", "bench",
+ * "release-slice". */
 extern const char *const ds41_model_presets[];
 
 typedef struct ds41_model_gen_opts {
