@@ -286,6 +286,26 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
         ds41_buf_printf(&b, "ds41_decode_batch_sequences_count{model=\"%s\"} %llu\n", s->models[i]->name,
                         (unsigned long long)st[i].decode_steps);
     }
+    PER_MODEL("ds41_speculative_steps_total", "counter", "Speculative verification blocks (a token and its drafts fed).",
+              st[i].spec_steps);
+    PER_MODEL("ds41_speculative_drafted_total", "counter", "Draft tokens fed for verification.", st[i].spec_drafted);
+    PER_MODEL("ds41_speculative_accepted_total", "counter", "Draft tokens the output took.", st[i].spec_accepted);
+    metric_head(&b, "ds41_speculative_accepted_length", "histogram", "Accepted drafts per verification block.");
+    for (size_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        uint64_t cum = 0;
+        for (unsigned k = 0; k <= DS41_SPEC_MAX_K; k++) {
+            cum += st[i].spec_hist[k];
+            ds41_buf_printf(&b, "ds41_speculative_accepted_length_bucket{model=\"%s\",le=\"%u\"} %llu\n",
+                            s->models[i]->name, k, (unsigned long long)cum);
+        }
+        ds41_buf_printf(&b, "ds41_speculative_accepted_length_bucket{model=\"%s\",le=\"+Inf\"} %llu\n",
+                        s->models[i]->name, (unsigned long long)cum);
+        ds41_buf_printf(&b, "ds41_speculative_accepted_length_sum{model=\"%s\"} %llu\n", s->models[i]->name,
+                        (unsigned long long)st[i].spec_accepted);
+        ds41_buf_printf(&b, "ds41_speculative_accepted_length_count{model=\"%s\"} %llu\n", s->models[i]->name,
+                        (unsigned long long)st[i].spec_steps);
+    }
     metric_head(&b, "ds41_cache_hits_total", "counter", "Cache hits by tier.");
     for (size_t i = 0; i < n; i++)
         if (ready[i])

@@ -594,6 +594,44 @@ static void test_scheduler(ds41_engine *e, const char *mode) {
     ds41_oracle_free(o);
 }
 
+/* The daemon's provider is the model's DSpark head: refused without one, and (the head not built
+ * yet) drafting nothing with one, so speculation then changes no output. */
+static void test_head_provider(ds41_engine *e, const char *root) {
+    ds41_error err = {{0}};
+    ds41_draft_provider prov;
+    int rc = ds41_spec_head_provider(e, &prov, &err);
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, &err);
+    uint32_t prompt[PROMPT];
+    for (int i = 0; i < PROMPT; i++) prompt[i] = 40 + (uint32_t)i;
+    trace a = {.logits = malloc((size_t)MAXT * NV * sizeof(float))}, b = {.logits = malloc((size_t)MAXT * NV * sizeof(float))};
+    ds41_spec_config cfg = {.max_k = 5};
+    run_opts po = {.max_tokens = 8}, so = {.max_tokens = 8, .cfg = &cfg, .prov = &prov};
+    ds41_spec_stats st = {0};
+    if (rc == 0) rc = run(e, pool, prompt, &po, &a, NULL, NULL, NULL, &err);
+    if (rc == 0) rc = run(e, pool, prompt, &so, &b, NULL, NULL, &st, &err);
+    TAP_CHECK(rc == 0 && a.n == b.n && memcmp(a.tokens, b.tokens, a.n * sizeof(int32_t)) == 0 && st.drafted == 0,
+              "a DSpark model gets the head's provider (%s); until the head lands it drafts nothing and the output is "
+              "plain decoding's",
+              rc ? err.msg : "ok");
+    free(a.logits);
+    free(b.logits);
+    ds41_kv_pool_free(pool);
+    /* a model without DSpark */
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/nodspark", root);
+    const char *sets[] = {"dspark_block_size=0", "n_mtp_layers=0", "dspark_target_layer_ids=[]",
+                          "dspark_n_routed_experts=0", "dspark_n_activated_experts=0", "dspark_markov_rank=0",
+                          "compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 1, 1]"};
+    ds41_model_gen_opts mo = {.preset = "tiny", .seed = 4, .sets = sets, .n_sets = sizeof sets / sizeof sets[0]};
+    ds41_engine *e2 = NULL;
+    if (ds41_model_generate(dir, &mo, NULL, &err) == 0) e2 = ds41_engine_load(dir, NULL, &err);
+    memset(&err, 0, sizeof err);
+    rc = e2 ? ds41_spec_head_provider(e2, &prov, &err) : 0;
+    TAP_CHECK(e2 && rc != 0 && strstr(err.msg, "dspark_block_size is 0"),
+              "a model without DSpark refuses speculative decoding (%s)", err.msg);
+    ds41_engine_free(e2);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     char root[512];
@@ -625,6 +663,7 @@ int main(void) {
         if (m == 0) {
             test_confidence(e);
             test_distribution(e);
+            test_head_provider(e, root);
         }
         ds41_engine_free(e);
     }
