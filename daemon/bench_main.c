@@ -602,8 +602,9 @@ static int bench_speculative(ds41_engine *e, const size_t *batches, size_t n_bat
         r->batch = B;
         r->tokens = T;
         double unused;
-        /* a warm-up run touches the weights (page faults do not count) */
-        int rc = spec_run(e, B, T < 4 ? T : 4, 0, prompt, P, ref, &unused, &unused, &unused, &err);
+        /* a warm-up run, the same as the timed plain one, touches the weights the timed runs use
+         * (page faults of the mapping do not count) */
+        int rc = spec_run(e, B, T, 0, prompt, P, ref, &unused, &unused, &unused, &err);
         if (rc == 0) rc = spec_run(e, B, T, 0, prompt, P, ref, &r->plain_tps, &r->plain_step_s, &unused, &err);
         for (uint32_t k = 1; k <= max_k && rc == 0; k++)
             rc = spec_run(e, B, T, k, prompt, P, ref, &r->tps[k], &r->step_s[k], &r->mean_accepted[k], &err);
