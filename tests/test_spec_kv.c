@@ -182,10 +182,8 @@ static void run(const char *dir, const char *what, bool reference, uint64_t seed
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
     char root[512];
-    snprintf(root, sizeof root, "%s/ds41-speckv-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-speckv-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }

@@ -52,6 +52,15 @@ static void on_step(void *ctx, const ds41_generation *g, const ds41_generation_d
     t->n++;
 }
 
+/* The oracle's reference: the prompt followed by a run's tokens. */
+static void oracle_add_run(ds41_oracle *o, const uint32_t *prompt, size_t np, const trace *t) {
+    int32_t ref[PROMPT + MAXT];
+    for (size_t i = 0; i < np; i++) ref[i] = (int32_t)prompt[i];
+    memcpy(ref + np, t->tokens, t->n * sizeof *ref);
+    ds41_error err = {{0}};
+    if (ds41_oracle_add(o, ref, np + t->n, &err) != 0) TAP_NOTE("oracle: %s", err.msg);
+}
+
 typedef struct run_opts {
     uint32_t max_tokens;
     const uint32_t *stop_ids;
@@ -147,10 +156,7 @@ static void test_greedy(ds41_engine *e, const char *mode) {
 
     /* the oracle knows the plain continuation */
     ds41_oracle *o = ds41_oracle_new(NV, &err);
-    int32_t ref[PROMPT + MAXT];
-    for (int i = 0; i < PROMPT; i++) ref[i] = (int32_t)prompt[i];
-    memcpy(ref + PROMPT, plain.tokens, plain.n * sizeof *ref);
-    ds41_oracle_add(o, ref, PROMPT + plain.n, &err);
+    oracle_add_run(o, prompt, PROMPT, &plain);
     ds41_draft_provider prov = ds41_oracle_provider(o);
 
     static const struct {
@@ -280,10 +286,7 @@ static void test_confidence(ds41_engine *e) {
     run_opts po = {.max_tokens = 12};
     int rc = run(e, pool, prompt, &po, &plain, NULL, NULL, NULL, &err);
     ds41_oracle *o = ds41_oracle_new(NV, &err);
-    int32_t ref[PROMPT + MAXT];
-    for (int i = 0; i < PROMPT; i++) ref[i] = (int32_t)prompt[i];
-    memcpy(ref + PROMPT, plain.tokens, plain.n * sizeof *ref);
-    ds41_oracle_add(o, ref, PROMPT + plain.n, &err);
+    oracle_add_run(o, prompt, PROMPT, &plain);
     ds41_draft_provider inner = ds41_oracle_provider(o);
     ds41_draft_provider prov = {.name = "conf", .draft = conf_draft, .ctx = &inner};
     ds41_spec_config cfg = {.max_k = 5, .min_confidence = 0.6f};
@@ -550,11 +553,9 @@ static void test_scheduler(ds41_engine *e, const char *mode) {
     if (!TAP_CHECK(rc == 0, "%s: %d concurrent plain greedy clients (%s)", mode, CLIENTS, rc ? err.msg : "ok")) return;
     ds41_oracle *o = ds41_oracle_new(NV, &err);
     for (int c = 0; c < CLIENTS; c++) {
-        int32_t ref[PROMPT + MAXT];
-        const size_t np = PROMPT - (size_t)(c % 3);
-        for (size_t i = 0; i < np; i++) ref[i] = (int32_t)prompts[c][i];
-        memcpy(ref + np, plain[c].tokens, plain[c].n * sizeof *ref);
-        ds41_oracle_add(o, ref, np + plain[c].n, &err);
+        trace t = {.n = plain[c].n};
+        memcpy(t.tokens, plain[c].tokens, t.n * sizeof *t.tokens);
+        oracle_add_run(o, prompts[c], PROMPT - (size_t)(c % 3), &t);
     }
     ds41_oracle_set_corruption(o, 7);
     cfg.spec = (ds41_spec_config){.max_k = 4, .max_backoff = 4};
@@ -633,10 +634,8 @@ static void test_head_provider(ds41_engine *e, const char *root) {
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
     char root[512];
-    snprintf(root, sizeof root, "%s/ds41-spec-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
+    if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-spec-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
     }
