@@ -1,6 +1,9 @@
 #!/bin/bash
-# ds41d with engine.speculative (issue 16) on the random-weight embedded model (which has a DSpark
-# head): it loads and serves, concurrent seeded greedy clients get exactly the texts of a daemon
+# Speculative decoding in the tools and ds41d (issue 16).  ds41-eval --speculative N with the test
+# oracle writes the plain JSON byte for byte plus the speculative counters (every draft accepted),
+# and ds41-generate --speculative N prints what plain decoding prints.  ds41d with
+# engine.speculative on the random-weight embedded model (which has a DSpark head) loads and
+# serves, concurrent seeded greedy clients get exactly the texts of a daemon
 # without speculation, /metrics has the speculative counters and the accepted-length histogram,
 # ds41ctl status answers; a model without DSpark refuses to load with it on, naming
 # dspark_block_size.  (The head is not built yet: it drafts nothing, so this checks the wiring;
@@ -56,4 +59,33 @@ done
 check "a model without DSpark refuses engine.speculative, naming dspark_block_size" \
     grep -q 'engine.speculative: speculative decoding needs the model.s DSpark head: dspark_block_size is 0' "$work/nod.log"
 kill -KILL "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null; daemon_pid=
+
+# ---- the tools ----
+"$bin/ds41-mkmodel" "$work/tiny" --quiet >/dev/null 2>&1
+ids=5,17,300,42,9,77,1000,3,64
+"$bin/ds41-eval" --model "$work/tiny" --ids $ids --decode 14 --out "$work/e_plain.json"
+"$bin/ds41-eval" --model "$work/tiny" --ids $ids --decode 14 --chunk 4 --speculative 4 --speculative-oracle --drafts \
+    --out "$work/e_spec.json"
+r=$("$py" - "$work/e_plain.json" "$work/e_spec.json" <<'PY'
+import json, sys
+plain = open(sys.argv[1], encoding="utf-8").read()
+spec = open(sys.argv[2], encoding="utf-8").read()
+cut = spec.find(',"speculative":')
+o = json.loads(spec)
+sp = o["speculative"]
+ok = cut > 0 and spec[:cut] + "}\n" == plain and sp["drafted"] > 0 and sp["accepted"] == sp["drafted"] and \
+    sum(len(d["ids"]) for d in o["drafts"]) == sp["drafted"] and all(d["position"] >= 9 for d in o["drafts"])
+print("ok" if ok else "differ: %s" % sp)
+PY
+)
+check "ds41-eval --speculative 4 with oracle drafts writes the plain JSON byte for byte plus the counters ($r)" test "$r" = ok
+"$bin/ds41-eval" --model "$work/nodspark" --ids 5,6 --decode 2 --speculative 2 --out "$work/e_nod.json" 2>"$work/e_nod.err"
+rc=$?
+check "ds41-eval --speculative refuses a model without DSpark (exit $rc)" \
+    bash -c "test $rc = 2 && grep -q 'dspark_block_size is 0' '$work/e_nod.err'"
+"$bin/ds41-generate" --model "$work/tiny" --ids $ids --max-tokens 10 --seed 3 --json >"$work/g_plain.json" 2>/dev/null
+"$bin/ds41-generate" --model "$work/tiny" --ids $ids --max-tokens 10 --seed 3 --json --speculative 3 \
+    >"$work/g_spec.json" 2>"$work/g_spec.err"
+check "ds41-generate --speculative 3 prints what plain decoding prints, and the counters on stderr" \
+    bash -c "cmp -s '$work/g_plain.json' '$work/g_spec.json' && grep -q '^\[speculative: ' '$work/g_spec.err'"
 finish

@@ -27,7 +27,8 @@ static uint32_t rnd(uint64_t *x, uint32_t n) {
     return (uint32_t)((*x >> 33) % n);
 }
 
-static int feed(ds41_engine *e, ds41_kv_seq *seq, const int32_t *ids, size_t n, float *logits, ds41_error *err) {
+static int feed(ds41_engine *e, ds41_kv_seq *seq, const int32_t *ids, size_t n, float *logits,
+                ds41_error *err) {
     ds41_fwd_item it = {.seq = seq, .ids = ids, .n_ids = n, .logits = logits};
     return ds41_forward(e, &it, 1, NULL, err);
 }
@@ -80,7 +81,8 @@ static int one_case(ds41_engine *e, ds41_kv_pool *pool, uint64_t *x, int verbose
     ds41_kv_seq *a = ds41_kv_seq_new(pool, &err), *b = ds41_kv_seq_new(pool, &err), *f = NULL;
     int ok = a && b && la && lb;
     for (uint32_t c = 0, at = 0; ok && c < nc; at += chunks[c++])
-        ok = feed(e, a, hist + at, chunks[c], NULL, &err) == 0 && feed(e, b, hist + at, chunks[c], NULL, &err) == 0;
+        ok = feed(e, a, hist + at, chunks[c], NULL, &err) == 0 &&
+             feed(e, b, hist + at, chunks[c], NULL, &err) == 0;
     uint8_t *fork_bytes = NULL;
     size_t fork_len = 0;
     if (ok && fork) {
@@ -106,7 +108,8 @@ static int one_case(ds41_engine *e, ds41_kv_pool *pool, uint64_t *x, int verbose
         goto out;
     }
     ok = ds41_kv_seq_tokens(a) == h + keep && same_state(a, b);
-    if (!ok && verbose) TAP_NOTE("h=%u n=%u j=%u twice=%d n2=%u j2=%u: states differ", h, n, j, twice, n2, j2);
+    if (!ok && verbose)
+        TAP_NOTE("h=%u n=%u j=%u twice=%d n2=%u j2=%u: states differ", h, n, j, twice, n2, j2);
     /* both continue alike */
     if (ok) {
         ok = feed(e, a, more + MAX_ROWS, m, la, &err) == 0 && feed(e, b, more + MAX_ROWS, m, lb, &err) == 0 &&
@@ -170,8 +173,8 @@ static void run(const char *dir, const char *what, bool reference, uint64_t seed
                   ds41_kv_seq_tokens(s) == MAX_ROWS,
               "%s %s: a chunk beyond the journal's room is refused (%s)", what, mode, e2.msg);
     rc = ds41_kv_seq_rewind(s, MAX_ROWS + 1, &e2);
-    TAP_CHECK(rc != 0 && strstr(e2.msg, "outside"), "%s %s: a rewind past the end is refused (%s)", what, mode,
-              e2.msg);
+    TAP_CHECK(rc != 0 && strstr(e2.msg, "outside"), "%s %s: a rewind past the end is refused (%s)", what,
+              mode, e2.msg);
     ds41_kv_seq_journal_end(s);
     rc = ds41_kv_seq_rewind(s, 0, &e2);
     TAP_CHECK(rc != 0 && strstr(e2.msg, "without a journal"), "%s %s: a rewind without a journal is refused",

@@ -25,10 +25,10 @@
 
 #include <math.h>
 #include <pthread.h>
-#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define PROMPT 21
 #define GEN 26
@@ -43,7 +43,8 @@ typedef struct trace {
     size_t n;
 } trace;
 
-static void on_step(void *ctx, const ds41_generation *g, const ds41_generation_delta *d, const float *logits) {
+static void on_step(void *ctx, const ds41_generation *g, const ds41_generation_delta *d,
+                    const float *logits) {
     (void)g;
     trace *t = ctx;
     if (t->n >= MAXT) return;
@@ -68,8 +69,8 @@ typedef struct run_opts {
     float temperature;
     uint64_t seed;
     size_t chunk;
-    size_t cached;           /* > 0: the first `cached` prompt tokens come from a fork of a fed sequence */
-    bool restore;            /* the fork above goes through serialize / deserialize */
+    size_t cached; /* > 0: the first `cached` prompt tokens come from a fork of a fed sequence */
+    bool restore;  /* the fork above goes through serialize / deserialize */
     const ds41_spec_config *cfg; /* NULL: plain */
     const ds41_draft_provider *prov;
 } run_opts;
@@ -152,7 +153,8 @@ static void test_greedy(ds41_engine *e, const char *mode) {
     size_t kv_plain_len = 0;
     run_opts po = {.max_tokens = GEN};
     int rc = run(e, pool, prompt, &po, &plain, &kv_plain, &kv_plain_len, NULL, &err);
-    if (!TAP_CHECK(rc == 0 && plain.n == GEN, "%s: plain greedy run (%s)", mode, rc ? err.msg : "ok")) goto out;
+    if (!TAP_CHECK(rc == 0 && plain.n == GEN, "%s: plain greedy run (%s)", mode, rc ? err.msg : "ok"))
+        goto out;
 
     /* the oracle knows the plain continuation */
     ds41_oracle *o = ds41_oracle_new(NV, &err);
@@ -180,7 +182,8 @@ static void test_greedy(ds41_engine *e, const char *mode) {
                 size_t kv_len = 0;
                 memset(&st, 0, sizeof st);
                 rc = run(e, pool, prompt, &so, &spec, &kv, &kv_len, &st, &err);
-                ok = rc == 0 && spec.n == plain.n && memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 &&
+                ok = rc == 0 && spec.n == plain.n &&
+                     memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 &&
                      memcmp(spec.logits, plain.logits, plain.n * NV * sizeof(float)) == 0;
                 if (!ok) fail = v == 0 ? "plain prefill" : v == 1 ? "chunked" : v == 2 ? "fork" : "restored";
                 if (ok && !(kv_len == kv_plain_len && memcmp(kv, kv_plain, kv_len) == 0)) {
@@ -201,8 +204,10 @@ static void test_greedy(ds41_engine *e, const char *mode) {
                 }
                 free(kv);
             }
-            TAP_CHECK(ok, "%s: greedy speculative = plain greedy (tokens, logits, final KV bytes), k=%u, %s acceptance, "
-                          "plain / chunked prefill / prefix fork / restored snapshot%s%s%s",
+            TAP_CHECK(ok,
+                      "%s: greedy speculative = plain greedy (tokens, logits, final KV bytes), k=%u, %s "
+                      "acceptance, "
+                      "plain / chunked prefill / prefix fork / restored snapshot%s%s%s",
                       mode, k, acc[a].what, ok ? "" : ": ", fail, rc ? err.msg : "");
         }
     }
@@ -223,12 +228,13 @@ static void test_greedy(ds41_engine *e, const char *mode) {
         size_t l1 = 0, l2 = 0;
         int r1 = run(e, pool, prompt, &a, &t1, &k1, &l1, NULL, &err);
         int r2 = run(e, pool, prompt, &b, &spec, &k2, &l2, NULL, &err);
-        TAP_CHECK(r1 == 0 && r2 == 0 && t1.n == stop_at + 1 && spec.n == t1.n &&
-                      memcmp(spec.tokens, t1.tokens, t1.n * sizeof(int32_t)) == 0 && l1 == l2 &&
-                      memcmp(k1, k2, l1) == 0,
-                  "%s: a stop token inside a fully accepted block ends it exactly where plain decoding ends (%zu "
-                  "tokens) and the stop token is not fed",
-                  mode, t1.n);
+        TAP_CHECK(
+            r1 == 0 && r2 == 0 && t1.n == stop_at + 1 && spec.n == t1.n &&
+                memcmp(spec.tokens, t1.tokens, t1.n * sizeof(int32_t)) == 0 && l1 == l2 &&
+                memcmp(k1, k2, l1) == 0,
+            "%s: a stop token inside a fully accepted block ends it exactly where plain decoding ends (%zu "
+            "tokens) and the stop token is not fed",
+            mode, t1.n);
         free(k1);
         free(k2);
         a = (run_opts){.max_tokens = 7};
@@ -239,7 +245,8 @@ static void test_greedy(ds41_engine *e, const char *mode) {
         r1 = run(e, pool, prompt, &a, &t1, &k1, &l1, NULL, &err);
         r2 = run(e, pool, prompt, &b, &spec, &k2, &l2, NULL, &err);
         TAP_CHECK(r1 == 0 && r2 == 0 && t1.n == 7 && spec.n == 7 &&
-                      memcmp(spec.tokens, t1.tokens, 7 * sizeof(int32_t)) == 0 && l1 == l2 && memcmp(k1, k2, l1) == 0,
+                      memcmp(spec.tokens, t1.tokens, 7 * sizeof(int32_t)) == 0 && l1 == l2 &&
+                      memcmp(k1, k2, l1) == 0,
                   "%s: max_tokens 7 with k=5 drafts ends inside a block as plain decoding does", mode);
         free(k1);
         free(k2);
@@ -253,10 +260,11 @@ static void test_greedy(ds41_engine *e, const char *mode) {
         run_opts so = {.max_tokens = GEN, .cfg = &cfg, .prov = &prov};
         ds41_spec_stats st = {0};
         rc = run(e, pool, prompt, &so, &spec, NULL, NULL, &st, &err);
-        TAP_CHECK(rc == 0 && spec.n == plain.n && memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 &&
-                      st.accepted == 0 && st.steps > 0 && st.steps <= 6,
-                  "%s: rejected blocks back off (%llu verification blocks over %zu tokens, output unchanged)", mode,
-                  (unsigned long long)st.steps, spec.n);
+        TAP_CHECK(rc == 0 && spec.n == plain.n &&
+                      memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 && st.accepted == 0 &&
+                      st.steps > 0 && st.steps <= 6,
+                  "%s: rejected blocks back off (%llu verification blocks over %zu tokens, output unchanged)",
+                  mode, (unsigned long long)st.steps, spec.n);
     }
     ds41_oracle_free(o);
 out:
@@ -293,8 +301,9 @@ static void test_confidence(ds41_engine *e) {
     run_opts so = {.max_tokens = 12, .cfg = &cfg, .prov = &prov};
     ds41_spec_stats st = {0};
     if (rc == 0) rc = run(e, pool, prompt, &so, &spec, NULL, NULL, &st, &err);
-    TAP_CHECK(rc == 0 && spec.n == plain.n && memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 &&
-                  st.steps > 0 && st.drafted <= 2 * st.steps && st.hist[2] > 0 && st.hist[3] == 0,
+    TAP_CHECK(rc == 0 && spec.n == plain.n &&
+                  memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 && st.steps > 0 &&
+                  st.drafted <= 2 * st.steps && st.hist[2] > 0 && st.hist[3] == 0,
               "a block stops at the first draft below min_confidence 0.6 (%llu drafts in %llu blocks)",
               (unsigned long long)st.drafted, (unsigned long long)st.steps);
     ds41_oracle_free(o);
@@ -347,7 +356,8 @@ static void test_no_trace(ds41_engine *e, const char *mode) {
         free(lb2);
     }
     TAP_CHECK(ok,
-              "%s: seeded sampling with rejected drafts (%llu drafted, %llu accepted) leaves the state of a sequence "
+              "%s: seeded sampling with rejected drafts (%llu drafted, %llu accepted) leaves the state of a "
+              "sequence "
               "that never drafted; both continue with the same logits%s%s",
               mode, (unsigned long long)st.drafted, (unsigned long long)st.accepted, ok ? "" : ": ", err.msg);
     /* reproducible: the same seed and drafts give the same tokens */
@@ -435,7 +445,8 @@ static void test_distribution(ds41_engine *e) {
             /* the deterministic kind drafts the second most likely kept token, always */
             const uint32_t draft = kinds[kd].with_q ? (uint32_t)d.ids[0] : cell[1];
             if (rc == 0)
-                rc = ds41_sampler_sample_draft(s, sc, logits, NV, draft, kinds[kd].with_q ? d.q : NULL, &res, &a, &err);
+                rc = ds41_sampler_sample_draft(s, sc, logits, NV, draft, kinds[kd].with_q ? d.q : NULL, &res,
+                                               &a, &err);
             acc += (uint64_t)a;
             int c = 0;
             while (c < 6 && cell[c] != res.token) c++;
@@ -449,10 +460,11 @@ static void test_distribution(ds41_engine *e) {
             const double exp_n = p[c] * N;
             chi2 += ((double)count[c] - exp_n) * ((double)count[c] - exp_n) / exp_n;
         }
-        TAP_CHECK(rc == 0 && outside == 0 && chi2 < 20.515 && acc > 0 && acc < N,
-                  "speculative sampling with %s keeps the sampler's distribution: chi-square %.2f < 20.515 (5 dof, "
-                  "p = 0.001), %llu/%d drafts accepted, %llu tokens outside the kept set",
-                  kinds[kd].what, chi2, (unsigned long long)acc, N, (unsigned long long)outside);
+        TAP_CHECK(
+            rc == 0 && outside == 0 && chi2 < 20.515 && acc > 0 && acc < N,
+            "speculative sampling with %s keeps the sampler's distribution: chi-square %.2f < 20.515 (5 dof, "
+            "p = 0.001), %llu/%d drafts accepted, %llu tokens outside the kept set",
+            kinds[kd].what, chi2, (unsigned long long)acc, N, (unsigned long long)outside);
         ds41_oracle_free(o);
     }
     free(q);
@@ -499,8 +511,8 @@ static void c_done(void *ctx, const ds41_generation *g, ds41_sched_status status
 }
 
 /* Runs CLIENTS requests through a scheduler; 0 when all finished. */
-static int sched_run(ds41_engine *e, const ds41_sched_config *cfg, uint32_t prompts[CLIENTS][PROMPT], crec *recs,
-                     ds41_sched_stats *st, ds41_error *err) {
+static int sched_run(ds41_engine *e, const ds41_sched_config *cfg, uint32_t prompts[CLIENTS][PROMPT],
+                     crec *recs, ds41_sched_stats *st, ds41_error *err) {
     ds41_scheduler *s = NULL;
     if (ds41_scheduler_new(e, cfg, &s, err) != 0) return -1;
     int rc = 0;
@@ -543,14 +555,20 @@ static void test_scheduler(ds41_engine *e, const char *mode) {
     for (int c = 0; c < CLIENTS; c++)
         for (int i = 0; i < PROMPT; i++) {
             x = x * 6364136223846793005ull + 1442695040888963407ull;
-            prompts[c][i] = c >= 8 && i < PROMPT - 4 ? prompts[c - 8][i] : 3 + (uint32_t)((x >> 33) % (NV - 3));
+            prompts[c][i] =
+                c >= 8 && i < PROMPT - 4 ? prompts[c - 8][i] : 3 + (uint32_t)((x >> 33) % (NV - 3));
         }
-    ds41_sched_config cfg = {.max_sequences = 5, .max_batch_tokens = 24, .prefill_chunk = 6, .max_queue = 64,
+    ds41_sched_config cfg = {.max_sequences = 5,
+                             .max_batch_tokens = 24,
+                             .prefill_chunk = 6,
+                             .max_queue = 64,
                              .prefix_cache = true};
     static crec plain[CLIENTS], spec[CLIENTS];
     ds41_sched_stats st;
     int rc = sched_run(e, &cfg, prompts, plain, &st, &err);
-    if (!TAP_CHECK(rc == 0, "%s: %d concurrent plain greedy clients (%s)", mode, CLIENTS, rc ? err.msg : "ok")) return;
+    if (!TAP_CHECK(rc == 0, "%s: %d concurrent plain greedy clients (%s)", mode, CLIENTS,
+                   rc ? err.msg : "ok"))
+        return;
     ds41_oracle *o = ds41_oracle_new(NV, &err);
     for (int c = 0; c < CLIENTS; c++) {
         trace t = {.n = plain[c].n};
@@ -563,19 +581,23 @@ static void test_scheduler(ds41_engine *e, const char *mode) {
     rc = sched_run(e, &cfg, prompts, spec, &st, &err);
     int same = rc == 0;
     for (int c = 0; c < CLIENTS && same; c++) {
-        same = spec[c].n == plain[c].n && memcmp(spec[c].tokens, plain[c].tokens, plain[c].n * sizeof(int32_t)) == 0;
+        same = spec[c].n == plain[c].n &&
+               memcmp(spec[c].tokens, plain[c].tokens, plain[c].n * sizeof(int32_t)) == 0;
         if (!same) {
             TAP_NOTE("client %d: %zu tokens, plain %zu", c, spec[c].n, plain[c].n);
             for (size_t i = 0; i < spec[c].n && i < plain[c].n; i++)
                 if (spec[c].tokens[i] != plain[c].tokens[i]) {
-                    TAP_NOTE("first difference at token %zu: %d, plain %d", i, spec[c].tokens[i], plain[c].tokens[i]);
+                    TAP_NOTE("first difference at token %zu: %d, plain %d", i, spec[c].tokens[i],
+                             plain[c].tokens[i]);
                     break;
                 }
         }
     }
     TAP_CHECK(same && st.spec_accepted > 0 && st.spec_accepted < st.spec_drafted && st.spec_steps > 0,
-              "%s: %d concurrent seeded greedy clients with speculation (k=4, partial acceptance, prefill chunks and "
-              "prefix-cache hits in the same steps) get exactly their plain tokens (%llu blocks, %llu drafted, %llu "
+              "%s: %d concurrent seeded greedy clients with speculation (k=4, partial acceptance, prefill "
+              "chunks and "
+              "prefix-cache hits in the same steps) get exactly their plain tokens (%llu blocks, %llu "
+              "drafted, %llu "
               "accepted)%s%s",
               mode, CLIENTS, (unsigned long long)st.spec_steps, (unsigned long long)st.spec_drafted,
               (unsigned long long)st.spec_accepted, rc ? ": " : "", rc ? err.msg : "");
@@ -604,14 +626,17 @@ static void test_head_provider(ds41_engine *e, const char *root) {
     ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, &err);
     uint32_t prompt[PROMPT];
     for (int i = 0; i < PROMPT; i++) prompt[i] = 40 + (uint32_t)i;
-    trace a = {.logits = malloc((size_t)MAXT * NV * sizeof(float))}, b = {.logits = malloc((size_t)MAXT * NV * sizeof(float))};
+    trace a = {.logits = malloc((size_t)MAXT * NV * sizeof(float))},
+          b = {.logits = malloc((size_t)MAXT * NV * sizeof(float))};
     ds41_spec_config cfg = {.max_k = 5};
     run_opts po = {.max_tokens = 8}, so = {.max_tokens = 8, .cfg = &cfg, .prov = &prov};
     ds41_spec_stats st = {0};
     if (rc == 0) rc = run(e, pool, prompt, &po, &a, NULL, NULL, NULL, &err);
     if (rc == 0) rc = run(e, pool, prompt, &so, &b, NULL, NULL, &st, &err);
-    TAP_CHECK(rc == 0 && a.n == b.n && memcmp(a.tokens, b.tokens, a.n * sizeof(int32_t)) == 0 && st.drafted == 0,
-              "a DSpark model gets the head's provider (%s); until the head lands it drafts nothing and the output is "
+    TAP_CHECK(rc == 0 && a.n == b.n && memcmp(a.tokens, b.tokens, a.n * sizeof(int32_t)) == 0 &&
+                  st.drafted == 0,
+              "a DSpark model gets the head's provider (%s); until the head lands it drafts nothing and the "
+              "output is "
               "plain decoding's",
               rc ? err.msg : "ok");
     free(a.logits);
@@ -620,10 +645,15 @@ static void test_head_provider(ds41_engine *e, const char *root) {
     /* a model without DSpark */
     char dir[600];
     snprintf(dir, sizeof dir, "%s/nodspark", root);
-    const char *sets[] = {"dspark_block_size=0", "n_mtp_layers=0", "dspark_target_layer_ids=[]",
-                          "dspark_n_routed_experts=0", "dspark_n_activated_experts=0", "dspark_markov_rank=0",
+    const char *sets[] = {"dspark_block_size=0",
+                          "n_mtp_layers=0",
+                          "dspark_target_layer_ids=[]",
+                          "dspark_n_routed_experts=0",
+                          "dspark_n_activated_experts=0",
+                          "dspark_markov_rank=0",
                           "compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 1, 1]"};
-    ds41_model_gen_opts mo = {.preset = "tiny", .seed = 4, .sets = sets, .n_sets = sizeof sets / sizeof sets[0]};
+    ds41_model_gen_opts mo = {
+        .preset = "tiny", .seed = 4, .sets = sets, .n_sets = sizeof sets / sizeof sets[0]};
     ds41_engine *e2 = NULL;
     if (ds41_model_generate(dir, &mo, NULL, &err) == 0) e2 = ds41_engine_load(dir, NULL, &err);
     memset(&err, 0, sizeof err);

@@ -16,8 +16,8 @@
  * the call: prefix-cache entries are evicted first, then the most recently admitted running
  * sequence is preempted (its request ends with DS41_SCHED_KV_FULL).
  *
- * Prefix cache.  Sequences cannot be rewound (the window rings and compressor carries only hold
- * the state at the current position), so the cache keeps snapshots at useful positions, each a
+ * Prefix cache.  Sequences cannot be rewound past their last journaled forward call (the window
+ * rings and compressor carries only hold the state at the current position; engine/model/kv_cache.h), so the cache keeps snapshots at useful positions, each a
  * ds41_kv_seq_fork (copy-on-write pages) with the token ids it consumed:
  *   - a request's prompt minus its last token, taken when prefill gets there (the last token is
  *     fed in the next step), so the same prompt again -- a retry, another sample, another client

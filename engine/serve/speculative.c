@@ -87,7 +87,8 @@ static int32_t oracle_draw(ds41_oracle *o) {
     return last;
 }
 
-static int oracle_draft(void *ctx, const ds41_draft_request *reqs, size_t n, ds41_draft *out, ds41_error *err) {
+static int oracle_draft(void *ctx, const ds41_draft_request *reqs, size_t n, ds41_draft *out,
+                        ds41_error *err) {
     (void)err;
     ds41_oracle *o = ctx;
     for (size_t r = 0; r < n; r++) {
@@ -113,7 +114,8 @@ static int oracle_draft(void *ctx, const ds41_draft_request *reqs, size_t n, ds4
             while (d->k < max_k && q->n_context + d->k < ref->n) {
                 const size_t p = q->n_context + d->k;
                 int32_t id = ref->ids[p];
-                if (o->corrupt_every && p % o->corrupt_every == 0) id = (int32_t)(((uint32_t)id + 1) % o->n_vocab);
+                if (o->corrupt_every && p % o->corrupt_every == 0)
+                    id = (int32_t)(((uint32_t)id + 1) % o->n_vocab);
                 d->ids[d->k] = id;
                 d->confidence[d->k] = 1.0f;
                 d->k++;
@@ -154,14 +156,16 @@ uint32_t ds41_spec_want(const ds41_spec_config *cfg, ds41_spec_seq *ss, const ds
     /* drafts past the last token the generation can make are wasted rows */
     const uint64_t done = ds41_generation_completion_tokens(g);
     const uint32_t max_tokens = ds41_generation_max_tokens(g), max_context = ds41_generation_max_context(g);
-    if (max_tokens && k > (max_tokens > done ? max_tokens - done : 0)) k = max_tokens > done ? max_tokens - done : 0;
+    if (max_tokens && k > (max_tokens > done ? max_tokens - done : 0))
+        k = max_tokens > done ? max_tokens - done : 0;
     size_t n = 0;
     (void)ds41_generation_tokens(g, &n);
     if (max_context && k + n > max_context) k = max_context > n ? max_context - n : 0;
     return (uint32_t)k;
 }
 
-void ds41_spec_take(const ds41_spec_config *cfg, ds41_spec_seq *ss, const ds41_generation *g, const ds41_draft *d) {
+void ds41_spec_take(const ds41_spec_config *cfg, ds41_spec_seq *ss, const ds41_generation *g,
+                    const ds41_draft *d) {
     const int32_t *pending = NULL;
     ss->k = 0;
     ss->q = NULL;
@@ -269,7 +273,10 @@ int ds41_spec_generate(ds41_engine *e, ds41_kv_seq *seq, ds41_generation *g, siz
     size_t n = ds41_generation_pending(g, &pending);
     while (n > 0 && rc == 0) {
         const size_t k = chunk && n > chunk ? chunk : n;
-        ds41_fwd_item item = {.seq = seq, .ids = pending, .n_ids = k, .logits = k == n ? logits : NULL,
+        ds41_fwd_item item = {.seq = seq,
+                              .ids = pending,
+                              .n_ids = k,
+                              .logits = k == n ? logits : NULL,
                               .logits_last_only = true};
         rc = ds41_forward(e, &item, 1, NULL, err);
         if (rc == 0) ds41_generation_mark_fed(g, k);
@@ -288,7 +295,8 @@ int ds41_spec_generate(ds41_engine *e, ds41_kv_seq *seq, ds41_generation *g, siz
         if (want > 0) {
             size_t n_ctx = 0;
             const int32_t *ctx = ds41_generation_tokens(g, &n_ctx);
-            ds41_draft_request rq = {.seq = seq, .context = ctx, .n_context = n_ctx, .last = pending[0], .max_k = want};
+            ds41_draft_request rq = {
+                .seq = seq, .context = ctx, .n_context = n_ctx, .last = pending[0], .max_k = want};
             ds41_draft d;
             memset(&d, 0, sizeof d);
             rc = provider->draft(provider->ctx, &rq, 1, &d, err);

@@ -103,9 +103,9 @@ ds41_draft_provider ds41_oracle_provider(ds41_oracle *o);
 /* ---- the loop ------------------------------------------------------------------------------- */
 
 typedef struct ds41_spec_config {
-    uint32_t max_k;         /* 1 .. DS41_SPEC_MAX_K */
-    float min_confidence;   /* a block stops at the first draft below it (0 = never) */
-    uint32_t max_backoff;   /* longest run of steps without drafting after rejections (0 = none) */
+    uint32_t max_k;       /* 1 .. DS41_SPEC_MAX_K */
+    float min_confidence; /* a block stops at the first draft below it (0 = never) */
+    uint32_t max_backoff; /* longest run of steps without drafting after rejections (0 = none) */
 } ds41_spec_config;
 
 /* Counters: steps = verification steps (blocks fed), drafted = drafts fed, accepted = drafts that
@@ -118,12 +118,12 @@ void ds41_spec_stats_add(ds41_spec_stats *to, const ds41_spec_stats *from);
 
 /* Per-sequence state: the planned block and the back-off. */
 typedef struct ds41_spec_seq {
-    uint32_t k;                          /* drafts planned for the next forward call */
-    int32_t ids[1 + DS41_SPEC_MAX_K];    /* [t, d1..dk]: what that call feeds */
-    const float *q;                      /* the provider's q rows (valid until its next call) */
-    uint32_t skip, backoff;              /* steps still skipped, the last back-off length */
-    uint32_t max_backoff_cap;            /* the config's max_backoff (set by ds41_spec_take) */
-    uint64_t pos0;                       /* t's position (the journal's start) */
+    uint32_t k;                       /* drafts planned for the next forward call */
+    int32_t ids[1 + DS41_SPEC_MAX_K]; /* [t, d1..dk]: what that call feeds */
+    const float *q;                   /* the provider's q rows (valid until its next call) */
+    uint32_t skip, backoff;           /* steps still skipped, the last back-off length */
+    uint32_t max_backoff_cap;         /* the config's max_backoff (set by ds41_spec_take) */
+    uint64_t pos0;                    /* t's position (the journal's start) */
     ds41_spec_stats st;
 } ds41_spec_seq;
 
@@ -133,7 +133,8 @@ uint32_t ds41_spec_want(const ds41_spec_config *cfg, ds41_spec_seq *ss, const ds
 
 /* Take the provider's answer d for g (whose one pending token is t): the block [t, d1..dk] cut at
  * the first draft below the confidence threshold, stored in ss (ss->k = k, 0 = plain step). */
-void ds41_spec_take(const ds41_spec_config *cfg, ds41_spec_seq *ss, const ds41_generation *g, const ds41_draft *d);
+void ds41_spec_take(const ds41_spec_config *cfg, ds41_spec_seq *ss, const ds41_generation *g,
+                    const ds41_draft *d);
 
 /* Before the forward call that feeds ss->ids[0 .. 1 + ss->k) to seq (logits for every row):
  * opens seq's journal.  Errors: ds41_kv_seq_journal_begin's. */
