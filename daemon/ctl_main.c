@@ -263,7 +263,8 @@ static int cmd_status(void) {
         if (!isnan(gen)) json_object_set_new(load, "generated_tokens", json_integer((json_int_t)gen));
         /* tokens a verification block gives: its accepted drafts + the backbone's own token */
         if (!isnan(spec_steps) && spec_steps > 0)
-            json_object_set_new(load, "speculative_mean_accepted_length", json_real(1.0 + spec_acc / spec_steps));
+            json_object_set_new(load, "speculative_mean_accepted_length",
+                                json_real(1.0 + spec_acc / spec_steps));
         if (!isnan(kv_used)) json_object_set_new(load, "kv_used_bytes", json_integer((json_int_t)kv_used));
         if (!isnan(kv_free)) json_object_set_new(load, "kv_free_bytes", json_integer((json_int_t)kv_free));
         json_object_set_new(o, "load", load);
@@ -283,8 +284,10 @@ static int cmd_status(void) {
             printf("load:    %.0f running, %.0f queued, %.1f tokens/s, %.0f tokens generated\n", running,
                    isnan(queued) ? 0 : queued, isnan(tps) ? 0 : tps, isnan(gen) ? 0 : gen);
         if (!isnan(spec_steps) && spec_steps > 0)
-            printf("spec:    mean accepted length %.2f tokens per verification (%.0f blocks, %.0f drafts accepted)\n",
-                   1.0 + (isnan(spec_acc) ? 0 : spec_acc) / spec_steps, spec_steps, isnan(spec_acc) ? 0 : spec_acc);
+            printf("spec:    mean accepted length %.2f tokens per verification (%.0f blocks, %.0f drafts "
+                   "accepted)\n",
+                   1.0 + (isnan(spec_acc) ? 0 : spec_acc) / spec_steps, spec_steps,
+                   isnan(spec_acc) ? 0 : spec_acc);
         if (!isnan(kv_used)) {
             char u[32], f[32];
             human_bytes(kv_used, u, sizeof u);

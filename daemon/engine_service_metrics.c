@@ -24,7 +24,8 @@ static void put_histogram(ds41_buf *b, const char *name, const char *model_name,
             ds41_buf_printf(b, "%s_bucket{model=\"%s\",le=\"%u\"} %llu\n", name, model_name, bounds[k],
                             (unsigned long long)cum);
         else
-            ds41_buf_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", name, model_name, (unsigned long long)cum);
+            ds41_buf_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", name, model_name,
+                            (unsigned long long)cum);
     }
     ds41_buf_printf(b, "%s_sum{model=\"%s\"} %llu\n", name, model_name, (unsigned long long)sum);
     ds41_buf_printf(b, "%s_count{model=\"%s\"} %llu\n", name, model_name, (unsigned long long)count);
@@ -289,12 +290,16 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     for (size_t i = 0; i < n; i++)
         if (ready[i])
             put_histogram(&b, "ds41_decode_batch_sequences", s->models[i]->name, st[i].decode_hist,
-                          ds41_sched_hist_bounds, DS41_SCHED_HIST_BUCKETS, st[i].decode_seqs_sum, st[i].decode_steps);
-    PER_MODEL("ds41_speculative_steps_total", "counter", "Speculative verification blocks (a token and its drafts fed).",
-              st[i].spec_steps);
-    PER_MODEL("ds41_speculative_drafted_total", "counter", "Draft tokens fed for verification.", st[i].spec_drafted);
-    PER_MODEL("ds41_speculative_accepted_total", "counter", "Draft tokens the output took.", st[i].spec_accepted);
-    metric_head(&b, "ds41_speculative_accepted_length", "histogram", "Accepted drafts per verification block.");
+                          ds41_sched_hist_bounds, DS41_SCHED_HIST_BUCKETS, st[i].decode_seqs_sum,
+                          st[i].decode_steps);
+    PER_MODEL("ds41_speculative_steps_total", "counter",
+              "Speculative verification blocks (a token and its drafts fed).", st[i].spec_steps);
+    PER_MODEL("ds41_speculative_drafted_total", "counter", "Draft tokens fed for verification.",
+              st[i].spec_drafted);
+    PER_MODEL("ds41_speculative_accepted_total", "counter", "Draft tokens the output took.",
+              st[i].spec_accepted);
+    metric_head(&b, "ds41_speculative_accepted_length", "histogram",
+                "Accepted drafts per verification block.");
     {
         static const unsigned accepted_bounds[DS41_SPEC_MAX_K + 1] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
         _Static_assert(DS41_SPEC_MAX_K == 8, "one bound per accepted length");

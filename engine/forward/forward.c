@@ -465,8 +465,8 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
             if (c->roles[L].present && c->roles[L].kv_source && l->source_of_layer[L] < 0)
                 return ds41_fail(err, "forward: item %zu: its sequence's pool was made for another model", i);
         if (it->n_ids > ds41_kv_seq_journal_room(it->seq))
-            return ds41_fail(err, "forward: item %zu: %zu tokens, its sequence's journal has room for %llu", i,
-                             it->n_ids, (unsigned long long)ds41_kv_seq_journal_room(it->seq));
+            return ds41_fail(err, "forward: item %zu: %zu tokens, its sequence's journal has room for %llu",
+                             i, it->n_ids, (unsigned long long)ds41_kv_seq_journal_room(it->seq));
         if (pool && p != pool) return ds41_fail(err, "forward: the batch mixes sequences of different pools");
         pool = p;
     }

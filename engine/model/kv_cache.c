@@ -541,7 +541,8 @@ static void journal_free(ds41_kv_seq *s) {
     const ds41_kv_layout *l = &s->pool->layout;
     kv_journal *j = &s->jr;
     if (j->ring_undo) m->free(m, j->ring_undo, (size_t)j->cap * l->n_rings * l->ring_row_bytes);
-    if (j->carry_undo) m->free(m, j->carry_undo, (size_t)j->cap * l->n_carries * 2 * l->latent_dim * sizeof(float));
+    if (j->carry_undo)
+        m->free(m, j->carry_undo, (size_t)j->cap * l->n_carries * 2 * l->latent_dim * sizeof(float));
     free(j->ring_saved);
     free(j->carry_saved);
     free(j->engram_ids);
@@ -602,10 +603,12 @@ int ds41_kv_seq_rewind(ds41_kv_seq *s, uint64_t tokens, ds41_error *err) {
     const ds41_memory *m = p->mem;
     kv_journal *j = &s->jr;
     if (!j->active) return ds41_fail(err, "kv journal: rewind without a journal");
-    if (j->overflow) return ds41_fail(err, "kv journal: more than %u rows were written, cannot rewind", j->rows);
+    if (j->overflow)
+        return ds41_fail(err, "kv journal: more than %u rows were written, cannot rewind", j->rows);
     if (tokens < j->pos0 || tokens > s->tokens)
-        return ds41_fail(err, "kv journal: rewind to %llu tokens outside [%llu, %llu]", (unsigned long long)tokens,
-                         (unsigned long long)j->pos0, (unsigned long long)s->tokens);
+        return ds41_fail(err, "kv journal: rewind to %llu tokens outside [%llu, %llu]",
+                         (unsigned long long)tokens, (unsigned long long)j->pos0,
+                         (unsigned long long)s->tokens);
     /* Newest position first: each saved row holds what its position's write overwrote. */
     for (uint64_t row = s->tokens - j->pos0; row-- > tokens - j->pos0;) {
         const uint64_t pos = j->pos0 + row;

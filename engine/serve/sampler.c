@@ -1086,7 +1086,8 @@ int ds41_sampler_sample_draft(ds41_sampler *s, ds41_sampler_scratch *sc, const f
                               uint32_t draft, const float *q, ds41_sample_result *result, int *accepted,
                               ds41_error *err) {
     if (!result || !accepted) return ds41_fail(err, "sampler: no result");
-    if (draft >= s->n_vocab) return ds41_fail(err, "sampler: draft token %u outside the vocabulary (%u)", draft, s->n_vocab);
+    if (draft >= s->n_vocab)
+        return ds41_fail(err, "sampler: draft token %u outside the vocabulary (%u)", draft, s->n_vocab);
     if (q && !(q[draft] > 0.0f))
         return ds41_fail(err, "sampler: the draft distribution gives its own token %u no probability", draft);
     draw_setup ds;
@@ -1138,7 +1139,8 @@ int ds41_sampler_sample_draft(ds41_sampler *s, ds41_sampler_scratch *sc, const f
             double total = 0;
             for (int b = N_BUCKETS - 1; b >= ks.lowest; b--)
                 for (size_t i = ks.start[b]; i < ks.end[b]; i++) {
-                    const double d = (double)key_weight(ks.keys[i]) / (double)mass - (double)q[key_token(ks.keys[i])];
+                    const double d =
+                        (double)key_weight(ks.keys[i]) / (double)mass - (double)q[key_token(ks.keys[i])];
                     if (d > 0) total += d;
                 }
             const double u = uniform01(&s->rng) * total;
@@ -1146,7 +1148,8 @@ int ds41_sampler_sample_draft(ds41_sampler *s, ds41_sampler_scratch *sc, const f
             token = argmax; /* total 0 cannot reject; rounding falls back on the argmax */
             for (int b = N_BUCKETS - 1; b >= ks.lowest; b--)
                 for (size_t i = ks.start[b]; i < ks.end[b]; i++) {
-                    const double d = (double)key_weight(ks.keys[i]) / (double)mass - (double)q[key_token(ks.keys[i])];
+                    const double d =
+                        (double)key_weight(ks.keys[i]) / (double)mass - (double)q[key_token(ks.keys[i])];
                     if (d <= 0) continue;
                     below += d;
                     if (below > u) {

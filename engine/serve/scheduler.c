@@ -663,7 +663,8 @@ static void fail_jobs(ds41_scheduler *s) {
 }
 
 /* A verified token's delta goes to its request's sink. */
-static void sched_emit(void *ctx, const ds41_generation *g, const ds41_generation_delta *d, const float *logits) {
+static void sched_emit(void *ctx, const ds41_generation *g, const ds41_generation_delta *d,
+                       const float *logits) {
     (void)logits;
     req *r = ctx;
     r->sink.delta(r->sink.ctx, g, d);
@@ -707,7 +708,8 @@ static void plan_drafts(ds41_scheduler *s, size_t n_items) {
         slog(s, "draft provider %s: %s", s->cfg.draft.name ? s->cfg.draft.name : "?", err.msg);
         return;
     }
-    for (size_t i = 0; i < n; i++) ds41_spec_take(&s->cfg.spec, &s->spec_req[i]->ss, s->spec_req[i]->g, &s->spec_out[i]);
+    for (size_t i = 0; i < n; i++)
+        ds41_spec_take(&s->cfg.spec, &s->spec_req[i]->ss, s->spec_req[i]->g, &s->spec_out[i]);
 }
 
 static void *engine_main(void *arg) {
@@ -957,8 +959,7 @@ int ds41_scheduler_new(ds41_engine *engine, const ds41_sched_config *cfg, ds41_s
     s->spec_req = calloc(cfg->max_sequences, sizeof *s->spec_req);
     if (cfg->draft.draft && ds41_spec_config_check(&cfg->spec, "speculative", err) != 0) goto fail;
     if (!s->running || !s->items || !s->item_req || !s->item_n || !s->item_slot || !s->cache || !s->spec_rq ||
-        !s->spec_out || !s->spec_req ||
-        ds41_sampler_scratch_new(&s->scratch, s->n_vocab, err) != 0) {
+        !s->spec_out || !s->spec_req || ds41_sampler_scratch_new(&s->scratch, s->n_vocab, err) != 0) {
         if (!err || !err->msg[0]) ds41_fail(err, "out of memory");
         goto fail;
     }
