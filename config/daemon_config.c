@@ -87,6 +87,11 @@ static const key_desc keys[] = {
      false, NULL},
     {"engine.prefill_chunk", "engine", "prefill_chunk", V_UINT, CFG(engine.prefill_chunk), 1, 1048576, false, false,
      NULL},
+    {"engine.speculative", "engine", "speculative", V_BOOL, CFG(engine.speculative), 0, 0, false, false, NULL},
+    {"engine.speculative_max_draft", "engine", "speculative_max_draft", V_UINT, CFG(engine.speculative_max_draft), 1, 8,
+     false, false, NULL},
+    {"engine.speculative_min_confidence_pct", "engine", "speculative_min_confidence_pct", V_UINT,
+     CFG(engine.speculative_min_confidence_pct), 0, 100, false, false, NULL},
     {"engine.test_forced_output", "engine", "test_forced_output", V_BOOL, CFG(engine.test_forced_output), 0, 0, false,
      false, NULL},
     {"engine.test_fault_expert_read", "engine", "test_fault_expert_read", V_UINT, CFG(engine.test_fault_expert_read), 0,
@@ -680,6 +685,9 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->engine.max_sequences = 64;
     cfg->engine.max_batch_tokens = 8192;
     cfg->engine.prefill_chunk = 512;
+    cfg->engine.speculative = false;
+    cfg->engine.speculative_max_draft = 5;
+    cfg->engine.speculative_min_confidence_pct = 0;
     cfg->engine.test_forced_output = false;
     cfg->engine.test_fault_expert_read = 0;
     cfg->limits.max_body_bytes = 8u << 20;

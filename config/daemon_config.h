@@ -47,6 +47,13 @@
  *                            decoding sequence), 1..1048576; >= max_sequences and >=
  *                            prefill_chunk.
  *   engine.prefill_chunk     512      prompt tokens per prefill chunk, 1..1048576.
+ *   engine.speculative       false    speculative decoding (engine/serve/speculative.h) with the
+ *                            model's DSpark draft head; a model without one
+ *                            (dspark_block_size 0) fails to load with it on.
+ *   engine.speculative_max_draft 5    drafts per block at most, 1..8 (and <= the model's
+ *                            dspark_block_size, checked at load).
+ *   engine.speculative_min_confidence_pct 0  a block stops at the first draft whose
+ *                            confidence (percent) is below this, 0..100.
  *   engine.test_forced_output false   test hook: accept the request field "ds41_forced_output"
  *                            (text whose tokens replace the samples, so tests can make a
  *                            random-weight model emit </think> and tool calls).  Never on
@@ -193,6 +200,9 @@ typedef struct ds41_daemon_config {
         uint32_t max_sequences;
         uint32_t max_batch_tokens;
         uint32_t prefill_chunk;
+        bool speculative;
+        uint32_t speculative_max_draft;
+        uint32_t speculative_min_confidence_pct;
         bool test_forced_output;
         uint64_t test_fault_expert_read;
     } engine;

@@ -16,6 +16,7 @@
 #include "engine/backend/cpu/cpu_backend.h"
 #include "engine/forward/forward.h"
 #include "engine/backend/cpu/threadpool.h"
+#include "engine/serve/speculative.h"
 #include "storage/expert_cache.h"
 #include "storage/safetensors.h"
 
@@ -35,6 +36,7 @@ static void usage(FILE *f) {
                "                  [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE]\n"
                "                  [--config ds41d.yaml] [--no-predict] [--predict early|next|both]\n"
                "                  [--predict-extra N] [--ops]\n"
+               "       ds41-bench --model DIR --speculative N [--batches 1,4] [--steps T] [--json] ...\n"
                "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL] [--bandwidth-gib G]\n"
                "       ds41-bench --version\n"
                "\n"
@@ -73,6 +75,16 @@ static void usage(FILE *f) {
                "            every op call of the backend timed and charged to its block's attention\n"
                "            or FFN part (linears split by format, a MoE layer's experts as one op),\n"
                "            the head, and the time between ops\n"
+               "  speculative (--speculative N, instead of the figures above) for each batch size B\n"
+               "            (default 1,4): B sequences with 32-token prompts generate T greedy tokens\n"
+               "            each (--steps, here default 30), plainly (tokens/s, time per step), then\n"
+               "            speculatively for k = 1..N with drafts equal to the plain continuation (the\n"
+               "            test oracle: full acceptance; the tokens are checked to be the plain ones):\n"
+               "            tokens/s, time per verification step (a token and k drafts per sequence)\n"
+               "            and its cost relative to a plain step.  From those, tokens/s for a mean\n"
+               "            accepted length a is about B * (1 + a) / (cost_k * plain step time).  The\n"
+               "            model's DSpark head (if it has one, k = min(N, dspark_block_size), back-off\n"
+               "            as in the daemon) last: tokens/s against plain, drafts accepted per block\n"
                "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
                "memory the process may use (MemAvailable, cgroup limits; see ds41d.yaml(5)).\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
@@ -468,6 +480,233 @@ out:
 }
 
 /* --kernels: machine figures, then the kernel ceilings (bench_kernels.h). */
+/* ---- --speculative ----------------------------------------------------------------------- */
+
+typedef struct spec_result {
+    size_t batch, tokens;
+    double plain_tps, plain_step_s;
+    double tps[DS41_SPEC_MAX_K + 1], step_s[DS41_SPEC_MAX_K + 1], mean_accepted[DS41_SPEC_MAX_K + 1];
+    /* the model's DSpark head (k = min(N, dspark_block_size), back-off as the daemon's) */
+    bool head;
+    uint32_t head_k;
+    double head_tps, head_step_s, head_mean_accepted, head_draft_rate;
+} spec_result;
+
+/* B sequences, T greedy tokens each: k = 0 plainly (recording the continuations into ref), else
+ * with drafts from the oracle over ref, or with head (non-NULL) from the model's DSpark head
+ * (every item fed with its taps; a sequence whose block had no accepted draft backs off as in
+ * the daemon, up to DS41_SPEC_MAX_BACKOFF steps); the tokens are checked against ref.  *draft_rate = the share of
+ * steps that drafted. */
+static int spec_run(ds41_engine *e, size_t B, size_t T, uint32_t k, const ds41_draft_provider *head,
+                    const int32_t *prompt, size_t P, int32_t *ref, double *tps, double *step_s, double *mean_acc,
+                    double *draft_rate, ds41_error *err) {
+    const size_t V = (size_t)ds41_engine_config(e)->vocab_size, R = 1 + DS41_SPEC_MAX_K;
+    int rc = -1;
+    ds41_kv_pool *pool = ds41_engine_new_pool(e, 0, 0, err);
+    ds41_kv_seq **seqs = calloc(B, sizeof *seqs);
+    ds41_fwd_item *items = calloc(B, sizeof *items);
+    float *logits = malloc(B * R * V * sizeof *logits);
+    int32_t *feed = malloc(B * R * sizeof *feed);
+    size_t *done = calloc(B, sizeof *done);
+    ds41_oracle *o = k && !head ? ds41_oracle_new((uint32_t)V, err) : NULL;
+    ds41_spec_seq *ss = calloc(B, sizeof *ss);
+    uint64_t steps = 0, drafted = 0, accepted = 0, seq_steps = 0, blocks = 0;
+    if (!pool || !seqs || !items || !logits || !feed || !done || !ss || (k && !head && !o)) {
+        if (pool) ds41_fail(err, "out of memory");
+        goto out;
+    }
+    for (size_t b = 0; b < B && o; b++)
+        if (ds41_oracle_add(o, ref + b * (P + T), P + T, err) != 0) goto out;
+    ds41_draft_provider prov = head ? *head : k ? ds41_oracle_provider(o) : (ds41_draft_provider){0};
+    for (size_t b = 0; b < B; b++) {
+        ss[b].max_backoff_cap = DS41_SPEC_MAX_BACKOFF;
+        if (!(seqs[b] = ds41_kv_seq_new(pool, err))) goto out;
+        items[b] = (ds41_fwd_item){.seq = seqs[b], .ids = prompt + b * P, .n_ids = P, .logits = logits + b * R * V,
+                                   .logits_last_only = true, .spec_taps = prov.taps};
+        if (!k) memcpy(ref + b * (P + T), prompt + b * P, P * sizeof *ref);
+    }
+    if (ds41_forward(e, items, B, NULL, err) != 0) goto out;
+    /* each sequence's last logits row (row 0 after the prefill) */
+    size_t *last = calloc(B, sizeof *last);
+    if (!last) goto out;
+    const double t0 = now();
+    for (;;) {
+        size_t n = 0;
+        for (size_t b = 0; b < B; b++) {
+            if (done[b] >= T) continue;
+            int32_t t = ds41_argmax(logits + (b * R + last[b]) * V, V);
+            if (k && t != ref[b * (P + T) + P + done[b]]) {
+                free(last);
+                ds41_fail(err, "speculative run: sequence %zu token %zu differs from the plain run", b, done[b]);
+                goto out;
+            }
+            if (!k) ref[b * (P + T) + P + done[b]] = t;
+            done[b]++;
+            int32_t *f = feed + b * R;
+            f[0] = t;
+            ds41_draft d;
+            memset(&d, 0, sizeof d);
+            const size_t room = T - done[b];
+            seq_steps++;
+            if (k && room && ss[b].skip > 0) {
+                ss[b].skip--;
+            } else if (k && room) {
+                ds41_draft_request rq = {.seq = seqs[b], .context = ref + b * (P + T), .n_context = P + done[b],
+                                         .last = t, .max_k = (uint32_t)(room < k ? room : k)};
+                if (prov.draft(prov.ctx, &rq, 1, &d, err) != 0) {
+                    free(last);
+                    goto out;
+                }
+            }
+            memcpy(f + 1, d.ids, d.k * sizeof *d.ids);
+            if (d.k && ds41_kv_seq_journal_begin(seqs[b], 1 + d.k, err) != 0) {
+                free(last);
+                goto out;
+            }
+            items[n] = (ds41_fwd_item){
+                .seq = seqs[b], .ids = f, .n_ids = 1 + d.k, .logits = logits + b * R * V, .spec_taps = prov.taps};
+            n++;
+            drafted += d.k;
+            blocks += d.k > 0;
+        }
+        if (n == 0) break;
+        if (ds41_forward(e, items, n, NULL, err) != 0) {
+            free(last);
+            goto out;
+        }
+        steps++;
+        for (size_t i = 0; i < n; i++) {
+            size_t b = 0;
+            while (seqs[b] != items[i].seq) b++;
+            size_t acc = 0;
+            while (acc + 1 < items[i].n_ids &&
+                   ds41_argmax(logits + (b * R + acc) * V, V) == items[i].ids[acc + 1]) {
+                acc++;
+                done[b]++;
+            }
+            last[b] = acc;
+            accepted += acc;
+            if (items[i].n_ids > 1) {
+                if (ds41_kv_seq_rewind(seqs[b], P + done[b], err) != 0) {
+                    free(last);
+                    goto out;
+                }
+                ds41_kv_seq_journal_end(seqs[b]);
+                ds41_spec_backoff(&ss[b], (uint32_t)acc);
+            }
+        }
+    }
+    const double t = now() - t0;
+    free(last);
+    *tps = (double)(B * T) / t;
+    *step_s = t / (double)steps;
+    *mean_acc = blocks ? (double)accepted / (double)blocks : 0;
+    if (draft_rate) *draft_rate = seq_steps ? (double)blocks / (double)seq_steps : 0;
+    (void)drafted;
+    rc = 0;
+out:
+    if (seqs)
+        for (size_t b = 0; b < B; b++) ds41_kv_seq_free(seqs[b]);
+    ds41_kv_pool_free(pool);
+    ds41_oracle_free(o);
+    free(ss);
+    free(seqs);
+    free(items);
+    free(logits);
+    free(feed);
+    free(done);
+    return rc;
+}
+
+static int bench_speculative(ds41_engine *e, const size_t *batches, size_t n_batches, size_t T, uint32_t max_k,
+                             int json) {
+    const ds41_model_config *c = ds41_engine_config(e);
+    const size_t P = 32;
+    ds41_error err = {{0}};
+    spec_result res[16];
+    for (size_t i = 0; i < n_batches; i++) {
+        const size_t B = batches[i];
+        int32_t *prompt = malloc(B * P * sizeof *prompt), *ref = malloc(B * (P + T) * sizeof *ref);
+        if (!prompt || !ref) {
+            free(prompt);
+            free(ref);
+            fprintf(stderr, "ds41-bench: out of memory\n");
+            return 1;
+        }
+        for (size_t j = 0; j < B * P; j++) prompt[j] = random_id(c->vocab_size);
+        spec_result *r = &res[i];
+        memset(r, 0, sizeof *r);
+        r->batch = B;
+        r->tokens = T;
+        double unused;
+        /* a warm-up run, the same as the timed plain one, touches the weights the timed runs use
+         * (page faults of the mapping do not count) */
+        int rc = spec_run(e, B, T, 0, NULL, prompt, P, ref, &unused, &unused, &unused, NULL, &err);
+        if (rc == 0)
+            rc = spec_run(e, B, T, 0, NULL, prompt, P, ref, &r->plain_tps, &r->plain_step_s, &unused, NULL, &err);
+        for (uint32_t k = 1; k <= max_k && rc == 0; k++)
+            rc = spec_run(e, B, T, k, NULL, prompt, P, ref, &r->tps[k], &r->step_s[k], &r->mean_accepted[k], NULL,
+                          &err);
+        ds41_draft_provider head;
+        ds41_error herr = {{0}};
+        if (rc == 0 && ds41_spec_head_provider(e, &head, &herr) == 0) {
+            r->head = true;
+            r->head_k = max_k < (uint32_t)c->dspark_block_size ? max_k : (uint32_t)c->dspark_block_size;
+            rc = spec_run(e, B, T, r->head_k, &head, prompt, P, ref, &r->head_tps, &r->head_step_s,
+                          &r->head_mean_accepted, &r->head_draft_rate, &err);
+        }
+        free(prompt);
+        free(ref);
+        if (rc != 0) {
+            fprintf(stderr, "ds41-bench: %s\n", err.msg);
+            return 1;
+        }
+    }
+    if (json) {
+        printf("{\"speculative\":[");
+        for (size_t i = 0; i < n_batches; i++) {
+            const spec_result *r = &res[i];
+            printf("%s{\"batch\":%zu,\"tokens_per_sequence\":%zu,\"plain_tokens_per_s\":%.3f,"
+                   "\"plain_seconds_per_step\":%.6f,\"full_acceptance\":[",
+                   i ? "," : "", r->batch, r->tokens, r->plain_tps, r->plain_step_s);
+            for (uint32_t k = 1; k <= max_k; k++)
+                printf("%s{\"k\":%u,\"tokens_per_s\":%.3f,\"seconds_per_step\":%.6f,\"step_cost_vs_plain\":%.4f,"
+                       "\"mean_accepted\":%.3f}",
+                       k > 1 ? "," : "", k, r->tps[k], r->step_s[k], r->step_s[k] / r->plain_step_s,
+                       r->mean_accepted[k]);
+            if (r->head)
+                printf("],\"dspark_head\":{\"k\":%u,\"tokens_per_s\":%.3f,\"vs_plain\":%.4f,"
+                       "\"mean_accepted\":%.3f,\"drafting_steps\":%.4f}}",
+                       r->head_k, r->head_tps, r->head_tps / r->plain_tps, r->head_mean_accepted,
+                       r->head_draft_rate);
+            else
+                printf("],\"dspark_head\":null}");
+        }
+        printf("]}\n");
+        return 0;
+    }
+    for (size_t i = 0; i < n_batches; i++) {
+        const spec_result *r = &res[i];
+        printf("speculative B=%-3zu plain %.2f tokens/s (%.1f ms/step), %zu tokens per sequence\n", r->batch,
+               r->plain_tps, 1e3 * r->plain_step_s, r->tokens);
+        for (uint32_t k = 1; k <= max_k; k++)
+            printf("  full acceptance k=%u: %.2f tokens/s (%.2fx plain), verification step %.1f ms = %.2fx a plain "
+                   "step, %.2f drafts accepted per step\n",
+                   k, r->tps[k], r->tps[k] / r->plain_tps, 1e3 * r->step_s[k], r->step_s[k] / r->plain_step_s,
+                   r->mean_accepted[k]);
+        printf("  tokens/s at mean accepted length a (k=%u): about %.2f * (1 + a) / %.2f\n", max_k,
+               (double)r->batch / r->plain_step_s, r->step_s[max_k] / r->plain_step_s);
+        if (r->head)
+            printf("  DSpark head k=%u: %.2f tokens/s (%.3fx plain), %.2f drafts accepted per block, %.1f%% of "
+                   "the steps drafted (back-off)\n",
+                   r->head_k, r->head_tps, r->head_tps / r->plain_tps, r->head_mean_accepted,
+                   100.0 * r->head_draft_rate);
+        else
+            printf("  DSpark head: the model has none\n");
+    }
+    return 0;
+}
+
 static int bench_kernels(const ds41_cpu_opts *cpu, int json, uint64_t set_bytes) {
     ds41_error err = {{0}};
     ds41_backend *be = ds41_backend_cpu_new(cpu, &err);
@@ -522,6 +761,7 @@ int main(int argc, char **argv) {
         {"no-predict", no_argument, NULL, 'N'},
         {"kernels", no_argument, NULL, 'K'},
         {"ops", no_argument, NULL, 'O'},
+        {"speculative", required_argument, NULL, 'S'},
         DS41_BUDGET_LONGOPTS,
         {"predict", required_argument, NULL, 'R'},
         {"predict-extra", required_argument, NULL, 'x'},
@@ -532,7 +772,8 @@ int main(int argc, char **argv) {
     const char *model = NULL;
     size_t threads = 0, P = 256, steps = 8, gib = 4;
     size_t batches[16] = {1, 4, 16}, n_batches = 3;
-    int json = 0, kernels = 0, gib_set = 0, ops = 0;
+    int json = 0, kernels = 0, gib_set = 0, ops = 0, steps_set = 0, batches_set = 0;
+    size_t speculative = 0;
     ds41_engine_opts eo = {.reference = false};
     ds41_budget_flags budgets = {.tool = "ds41-bench"};
     int ch;
@@ -560,6 +801,12 @@ int main(int argc, char **argv) {
             break;
         case 'O':
             ops = 1;
+            break;
+        case 'S':
+            if (parse_size(optarg, &speculative) != 0 || speculative < 1 || speculative > DS41_SPEC_MAX_K) {
+                fprintf(stderr, "ds41-bench: --speculative: expected 1..%u, got '%s'\n", DS41_SPEC_MAX_K, optarg);
+                return 2;
+            }
             break;
         case 'P':
             eo.cpu.pin = true;
@@ -610,6 +857,7 @@ int main(int argc, char **argv) {
             }
             break;
         case 's':
+            steps_set = 1;
             if (parse_size(optarg, &steps) != 0 || steps == 0 || steps > 100000) {
                 fprintf(stderr, "ds41-bench: --steps: expected an integer in [1, 100000], got '%s'\n",
                         optarg);
@@ -625,6 +873,7 @@ int main(int argc, char **argv) {
             gib_set = 1;
             break;
         case 'b': {
+            batches_set = 1;
             n_batches = 0;
             const char *p = optarg;
             for (;;) {
@@ -667,6 +916,14 @@ int main(int argc, char **argv) {
         }
         return bench_kernels(&eo.cpu, json, (uint64_t)(gib_set ? gib : 2) << 30);
     }
+    if (speculative) {
+        if (!batches_set) {
+            batches[0] = 1;
+            batches[1] = 4;
+            n_batches = 2;
+        }
+        if (!steps_set) steps = 30;
+    }
     ds41_error err = {{0}};
     /* Budgets: the flags, else --config's memory.*_cache_bytes, else auto (sized for the
      * largest batch of the run). */
@@ -698,6 +955,11 @@ int main(int argc, char **argv) {
     if (!e) {
         fprintf(stderr, "ds41-bench: %s\n", err.msg);
         return 2;
+    }
+    if (speculative) {
+        const int src = bench_speculative(e, batches, n_batches, steps, (uint32_t)speculative, json);
+        ds41_engine_free(e);
+        return src;
     }
     ds41_backend *be = ds41_engine_backend(e);
     int status = 1;

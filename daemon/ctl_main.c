@@ -245,6 +245,8 @@ static int cmd_status(void) {
     double queued = metrics ? metric_sum(metrics, "ds41_queue_depth", NULL) : NAN;
     double tps = metrics ? metric_sum(metrics, "ds41_generated_tokens_per_second", NULL) : NAN;
     double gen = metrics ? metric_sum(metrics, "ds41_generated_tokens_total", NULL) : NAN;
+    double spec_steps = metrics ? metric_sum(metrics, "ds41_speculative_steps_total", NULL) : NAN;
+    double spec_acc = metrics ? metric_sum(metrics, "ds41_speculative_accepted_total", NULL) : NAN;
     double kv_used = metrics ? metric_sum(metrics, "ds41_kv_cache_bytes", "state=\"used\"") : NAN;
     double kv_free = metrics ? metric_sum(metrics, "ds41_kv_cache_bytes", "state=\"free\"") : NAN;
     const char *hs = health ? jstr(health, "status") : "unknown";
@@ -259,6 +261,10 @@ static int cmd_status(void) {
         if (!isnan(queued)) json_object_set_new(load, "queued", json_integer((json_int_t)queued));
         if (!isnan(tps)) json_object_set_new(load, "tokens_per_second", json_real(tps));
         if (!isnan(gen)) json_object_set_new(load, "generated_tokens", json_integer((json_int_t)gen));
+        /* tokens a verification block gives: its accepted drafts + the backbone's own token */
+        if (!isnan(spec_steps) && spec_steps > 0)
+            json_object_set_new(load, "speculative_mean_accepted_length",
+                                json_real(1.0 + spec_acc / spec_steps));
         if (!isnan(kv_used)) json_object_set_new(load, "kv_used_bytes", json_integer((json_int_t)kv_used));
         if (!isnan(kv_free)) json_object_set_new(load, "kv_free_bytes", json_integer((json_int_t)kv_free));
         json_object_set_new(o, "load", load);
@@ -277,6 +283,11 @@ static int cmd_status(void) {
         if (!isnan(running))
             printf("load:    %.0f running, %.0f queued, %.1f tokens/s, %.0f tokens generated\n", running,
                    isnan(queued) ? 0 : queued, isnan(tps) ? 0 : tps, isnan(gen) ? 0 : gen);
+        if (!isnan(spec_steps) && spec_steps > 0)
+            printf("spec:    mean accepted length %.2f tokens per verification (%.0f blocks, %.0f drafts "
+                   "accepted)\n",
+                   1.0 + (isnan(spec_acc) ? 0 : spec_acc) / spec_steps, spec_steps,
+                   isnan(spec_acc) ? 0 : spec_acc);
         if (!isnan(kv_used)) {
             char u[32], f[32];
             human_bytes(kv_used, u, sizeof u);

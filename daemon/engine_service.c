@@ -84,6 +84,9 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->max_batch_tokens = cfg->engine.max_batch_tokens;
     st->prefill_chunk = cfg->engine.prefill_chunk;
     st->test_forced_output = cfg->engine.test_forced_output;
+    st->speculative = cfg->engine.speculative;
+    st->spec_max_draft = cfg->engine.speculative_max_draft;
+    st->spec_min_confidence_pct = cfg->engine.speculative_min_confidence_pct;
     st->kv_cache_bytes = cfg->memory.kv_cache_bytes;
     st->expert_cache_bytes = cfg->memory.expert_cache_bytes;
     st->test_fault_expert_read = cfg->engine.test_fault_expert_read;
@@ -656,6 +659,21 @@ static void *loader_main(void *p) {
                             .prefix_cache_max_bytes = a->st.prefix_cache_max_bytes,
                             .log = sched_log,
                             .log_ctx = m};
+    if (a->st.speculative) {
+        /* the model's DSpark head drafts (engine/serve/speculative.h) */
+        if (ds41_spec_head_provider(engine, &sc.draft, &err) != 0) {
+            ds41_error_prefix(&err, "engine.speculative");
+            goto fail;
+        }
+        if ((int64_t)a->st.spec_max_draft > mc->dspark_block_size) {
+            ds41_fail(&err, "engine.speculative_max_draft: %u is above the model's dspark_block_size %lld",
+                      a->st.spec_max_draft, (long long)mc->dspark_block_size);
+            goto fail;
+        }
+        sc.spec = (ds41_spec_config){.max_k = a->st.spec_max_draft,
+                                     .min_confidence = (float)a->st.spec_min_confidence_pct / 100.0f,
+                                     .max_backoff = DS41_SPEC_MAX_BACKOFF};
+    }
     if (a->st.snapshots && !m->store) open_store(m, &a->st, engine);
     if (m->store) sc.disk = (ds41_sched_disk){.restore = disk_restore, .evicted = disk_evicted, .ctx = m};
     if (ds41_scheduler_new(engine, &sc, &sched, &err) != 0) goto fail;

@@ -34,6 +34,8 @@ typedef struct settings {
     ds41_engine_mode mode;
     uint32_t threads; /* fast backend workers, 0 = one per CPU */
     uint32_t max_sequences, max_batch_tokens, prefill_chunk;
+    bool speculative;
+    uint32_t spec_max_draft, spec_min_confidence_pct;
     bool test_forced_output;
     uint64_t test_fault_expert_read;
     uint64_t kv_cache_bytes;

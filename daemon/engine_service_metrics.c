@@ -13,6 +13,24 @@ static void metric_head(ds41_buf *b, const char *name, const char *type, const c
     ds41_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
+/* A model's histogram samples: counts[n] per bucket (non-cumulative), bounds[n - 1] the upper
+ * bounds of all but the last (+Inf) bucket, then _sum and _count. */
+static void put_histogram(ds41_buf *b, const char *name, const char *model_name, const uint64_t *counts,
+                          const unsigned *bounds, size_t n, uint64_t sum, uint64_t count) {
+    uint64_t cum = 0;
+    for (size_t k = 0; k < n; k++) {
+        cum += counts[k];
+        if (k + 1 < n)
+            ds41_buf_printf(b, "%s_bucket{model=\"%s\",le=\"%u\"} %llu\n", name, model_name, bounds[k],
+                            (unsigned long long)cum);
+        else
+            ds41_buf_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", name, model_name,
+                            (unsigned long long)cum);
+    }
+    ds41_buf_printf(b, "%s_sum{model=\"%s\"} %llu\n", name, model_name, (unsigned long long)sum);
+    ds41_buf_printf(b, "%s_count{model=\"%s\"} %llu\n", name, model_name, (unsigned long long)count);
+}
+
 /* The storage tiers' ds41_tier_* series of every ready model: the routed
  * experts (tier="experts", always present; streamed 0 while everything is
  * resident) and the Engram rows (tier="engram", only when streamed).  Each
@@ -269,22 +287,29 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
                             (unsigned long long)((st[i].kv_pages_max - st[i].kv_pages_in_use) * st[i].kv_page_bytes));
     }
     metric_head(&b, "ds41_decode_batch_sequences", "histogram", "Sequences decoded together per forward step.");
-    for (size_t i = 0; i < n; i++) {
-        if (!ready[i]) continue;
-        uint64_t cum = 0;
-        for (int k = 0; k < DS41_SCHED_HIST_BUCKETS; k++) {
-            cum += st[i].decode_hist[k];
-            if (k < DS41_SCHED_HIST_BUCKETS - 1)
-                ds41_buf_printf(&b, "ds41_decode_batch_sequences_bucket{model=\"%s\",le=\"%u\"} %llu\n",
-                                s->models[i]->name, ds41_sched_hist_bounds[k], (unsigned long long)cum);
-            else
-                ds41_buf_printf(&b, "ds41_decode_batch_sequences_bucket{model=\"%s\",le=\"+Inf\"} %llu\n",
-                                s->models[i]->name, (unsigned long long)cum);
+    for (size_t i = 0; i < n; i++)
+        if (ready[i])
+            put_histogram(&b, "ds41_decode_batch_sequences", s->models[i]->name, st[i].decode_hist,
+                          ds41_sched_hist_bounds, DS41_SCHED_HIST_BUCKETS, st[i].decode_seqs_sum,
+                          st[i].decode_steps);
+    PER_MODEL("ds41_speculative_steps_total", "counter",
+              "Speculative verification blocks (a token and its drafts fed).", st[i].spec_steps);
+    PER_MODEL("ds41_speculative_drafted_total", "counter", "Draft tokens fed for verification.",
+              st[i].spec_drafted);
+    PER_MODEL("ds41_speculative_accepted_total", "counter", "Draft tokens the output took.",
+              st[i].spec_accepted);
+    metric_head(&b, "ds41_speculative_accepted_length", "histogram",
+                "Accepted drafts per verification block.");
+    {
+        static const unsigned accepted_bounds[DS41_SPEC_MAX_K + 1] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
+        _Static_assert(DS41_SPEC_MAX_K == 8, "one bound per accepted length");
+        for (size_t i = 0; i < n; i++) {
+            if (!ready[i]) continue;
+            uint64_t counts[DS41_SPEC_MAX_K + 2] = {0}; /* the last (+Inf) bucket stays empty */
+            memcpy(counts, st[i].spec_hist, sizeof st[i].spec_hist);
+            put_histogram(&b, "ds41_speculative_accepted_length", s->models[i]->name, counts, accepted_bounds,
+                          DS41_SPEC_MAX_K + 2, st[i].spec_accepted, st[i].spec_steps);
         }
-        ds41_buf_printf(&b, "ds41_decode_batch_sequences_sum{model=\"%s\"} %llu\n", s->models[i]->name,
-                        (unsigned long long)st[i].decode_seqs_sum);
-        ds41_buf_printf(&b, "ds41_decode_batch_sequences_count{model=\"%s\"} %llu\n", s->models[i]->name,
-                        (unsigned long long)st[i].decode_steps);
     }
     metric_head(&b, "ds41_cache_hits_total", "counter", "Cache hits by tier.");
     for (size_t i = 0; i < n; i++)

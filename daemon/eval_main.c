@@ -3,6 +3,7 @@
  * of REFERENCE.md §10.1.  This is the hook for reference comparisons
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
+#include "config/buf.h"
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
 #include "engine/backend/backend.h"
@@ -10,6 +11,7 @@
 #include "engine/forward/dspark.h"
 #include "engine/forward/forward.h"
 #include "engine/backend/cpu/threadpool.h"
+#include "engine/serve/speculative.h"
 #include "storage/safetensors.h"
 
 #include <errno.h>
@@ -26,6 +28,7 @@ static void usage(FILE *f) {
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "                 [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE] [--config ds41d.yaml]\n"
             "                 [--no-predict] [--replay DUMP.safetensors] [--drafts]\n"
+            "                 [--speculative N [--speculative-oracle]]\n"
             "       ds41-eval --version\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
@@ -62,6 +65,15 @@ static void usage(FILE *f) {
             "memory the process may use (MemAvailable, cgroup limits): everything resident when\n"
             "it fits, else the Engram rows streamed first, then the experts (see ds41d.yaml(5)).\n"
             "The logits do not depend on the budgets.\n"
+            "--speculative N decodes the K greedy steps speculatively with the model's DSpark draft\n"
+            "head (up to N drafts per step, 1..8; refused without DSpark): one forward call feeds a\n"
+            "token and its drafts, the drafts equal to the previous row's argmax stand, the rest is\n"
+            "rolled back.  The JSON is the same as without it plus\n"
+            "  \"speculative\":{\"steps\":S,\"drafted\":D,\"accepted\":A}\n"
+            "and with --drafts \"drafts\":[{\"position\":P,\"ids\":[...],\"confidence\":[...]},...] for\n"
+            "every draft block (P: the position of the first draft).  --speculative-oracle (tests and\n"
+            "benchmarks) drafts the plain greedy continuation instead (computed first): full\n"
+            "acceptance.  Not with --dump or --replay.\n"
             "Exit status: 0 ok, 2 bad arguments or checkpoint, 1 other failures.\n");
 }
 
@@ -335,7 +347,7 @@ typedef struct drafts_out {
 
 static int write_json(const char *path, const int32_t *ids, size_t S, const float *pre_logits,
                       const int32_t *dec, const float *dec_logits, size_t K, size_t V, const drafts_out *dr,
-                      ds41_error *err) {
+                      const char *extra, ds41_error *err) {
     FILE *f = fopen(path, "w");
     if (!f) return ds41_fail(err, "%s: %s", path, strerror(errno));
     fputs("{\"ids\":[", f);
@@ -364,10 +376,117 @@ static int write_json(const char *path, const int32_t *ids, size_t S, const floa
         }
         fputc(']', f);
     }
+    if (extra) fputs(extra, f);
     fputs("}\n", f);
     int bad = ferror(f);
     if (fclose(f) != 0 || bad) return ds41_fail(err, "%s: write error", path);
     return 0;
+}
+
+/* ---- --speculative ----------------------------------------------------------------------- */
+
+typedef struct draft_rec {
+    size_t position; /* of the first draft */
+    uint32_t k;
+    int32_t ids[DS41_SPEC_MAX_K];
+    float conf[DS41_SPEC_MAX_K];
+} draft_rec;
+
+/* The K greedy steps after the prompt's last logits `last`, speculatively: blocks [t, drafts]
+ * fed under the KV journal, drafts equal to the previous row's argmax kept, the rest rewound.
+ * Writes the same dec / dec_logits as the plain loop. */
+static int spec_greedy(ds41_engine *e, ds41_kv_seq *seq, const int32_t *ids, size_t S, const float *last, size_t K,
+                       size_t V, const ds41_draft_provider *prov, uint32_t max_k, int32_t *dec, float *dec_logits,
+                       ds41_spec_stats *st, draft_rec **recs, size_t *n_recs, ds41_error *err) {
+    int32_t *ctx = malloc((S + K + 1) * sizeof *ctx);
+    float *rows = malloc((1 + DS41_SPEC_MAX_K) * V * sizeof *rows);
+    if (!ctx || !rows) {
+        free(ctx);
+        free(rows);
+        return ds41_fail(err, "out of memory");
+    }
+    memcpy(ctx, ids, S * sizeof *ctx);
+    int rc = 0;
+    for (size_t k = 0; k < K && rc == 0;) {
+        dec[k] = ds41_argmax(last, V);
+        ctx[S + k] = dec[k];
+        const uint32_t want = (uint32_t)(K - k - 1 < max_k ? K - k - 1 : max_k);
+        ds41_draft d;
+        memset(&d, 0, sizeof d);
+        if (want) {
+            ds41_draft_request rq = {.seq = seq, .context = ctx, .n_context = S + k + 1, .last = dec[k], .max_k = want};
+            if ((rc = prov->draft(prov->ctx, &rq, 1, &d, err)) != 0) break;
+            if (d.k > want) d.k = want;
+            if (d.k) {
+                draft_rec *nr = realloc(*recs, (*n_recs + 1) * sizeof *nr);
+                if (!nr) {
+                    rc = ds41_fail(err, "out of memory");
+                    break;
+                }
+                *recs = nr;
+                draft_rec *r = &nr[(*n_recs)++];
+                r->position = S + k + 1;
+                r->k = d.k;
+                memcpy(r->ids, d.ids, d.k * sizeof *d.ids);
+                memcpy(r->conf, d.confidence, d.k * sizeof *d.confidence);
+            }
+        }
+        int32_t feed[1 + DS41_SPEC_MAX_K];
+        feed[0] = dec[k];
+        memcpy(feed + 1, d.ids, d.k * sizeof *d.ids);
+        if (ds41_engine_prefetch(e, seq, dec[k], err) != 0) {
+            rc = -1;
+            break;
+        }
+        if (d.k && (rc = ds41_kv_seq_journal_begin(seq, 1 + d.k, err)) != 0) break;
+        ds41_fwd_item item = {.seq = seq, .ids = feed, .n_ids = 1 + d.k, .logits = rows, .spec_taps = prov->taps};
+        if ((rc = ds41_forward(e, &item, 1, NULL, err)) != 0) break;
+        memcpy(dec_logits + k * V, rows, V * sizeof *rows);
+        k++;
+        uint32_t acc = 0;
+        while (acc < d.k && ds41_argmax(rows + acc * V, V) == d.ids[acc]) {
+            dec[k] = d.ids[acc];
+            ctx[S + k] = dec[k];
+            memcpy(dec_logits + k * V, rows + (acc + 1) * V, V * sizeof *rows);
+            k++;
+            acc++;
+        }
+        if (d.k) {
+            rc = ds41_kv_seq_rewind(seq, S + k, err);
+            ds41_kv_seq_journal_end(seq);
+            st->steps++;
+            st->drafted += d.k;
+            st->accepted += acc;
+            st->hist[acc]++;
+        }
+        last = dec_logits + (k - 1) * V;
+    }
+    free(ctx);
+    free(rows);
+    return rc;
+}
+
+/* ,"speculative":{...}[,"drafts":[...]] (malloc'd). */
+static char *spec_json(const ds41_spec_stats *st, const draft_rec *recs, size_t n, bool drafts) {
+    ds41_buf b = {0};
+    ds41_buf_printf(&b, ",\"speculative\":{\"steps\":%llu,\"drafted\":%llu,\"accepted\":%llu}",
+                    (unsigned long long)st->steps, (unsigned long long)st->drafted, (unsigned long long)st->accepted);
+    if (drafts) {
+        ds41_buf_printf(&b, ",\"drafts\":[");
+        for (size_t i = 0; i < n; i++) {
+            ds41_buf_printf(&b, "%s{\"position\":%zu,\"ids\":[", i ? "," : "", recs[i].position);
+            for (uint32_t j = 0; j < recs[i].k; j++) ds41_buf_printf(&b, j ? ",%d" : "%d", recs[i].ids[j]);
+            ds41_buf_printf(&b, "],\"confidence\":[");
+            for (uint32_t j = 0; j < recs[i].k; j++) ds41_buf_printf(&b, j ? ",%.9g" : "%.9g", (double)recs[i].conf[j]);
+            ds41_buf_printf(&b, "]}");
+        }
+        ds41_buf_printf(&b, "]");
+    }
+    if (b.oom) {
+        ds41_buf_free(&b);
+        return NULL;
+    }
+    return b.data;
 }
 
 /* ---- main ---------------------------------------------------------------------------- */
@@ -511,6 +630,8 @@ int main(int argc, char **argv) {
         {"pin", no_argument, NULL, 'P'},
         {"no-predict", no_argument, NULL, 'N'},
         {"replay", required_argument, NULL, 'R'},
+        {"speculative", required_argument, NULL, 'S'},
+        {"speculative-oracle", no_argument, NULL, 'O'},
         {"drafts", no_argument, NULL, 'D'},
         DS41_BUDGET_LONGOPTS,
         {NULL, 0, NULL, 0},
@@ -520,7 +641,8 @@ int main(int argc, char **argv) {
     size_t chunk = 0, K = 0;
     ds41_engine_opts eo = {.reference = false};
     ds41_budget_flags budgets = {.tool = "ds41-eval"};
-    size_t threads = 0;
+    size_t threads = 0, speculative = 0;
+    bool spec_oracle = false;
     int c;
     while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         int used = ds41_budget_flags_option(&budgets, c, optarg);
@@ -569,6 +691,13 @@ int main(int argc, char **argv) {
             break;
         case 'd': dump = optarg; break;
         case 'R': replay_path = optarg; break;
+        case 'S':
+            if (parse_size(optarg, &speculative) != 0 || speculative < 1 || speculative > DS41_SPEC_MAX_K) {
+                fprintf(stderr, "ds41-eval: --speculative: expected 1..%u, got '%s'\n", DS41_SPEC_MAX_K, optarg);
+                return 2;
+            }
+            break;
+        case 'O': spec_oracle = true; break;
         case 'D': want_drafts = 1; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;
@@ -585,6 +714,11 @@ int main(int argc, char **argv) {
     if (replay_path && (!dump || decode_given)) {
         fprintf(stderr,
                 "ds41-eval: --replay needs --dump and takes the ids and decode steps from the dump\n");
+        return 2;
+    }
+    if (speculative ? dump || replay_path : spec_oracle) {
+        fprintf(stderr, speculative ? "ds41-eval: --speculative does not go with --dump or --replay\n"
+                                    : "ds41-eval: --speculative-oracle needs --speculative N\n");
         return 2;
     }
     int32_t *ids = NULL;
@@ -685,12 +819,12 @@ int main(int argc, char **argv) {
             goto done;
         }
     }
-    if (want_drafts && !cfg->dspark_enabled) {
+    if (want_drafts && !speculative && !cfg->dspark_enabled) {
         fprintf(stderr, "ds41-eval: --drafts: %s has no DSpark stages (dspark_block_size 0)\n", model);
         status = 2;
         goto done;
     }
-    if (want_drafts) {
+    if (want_drafts && !speculative) { /* with --speculative the blocks it feeds are written instead */
         dr.nd = (size_t)cfg->dspark_block_size;
         dr.ids = malloc((K ? K : 1) * dr.nd * sizeof *dr.ids);
         dr.conf = malloc((K ? K : 1) * dr.nd * sizeof *dr.conf);
@@ -736,7 +870,7 @@ int main(int argc, char **argv) {
                               .ids = ids + off,
                               .n_ids = S - off < chunk ? S - off : chunk,
                               .logits = pre_logits + off * V,
-                              .spec_taps = want_drafts != 0};
+                              .spec_taps = dr.nd != 0};
         col.cur = dump ? &parts[0] : NULL;
         col.row_off = off;
         if (ds41_forward(e, &item, 1, dump ? &hooks : NULL, &err) != 0) goto fail;
@@ -750,7 +884,7 @@ int main(int argc, char **argv) {
             goto fail;
         }
         if (ds41_engine_prefetch(e, seq, dec[k], &err) != 0) goto fail;
-        if (want_drafts) {
+        if (dr.nd) {
             /* The head's block from the token this step feeds (never fed back). */
             dr.pos[k] = ds41_kv_seq_tokens(seq) + 1;
             ds41_draft_req rq = {.seq = seq,
@@ -764,14 +898,69 @@ int main(int argc, char **argv) {
                               .ids = &dec[k],
                               .n_ids = 1,
                               .logits = dec_logits + k * V,
-                              .spec_taps = want_drafts != 0};
+                              .spec_taps = dr.nd != 0};
         col.cur = dump ? &parts[k + 1] : NULL;
         col.row_off = 0;
         if (ds41_forward(e, &item, 1, dump ? &hooks : NULL, &err) != 0) goto fail;
         last = dec_logits + k * V;
     }
     if (col.oom) goto oom;
-    if (write_json(out, ids, S, pre_logits, dec, dec_logits, K, V, &dr, &err) != 0) goto fail;
+    if (speculative) {
+        /* again from the prompt, speculatively (the plain steps above were the oracle's reference) */
+        ds41_draft_provider prov;
+        ds41_oracle *oracle = NULL;
+        if (spec_oracle) {
+            int32_t *ref = malloc((S + K) * sizeof *ref);
+            oracle = ref ? ds41_oracle_new((uint32_t)V, &err) : NULL;
+            if (!oracle) {
+                free(ref);
+                goto oom;
+            }
+            memcpy(ref, ids, S * sizeof *ref);
+            memcpy(ref + S, dec, K * sizeof *ref);
+            int arc = ds41_oracle_add(oracle, ref, S + K, &err);
+            free(ref);
+            if (arc != 0) {
+                ds41_oracle_free(oracle);
+                goto fail;
+            }
+            prov = ds41_oracle_provider(oracle);
+        } else if (ds41_spec_head_provider(e, &prov, &err) != 0) {
+            fprintf(stderr, "ds41-eval: --speculative: %s\n", err.msg);
+            status = 2;
+            goto done;
+        } else if ((int64_t)speculative > cfg->dspark_block_size) {
+            fprintf(stderr, "ds41-eval: --speculative: %zu is above the model's dspark_block_size %lld\n",
+                    speculative, (long long)cfg->dspark_block_size);
+            status = 2;
+            goto done;
+        }
+        ds41_kv_seq_free(seq);
+        seq = ds41_kv_seq_new(pool, &err);
+        int src = seq ? 0 : -1;
+        for (size_t off = 0; off < S && src == 0; off += chunk) {
+            ds41_fwd_item item = {.seq = seq, .ids = ids + off, .n_ids = S - off < chunk ? S - off : chunk,
+                                  .logits = pre_logits + off * V, .spec_taps = prov.taps};
+            src = ds41_forward(e, &item, 1, NULL, &err);
+        }
+        ds41_spec_stats sst;
+        memset(&sst, 0, sizeof sst);
+        draft_rec *recs = NULL;
+        size_t n_recs = 0;
+        if (src == 0)
+            src = spec_greedy(e, seq, ids, S, pre_logits + (S - 1) * V, K, V, &prov, (uint32_t)speculative, dec,
+                              dec_logits, &sst, &recs, &n_recs, &err);
+        ds41_oracle_free(oracle);
+        char *extra = src == 0 ? spec_json(&sst, recs, n_recs, want_drafts != 0) : NULL;
+        free(recs);
+        if (src != 0) goto fail;
+        if (!extra) goto oom;
+        src = write_json(out, ids, S, pre_logits, dec, dec_logits, K, V, &dr, extra, &err);
+        free(extra);
+        if (src != 0) goto fail;
+    } else if (write_json(out, ids, S, pre_logits, dec, dec_logits, K, V, &dr, NULL, &err) != 0) {
+        goto fail;
+    }
     if (dump) {
         for (size_t k = 0; k <= K; k++) pack_scores(&parts[k], (size_t)cfg->n_layers);
         int64_t *ids64 = malloc(S * sizeof *ids64), *dec64 = malloc((K ? K : 1) * sizeof *dec64);

@@ -5,6 +5,7 @@
 #include "ds41_version.h"
 #include "engine/forward/forward.h"
 #include "engine/serve/generate.h"
+#include "engine/serve/speculative.h"
 #include "engine/text/pyjson.h"
 #include "engine/text/tokenizer.h"
 
@@ -24,7 +25,7 @@ static void usage(FILE *f) {
             "usage: ds41-generate --model DIR (--prompt TEXT | --messages FILE.json | --ids 1,2,3)\n"
             "                     [--raw] [--thinking] [--effort N] [--temperature T] [--top-p P]\n"
             "                     [--top-k K] [--seed S] [--max-tokens N] [--stop S]... [--ignore-eos]\n"
-            "                     [--chunk N] [--reference] [--forced TEXT] [--json]\n"
+            "                     [--chunk N] [--speculative N] [--reference] [--forced TEXT] [--json]\n"
             "       ds41-generate --version\n"
             "\n"
             "Runs the model on a prompt and streams the answer to stdout.\n"
@@ -42,6 +43,10 @@ static void usage(FILE *f) {
             "  --stop S           a stop string (repeatable)\n"
             "  --ignore-eos       keep generating past EOS\n"
             "  --chunk N          prefill the prompt in chunks of N tokens (default: all at once)\n"
+            "  --speculative N    speculative decoding with the model's DSpark draft head, up to N\n"
+            "                     drafts per step (1..8, at most its dspark_block_size); the output is\n"
+            "                     plain decoding's.  Refused for a model without DSpark.  The summary\n"
+            "                     adds the drafted and accepted counts\n"
             "  --reference        the canonical reference arithmetic (engine/backend/refmath.h)\n"
             "  --forced TEXT      test hook: the output is the tokens of TEXT (special tokens matched)\n"
             "                     instead of samples, then sampling goes on\n"
@@ -147,6 +152,32 @@ static void print_content(printer *p, const char *s, size_t n) {
     p->at_line_start = s[n - 1] == '\n';
 }
 
+/* What every step's delta goes to (the streaming printer and the JSON summary's parts). */
+typedef struct step_out {
+    printer *pr;
+    ds41_buf *stream_r, *stream_c;
+    bool json_out;
+    double t_first; /* when the first step came (the prompt's logits) */
+} step_out;
+
+static double now_s(void);
+static void print_tool_call(printer *p, const ds41_chat_tool_call *c);
+
+static void on_step(void *ctx, const ds41_generation *g, const ds41_generation_delta *st, const float *logits) {
+    (void)g;
+    (void)logits;
+    step_out *o = ctx;
+    if (o->t_first == 0) o->t_first = now_s();
+    ds41_buf_put(o->stream_r, st->reasoning, st->reasoning_len);
+    ds41_buf_put(o->stream_c, st->content, st->content_len);
+    if (!o->json_out) {
+        print_reasoning(o->pr, st->reasoning, st->reasoning_len);
+        print_content(o->pr, st->content, st->content_len);
+        for (size_t i = 0; i < st->n_tool_calls; i++) print_tool_call(o->pr, &st->tool_calls[i]);
+        fflush(stdout);
+    }
+}
+
 static void print_tool_call(printer *p, const ds41_chat_tool_call *c) {
     end_reasoning(p);
     if (p->wrote_any && !p->at_line_start) fputc('\n', stdout);
@@ -215,6 +246,7 @@ enum {
     OPT_STOP,
     OPT_IGNORE_EOS,
     OPT_CHUNK,
+    OPT_SPECULATIVE,
     OPT_REFERENCE,
     OPT_FORCED,
     OPT_JSON,
@@ -237,6 +269,7 @@ int main(int argc, char **argv) {
         {"stop", required_argument, NULL, OPT_STOP},
         {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
         {"chunk", required_argument, NULL, OPT_CHUNK},
+        {"speculative", required_argument, NULL, OPT_SPECULATIVE},
         {"reference", no_argument, NULL, OPT_REFERENCE},
         {"forced", required_argument, NULL, OPT_FORCED},
         {"json", no_argument, NULL, OPT_JSON},
@@ -246,7 +279,7 @@ int main(int argc, char **argv) {
     };
     const char *model = NULL, *prompt = NULL, *messages_path = NULL, *ids_arg = NULL, *forced_text = NULL;
     bool raw = false, thinking = false, reference = false, json_out = false, ignore_eos = false;
-    uint64_t effort = 0, max_tokens = 256, chunk = 0, seed = 0, top_k = 0;
+    uint64_t effort = 0, max_tokens = 256, chunk = 0, seed = 0, top_k = 0, speculative = 0;
     bool has_seed = false;
     float temperature = 0.0f, top_p = 1.0f;
     const char **stops = NULL;
@@ -308,6 +341,12 @@ int main(int argc, char **argv) {
         case OPT_CHUNK:
             if (parse_u64(optarg, &chunk) != 0 || chunk < 1 || chunk > (1u << 24)) {
                 fprintf(stderr, "ds41-generate: --chunk: expected an integer >= 1, got '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        case OPT_SPECULATIVE:
+            if (parse_u64(optarg, &speculative) != 0 || speculative < 1 || speculative > DS41_SPEC_MAX_K) {
+                fprintf(stderr, "ds41-generate: --speculative: expected 1..%u, got '%s'\n", DS41_SPEC_MAX_K, optarg);
                 return 2;
             }
             break;
@@ -423,49 +462,40 @@ int main(int argc, char **argv) {
         goto out;
     }
 
+    ds41_draft_provider head;
+    ds41_spec_config spec = {.max_k = (uint32_t)speculative, .max_backoff = DS41_SPEC_MAX_BACKOFF};
+    if (speculative) {
+        if (ds41_spec_head_provider(engine, &head, &err) != 0) {
+            fprintf(stderr, "ds41-generate: --speculative: %s\n", err.msg);
+            goto out;
+        }
+        if ((int64_t)speculative > cfg->dspark_block_size) {
+            fprintf(stderr, "ds41-generate: --speculative: %llu is above the model's dspark_block_size %lld\n",
+                    (unsigned long long)speculative, (long long)cfg->dspark_block_size);
+            goto out;
+        }
+    }
+
     status = 1;
     pool = ds41_engine_new_pool(engine, 0, 0, &err);
     seq = pool ? ds41_kv_seq_new(pool, &err) : NULL;
-    logits = malloc((size_t)n_vocab * sizeof *logits);
+    logits = malloc((size_t)(1 + DS41_SPEC_MAX_K) * n_vocab * sizeof *logits);
     if (!seq || !logits || ds41_sampler_scratch_new(&scratch, n_vocab, &err) != 0) {
         fprintf(stderr, "ds41-generate: %s\n", logits ? err.msg : "out of memory");
         goto out;
     }
 
     printer pr = {.tty = !json_out && isatty(STDOUT_FILENO), .at_line_start = true};
+    step_out so = {.pr = &pr, .stream_r = &stream_r, .stream_c = &stream_c, .json_out = json_out};
     const double t0 = now_s();
-    double t_prefill = 0;
-    for (;;) {
-        const int32_t *pending;
-        size_t n = ds41_generation_pending(g, &pending);
-        while (n > 0) {
-            size_t k = chunk && n > chunk ? (size_t)chunk : n;
-            ds41_fwd_item item = {.seq = seq, .ids = pending, .n_ids = k, .logits = k == n ? logits : NULL,
-                                  .logits_last_only = true};
-            if (ds41_forward(engine, &item, 1, NULL, &err) != 0) {
-                fprintf(stderr, "ds41-generate: %s\n", err.msg);
-                goto out;
-            }
-            ds41_generation_mark_fed(g, k);
-            n = ds41_generation_pending(g, &pending);
-        }
-        if (t_prefill == 0) t_prefill = now_s();
-        if (!ds41_generation_wants_logits(g)) break;
-        ds41_generation_delta st;
-        if (ds41_generation_step(g, logits, scratch, &st, &err) != 0) {
-            fprintf(stderr, "ds41-generate: %s\n", err.msg);
-            goto out;
-        }
-        ds41_buf_put(&stream_r, st.reasoning, st.reasoning_len);
-        ds41_buf_put(&stream_c, st.content, st.content_len);
-        if (!json_out) {
-            print_reasoning(&pr, st.reasoning, st.reasoning_len);
-            print_content(&pr, st.content, st.content_len);
-            for (size_t i = 0; i < st.n_tool_calls; i++) print_tool_call(&pr, &st.tool_calls[i]);
-            fflush(stdout);
-        }
-        if (st.finished) break;
+    ds41_spec_stats sst = {0};
+    /* plain decoding is the same loop without a provider (engine/serve/speculative.h) */
+    if (ds41_spec_generate(engine, seq, g, (size_t)chunk, speculative ? &spec : NULL, speculative ? &head : NULL,
+                           scratch, logits, on_step, &so, &sst, &err) != 0) {
+        fprintf(stderr, "ds41-generate: %s\n", err.msg);
+        goto out;
     }
+    const double t_prefill = so.t_first ? so.t_first : now_s();
     const double t1 = now_s();
     if (json_out) {
         json_t *o = summary_json(g, &stream_r, &stream_c, &err);
@@ -488,6 +518,9 @@ int main(int argc, char **argv) {
             (double)ds41_generation_prompt_tokens(g) / (t_prefill - t0 > 1e-9 ? t_prefill - t0 : 1e-9), n_gen,
             (double)n_gen / (t1 - t_prefill > 1e-9 ? t1 - t_prefill : 1e-9),
             (unsigned long long)ds41_generation_seed(g));
+    if (speculative)
+        fprintf(stderr, "[speculative: %llu verification steps, %llu drafted, %llu accepted]\n",
+                (unsigned long long)sst.steps, (unsigned long long)sst.drafted, (unsigned long long)sst.accepted);
     status = fflush(stdout) == 0 && !ferror(stdout) ? 0 : 1;
 out:
     ds41_buf_free(&stream_r);

@@ -136,10 +136,8 @@ static int compressor(ds41_engine *e, fwd_batch *b, int L, const float *xn, ds41
         float *ckv = ds41_kv_carry_kv(seq, src);
         float *csc = ds41_kv_carry_score(seq, src);
         const uint64_t a = b->row_pos[r];
-        const size_t slot = (size_t)(a % (uint64_t)ratio);
-        /* The carries are backend memory of the pool (engine/model/kv_cache.h). */
-        e->mem->copy(e->mem, ckv + slot * hd, kv + r * hd, hd * sizeof *kv);
-        e->mem->copy(e->mem, csc + slot * hd, sc + r * hd, hd * sizeof *sc);
+        /* The carries are backend memory of the pool, written by the cache (journaled). */
+        ds41_kv_carry_put(seq, src, a, kv + r * hd, sc + r * hd);
         if (!group_completes(a, ratio)) continue;
         e->mem->copy(e->mem, gkv + n * group, ckv, group * sizeof *gkv);
         e->mem->copy(e->mem, gsc + n * group, csc, group * sizeof *gsc);
@@ -436,7 +434,8 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
      * REFERENCE §7 writes only the backbone positions' main_kv there). */
     for (size_t it = 0; it < b->n_items && !b->draft_block; it++) {
         const ds41_fwd_item *item = &b->items[it];
-        const size_t n = item->n_ids, start = n > W ? n - W : 0;
+        /* (A journaled sequence gets every row: a rewind inside the chunk needs them.) */
+        const size_t n = item->n_ids, start = n > W && !ds41_kv_seq_journal_active(item->seq) ? n - W : 0;
         for (size_t i = start; i < n; i++)
             ds41_kv_ring_put(item->seq, L, b->item_pos0[it] + i,
                              chunk_rows + (b->item_row0[it] + i) * row_bytes);

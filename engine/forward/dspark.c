@@ -93,12 +93,15 @@ int ds41__dspark_seed(ds41_engine *e, fwd_batch *b, fwd_spec *s, ds41_error *err
         const int L = (int)(c->n_layers + k);
         ops->rope_table(ops, e->rope_freqs_be[L], rd / 2, s->pos, n, cs);
         ds41__window_kv(e, L, main_x, n, cs, kvraw, kv, rows, rb);
-        /* Each item's last min(n_ids, W) rows into the stage's ring. */
+        /* Each item's last min(n_ids, W) rows into the stage's ring (a
+         * journaled sequence's every row, as the backbone's rings: a rewind
+         * inside the chunk needs the rows it keeps). */
         size_t base = 0;
         for (size_t i = 0; i < b->n_items; i++) {
             const ds41_fwd_item *it = &b->items[i];
             if (!it->spec_taps) continue;
-            for (size_t t = it->n_ids > W ? it->n_ids - W : 0; t < it->n_ids; t++)
+            const bool all = ds41_kv_seq_journal_active(it->seq);
+            for (size_t t = it->n_ids > W && !all ? it->n_ids - W : 0; t < it->n_ids; t++)
                 ds41_kv_ring_put(it->seq, L, b->item_pos0[i] + t, rows + (base + t) * rb);
             base += it->n_ids;
         }

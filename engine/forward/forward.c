@@ -467,6 +467,9 @@ static int validate(const ds41_engine *e, const ds41_fwd_item *items, size_t n_i
         for (size_t L = 0; L < c->n_roles; L++)
             if (c->roles[L].present && c->roles[L].kv_source && l->source_of_layer[L] < 0)
                 return ds41_fail(err, "forward: item %zu: its sequence's pool was made for another model", i);
+        if (it->n_ids > ds41_kv_seq_journal_room(it->seq))
+            return ds41_fail(err, "forward: item %zu: %zu tokens, its sequence's journal has room for %llu",
+                             i, it->n_ids, (unsigned long long)ds41_kv_seq_journal_room(it->seq));
         if (pool && p != pool) return ds41_fail(err, "forward: the batch mixes sequences of different pools");
         pool = p;
     }
@@ -652,7 +655,7 @@ static int engram_hash(ds41_engine *e, fwd_batch *b, int64_t *ids, ds41_error *e
         ds41_engram_history *hist = ds41_kv_seq_engram(item->seq);
         for (size_t t = 0; t < item->n_ids; t++) {
             const size_t r = b->item_row0[it] + t;
-            if (ds41_engram_history_push(hist, e->token_map[item->ids[t]], err) != 0) return -1;
+            if (ds41_kv_seq_engram_push(item->seq, e->token_map[item->ids[t]], err) != 0) return -1;
             for (size_t s = 0; s < nsl; s++)
                 if (ds41_engram_hash_position(&e->eng, (int)s, hist, e->engram_pad, ids + (r * nsl + s) * ncols, err) !=
                     0)

@@ -35,6 +35,24 @@ struct ds41_kv_pool {
     uint64_t sequences;
 };
 
+/* A sequence's undo journal (ds41_kv_seq_journal_begin): what every journaled write overwrote,
+ * by the row (position - pos0) that wrote it, so a rewind restores positions newest first.
+ * The saved bytes stay in the pool's memory (memory copies, no host round trip). */
+typedef struct kv_journal {
+    bool active;
+    uint64_t pos0;        /* tokens when it began */
+    uint32_t rows;        /* rows it can take (max_rows of the begin) */
+    uint32_t cap;         /* rows allocated */
+    uint8_t *ring_undo;   /* mem: [cap][n_rings][ring_row_bytes] */
+    float *carry_undo;    /* mem: [cap][n_carries] kv row then score row, latent_dim each */
+    uint8_t *ring_saved;  /* host: [cap][n_rings] flags */
+    uint8_t *carry_saved; /* host: [cap][n_carries] flags */
+    ds41_engram_history engram0;
+    int32_t *engram_ids; /* host: [cap] ids pushed since pos0, in order */
+    uint32_t n_engram;
+    bool overflow; /* a write beyond `rows`: the journal cannot rewind */
+} kv_journal;
+
 typedef struct page_table {
     uint32_t *pages;
     uint32_t n_pages, cap;
@@ -50,6 +68,7 @@ struct ds41_kv_seq {
     size_t carry_floats;
     uint8_t *stage; /* host: one entry or ring row packed before its upload */
     ds41_engram_history engram;
+    kv_journal jr;
 };
 
 /* ---- pool ------------------------------------------------------------------ */
@@ -267,8 +286,11 @@ static uint32_t page_refcount(ds41_kv_pool *p, uint32_t id) {
 
 /* ---- sequences ------------------------------------------------------------- */
 
+static void journal_free(ds41_kv_seq *s);
+
 static void seq_release(ds41_kv_seq *s) {
     const ds41_memory *m = s->pool->mem;
+    journal_free(s);
     if (s->rings) m->free(m, s->rings, s->pool->ring_bytes);
     if (s->carries) m->free(m, s->carries, s->pool->carry_bytes);
     free(s->stage);
@@ -486,8 +508,166 @@ static uint8_t *ring_row(const ds41_kv_seq *s, int layer, uint32_t slot) {
     return s->rings + ((size_t)r * l->window + slot) * l->ring_row_bytes;
 }
 
+/* ---- journal ----------------------------------------------------------------- */
+
+static float *carry(const ds41_kv_seq *s, int source, int which);
+
+/* The journal row of a write at pos, or -1 when nothing is journaled (inactive) or the
+ * position is outside what it can take (then it overflows: a rewind fails). */
+static int64_t journal_row(ds41_kv_seq *s, uint64_t pos) {
+    kv_journal *j = &s->jr;
+    if (!j->active) return -1;
+    if (pos < j->pos0 || pos - j->pos0 >= j->rows) {
+        j->overflow = true;
+        return -1;
+    }
+    return (int64_t)(pos - j->pos0);
+}
+
+static void journal_ring(ds41_kv_seq *s, int layer, uint64_t pos) {
+    const int64_t row = journal_row(s, pos);
+    if (row < 0) return;
+    const ds41_kv_layout *l = &s->pool->layout;
+    const int r = l->ring_of_layer[layer];
+    uint8_t *flag = &s->jr.ring_saved[(size_t)row * l->n_rings + r];
+    if (*flag) return; /* the first write of the row holds what was there before it */
+    s->pool->mem->copy(s->pool->mem, s->jr.ring_undo + ((size_t)row * l->n_rings + r) * l->ring_row_bytes,
+                       ring_row(s, layer, (uint32_t)(pos % l->window)), l->ring_row_bytes);
+    *flag = 1;
+}
+
+static void journal_free(ds41_kv_seq *s) {
+    const ds41_memory *m = s->pool->mem;
+    const ds41_kv_layout *l = &s->pool->layout;
+    kv_journal *j = &s->jr;
+    if (j->ring_undo) m->free(m, j->ring_undo, (size_t)j->cap * l->n_rings * l->ring_row_bytes);
+    if (j->carry_undo)
+        m->free(m, j->carry_undo, (size_t)j->cap * l->n_carries * 2 * l->latent_dim * sizeof(float));
+    free(j->ring_saved);
+    free(j->carry_saved);
+    free(j->engram_ids);
+    memset(j, 0, sizeof *j);
+}
+
+int ds41_kv_seq_journal_begin(ds41_kv_seq *s, uint32_t max_rows, ds41_error *err) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    const ds41_memory *m = s->pool->mem;
+    if (max_rows == 0) return ds41_fail(err, "kv journal: max_rows is 0");
+    if (s->jr.active) return ds41_fail(err, "kv journal: already active");
+    if (s->jr.cap < max_rows) {
+        journal_free(s);
+        kv_journal *j = &s->jr;
+        const size_t rb = (size_t)max_rows * l->n_rings * l->ring_row_bytes;
+        const size_t cb = (size_t)max_rows * l->n_carries * 2 * l->latent_dim * sizeof(float);
+        j->ring_undo = rb ? m->alloc(m, rb) : NULL;
+        j->carry_undo = cb ? m->alloc(m, cb) : NULL;
+        j->ring_saved = calloc((size_t)max_rows * (l->n_rings ? l->n_rings : 1), 1);
+        j->carry_saved = calloc((size_t)max_rows * (l->n_carries ? l->n_carries : 1), 1);
+        j->engram_ids = malloc((size_t)max_rows * sizeof *j->engram_ids);
+        j->cap = max_rows;
+        if ((rb && !j->ring_undo) || (cb && !j->carry_undo) || !j->ring_saved || !j->carry_saved ||
+            !j->engram_ids) {
+            journal_free(s);
+            return ds41_fail(err, "kv journal: out of memory for %u rows", max_rows);
+        }
+    } else {
+        memset(s->jr.ring_saved, 0, (size_t)s->jr.cap * (l->n_rings ? l->n_rings : 1));
+        memset(s->jr.carry_saved, 0, (size_t)s->jr.cap * (l->n_carries ? l->n_carries : 1));
+    }
+    s->jr.active = true;
+    s->jr.overflow = false;
+    s->jr.pos0 = s->tokens;
+    s->jr.rows = max_rows;
+    s->jr.engram0 = s->engram;
+    s->jr.n_engram = 0;
+    return 0;
+}
+
+bool ds41_kv_seq_journal_active(const ds41_kv_seq *s) {
+    return s->jr.active;
+}
+
+uint64_t ds41_kv_seq_journal_room(const ds41_kv_seq *s) {
+    if (!s->jr.active) return UINT64_MAX;
+    const uint64_t used = s->tokens - s->jr.pos0;
+    return used >= s->jr.rows ? 0 : s->jr.rows - used;
+}
+
+void ds41_kv_seq_journal_end(ds41_kv_seq *s) {
+    s->jr.active = false;
+}
+
+int ds41_kv_seq_rewind(ds41_kv_seq *s, uint64_t tokens, ds41_error *err) {
+    ds41_kv_pool *p = s->pool;
+    const ds41_kv_layout *l = &p->layout;
+    const ds41_memory *m = p->mem;
+    kv_journal *j = &s->jr;
+    if (!j->active) return ds41_fail(err, "kv journal: rewind without a journal");
+    if (j->overflow)
+        return ds41_fail(err, "kv journal: more than %u rows were written, cannot rewind", j->rows);
+    if (tokens < j->pos0 || tokens > s->tokens)
+        return ds41_fail(err, "kv journal: rewind to %llu tokens outside [%llu, %llu]",
+                         (unsigned long long)tokens, (unsigned long long)j->pos0,
+                         (unsigned long long)s->tokens);
+    /* Newest position first: each saved row holds what its position's write overwrote. */
+    for (uint64_t row = s->tokens - j->pos0; row-- > tokens - j->pos0;) {
+        const uint64_t pos = j->pos0 + row;
+        for (int r = 0; r < l->n_rings; r++) {
+            uint8_t *flag = &j->ring_saved[row * l->n_rings + r];
+            if (!*flag) continue;
+            m->copy(m, s->rings + ((size_t)r * l->window + pos % l->window) * l->ring_row_bytes,
+                    j->ring_undo + (row * l->n_rings + r) * l->ring_row_bytes, l->ring_row_bytes);
+            *flag = 0;
+        }
+        for (int src = 0; src < l->n_sources; src++) {
+            const int c = l->source_carry[src];
+            if (c < 0) continue;
+            uint8_t *flag = &j->carry_saved[row * l->n_carries + c];
+            if (!*flag) continue;
+            const size_t hd = l->latent_dim, slot = pos % (uint64_t)l->source_ratio[src];
+            const float *undo = j->carry_undo + (row * l->n_carries + c) * 2 * hd;
+            m->copy(m, carry(s, src, 0) + slot * hd, undo, hd * sizeof(float));
+            m->copy(m, carry(s, src, 1) + slot * hd, undo + hd, hd * sizeof(float));
+            *flag = 0;
+        }
+    }
+    /* Compressed entries: a source holds tokens / ratio of them; pages past them go back. */
+    for (int src = 0; src < l->n_sources; src++) {
+        page_table *t = &s->src[src];
+        const uint64_t keep = tokens / (uint64_t)l->source_ratio[src];
+        if (keep >= t->n_entries) continue;
+        t->n_entries = keep;
+        const uint32_t pages = (uint32_t)((keep + l->entries_per_page - 1) / l->entries_per_page);
+        while (t->n_pages > pages) page_unref(p, t->pages[--t->n_pages]);
+    }
+    /* The Engram history: the one at pos0 with the kept pushes replayed (they succeeded once). */
+    const uint64_t kept = tokens - j->pos0;
+    if (kept < j->n_engram) {
+        ds41_engram_history h = j->engram0;
+        for (uint64_t i = 0; i < kept; i++)
+            if (ds41_engram_history_push(&h, j->engram_ids[i], err) != 0) return -1;
+        s->engram = h;
+        j->n_engram = (uint32_t)kept;
+    }
+    s->tokens = tokens;
+    return 0;
+}
+
+int ds41_kv_seq_engram_push(ds41_kv_seq *s, int32_t compressed_id_or_dead, ds41_error *err) {
+    kv_journal *j = &s->jr;
+    if (j->active) {
+        if (j->n_engram >= j->rows) {
+            j->overflow = true;
+        } else {
+            j->engram_ids[j->n_engram++] = compressed_id_or_dead;
+        }
+    }
+    return ds41_engram_history_push(&s->engram, compressed_id_or_dead, err);
+}
+
 void ds41_kv_ring_write(ds41_kv_seq *s, int layer, uint64_t pos, const float *kv) {
     const ds41_kv_layout *l = &s->pool->layout;
+    journal_ring(s, layer, pos);
     ds41_act_quant(kv, l->latent_dim, s->stage, s->stage + l->latent_dim);
     s->pool->mem->upload(s->pool->mem, ring_row(s, layer, (uint32_t)(pos % l->window)), s->stage,
                          l->ring_row_bytes);
@@ -495,6 +675,7 @@ void ds41_kv_ring_write(ds41_kv_seq *s, int layer, uint64_t pos, const float *kv
 
 void ds41_kv_ring_put(ds41_kv_seq *s, int layer, uint64_t pos, const uint8_t *row) {
     const ds41_kv_layout *l = &s->pool->layout;
+    journal_ring(s, layer, pos);
     s->pool->mem->copy(s->pool->mem, ring_row(s, layer, (uint32_t)(pos % l->window)), row, l->ring_row_bytes);
 }
 
@@ -519,6 +700,24 @@ static float *carry(const ds41_kv_seq *s, int source, int which) {
     for (int src = 0; src < source; src++)
         if (l->source_carry[src] >= 0) c += 2 * (size_t)l->source_ratio[src] * l->latent_dim;
     return c + (size_t)which * l->source_ratio[source] * l->latent_dim;
+}
+
+void ds41_kv_carry_put(ds41_kv_seq *s, int source, uint64_t pos, const float *kv, const float *score) {
+    const ds41_kv_layout *l = &s->pool->layout;
+    const ds41_memory *m = s->pool->mem;
+    const int c = l->source_carry[source];
+    if (c < 0) return;
+    const size_t hd = l->latent_dim, slot = pos % (uint64_t)l->source_ratio[source];
+    float *ckv = carry(s, source, 0) + slot * hd, *csc = carry(s, source, 1) + slot * hd;
+    const int64_t row = journal_row(s, pos);
+    if (row >= 0 && !s->jr.carry_saved[(size_t)row * l->n_carries + c]) {
+        float *undo = s->jr.carry_undo + ((size_t)row * l->n_carries + c) * 2 * hd;
+        m->copy(m, undo, ckv, hd * sizeof(float));
+        m->copy(m, undo + hd, csc, hd * sizeof(float));
+        s->jr.carry_saved[(size_t)row * l->n_carries + c] = 1;
+    }
+    m->copy(m, ckv, kv, hd * sizeof(float));
+    m->copy(m, csc, score, hd * sizeof(float));
 }
 
 float *ds41_kv_carry_kv(ds41_kv_seq *s, int source) {

@@ -200,7 +200,43 @@ float *ds41_kv_carry_score(ds41_kv_seq *seq, int source);
  * skips one): a download each.  -1 (nothing written) for a ratio-1 source. */
 int ds41_kv_carry_read(const ds41_kv_seq *seq, int source, float *kv, float *score);
 
+/* Write the carry slot of token `pos` (slot pos % ratio) of a ratio > 1 source: kv and score
+ * are latent_dim fp32 each in backend memory of the pool's memory (memory copies; journaled,
+ * see below).  No-op for a ratio-1 source.  The forward pass writes carries only through this. */
+void ds41_kv_carry_put(ds41_kv_seq *seq, int source, uint64_t pos, const float *kv, const float *score);
+
 ds41_engram_history *ds41_kv_seq_engram(ds41_kv_seq *seq);
+/* Push the next token's compressed id onto the Engram history (journaled, see below); the
+ * forward pass pushes only through this. */
+int ds41_kv_seq_engram_push(ds41_kv_seq *seq, int32_t compressed_id_or_dead, ds41_error *err);
+
+/* ---- journal: rewinding a sequence (speculative decoding) ------------------ */
+
+/* Speculative decoding feeds drafts that may be rejected: the sequence must go back to the
+ * position after the last accepted token as if the rejected ones had never been fed.  Between
+ * ds41_kv_seq_journal_begin and _end every write to the sequence's state is journaled: a ring
+ * slot's or carry slot's previous bytes are saved (memory copies inside the pool's memory, no
+ * host round trip) the first time a position writes it, the Engram pushes are recorded, and the
+ * forward pass writes every row of a chunk to the rings (not only the last window_size ones).
+ * ds41_kv_seq_rewind(seq, j) then restores the slots of positions j.. newest first, truncates
+ * every source to j / ratio entries (pages no longer needed go back to the pool; a page copied on
+ * write stays the sequence's own copy), rebuilds the Engram history and sets the token count:
+ * the sequence then serializes to the same bytes as one that only ever consumed j tokens, and
+ * continues with the same logits bit for bit.  It may be rewound several times, and fed again,
+ * inside one journal.  A fork made while a journal is open has none.
+ *
+ * begin: positions tokens .. tokens + max_rows - 1 can be journaled (ds41_forward refuses a
+ * chunk beyond that, before any state changes).  Errors: already active, max_rows 0, out of
+ * memory.  The journal's buffers are kept for the next begin (freed with the sequence). */
+int ds41_kv_seq_journal_begin(ds41_kv_seq *seq, uint32_t max_rows, ds41_error *err);
+bool ds41_kv_seq_journal_active(const ds41_kv_seq *seq);
+/* Tokens the open journal can still take (UINT64_MAX without one). */
+uint64_t ds41_kv_seq_journal_room(const ds41_kv_seq *seq);
+/* Errors (nothing changes): no journal, tokens outside [the begin's position, current], more
+ * positions written than the journal could take. */
+int ds41_kv_seq_rewind(ds41_kv_seq *seq, uint64_t tokens, ds41_error *err);
+/* Stop journaling (the state stays as it is). */
+void ds41_kv_seq_journal_end(ds41_kv_seq *seq);
 
 /* ---- accounting ------------------------------------------------------------ */
 

@@ -1188,8 +1188,9 @@ static const float *min_tokens_logits(ds41_generation *g, const float *logits) {
     return m;
 }
 
-int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
-                         ds41_generation_delta *out, ds41_error *err) {
+/* A step; with draft >= 0 the sample is speculative (ds41_generation_step_draft). */
+static int step_impl(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch, int64_t draft,
+                     const float *q, ds41_generation_delta *out, bool *accepted, ds41_error *err) {
     ds41_generation_delta dummy;
     if (!out) out = &dummy;
     step_reset(g, out);
@@ -1217,7 +1218,14 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
         use = logits;
     }
     if (!test_forced && !c_forced && gen_index < g->min_tokens) use = min_tokens_logits(g, use);
-    if (ds41_sampler_sample(g->sampler, scratch, use, g->n_vocab, &res, err) != 0) return -1;
+    if (draft >= 0 && !test_forced && !c_forced) {
+        int acc = 0;
+        if (ds41_sampler_sample_draft(g->sampler, scratch, use, g->n_vocab, (uint32_t)draft, q, &res, &acc, err) !=
+            0)
+            return -1;
+    } else if (ds41_sampler_sample(g->sampler, scratch, use, g->n_vocab, &res, err) != 0) {
+        return -1;
+    }
     if (test_forced || c_forced) {
         uint32_t forced = test_forced ? g->forced[gen_index] : g->cforce[g->cforce_pos++];
         if (res.token != forced) {
@@ -1227,6 +1235,8 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
         out->forced = true;
     }
     const uint32_t token = res.token;
+    /* the sampled token is the draft: what the verification fed at this position stands */
+    if (accepted) *accepted = draft >= 0 && (int64_t)token == draft;
     out->token = token;
     out->sample = res;
     out->reasoning_token = g->state == SPLIT_REASONING;
@@ -1278,6 +1288,19 @@ int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_s
         return oom(err);
     step_fill(g, out);
     return 0;
+}
+
+int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
+                         ds41_generation_delta *out, ds41_error *err) {
+    return step_impl(g, logits, scratch, -1, NULL, out, NULL, err);
+}
+
+int ds41_generation_step_draft(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
+                               uint32_t draft, const float *q, ds41_generation_delta *out, bool *accepted,
+                               ds41_error *err) {
+    if (accepted) *accepted = false;
+    if (draft >= g->n_vocab) return ds41_fail(err, "generation: draft token %u outside the vocabulary", draft);
+    return step_impl(g, logits, scratch, draft, q, out, accepted, err);
 }
 
 int ds41_generation_abort(ds41_generation *g, ds41_generation_delta *out, ds41_error *err) {

@@ -319,6 +319,16 @@ bool ds41_generation_wants_logits(const ds41_generation *g);
 int ds41_generation_step(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
                          ds41_generation_delta *out, ds41_error *err);
 
+/* ds41_generation_step for a position whose next token a draft guessed (speculative decoding,
+ * engine/serve/speculative.h): the same step, except that the sample is
+ * ds41_sampler_sample_draft's (q as there: NULL = a deterministic draft) so the token keeps the
+ * distribution of plain sampling; greedy gives exactly the plain step's token.  Forced tokens
+ * (tests, constraints) are taken as usual.  *accepted: the step's token is the draft (then the
+ * position after it, which the verification fed too, may be stepped next once the caller marks
+ * it fed).  A rejected draft leaves no state here: nothing of it was recorded. */
+int ds41_generation_step_draft(ds41_generation *g, const float *logits, ds41_sampler_scratch *scratch,
+                               uint32_t draft, const float *q, ds41_generation_delta *out, bool *accepted,
+                               ds41_error *err);
 /* End now (client gone, server stopping, out of KV memory): like a finish by a stop string at
  * this point, so *out (if not NULL) delivers the held-back text and the parse of what was
  * generated.  No-op (out->finished with the earlier reason, no text) once finished. */

@@ -1066,6 +1066,110 @@ int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *sc, const float *
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Speculative sampling (sampler.h: ds41_sampler_sample_draft) */
+
+/* The kept weight of token t (0 when truncated away); the set is complete. */
+static uint64_t kept_weight_of(const kept_set *ks, uint32_t t) {
+    for (int b = N_BUCKETS - 1; b >= ks->lowest; b--)
+        for (size_t i = ks->start[b]; i < ks->end[b]; i++)
+            if (key_token(ks->keys[i]) == t) return key_weight(ks->keys[i]);
+    return 0;
+}
+
+/* A uniform double in [0, 1) from 53 bits of the stream. */
+static double uniform01(ds41_pcg64 *rng) {
+    return (double)(ds41_pcg64_next64(rng) >> 11) * 0x1p-53;
+}
+
+int ds41_sampler_sample_draft(ds41_sampler *s, ds41_sampler_scratch *sc, const float *logits, uint32_t n,
+                              uint32_t draft, const float *q, ds41_sample_result *result, int *accepted,
+                              ds41_error *err) {
+    if (!result || !accepted) return ds41_fail(err, "sampler: no result");
+    if (draft >= s->n_vocab)
+        return ds41_fail(err, "sampler: draft token %u outside the vocabulary (%u)", draft, s->n_vocab);
+    if (q && !(q[draft] > 0.0f))
+        return ds41_fail(err, "sampler: the draft distribution gives its own token %u no probability", draft);
+    draw_setup ds;
+    uint32_t argmax;
+    if (prepare(s, sc, logits, n, &ds.l, &argmax, err) != 0) return -1;
+    const ds41_sampler_params *p = &s->params;
+    if (p->temperature == 0.0f) {
+        /* p is one-hot on the argmax: accepted exactly when the draft is it, else the argmax */
+        if (ds41_sampler_sample(s, sc, logits, n, result, err) != 0) return -1;
+        *accepted = result->token == draft;
+        return 0;
+    }
+    ds.l_max = ds.l[argmax];
+    memset(result, 0, sizeof *result);
+    result->logprob = NAN;
+    ds.min_weight = min_p_weight(p->min_p);
+    ds.floor_weight = p->top_p < 1.0f ? 1 : ds.min_weight;
+    weigh(ds.l, n, ds.l_max, p->temperature, weight_threshold(ds.floor_weight), sc->w, &ds.totals);
+    kept_set ks;
+    truncate(s, sc, &ds, 1, &ks); /* complete: every kept weight is needed */
+    const uint64_t mass = kept_mass(&ks), w_draft = kept_weight_of(&ks, draft);
+    uint32_t token = draft;
+    if (!q) {
+        /* q one-hot on the draft: accept with p(draft) = W_d / M exactly (integers); on rejection
+         * the residual max(0, p - q) is p without the draft */
+        int64_t r;
+        if (ds41_pcg64_integers(&s->rng, (int64_t)mass, &r, 1, err) != 0) return -1;
+        *accepted = (uint64_t)r < w_draft;
+        if (!*accepted) {
+            if (ds41_pcg64_integers(&s->rng, (int64_t)(mass - w_draft), &r, 1, err) != 0) return -1;
+            uint64_t below = 0;
+            token = argmax;
+            for (int b = N_BUCKETS - 1; b >= ks.lowest; b--)
+                for (size_t i = ks.start[b]; i < ks.end[b]; i++) {
+                    const uint32_t t = key_token(ks.keys[i]);
+                    if (t == draft) continue;
+                    below += key_weight(ks.keys[i]);
+                    if (below > (uint64_t)r) {
+                        token = t;
+                        goto chosen;
+                    }
+                }
+        }
+    } else {
+        /* accept with min(1, p/q); on rejection draw from norm(max(0, p - q)) */
+        const double pd = (double)w_draft / (double)mass;
+        *accepted = uniform01(&s->rng) * (double)q[draft] < pd;
+        if (!*accepted) {
+            double total = 0;
+            for (int b = N_BUCKETS - 1; b >= ks.lowest; b--)
+                for (size_t i = ks.start[b]; i < ks.end[b]; i++) {
+                    const double d =
+                        (double)key_weight(ks.keys[i]) / (double)mass - (double)q[key_token(ks.keys[i])];
+                    if (d > 0) total += d;
+                }
+            const double u = uniform01(&s->rng) * total;
+            double below = 0;
+            token = argmax; /* total 0 cannot reject; rounding falls back on the argmax */
+            for (int b = N_BUCKETS - 1; b >= ks.lowest; b--)
+                for (size_t i = ks.start[b]; i < ks.end[b]; i++) {
+                    const double d =
+                        (double)key_weight(ks.keys[i]) / (double)mass - (double)q[key_token(ks.keys[i])];
+                    if (d <= 0) continue;
+                    below += d;
+                    if (below > u) {
+                        token = key_token(ks.keys[i]);
+                        goto chosen;
+                    }
+                }
+        }
+    }
+chosen:
+    result->token = token;
+    if (p->logprobs) {
+        if (p->logprobs_mode == DS41_LOGPROBS_RAW)
+            full_logprobs(logits, n, token, p->top_logprobs, sc->w, 0, result);
+        else
+            kept_logprobs(s, ds.l, ds.l_max, &ks, mass, token, result);
+    }
+    return 0;
+}
+
 int ds41_sampler_weights(const ds41_sampler *s, ds41_sampler_scratch *sc, const float *logits, uint32_t n,
                          uint64_t *weights, ds41_error *err) {
     if (!weights) return ds41_fail(err, "sampler: no weights buffer");

@@ -171,6 +171,19 @@ void ds41_sampler_scratch_free(ds41_sampler_scratch *scratch);
 int ds41_sampler_sample(ds41_sampler *s, ds41_sampler_scratch *scratch, const float *logits, uint32_t n_vocab,
                         ds41_sample_result *result, ds41_error *err);
 
+/* Speculative sampling of one position with a draft token (issue 16): p is the distribution
+ * ds41_sampler_sample draws from (after bias, penalties, temperature, top_k / top_p / min_p),
+ * q the draft's (q[n_vocab], q[draft] > 0; NULL = one-hot on the draft: a deterministic draft).
+ * The draft is accepted with probability min(1, p(draft) / q(draft)); on rejection the token is
+ * drawn from norm(max(0, p - q)), so the token has distribution p whatever the draft (standard
+ * speculative sampling).  Greedy: p is one-hot on the argmax, so *accepted = (draft == argmax) and
+ * the token is the argmax, no PRNG use.  With q NULL the acceptance is exact in the integer
+ * weights (a draw below W_draft out of M_kept).  Fills *result (logprobs as ds41_sampler_sample;
+ * with q the rejected branch's arithmetic is double).  Does not record the token.  Errors:
+ * ds41_sampler_sample's, a draft outside the vocabulary, q[draft] not > 0. */
+int ds41_sampler_sample_draft(ds41_sampler *s, ds41_sampler_scratch *scratch, const float *logits,
+                              uint32_t n_vocab, uint32_t draft, const float *q, ds41_sample_result *result,
+                              int *accepted, ds41_error *err);
 /* Steps 1-3 only: writes the biased and penalized logits l[n_vocab] to out (which may equal
  * logits).  For tests and debugging; sampling uses exactly these values.  Errors: size mismatch. */
 int ds41_sampler_process_logits(const ds41_sampler *s, const float *logits, uint32_t n_vocab, float *out,

@@ -29,6 +29,7 @@ typedef struct req {
     /* published under mu for listings (the engine thread owns the live values) */
     uint64_t pub_kv_tokens, pub_kv_pages, pub_kv_bytes, pub_generated;
     bool failed; /* sampling failed in this step (engine thread) */
+    ds41_spec_seq ss; /* speculative decoding: the planned draft block, back-off, counters */
     char failure[256];
     /* how it ended (set when it joins the endings list) */
     ds41_sched_status end_status;
@@ -105,6 +106,10 @@ struct ds41_scheduler {
     req **item_req;
     size_t *item_n;
     size_t *item_slot; /* logits slot + 1, 0 = no logits */
+    /* speculative decoding: the provider's requests and answers of a step */
+    ds41_draft_request *spec_rq;
+    ds41_draft *spec_out;
+    req **spec_req;
     float *logits;
     size_t logits_slots;
     /* ended requests whose sink has not been told yet (linked through req.next), delivered
@@ -508,19 +513,30 @@ static size_t plan_batch(ds41_scheduler *s) {
     for (;;) {
         size_t n_items = 0;
         uint64_t tokens = 0, need = 0;
-        /* decode */
+        /* decode: one row per sequence, plus its draft rows (speculative decoding) while the
+         * step's token budget has room for them */
+        uint64_t n_decode = 0;
+        for (uint32_t i = 0; i < s->n_running; i++) n_decode += s->running[i]->phase == PH_DECODE;
+        uint64_t draft_room = s->cfg.max_batch_tokens > n_decode ? s->cfg.max_batch_tokens - n_decode : 0;
         for (uint32_t i = 0; i < s->n_running; i++) {
             req *r = s->running[i];
             if (r->phase != PH_DECODE) continue;
             const int32_t *ids;
             size_t n = ds41_generation_pending(r->g, &ids);
             if (n == 0) continue;
-            s->items[n_items] = (ds41_fwd_item){.seq = r->seq, .ids = ids, .n_ids = 1, .logits_last_only = true};
+            if (r->ss.k > draft_room) r->ss.k = (uint32_t)draft_room; /* a prefix of a block is a block */
+            draft_room -= r->ss.k;
+            const size_t rows = 1 + r->ss.k;
+            s->items[n_items] = (ds41_fwd_item){.seq = r->seq,
+                                                .ids = r->ss.k ? r->ss.ids : ids,
+                                                .n_ids = rows,
+                                                .logits_last_only = r->ss.k == 0,
+                                                .spec_taps = s->cfg.draft.taps};
             s->item_req[n_items] = r;
-            s->item_n[n_items] = 1;
+            s->item_n[n_items] = rows;
             n_items++;
-            tokens++;
-            need += ds41_kv_seq_pages_to_grow(r->seq, 1);
+            tokens += rows;
+            need += ds41_kv_seq_pages_to_grow(r->seq, rows);
         }
         /* prefill, oldest admission first */
         for (;;) {
@@ -543,7 +559,9 @@ static size_t plan_batch(ds41_scheduler *s) {
                 size_t upto = ds41_generation_prompt_tokens(pick->g) - 1;
                 if (fed < upto && k > upto - fed) k = upto - fed;
             }
-            s->items[n_items] = (ds41_fwd_item){.seq = pick->seq, .ids = ids, .n_ids = k, .logits_last_only = true};
+            pick->ss.k = 0; /* drafts follow sampled tokens only */
+            s->items[n_items] = (ds41_fwd_item){
+                .seq = pick->seq, .ids = ids, .n_ids = k, .logits_last_only = true, .spec_taps = s->cfg.draft.taps};
             s->item_req[n_items] = pick;
             s->item_n[n_items] = k;
             n_items++;
@@ -646,6 +664,56 @@ static void fail_jobs(ds41_scheduler *s) {
     pthread_cond_broadcast(&s->jobs_done);
 }
 
+/* A verified token's delta goes to its request's sink. */
+static void sched_emit(void *ctx, const ds41_generation *g, const ds41_generation_delta *d,
+                       const float *logits) {
+    (void)logits;
+    req *r = ctx;
+    r->sink.delta(r->sink.ctx, g, d);
+}
+
+static void spec_stats_diff(ds41_spec_stats *to, const ds41_spec_stats *now, const ds41_spec_stats *before) {
+    to->steps += now->steps - before->steps;
+    to->drafted += now->drafted - before->drafted;
+    to->accepted += now->accepted - before->accepted;
+    for (unsigned a = 0; a <= DS41_SPEC_MAX_K; a++) to->hist[a] += now->hist[a] - before->hist[a];
+}
+
+/* Speculative decoding (engine thread, unlocked, right after the step that sampled the tokens
+ * the drafts follow): ask the provider, in one call, for the next drafts of every sequence of
+ * the step that goes on decoding; the next plan feeds them.  A provider error only means no
+ * drafts this step. */
+static void plan_drafts(ds41_scheduler *s, size_t n_items) {
+    if (!s->cfg.draft.draft || s->cfg.spec.max_k == 0) return;
+    size_t n = 0;
+    for (size_t k = 0; k < n_items; k++) {
+        req *r = s->item_req[k];
+        r->ss.k = 0;
+        const int32_t *pending = NULL;
+        /* (the pending token must be a sampled one: not the last prompt token a snapshot left) */
+        if (r->failed || ds41_generation_finished(r->g) || ds41_generation_completion_tokens(r->g) == 0 ||
+            ds41_generation_pending(r->g, &pending) != 1)
+            continue;
+        const uint32_t want = ds41_spec_want(&s->cfg.spec, &r->ss, r->g);
+        if (want == 0) continue;
+        size_t n_ctx = 0;
+        const int32_t *ctx = ds41_generation_tokens(r->g, &n_ctx);
+        s->spec_rq[n] = (ds41_draft_request){
+            .seq = r->seq, .context = ctx, .n_context = n_ctx, .last = pending[0], .max_k = want};
+        s->spec_req[n] = r;
+        memset(&s->spec_out[n], 0, sizeof s->spec_out[n]);
+        n++;
+    }
+    if (n == 0) return;
+    ds41_error err = {{0}};
+    if (s->cfg.draft.draft(s->cfg.draft.ctx, s->spec_rq, n, s->spec_out, &err) != 0) {
+        slog(s, "draft provider %s: %s", s->cfg.draft.name ? s->cfg.draft.name : "?", err.msg);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        ds41_spec_take(&s->cfg.spec, &s->spec_req[i]->ss, s->spec_req[i]->g, &s->spec_out[i]);
+}
+
 static void *engine_main(void *arg) {
     ds41_scheduler *s = arg;
     pthread_mutex_lock(&s->mu);
@@ -710,7 +778,17 @@ static void *engine_main(void *arg) {
         size_t n_logits = 0;
         for (size_t k = 0; k < n_items; k++) {
             req *r = s->item_req[k];
-            s->item_slot[k] = s->item_n[k] == ds41_generation_pending(r->g, NULL) ? ++n_logits : 0;
+            const bool spec = r->phase == PH_DECODE && r->ss.k > 0;
+            if (spec && ds41_spec_begin(&r->ss, r->seq, &(ds41_error){{0}}) != 0) {
+                /* no journal (out of memory): a plain step */
+                r->ss.k = 0;
+                (void)ds41_generation_pending(r->g, &s->items[k].ids);
+                s->items[k].n_ids = s->item_n[k] = 1;
+                s->items[k].logits_last_only = true;
+            }
+            const size_t rows = r->phase == PH_DECODE ? s->item_n[k] : 1;
+            s->item_slot[k] = spec || s->item_n[k] == ds41_generation_pending(r->g, NULL) ? n_logits + 1 : 0;
+            if (s->item_slot[k]) n_logits += rows;
             r->failed = false;
         }
         pthread_mutex_unlock(&s->mu);
@@ -742,6 +820,8 @@ static void *engine_main(void *arg) {
             slog(s, "forward step failed: %s", err.msg);
             for (size_t k = 0; k < n_items; k++) {
                 req *r = s->item_req[k];
+                ds41_kv_seq_journal_end(r->seq);
+                r->ss.k = 0;
                 uint32_t idx = running_index(s, r);
                 if (idx == UINT32_MAX) continue;
                 running_remove(s, idx);
@@ -751,14 +831,40 @@ static void *engine_main(void *arg) {
             }
             continue;
         }
-        for (size_t k = 0; k < n_items; k++) ds41_generation_mark_fed(s->item_req[k]->g, s->item_n[k]);
+        /* (a draft block's drafts are marked fed by the verification, as they stand) */
+        for (size_t k = 0; k < n_items; k++)
+            ds41_generation_mark_fed(s->item_req[k]->g, s->item_req[k]->ss.k ? 1 : s->item_n[k]);
         pthread_mutex_unlock(&s->mu);
 
         /* ---- sampling and text, unlocked (sinks run here) ---- */
         uint64_t sampled = 0;
+        ds41_spec_stats spec_st;
+        memset(&spec_st, 0, sizeof spec_st);
         for (size_t k = 0; k < n_items; k++) {
             req *r = s->item_req[k];
             if (!s->items[k].logits || !ds41_generation_wants_logits(r->g)) continue;
+            if (r->ss.k) {
+                /* a draft block: step row by row, the sink sees each token that stands */
+                const ds41_spec_stats before = r->ss.st;
+                size_t n_steps = 0;
+                int vrc = ds41_spec_verify(&r->ss, r->g, r->seq, s->items[k].logits, s->n_vocab, s->scratch,
+                                           sched_emit, r, &n_steps, &err);
+                sampled += n_steps;
+                spec_stats_diff(&spec_st, &r->ss.st, &before);
+                if (vrc != 0) {
+                    r->failed = true;
+                    snprintf(r->failure, sizeof r->failure, "%.255s", err.msg);
+                    slog(s, "request %llu: %s", (unsigned long long)r->id, err.msg);
+                    ds41_generation_abort(r->g, NULL, NULL);
+                    continue;
+                }
+                const int32_t *next = NULL;
+                if (!ds41_generation_finished(r->g) && ds41_generation_pending(r->g, &next) == 1) {
+                    ds41_error perr;
+                    (void)ds41_engine_prefetch(s->engine, r->seq, next[0], &perr);
+                }
+                continue;
+            }
             ds41_generation_delta d;
             if (ds41_generation_step(r->g, s->items[k].logits, s->scratch, &d, &err) != 0) {
                 r->failed = true;
@@ -777,9 +883,14 @@ static void *engine_main(void *arg) {
             }
             r->sink.delta(r->sink.ctx, r->g, &d);
         }
+        plan_drafts(s, n_items);
 
         pthread_mutex_lock(&s->mu);
         s->st.generated_tokens += sampled;
+        s->st.spec_steps += spec_st.steps;
+        s->st.spec_drafted += spec_st.drafted;
+        s->st.spec_accepted += spec_st.accepted;
+        for (unsigned a = 0; a <= DS41_SPEC_MAX_K; a++) s->st.spec_hist[a] += spec_st.hist[a];
         count_tokens_per_s(s, sampled);
         for (size_t k = 0; k < n_items; k++) {
             req *r = s->item_req[k];
@@ -845,8 +956,12 @@ int ds41_scheduler_new(ds41_engine *engine, const ds41_sched_config *cfg, ds41_s
     s->item_n = calloc(cfg->max_sequences, sizeof *s->item_n);
     s->item_slot = calloc(cfg->max_sequences, sizeof *s->item_slot);
     s->cache = calloc(DS41_SCHED_MAX_CACHE_ENTRIES + 1, sizeof *s->cache);
-    if (!s->running || !s->items || !s->item_req || !s->item_n || !s->item_slot || !s->cache ||
-        ds41_sampler_scratch_new(&s->scratch, s->n_vocab, err) != 0) {
+    s->spec_rq = calloc(cfg->max_sequences, sizeof *s->spec_rq);
+    s->spec_out = calloc(cfg->max_sequences, sizeof *s->spec_out);
+    s->spec_req = calloc(cfg->max_sequences, sizeof *s->spec_req);
+    if (cfg->draft.draft && ds41_spec_config_check(&cfg->spec, "speculative", err) != 0) goto fail;
+    if (!s->running || !s->items || !s->item_req || !s->item_n || !s->item_slot || !s->cache || !s->spec_rq ||
+        !s->spec_out || !s->spec_req || ds41_sampler_scratch_new(&s->scratch, s->n_vocab, err) != 0) {
         if (!err || !err->msg[0]) ds41_fail(err, "out of memory");
         goto fail;
     }
@@ -876,6 +991,9 @@ fail:
     free(s->item_n);
     free(s->item_slot);
     free(s->cache);
+    free(s->spec_rq);
+    free(s->spec_out);
+    free(s->spec_req);
     ds41_kv_pool_free(s->pool);
     free(s);
     return -1;
@@ -911,6 +1029,9 @@ void ds41_scheduler_free(ds41_scheduler *s, unsigned drain_ms) {
     free(s->item_req);
     free(s->item_n);
     free(s->item_slot);
+    free(s->spec_rq);
+    free(s->spec_out);
+    free(s->spec_req);
     free(s->logits);
     free(s->cache);
     ds41_kv_pool_free(s->pool);

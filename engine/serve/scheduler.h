@@ -16,8 +16,8 @@
  * the call: prefix-cache entries are evicted first, then the most recently admitted running
  * sequence is preempted (its request ends with DS41_SCHED_KV_FULL).
  *
- * Prefix cache.  Sequences cannot be rewound (the window rings and compressor carries only hold
- * the state at the current position), so the cache keeps snapshots at useful positions, each a
+ * Prefix cache.  Sequences cannot be rewound past their last journaled forward call (the window
+ * rings and compressor carries only hold the state at the current position; engine/model/kv_cache.h), so the cache keeps snapshots at useful positions, each a
  * ds41_kv_seq_fork (copy-on-write pages) with the token ids it consumed:
  *   - a request's prompt minus its last token, taken when prefill gets there (the last token is
  *     fed in the next step), so the same prompt again -- a retry, another sample, another client
@@ -51,6 +51,7 @@
 #include "config/error.h"
 #include "engine/forward/forward.h"
 #include "engine/serve/generate.h"
+#include "engine/serve/speculative.h"
 
 #define DS41_SCHED_MAX_CACHE_ENTRIES 256u
 /* Buckets (upper bounds) of the sequences-per-decode-step histogram; the last is +Inf. */
@@ -105,6 +106,14 @@ typedef struct ds41_sched_config {
     bool prefix_cache;
     uint64_t prefix_cache_max_bytes; /* 0 = any page live sequences do not need */
     ds41_sched_disk disk; /* zeroed = no disk tier */
+    /* Speculative decoding (engine/serve/speculative.h): with draft.draft set, after each step
+     * the provider is asked (once for the step's sequences) for up to spec.max_k drafts of every
+     * sequence that goes on decoding; the next step feeds each sequence's [token, drafts] with
+     * its verification rows in the same batch as the others' decode and prefill rows (draft rows
+     * only while max_batch_tokens has room after one row per decoding sequence).  The provider
+     * is borrowed (it must outlive the scheduler) and called on the engine thread. */
+    ds41_spec_config spec;
+    ds41_draft_provider draft;
     /* Log lines (warnings: preemptions, errors); NULL = silent.  Engine thread. */
     void (*log)(void *log_ctx, const char *line);
     void *log_ctx;
@@ -177,6 +186,10 @@ typedef struct ds41_sched_stats {
     uint64_t disk_hits, disk_cached_tokens; /* misses of the in-memory cache served from the disk tier */
     uint64_t preemptions;
     double tokens_per_s; /* generated tokens per second over the last ~10 s */
+    /* speculative decoding: verification blocks, drafts fed, drafts that stood; blocks by the
+     * number of accepted drafts (0 .. DS41_SPEC_MAX_K) */
+    uint64_t spec_steps, spec_drafted, spec_accepted;
+    uint64_t spec_hist[DS41_SPEC_MAX_K + 1];
     uint32_t queued, running, max_running_seen;
     uint64_t cache_entries, cache_bytes; /* prefix-cache snapshots and the page bytes they reference */
     uint64_t kv_page_bytes, kv_page_tokens, kv_pages_in_use, kv_pages_max; /* pages_max 0 = unlimited */
