@@ -617,6 +617,15 @@ static void test_scheduler(ds41_engine *e, const char *mode) {
     ds41_oracle_free(o);
 }
 
+/* A provider that feeds the taps and never drafts: plain decoding with the head's stage windows. */
+static int no_drafts(void *ctx, const ds41_draft_request *reqs, size_t n, ds41_draft *out, ds41_error *err) {
+    (void)ctx;
+    (void)reqs;
+    (void)err;
+    memset(out, 0, n * sizeof *out);
+    return 0;
+}
+
 /* The daemon's provider is the model's DSpark head: refused without one; with one it drafts
  * (engine/forward/dspark.h: the forward items carry spec_taps) and the output is plain decoding's,
  * tokens and every step's logits, at every k. */
@@ -630,19 +639,33 @@ static void test_head_provider(ds41_engine *e, const char *mode, const char *roo
     for (int i = 0; i < PROMPT; i++) prompt[i] = 40 + (uint32_t)i;
     trace a = {.logits = malloc((size_t)MAXT * NV * sizeof(float))},
           b = {.logits = malloc((size_t)MAXT * NV * sizeof(float))};
-    run_opts po = {.max_tokens = 12};
-    if (rc == 0) rc = run(e, pool, prompt, &po, &a, NULL, NULL, NULL, &err);
+    /* plain decoding that feeds the taps: the stage windows a never-drafting sequence has */
+    ds41_draft_provider taps_only = prov;
+    taps_only.draft = no_drafts;
+    ds41_spec_config cfg0 = {.max_k = 5};
+    run_opts po = {.max_tokens = 12, .cfg = &cfg0, .prov = &taps_only};
+    uint8_t *kv_plain = NULL;
+    size_t kv_plain_len = 0;
+    if (rc == 0) rc = run(e, pool, prompt, &po, &a, &kv_plain, &kv_plain_len, NULL, &err);
     for (uint32_t k = 1; k <= 5; k++) {
         ds41_spec_config cfg = {.max_k = k};
         run_opts so = {.max_tokens = 12, .cfg = &cfg, .prov = &prov};
         ds41_spec_stats st = {0};
-        int krc = rc == 0 ? run(e, pool, prompt, &so, &b, NULL, NULL, &st, &err) : rc;
+        uint8_t *kv = NULL;
+        size_t kv_len = 0;
+        int krc = rc == 0 ? run(e, pool, prompt, &so, &b, &kv, &kv_len, &st, &err) : rc;
         TAP_CHECK(krc == 0 && a.n == b.n && memcmp(a.tokens, b.tokens, a.n * sizeof(int32_t)) == 0 &&
                       memcmp(a.logits, b.logits, a.n * NV * sizeof(float)) == 0 && st.drafted > 0,
                   "%s, k=%u: the DSpark head drafts (%llu drafted, %llu accepted) and the output is plain "
                   "decoding's, tokens and logits (%s)",
                   mode, k, (unsigned long long)st.drafted, (unsigned long long)st.accepted, krc ? err.msg : "ok");
+        TAP_CHECK(krc == 0 && kv && kv_len == kv_plain_len && memcmp(kv, kv_plain, kv_len) == 0,
+                  "%s, k=%u: the rejected drafts left no trace: the sequence (the head's stage windows "
+                  "included) serializes to the bytes of one that never drafted",
+                  mode, k);
+        free(kv);
     }
+    free(kv_plain);
     free(a.logits);
     free(b.logits);
     ds41_kv_pool_free(pool);
