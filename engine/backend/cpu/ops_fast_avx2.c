@@ -8,7 +8,10 @@
  * conversion, e2m1 nibbles through a byte shuffle, bf16 by a shift) and runs
  * a 2-row x 4-column tile of 8-lane FMA accumulators over every row.  Each
  * output element is one 8-lane accumulator over K in order, then a fixed
- * horizontal tree, whatever the tile shape (the invariance rule).
+ * horizontal tree, whatever the tile shape (the invariance rule).  A task
+ * of at most 2 rows decodes 4 columns SLAB values at a time into an L1 slab
+ * instead (slab_cols): the same values and order, so the same bits and the
+ * same error bound (cpu_backend.h: exact products, fp32 accumulation).
  * Activations are the exact fp32 values in K order. */
 #include "engine/backend/cpu/fast_kernels.h"
 

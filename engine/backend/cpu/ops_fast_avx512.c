@@ -36,7 +36,12 @@
  * dpbf16 level: a task decodes the weight rows of its columns into a panel
  * and runs a 3-row x 8-column register tile over every row; each output is
  * one 16-lane fp32 accumulator over the 32-value chunks of K in order, then
- * a fixed horizontal tree.  AMX level: the weights are the A tiles (16 rows,
+ * a fixed horizontal tree.  A task of at most FUSE_ROWS rows (decode steps,
+ * MoE experts) decodes each 64-value chunk of a few weight rows into
+ * registers and multiplies it there (fuse_fp4 / fuse_fp8, prefetching the
+ * rows ahead): the same values, chunks and accumulator, so the same bits and
+ * the same error bound as the panel (cpu_backend.h: exact products, fp32
+ * accumulation).  AMX level: the weights are the A tiles (16 rows,
  * 32 K each), the activations the B tiles (pairs of K for 16 rows, VNNI
  * layout, written there by pack_act), and each output element is one
  * tdpbf16ps chain over the chunks of K in order.  A task with few rows
