@@ -443,6 +443,38 @@ static inline size_t fuse_cols(size_t rows) {
     return rows <= 2 ? FUSE_COLS : FUSE_COLS / 2;
 }
 
+/* The register tile's parts shared by fuse_fp4 and fuse_fp8: zeroed
+ * accumulators, chunk ch's two activation halves of rows r < R, and the
+ * outputs (the panel tile's hsum and rounding). */
+static inline __attribute__((always_inline)) void fuse_zero(const int R, const int C,
+                                                            __m512 acc[FUSE_ROWS][FUSE_COLS]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+}
+
+static inline __attribute__((always_inline)) void fuse_act(const int R, const uint16_t *A, size_t lda,
+                                                           size_t ch, __m512i a0[FUSE_ROWS],
+                                                           __m512i a1[FUSE_ROWS]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        a0[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
+        a1[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64 + 32);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+fuse_out(const int R, const int C, __m512 acc[FUSE_ROWS][FUSE_COLS], float *y, size_t ldy, int out_bf16) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            const float v = hsum(acc[r][c]);
+            y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
+        }
+}
+
 /* FP4: y for rows [0, R) of A (stride lda bf16) and the C weight rows q
  * (stride rb bytes) with scales sc (stride scs), K values. */
 static inline __attribute__((always_inline)) void fuse_fp4(const int R, const int C, const uint16_t *A,
@@ -455,19 +487,12 @@ static inline __attribute__((always_inline)) void fuse_fp4(const int R, const in
     const __m512i tab = _mm512_load_si512(e2m1_bf16);
     const __m512i nib = _mm512_set1_epi16(15), nz = _mm512_set1_epi16(7);
     __m512 acc[FUSE_ROWS][FUSE_COLS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    fuse_zero(R, C, acc);
     for (size_t ch = 0; ch < nch; ch++) {
         const size_t rem = rb - ch * 32;
         const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << rem) - 1);
         __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            a0[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
-            a1[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64 + 32);
-        }
+        fuse_act(R, A, lda, ch, a0, a1);
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) {
             const uint8_t *s = sc + (size_t)c * scs;
@@ -491,13 +516,7 @@ static inline __attribute__((always_inline)) void fuse_fp4(const int R, const in
             }
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-            const float v = hsum(acc[r][c]);
-            y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
-        }
+    fuse_out(R, C, acc, y, ldy, out_bf16);
 }
 
 /* FP8: the C weight rows q (stride K bytes, unscaled codes) against rows
@@ -509,19 +528,12 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
     const __m512i tl0 = _mm512_load_si512(e4m3_lo), tl1 = _mm512_load_si512(e4m3_lo + 64);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
     __m512 acc[FUSE_ROWS][FUSE_COLS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    fuse_zero(R, C, acc);
     for (size_t ch = 0; ch * 64 < K; ch++) {
         const size_t rem = K - ch * 64;
         const __mmask64 m = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
         __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            a0[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
-            a1[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64 + 32);
-        }
+        fuse_act(R, A, lda, ch, a0, a1);
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) {
             _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * K + ch * 64, _MM_HINT_T0);
@@ -537,13 +549,7 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
             }
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-            const float v = hsum(acc[r][c]);
-            y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
-        }
+    fuse_out(R, C, acc, y, ldy, out_bf16);
 }
 
 #define FUSE_CASES(CALL)                                                                                     \
