@@ -16,7 +16,12 @@
  *    FP4 weights and activations are decoded to their exact values (scales
  *    folded in where the product is exact: every e4m3 / e2m1 value times a
  *    power of two is exact in bf16 and fp32), so the products are exact and
- *    only the accumulation differs;
+ *    only the accumulation differs: error at most about K 2^-24 of
+ *    sum_k |x_k w_k| before the output's bf16 rounding (tests/test_ops_fast.c
+ *    within(): 2 (K + 2) 2^-24 of that sum, plus one bf16 ulp).  Every
+ *    kernel shape of a level (panel, register tile, the fused decode + dot
+ *    of tasks of a few rows) computes the same values in the same order, so
+ *    this one bound covers them all;
  *  - every other reduction (means of squares, hc mixes, attention scores,
  *    softmax sums and PV, index scores, Engram) is a double sum of exact
  *    products rounded once, in a fixed order, with the reference's sequence
@@ -87,7 +92,10 @@
  *  - threads split output columns (and, for large M, row blocks), never a
  *    reduction;
  *  - the kernel chosen may depend on M (e.g. decoding weights once into a
- *    scratch panel for many rows) only when it computes bit-identical values.
+ *    scratch panel for many rows, or, for tasks of at most 4 rows at AVX-512
+ *    and 2 at AVX2, decoding them into registers or an L1 slab right where
+ *    they are multiplied) only when it computes bit-identical values
+ *    (tests/test_ops_fast.c: rows alone = batched across those sizes).
  * So a sequence's logits are the same whatever shares its decode step and
  * however its prompt was chunked (tests/test_fast_forward.c).  They differ
  * between levels (AVX-512, AVX2, scalar sum in different orders), which is

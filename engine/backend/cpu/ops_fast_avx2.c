@@ -8,7 +8,10 @@
  * conversion, e2m1 nibbles through a byte shuffle, bf16 by a shift) and runs
  * a 2-row x 4-column tile of 8-lane FMA accumulators over every row.  Each
  * output element is one 8-lane accumulator over K in order, then a fixed
- * horizontal tree, whatever the tile shape (the invariance rule).
+ * horizontal tree, whatever the tile shape (the invariance rule).  A task
+ * of at most 2 rows decodes 4 columns SLAB values at a time into an L1 slab
+ * instead (slab_cols): the same values and order, so the same bits and the
+ * same error bound (cpu_backend.h: exact products, fp32 accumulation).
  * Activations are the exact fp32 values in K order. */
 #include "engine/backend/cpu/fast_kernels.h"
 
@@ -140,14 +143,11 @@ static void decode_fp4_row(const uint8_t *q, const uint8_t *sc, size_t K, float 
 
 /* ---- the register tile (see ops_fast_avx512.c) ------------------------------------------ */
 
-static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *A, size_t lda,
-                                                       const float *W, size_t ldw, size_t nq, float *y,
-                                                       size_t ldy, int out_bf16) {
-    __m256 acc[2][4];
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+/* Adds to acc[r][c] the products of A rows r < R (stride lda) and W rows
+ * c < C (stride ldw) over nq groups of 8 values, in order. */
+static inline __attribute__((always_inline)) void tile_acc(const int R, const int C, const float *A,
+                                                           size_t lda, const float *W, size_t ldw, size_t nq,
+                                                           __m256 acc[2][4]) {
     for (size_t q = 0; q < nq; q++) {
         __m256 a[2];
 #pragma GCC unroll 2
@@ -159,6 +159,17 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(a[r], w, acc[r][c]);
         }
     }
+}
+
+static inline __attribute__((always_inline)) void tile_zero(const int R, const int C, __m256 acc[2][4]) {
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+}
+
+static inline __attribute__((always_inline)) void tile_out(const int R, const int C, __m256 acc[2][4],
+                                                           float *y, size_t ldy, int out_bf16) {
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
@@ -166,6 +177,15 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
             const float v = hsum8(acc[r][c]);
             y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
         }
+}
+
+static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *A, size_t lda,
+                                                       const float *W, size_t ldw, size_t nq, float *y,
+                                                       size_t ldy, int out_bf16) {
+    __m256 acc[2][4];
+    tile_zero(R, C, acc);
+    tile_acc(R, C, A, lda, W, ldw, nq, acc);
+    tile_out(R, C, acc, y, ldy, out_bf16);
 }
 
 static void run_tile(int R, int C, const float *A, size_t lda, const float *W, size_t ldw, size_t nq,
@@ -200,28 +220,88 @@ static void run_tile(int R, int C, const float *A, size_t lda, const float *W, s
     }
 }
 
+/* Weight row n's values [k0, k0 + len) (k0 a multiple of 32) into dst,
+ * zeros up to pad32(len): the same values a whole row's decode gives. */
+static void decode_span(const ds41_linear *w, size_t n, size_t k0, size_t len, float *dst) {
+    const size_t K = (size_t)w->k;
+    switch (w->kind) {
+    case DS41_LINEAR_BF16:
+        decode_bf16_row(w->bf16 + n * K + k0, len, dst);
+        break;
+    case DS41_LINEAR_FP8:
+        decode_fp8_row(w->q + n * K + k0, w->scale + (n / 32) * (size_t)w->scale_cols + k0 / 32, len, dst);
+        break;
+    case DS41_LINEAR_FP4:
+        decode_fp4_row(w->q + n * fast_row_bytes(w) + k0 / 2, w->scale + n * (size_t)w->scale_cols + k0 / 32,
+                       len, dst);
+        break;
+    default:
+        memset(dst, 0, pad32(len) * sizeof *dst);
+    }
+}
+
+/* Tasks of at most 2 rows (decode steps, MoE experts): 4 columns at a time
+ * decoded SLAB values at a time into an L1 slab, not the task's whole panel
+ * (32 rows of K fp32, far more than L1, written and read back for one row).
+ * The values and each element's accumulator over K in order are the panel
+ * path's: the same result bits (the invariance rule). */
+#define SLAB 256
+#define SLAB_AHEAD 8 /* rows ahead prefetched: later columns of this task or the next task */
+
+static inline __attribute__((always_inline)) void slab_cols(const int R, const int C, const ds41_linear *w,
+                                                            size_t n, const float *A, size_t lda, float *tmp,
+                                                            float *y, size_t ldy, int out_bf16) {
+    const size_t K = (size_t)w->k;
+    const size_t bpv = w->kind == DS41_LINEAR_BF16  ? 4
+                       : w->kind == DS41_LINEAR_FP8 ? 2
+                                                    : 1; /* 2 x bytes per value */
+    const char *base = w->kind == DS41_LINEAR_BF16 ? (const char *)w->bf16 : (const char *)w->q;
+    const size_t rowb = w->kind == DS41_LINEAR_BF16 ? 2 * K : fast_row_bytes(w);
+    __m256 acc[2][4];
+    tile_zero(R, C, acc);
+    for (size_t k0 = 0; k0 < K; k0 += SLAB) {
+        const size_t len = K - k0 < SLAB ? K - k0 : SLAB;
+        for (int c = 0; c < C; c++) {
+            const char *ahead = base + (n + (size_t)c + SLAB_AHEAD) * rowb + k0 * bpv / 2;
+            for (size_t b = 0; b < len * bpv / 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            decode_span(w, n + (size_t)c, k0, len, tmp + (size_t)c * SLAB);
+        }
+        tile_acc(R, C, A + k0, lda, tmp, SLAB, pad32(len) / 8, acc);
+    }
+    tile_out(R, C, acc, y, ldy, out_bf16);
+}
+
+static void run_slab_cols(int R, int C, const ds41_linear *w, size_t n, const float *A, size_t lda,
+                          float *tmp, float *y, size_t ldy, int out_bf16) {
+#define SLAB_CASE(R_, C_)                                                                                    \
+    case (R_)*16 + (C_):                                                                                     \
+        slab_cols(R_, C_, w, n, A, lda, tmp, y, ldy, out_bf16);                                              \
+        break;
+    /* clang-format off */
+    switch (R * 16 + C) {
+        SLAB_CASE(1, 1) SLAB_CASE(1, 2) SLAB_CASE(1, 3) SLAB_CASE(1, 4)
+        SLAB_CASE(2, 1) SLAB_CASE(2, 2) SLAB_CASE(2, 3) SLAB_CASE(2, 4)
+    default:
+        break;
+    }
+    /* clang-format on */
+#undef SLAB_CASE
+}
+
 static void linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1, size_t n0,
                         size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
-    (void)next; /* no software prefetch at this level */
+    (void)next; /* the slab path prefetches its own rows ahead */
     (void)M;
     const size_t K = (size_t)w->k, N = (size_t)w->n, Kp = pad32(K), act_stride = row_bytes(w->kind, K);
     float *panel = scratch;
-    for (size_t n = n0; n < n1; n++) {
-        float *dst = panel + (n - n0) * Kp;
-        switch (w->kind) {
-        case DS41_LINEAR_BF16:
-            decode_bf16_row(w->bf16 + n * K, K, dst);
-            break;
-        case DS41_LINEAR_FP8:
-            decode_fp8_row(w->q + n * K, w->scale + (n / 32) * (size_t)w->scale_cols, K, dst);
-            break;
-        case DS41_LINEAR_FP4:
-            decode_fp4_row(w->q + n * fast_row_bytes(w), w->scale + n * (size_t)w->scale_cols, K, dst);
-            break;
-        default:
-            memset(dst, 0, Kp * sizeof *dst);
-        }
+    if (m1 - m0 <= 2) {
+        for (size_t n = n0; n < n1; n += 4)
+            run_slab_cols((int)(m1 - m0), (int)(n1 - n < 4 ? n1 - n : 4), w, n,
+                          (const float *)(act + m0 * act_stride), act_stride / sizeof(float), panel,
+                          y + m0 * N + n, N, out_bf16);
+        return;
     }
+    for (size_t n = n0; n < n1; n++) decode_span(w, n, 0, K, panel + (n - n0) * Kp);
     const size_t lda = act_stride / sizeof(float);
     for (size_t n = n0; n < n1; n += 4) {
         const int C = (int)(n1 - n < 4 ? n1 - n : 4);

@@ -36,7 +36,12 @@
  * dpbf16 level: a task decodes the weight rows of its columns into a panel
  * and runs a 3-row x 8-column register tile over every row; each output is
  * one 16-lane fp32 accumulator over the 32-value chunks of K in order, then
- * a fixed horizontal tree.  AMX level: the weights are the A tiles (16 rows,
+ * a fixed horizontal tree.  A task of at most FUSE_ROWS rows (decode steps,
+ * MoE experts) decodes each 64-value chunk of a few weight rows into
+ * registers and multiplies it there (fuse_fp4 / fuse_fp8, prefetching the
+ * rows ahead): the same values, chunks and accumulator, so the same bits and
+ * the same error bound as the panel (cpu_backend.h: exact products, fp32
+ * accumulation).  AMX level: the weights are the A tiles (16 rows,
  * 32 K each), the activations the B tiles (pairs of K for 16 rows, VNNI
  * layout, written there by pack_act), and each output element is one
  * tdpbf16ps chain over the chunks of K in order.  A task with few rows
@@ -416,6 +421,166 @@ static void tiles(const uint16_t *A, size_t lda, size_t m0, size_t m1, const uin
     }
 }
 
+/* ---- fused decode + dot for tasks of few rows (decode steps, MoE experts) ------------------
+ *
+ * With FUSE_ROWS rows or fewer, a task decodes each 64-value chunk of FUSE_COLS
+ * weight rows into registers and feeds it straight to vdpbf16ps, instead of
+ * writing a panel of 32 decoded rows (64-128 KiB, more than L1) and reading
+ * it back: the panel's store and reload cost more than the decode at one row.
+ * The values decoded, the chunk order and the per-element accumulator are
+ * those of the panel path (chunk c of a row gives the activation chunks 2c and
+ * 2c + 1 their two halves, one 16-lane accumulator per element over the
+ * chunks in order, the same hsum), so an element's result is the same bits
+ * whichever path its task takes (the invariance rule).  A row block whose
+ * weight scales need decode_fp4_row's scalar path takes the panel path. */
+#define FUSE_ROWS 4
+#define FUSE_COLS 4
+#define FUSE_AHEAD (2 * FUSE_COLS)
+
+/* Columns per register tile: R x C accumulators, 2R activation registers
+ * and the decode's own stay within the 32 vector registers. */
+static inline size_t fuse_cols(size_t rows) {
+    return rows <= 2 ? FUSE_COLS : FUSE_COLS / 2;
+}
+
+/* The register tile's parts shared by fuse_fp4 and fuse_fp8: zeroed
+ * accumulators, chunk ch's two activation halves of rows r < R, and the
+ * outputs (the panel tile's hsum and rounding). */
+static inline __attribute__((always_inline)) void fuse_zero(const int R, const int C,
+                                                            __m512 acc[FUSE_ROWS][FUSE_COLS]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+}
+
+static inline __attribute__((always_inline)) void fuse_act(const int R, const uint16_t *A, size_t lda,
+                                                           size_t ch, __m512i a0[FUSE_ROWS],
+                                                           __m512i a1[FUSE_ROWS]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        a0[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
+        a1[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64 + 32);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+fuse_out(const int R, const int C, __m512 acc[FUSE_ROWS][FUSE_COLS], float *y, size_t ldy, int out_bf16) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            const float v = hsum(acc[r][c]);
+            y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
+        }
+}
+
+/* FP4: y for rows [0, R) of A (stride lda bf16) and the C weight rows q
+ * (stride rb bytes) with scales sc (stride scs), K values. */
+static inline __attribute__((always_inline)) void fuse_fp4(const int R, const int C, const uint16_t *A,
+                                                           size_t lda, const uint8_t *q, size_t rb,
+                                                           const uint8_t *sc, size_t scs, size_t K, float *y,
+                                                           size_t ldy, int out_bf16) {
+    const size_t nkb = (K + 31) / 32, nch = (rb + 31) / 32;
+    for (size_t b = 0; b < (size_t)C * scs; b += 64)
+        _mm_prefetch((const char *)sc + (size_t)FUSE_AHEAD * scs + b, _MM_HINT_T0);
+    const __m512i tab = _mm512_load_si512(e2m1_bf16);
+    const __m512i nib = _mm512_set1_epi16(15), nz = _mm512_set1_epi16(7);
+    __m512 acc[FUSE_ROWS][FUSE_COLS];
+    fuse_zero(R, C, acc);
+    for (size_t ch = 0; ch < nch; ch++) {
+        const size_t rem = rb - ch * 32;
+        const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << rem) - 1);
+        __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
+        fuse_act(R, A, lda, ch, a0, a1);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            const uint8_t *s = sc + (size_t)c * scs;
+            /* The same line FUSE_AHEAD rows on (the task's later rows and the
+             * next task's are contiguous with these): a stream the hardware
+             * prefetchers do not start on short rows read side by side. */
+            if (!(ch & 1))
+                _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * rb + ch * 32, _MM_HINT_T0);
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + (size_t)c * rb + ch * 32));
+            const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
+            const __m512i off = _mm512_mask_mov_epi32(
+                _mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
+                _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
+            __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
+            lo = _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off);
+            hi = _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(ih, nz), hi, off);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
+            }
+        }
+    }
+    fuse_out(R, C, acc, y, ldy, out_bf16);
+}
+
+/* FP8: the C weight rows q (stride K bytes, unscaled codes) against rows
+ * [0, R) of the group-scaled activations A (stride lda bf16, pad64(K)). */
+static inline __attribute__((always_inline)) void fuse_fp8(const int R, const int C, const uint16_t *A,
+                                                           size_t lda, const uint8_t *q, size_t K, float *y,
+                                                           size_t ldy, int out_bf16) {
+    const __m512i th0 = _mm512_load_si512(e4m3_hi), th1 = _mm512_load_si512(e4m3_hi + 64);
+    const __m512i tl0 = _mm512_load_si512(e4m3_lo), tl1 = _mm512_load_si512(e4m3_lo + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    __m512 acc[FUSE_ROWS][FUSE_COLS];
+    fuse_zero(R, C, acc);
+    for (size_t ch = 0; ch * 64 < K; ch++) {
+        const size_t rem = K - ch * 64;
+        const __mmask64 m = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
+        __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
+        fuse_act(R, A, lda, ch, a0, a1);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * K + ch * 64, _MM_HINT_T0);
+            const __m512i raw = _mm512_maskz_loadu_epi8(m, q + (size_t)c * K + ch * 64);
+            __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
+            hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
+            const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
+            const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)w0);
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)w1);
+            }
+        }
+    }
+    fuse_out(R, C, acc, y, ldy, out_bf16);
+}
+
+#define FUSE_CASES(CALL)                                                                                     \
+    switch (R * 16 + C) {                                                                                    \
+        FUSE_CASE(1, 1, CALL)                                                                                \
+        FUSE_CASE(1, 2, CALL) FUSE_CASE(1, 3, CALL) FUSE_CASE(1, 4, CALL) FUSE_CASE(2, 1, CALL)              \
+            FUSE_CASE(2, 2, CALL) FUSE_CASE(2, 3, CALL) FUSE_CASE(2, 4, CALL) FUSE_CASE(3, 1, CALL)          \
+                FUSE_CASE(3, 2, CALL) FUSE_CASE(3, 3, CALL) FUSE_CASE(3, 4, CALL) FUSE_CASE(4, 1, CALL)      \
+                    FUSE_CASE(4, 2, CALL) FUSE_CASE(4, 3, CALL) FUSE_CASE(4, 4, CALL) default : break;       \
+    }
+#define FUSE_CASE(R_, C_, CALL)                                                                              \
+    case (R_)*16 + (C_):                                                                                     \
+        CALL(R_, C_);                                                                                        \
+        break;
+
+static void run_fuse_fp4(int R, int C, const uint16_t *A, size_t lda, const uint8_t *q, size_t rb,
+                         const uint8_t *sc, size_t scs, size_t K, float *y, size_t ldy, int out_bf16) {
+#define CALL4(R_, C_) fuse_fp4(R_, C_, A, lda, q, rb, sc, scs, K, y, ldy, out_bf16)
+    FUSE_CASES(CALL4)
+#undef CALL4
+}
+
+static void run_fuse_fp8(int R, int C, const uint16_t *A, size_t lda, const uint8_t *q, size_t K, float *y,
+                         size_t ldy, int out_bf16) {
+#define CALL8(R_, C_) fuse_fp8(R_, C_, A, lda, q, K, y, ldy, out_bf16)
+    FUSE_CASES(CALL8)
+#undef CALL8
+}
+#undef FUSE_CASE
+#undef FUSE_CASES
+
 static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1,
                            size_t n0, size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next) {
     (void)next; /* the panel is decoded whole, with its own prefetch stream */
@@ -431,7 +596,21 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
     const size_t Kp = pad64(K), nq = Kp / 32;
     uint16_t *panel = scratch;
     if (w->kind == DS41_LINEAR_FP4) {
-        const size_t rb = fast_row_bytes(w);
+        const size_t rb = fast_row_bytes(w), scs = (size_t)w->scale_cols, nkb = (K + 31) / 32;
+        if (m1 - m0 <= FUSE_ROWS) {
+            int ok = 1;
+            for (size_t n = n0; n < n1 && ok; n++) ok = scales_in(w->scale + n * scs, nkb, 2, 252);
+            if (ok) {
+                const uint16_t *A = (const uint16_t *)(act + m0 * stride);
+                const size_t cols = fuse_cols(m1 - m0);
+                for (size_t n = n0; n < n1; n += cols) {
+                    const int C = (int)(n1 - n < cols ? n1 - n : cols);
+                    run_fuse_fp4((int)(m1 - m0), C, A, stride / 2, w->q + n * rb, rb, w->scale + n * scs, scs,
+                                 K, y + m0 * N + n, N, out_bf16);
+                }
+                return;
+            }
+        }
         for (size_t n = n0; n < n1; n++)
             decode_fp4_row(w->q + n * rb, w->scale + n * (size_t)w->scale_cols, K, panel + (n - n0) * Kp);
         tiles((const uint16_t *)(act + m0 * stride), stride / 2, m0, m1, panel, Kp, n0, n1, nq, ~(__mmask32)0,
@@ -445,7 +624,9 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
     const size_t nkb = (K + 31) / 32;
     for (size_t g0 = n0; g0 < n1;) {
         const size_t g = g0 / 32, g1 = (g + 1) * 32 < n1 ? (g + 1) * 32 : n1;
-        for (size_t n = g0; n < g1; n++) decode_fp8_row(w->q + n * K, K, panel + (n - g0) * Kp);
+        const int fuse = m1 - m0 <= FUSE_ROWS;
+        if (!fuse)
+            for (size_t n = g0; n < g1; n++) decode_fp8_row(w->q + n * K, K, panel + (n - g0) * Kp);
         for (size_t kb = 0; kb < nkb; kb++) sw[kb] = fast_ue8m0(w->scale[g * (size_t)w->scale_cols + kb]);
         sw[nkb] = 1.0f; /* the missing odd block of a half chunk (zeros) */
         for (size_t mb = m0; mb < m1; mb += 32) {
@@ -464,7 +645,13 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
                     _mm512_storeu_si512(dst + 64 * c + 32, (__m512i)hi);
                 }
             }
-            tiles(ag, Kp, mb, me, panel, Kp, g0, g1, nq, ~(__mmask32)0, y, N, out_bf16);
+            if (fuse)
+                for (size_t n = g0; n < g1; n += fuse_cols(me - mb)) {
+                    const int C = (int)(g1 - n < fuse_cols(me - mb) ? g1 - n : fuse_cols(me - mb));
+                    run_fuse_fp8((int)(me - mb), C, ag, Kp, w->q + n * K, K, y + mb * N + n, N, out_bf16);
+                }
+            else
+                tiles(ag, Kp, mb, me, panel, Kp, g0, g1, nq, ~(__mmask32)0, y, N, out_bf16);
         }
         g0 = g1;
     }
