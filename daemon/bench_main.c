@@ -84,7 +84,8 @@ static void usage(FILE *f) {
                "            and its cost relative to a plain step.  From those, tokens/s for a mean\n"
                "            accepted length a is about B * (1 + a) / (cost_k * plain step time).  The\n"
                "            model's DSpark head (if it has one, k = min(N, dspark_block_size), back-off\n"
-               "            as in the daemon) last: tokens/s against plain, drafts accepted per block\n"
+               "            as in the daemon) last, over max(T, 256) tokens per sequence: tokens/s\n"
+               "            against a plain run of that length, drafts accepted per block\n"
                "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
                "memory the process may use (MemAvailable, cgroup limits; see ds41d.yaml(5)).\n"
                "--threads N sets the thread pool's size (default one per CPU), --pin binds its\n"
@@ -489,8 +490,12 @@ typedef struct spec_result {
     /* the model's DSpark head (k = min(N, dspark_block_size), back-off as the daemon's) */
     bool head;
     uint32_t head_k;
-    double head_tps, head_step_s, head_mean_accepted, head_draft_rate;
+    size_t head_tokens;
+    double head_plain_tps, head_tps, head_step_s, head_mean_accepted, head_draft_rate;
 } spec_result;
+
+/* Tokens per sequence of the head's runs at least. */
+#define HEAD_TOKENS 256
 
 /* B sequences, T greedy tokens each: k = 0 plainly (recording the continuations into ref), else
  * with drafts from the oracle over ref, or with head (non-NULL) from the model's DSpark head
@@ -650,10 +655,20 @@ static int bench_speculative(ds41_engine *e, const size_t *batches, size_t n_bat
         ds41_draft_provider head;
         ds41_error herr = {{0}};
         if (rc == 0 && ds41_spec_head_provider(e, &head, &herr) == 0) {
+            /* the head's figures are a long run's (the back-off settles over tens of steps),
+             * against a plain run of the same length */
             r->head = true;
             r->head_k = max_k < (uint32_t)c->dspark_block_size ? max_k : (uint32_t)c->dspark_block_size;
-            rc = spec_run(e, B, T, r->head_k, &head, prompt, P, ref, &r->head_tps, &r->head_step_s,
-                          &r->head_mean_accepted, &r->head_draft_rate, &err);
+            r->head_tokens = T > HEAD_TOKENS ? T : HEAD_TOKENS;
+            int32_t *href = malloc(B * (P + r->head_tokens) * sizeof *href);
+            rc = href ? 0 : ds41_fail(&err, "out of memory");
+            if (rc == 0)
+                rc = spec_run(e, B, r->head_tokens, 0, NULL, prompt, P, href, &r->head_plain_tps, &unused, &unused,
+                              NULL, &err);
+            if (rc == 0)
+                rc = spec_run(e, B, r->head_tokens, r->head_k, &head, prompt, P, href, &r->head_tps, &r->head_step_s,
+                              &r->head_mean_accepted, &r->head_draft_rate, &err);
+            free(href);
         }
         free(prompt);
         free(ref);
@@ -675,10 +690,10 @@ static int bench_speculative(ds41_engine *e, const size_t *batches, size_t n_bat
                        k > 1 ? "," : "", k, r->tps[k], r->step_s[k], r->step_s[k] / r->plain_step_s,
                        r->mean_accepted[k]);
             if (r->head)
-                printf("],\"dspark_head\":{\"k\":%u,\"tokens_per_s\":%.3f,\"vs_plain\":%.4f,"
-                       "\"mean_accepted\":%.3f,\"drafting_steps\":%.4f}}",
-                       r->head_k, r->head_tps, r->head_tps / r->plain_tps, r->head_mean_accepted,
-                       r->head_draft_rate);
+                printf("],\"dspark_head\":{\"k\":%u,\"tokens_per_sequence\":%zu,\"plain_tokens_per_s\":%.3f,"
+                       "\"tokens_per_s\":%.3f,\"vs_plain\":%.4f,\"mean_accepted\":%.3f,\"drafting_steps\":%.4f}}",
+                       r->head_k, r->head_tokens, r->head_plain_tps, r->head_tps, r->head_tps / r->head_plain_tps,
+                       r->head_mean_accepted, r->head_draft_rate);
             else
                 printf("],\"dspark_head\":null}");
         }
@@ -697,10 +712,10 @@ static int bench_speculative(ds41_engine *e, const size_t *batches, size_t n_bat
         printf("  tokens/s at mean accepted length a (k=%u): about %.2f * (1 + a) / %.2f\n", max_k,
                (double)r->batch / r->plain_step_s, r->step_s[max_k] / r->plain_step_s);
         if (r->head)
-            printf("  DSpark head k=%u: %.2f tokens/s (%.3fx plain), %.2f drafts accepted per block, %.1f%% of "
-                   "the steps drafted (back-off)\n",
-                   r->head_k, r->head_tps, r->head_tps / r->plain_tps, r->head_mean_accepted,
-                   100.0 * r->head_draft_rate);
+            printf("  DSpark head k=%u, %zu tokens per sequence: %.2f tokens/s against plain %.2f (%.3fx), %.2f "
+                   "drafts accepted per block, %.1f%% of the steps drafted (back-off)\n",
+                   r->head_k, r->head_tokens, r->head_tps, r->head_plain_tps, r->head_tps / r->head_plain_tps,
+                   r->head_mean_accepted, 100.0 * r->head_draft_rate);
         else
             printf("  DSpark head: the model has none\n");
     }
