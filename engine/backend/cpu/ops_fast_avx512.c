@@ -432,13 +432,22 @@ static void tiles(const uint16_t *A, size_t lda, size_t m0, size_t m1, const uin
  * 2c + 1 their two halves, one 16-lane accumulator per element over the
  * chunks in order, the same hsum), so an element's result is the same bits
  * whichever path its task takes (the invariance rule).  A row block whose
- * weight scales need decode_fp4_row's scalar path takes the panel path. */
-#define FUSE_ROWS 4
+ * weight scales need decode_fp4_row's scalar path takes the panel path.
+ * Up to FUSE_HOLD rows keep a chunk's activations in registers and decode
+ * column by column; more rows (a speculative step's token + drafts, batched
+ * decode, MoE experts of 5-8 rows) decode the tile's C columns first and then
+ * run each row's activations against them (loaded once per row, used for
+ * every column): only the order across accumulators differs, never an
+ * accumulator's own sequence, so the bits are the same. */
+#define FUSE_ROWS 8
+#define FUSE_HOLD 4
 #define FUSE_COLS 4
 #define FUSE_AHEAD (2 * FUSE_COLS)
 
-/* Columns per register tile: R x C accumulators, 2R activation registers
- * and the decode's own stay within the 32 vector registers. */
+/* Columns per register tile: R x C accumulators, the activation registers
+ * (2R held, or 2 per row in turn past FUSE_HOLD rows), 2C decoded weight
+ * registers past FUSE_HOLD rows and the decode's own stay within the 32
+ * vector registers. */
 static inline size_t fuse_cols(size_t rows) {
     return rows <= 2 ? FUSE_COLS : FUSE_COLS / 2;
 }
@@ -448,15 +457,15 @@ static inline size_t fuse_cols(size_t rows) {
  * outputs (the panel tile's hsum and rounding). */
 static inline __attribute__((always_inline)) void fuse_zero(const int R, const int C,
                                                             __m512 acc[FUSE_ROWS][FUSE_COLS]) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
 }
 
 static inline __attribute__((always_inline)) void fuse_act(const int R, const uint16_t *A, size_t lda,
-                                                           size_t ch, __m512i a0[FUSE_ROWS],
-                                                           __m512i a1[FUSE_ROWS]) {
+                                                           size_t ch, __m512i a0[FUSE_HOLD],
+                                                           __m512i a1[FUSE_HOLD]) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         a0[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
@@ -464,15 +473,67 @@ static inline __attribute__((always_inline)) void fuse_act(const int R, const ui
     }
 }
 
+/* Past FUSE_HOLD rows: chunk ch's decoded halves lo/hi of the C columns
+ * against each row's two activation halves in turn (loaded once per row). */
+static inline __attribute__((always_inline)) void
+fuse_rows(const int R, const int C, const uint16_t *A, size_t lda, size_t ch, const __m512i lo[FUSE_COLS],
+          const __m512i hi[FUSE_COLS], __m512 acc[FUSE_ROWS][FUSE_COLS]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const __m512i x0 = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
+        const __m512i x1 = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64 + 32);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)x0, (__m512bh)lo[c]);
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)x1, (__m512bh)hi[c]);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void
 fuse_out(const int R, const int C, __m512 acc[FUSE_ROWS][FUSE_COLS], float *y, size_t ldy, int out_bf16) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) {
             const float v = hsum(acc[r][c]);
             y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
         }
+}
+
+/* Chunk ch (32 bytes, mask m) of the FP4 weight row q (stride rb to the
+ * next row) with scales s: lo (even k) and hi (odd k) as bf16. */
+static inline __attribute__((always_inline)) void fuse_dec4(const uint8_t *q, size_t rb, const uint8_t *s,
+                                                            size_t nkb, size_t ch, __mmask32 m, __m512i tab,
+                                                            __m512i nib, __m512i nz, __m512i *lo,
+                                                            __m512i *hi) {
+    /* The same line FUSE_AHEAD rows on (the task's later rows and the
+     * next task's are contiguous with these): a stream the hardware
+     * prefetchers do not start on short rows read side by side. */
+    if (!(ch & 1)) _mm_prefetch((const char *)q + (size_t)FUSE_AHEAD * rb + ch * 32, _MM_HINT_T0);
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + ch * 32));
+    const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
+    const __m512i off =
+        _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
+                              _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
+    const __m512i l = _mm512_permutexvar_epi16(il, tab), h = _mm512_permutexvar_epi16(ih, tab);
+    *lo = _mm512_mask_add_epi16(l, _mm512_test_epi16_mask(il, nz), l, off);
+    *hi = _mm512_mask_add_epi16(h, _mm512_test_epi16_mask(ih, nz), h, off);
+}
+
+/* Chunk ch (64 bytes, mask m) of the FP8 weight row q (stride K to the
+ * next row): w0 (its first 32 values) and w1 as bf16. */
+static inline __attribute__((always_inline)) void fuse_dec8(const uint8_t *q, size_t K, size_t ch,
+                                                            __mmask64 m, __m512i th0, __m512i th1,
+                                                            __m512i tl0, __m512i tl1, __m512i sign,
+                                                            __m512i *w0, __m512i *w1) {
+    _mm_prefetch((const char *)q + (size_t)FUSE_AHEAD * K + ch * 64, _MM_HINT_T0);
+    const __m512i raw = _mm512_maskz_loadu_epi8(m, q + ch * 64);
+    __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
+    hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
+    const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
+    *w0 = _mm512_unpacklo_epi8(lo, hi);
+    *w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
 /* FP4: y for rows [0, R) of A (stride lda bf16) and the C weight rows q
@@ -491,29 +552,26 @@ static inline __attribute__((always_inline)) void fuse_fp4(const int R, const in
     for (size_t ch = 0; ch < nch; ch++) {
         const size_t rem = rb - ch * 32;
         const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << rem) - 1);
-        __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
-        fuse_act(R, A, lda, ch, a0, a1);
+        if (R <= FUSE_HOLD) {
+            __m512i a0[FUSE_HOLD], a1[FUSE_HOLD];
+            fuse_act(R, A, lda, ch, a0, a1);
 #pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-            const uint8_t *s = sc + (size_t)c * scs;
-            /* The same line FUSE_AHEAD rows on (the task's later rows and the
-             * next task's are contiguous with these): a stream the hardware
-             * prefetchers do not start on short rows read side by side. */
-            if (!(ch & 1))
-                _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * rb + ch * 32, _MM_HINT_T0);
-            const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + (size_t)c * rb + ch * 32));
-            const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
-            const __m512i off = _mm512_mask_mov_epi32(
-                _mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
-                _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
-            __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
-            lo = _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off);
-            hi = _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(ih, nz), hi, off);
+            for (int c = 0; c < C; c++) {
+                __m512i lo, hi;
+                fuse_dec4(q + (size_t)c * rb, rb, sc + (size_t)c * scs, nkb, ch, m, tab, nib, nz, &lo, &hi);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
+                for (int r = 0; r < R; r++) {
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
+                }
             }
+        } else {
+            __m512i lo[FUSE_COLS], hi[FUSE_COLS];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++)
+                fuse_dec4(q + (size_t)c * rb, rb, sc + (size_t)c * scs, nkb, ch, m, tab, nib, nz, &lo[c],
+                          &hi[c]);
+            fuse_rows(R, C, A, lda, ch, lo, hi, acc);
         }
     }
     fuse_out(R, C, acc, y, ldy, out_bf16);
@@ -532,21 +590,25 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
     for (size_t ch = 0; ch * 64 < K; ch++) {
         const size_t rem = K - ch * 64;
         const __mmask64 m = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
-        __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
-        fuse_act(R, A, lda, ch, a0, a1);
+        if (R <= FUSE_HOLD) {
+            __m512i a0[FUSE_HOLD], a1[FUSE_HOLD];
+            fuse_act(R, A, lda, ch, a0, a1);
 #pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-            _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * K + ch * 64, _MM_HINT_T0);
-            const __m512i raw = _mm512_maskz_loadu_epi8(m, q + (size_t)c * K + ch * 64);
-            __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
-            hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
-            const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
-            const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+            for (int c = 0; c < C; c++) {
+                __m512i w0, w1;
+                fuse_dec8(q + (size_t)c * K, K, ch, m, th0, th1, tl0, tl1, sign, &w0, &w1);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)w0);
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)w1);
+                for (int r = 0; r < R; r++) {
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)w0);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)w1);
+                }
             }
+        } else {
+            __m512i w0[FUSE_COLS], w1[FUSE_COLS];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++)
+                fuse_dec8(q + (size_t)c * K, K, ch, m, th0, th1, tl0, tl1, sign, &w0[c], &w1[c]);
+            fuse_rows(R, C, A, lda, ch, w0, w1, acc);
         }
     }
     fuse_out(R, C, acc, y, ldy, out_bf16);
@@ -555,10 +617,14 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
 #define FUSE_CASES(CALL)                                                                                     \
     switch (R * 16 + C) {                                                                                    \
         FUSE_CASE(1, 1, CALL)                                                                                \
-        FUSE_CASE(1, 2, CALL) FUSE_CASE(1, 3, CALL) FUSE_CASE(1, 4, CALL) FUSE_CASE(2, 1, CALL)              \
-            FUSE_CASE(2, 2, CALL) FUSE_CASE(2, 3, CALL) FUSE_CASE(2, 4, CALL) FUSE_CASE(3, 1, CALL)          \
-                FUSE_CASE(3, 2, CALL) FUSE_CASE(3, 3, CALL) FUSE_CASE(3, 4, CALL) FUSE_CASE(4, 1, CALL)      \
-                    FUSE_CASE(4, 2, CALL) FUSE_CASE(4, 3, CALL) FUSE_CASE(4, 4, CALL) default : break;       \
+        FUSE_CASE(1, 2, CALL)                                                                                \
+        FUSE_CASE(1, 3, CALL) FUSE_CASE(1, 4, CALL) FUSE_CASE(2, 1, CALL) FUSE_CASE(2, 2, CALL)              \
+            FUSE_CASE(2, 3, CALL) FUSE_CASE(2, 4, CALL) FUSE_CASE(3, 1, CALL) FUSE_CASE(3, 2, CALL)          \
+                FUSE_CASE(3, 3, CALL) FUSE_CASE(3, 4, CALL) FUSE_CASE(4, 1, CALL) FUSE_CASE(4, 2, CALL)      \
+                    FUSE_CASE(4, 3, CALL) FUSE_CASE(4, 4, CALL) FUSE_CASE(5, 1, CALL) FUSE_CASE(5, 2, CALL)  \
+                        FUSE_CASE(6, 1, CALL) FUSE_CASE(6, 2, CALL) FUSE_CASE(7, 1, CALL)                    \
+                            FUSE_CASE(7, 2, CALL) FUSE_CASE(8, 1, CALL) FUSE_CASE(8, 2, CALL) default        \
+            : break;                                                                                         \
     }
 #define FUSE_CASE(R_, C_, CALL)                                                                              \
     case (R_)*16 + (C_):                                                                                     \
