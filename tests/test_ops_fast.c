@@ -313,6 +313,9 @@ static void test_linears(void) {
         {DS41_LINEAR_FP8, 8, 70, 1100, DS41_OUT_BF16},
         {DS41_LINEAR_FP4, 5, 37, 1100, DS41_OUT_BF16},
         {DS41_LINEAR_FP4, 8, 70, 1100, DS41_OUT_BF16},
+        /* 9..16 rows: the fused tiles on row blocks of at most 8 */
+        {DS41_LINEAR_FP4, 12, 37, 1100, DS41_OUT_BF16},
+        {DS41_LINEAR_FP8, 16, 70, 1100, DS41_OUT_BF16},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_linear_case(&cases[i]);
 }

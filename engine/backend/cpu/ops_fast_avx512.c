@@ -36,8 +36,8 @@
  * dpbf16 level: a task decodes the weight rows of its columns into a panel
  * and runs a 3-row x 8-column register tile over every row; each output is
  * one 16-lane fp32 accumulator over the 32-value chunks of K in order, then
- * a fixed horizontal tree.  A task of at most FUSE_ROWS rows (decode steps,
- * MoE experts) decodes each 64-value chunk of a few weight rows into
+ * a fixed horizontal tree.  A task of at most FUSE_TASK_ROWS rows (decode steps,
+ * speculative steps, MoE experts) decodes each 64-value chunk of a few weight rows into
  * registers and multiplies it there (fuse_fp4 / fuse_fp8, prefetching the
  * rows ahead): the same values, chunks and accumulator, so the same bits and
  * the same error bound as the panel (cpu_backend.h: exact products, fp32
@@ -452,6 +452,16 @@ static inline size_t fuse_cols(size_t rows) {
     return rows <= 2 ? FUSE_COLS : FUSE_COLS / 2;
 }
 
+/* A task of up to FUSE_TASK_ROWS rows (batched decode) runs the fused tiles
+ * on row blocks of at most FUSE_ROWS, as even as they come: each block
+ * decodes the weights again (from L1), still cheaper than the panel. */
+#define FUSE_TASK_ROWS (2 * FUSE_ROWS)
+
+static inline size_t fuse_block(size_t rows) {
+    const size_t nb = (rows + FUSE_ROWS - 1) / FUSE_ROWS;
+    return (rows + nb - 1) / nb;
+}
+
 /* The register tile's parts shared by fuse_fp4 and fuse_fp8: zeroed
  * accumulators, chunk ch's two activation halves of rows r < R, and the
  * outputs (the panel tile's hsum and rounding). */
@@ -663,16 +673,18 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
     uint16_t *panel = scratch;
     if (w->kind == DS41_LINEAR_FP4) {
         const size_t rb = fast_row_bytes(w), scs = (size_t)w->scale_cols, nkb = (K + 31) / 32;
-        if (m1 - m0 <= FUSE_ROWS) {
+        if (m1 - m0 <= FUSE_TASK_ROWS) {
             int ok = 1;
             for (size_t n = n0; n < n1 && ok; n++) ok = scales_in(w->scale + n * scs, nkb, 2, 252);
             if (ok) {
                 const uint16_t *A = (const uint16_t *)(act + m0 * stride);
-                const size_t cols = fuse_cols(m1 - m0);
+                const size_t rs = fuse_block(m1 - m0), cols = fuse_cols(rs);
                 for (size_t n = n0; n < n1; n += cols) {
                     const int C = (int)(n1 - n < cols ? n1 - n : cols);
-                    run_fuse_fp4((int)(m1 - m0), C, A, stride / 2, w->q + n * rb, rb, w->scale + n * scs, scs,
-                                 K, y + m0 * N + n, N, out_bf16);
+                    for (size_t mb = m0; mb < m1; mb += rs)
+                        run_fuse_fp4((int)(m1 - mb < rs ? m1 - mb : rs), C, A + (mb - m0) * (stride / 2),
+                                     stride / 2, w->q + n * rb, rb, w->scale + n * scs, scs, K,
+                                     y + mb * N + n, N, out_bf16);
                 }
                 return;
             }
@@ -690,7 +702,7 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
     const size_t nkb = (K + 31) / 32;
     for (size_t g0 = n0; g0 < n1;) {
         const size_t g = g0 / 32, g1 = (g + 1) * 32 < n1 ? (g + 1) * 32 : n1;
-        const int fuse = m1 - m0 <= FUSE_ROWS;
+        const int fuse = m1 - m0 <= FUSE_TASK_ROWS;
         if (!fuse)
             for (size_t n = g0; n < g1; n++) decode_fp8_row(w->q + n * K, K, panel + (n - g0) * Kp);
         for (size_t kb = 0; kb < nkb; kb++) sw[kb] = fast_ue8m0(w->scale[g * (size_t)w->scale_cols + kb]);
@@ -711,12 +723,15 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
                     _mm512_storeu_si512(dst + 64 * c + 32, (__m512i)hi);
                 }
             }
-            if (fuse)
-                for (size_t n = g0; n < g1; n += fuse_cols(me - mb)) {
-                    const int C = (int)(g1 - n < fuse_cols(me - mb) ? g1 - n : fuse_cols(me - mb));
-                    run_fuse_fp8((int)(me - mb), C, ag, Kp, w->q + n * K, K, y + mb * N + n, N, out_bf16);
+            if (fuse) {
+                const size_t rs = fuse_block(me - mb), cols = fuse_cols(rs);
+                for (size_t n = g0; n < g1; n += cols) {
+                    const int C = (int)(g1 - n < cols ? g1 - n : cols);
+                    for (size_t sb = mb; sb < me; sb += rs)
+                        run_fuse_fp8((int)(me - sb < rs ? me - sb : rs), C, ag + (sb - mb) * Kp, Kp,
+                                     w->q + n * K, K, y + sb * N + n, N, out_bf16);
                 }
-            else
+            } else
                 tiles(ag, Kp, mb, me, panel, Kp, g0, g1, nq, ~(__mmask32)0, y, N, out_bf16);
         }
         g0 = g1;
