@@ -267,6 +267,23 @@ static void decode_fp8_row(const uint8_t *q, size_t K, uint16_t *out) {
     }
 }
 
+/* Chunk ch (32 bytes, mask m) of the FP4 row q with scales s (scale bytes
+ * 2..252): lo (even k) and hi (odd k) as bf16, scale folded in.  The panel
+ * and the fused tiles decode through this one function. */
+static inline __attribute__((always_inline)) void fp4_chunk(const uint8_t *q, const uint8_t *s, size_t nkb,
+                                                            size_t ch, __mmask32 m, __m512i tab, __m512i nib,
+                                                            __m512i nz, __m512i *lo, __m512i *hi) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + ch * 32));
+    const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
+    const __m512i off =
+        _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
+                              _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
+    /* non-zero magnitudes (code & 7 != 0) get the scale */
+    const __m512i l = _mm512_permutexvar_epi16(il, tab), h = _mm512_permutexvar_epi16(ih, tab);
+    *lo = _mm512_mask_add_epi16(l, _mm512_test_epi16_mask(il, nz), l, off);
+    *hi = _mm512_mask_add_epi16(h, _mm512_test_epi16_mask(ih, nz), h, off);
+}
+
 /* FP4 row: packed codes (ceil(K/2) bytes) and its ue8m0 scales -> bf16
  * [pad64(K)], chunk c = even k then odd k, scale folded in (scale bytes
  * 2..252 keep every product a normal bf16). */
@@ -281,16 +298,10 @@ static void decode_fp4_row(const uint8_t *q, const uint8_t *sc, size_t K, uint16
     for (size_t c = 0; c * 32 < rb; c++) {
         const size_t rem = rb - c * 32;
         const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << rem) - 1);
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + c * 32));
-        const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
-        const __m512i off =
-            _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[sc[2 * c]]), 0xFF00,
-                                  _mm512_set1_epi32((int)exp_off32[2 * c + 1 < nkb ? sc[2 * c + 1] : 127]));
-        /* non-zero magnitudes (code & 7 != 0) get the scale */
-        const __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
-        _mm512_storeu_si512(out + c * 64, _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off));
-        _mm512_storeu_si512(out + c * 64 + 32,
-                            _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(ih, nz), hi, off));
+        __m512i lo, hi;
+        fp4_chunk(q, sc, nkb, c, m, tab, nib, nz, &lo, &hi);
+        _mm512_storeu_si512(out + c * 64, lo);
+        _mm512_storeu_si512(out + c * 64 + 32, hi);
     }
 }
 
@@ -483,6 +494,19 @@ static inline __attribute__((always_inline)) void fuse_act(const int R, const ui
     }
 }
 
+/* Up to FUSE_HOLD rows: column c's decoded halves lo/hi of a chunk against
+ * the activation halves a0/a1 held for the chunk. */
+static inline __attribute__((always_inline)) void fuse_held(const int R, const int c,
+                                                            const __m512i a0[FUSE_HOLD],
+                                                            const __m512i a1[FUSE_HOLD], __m512i lo,
+                                                            __m512i hi, __m512 acc[FUSE_ROWS][FUSE_COLS]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
+    }
+}
+
 /* Past FUSE_HOLD rows: chunk ch's decoded halves lo/hi of the C columns
  * against each row's two activation halves in turn (loaded once per row). */
 static inline __attribute__((always_inline)) void
@@ -511,8 +535,8 @@ fuse_out(const int R, const int C, __m512 acc[FUSE_ROWS][FUSE_COLS], float *y, s
         }
 }
 
-/* Chunk ch (32 bytes, mask m) of the FP4 weight row q (stride rb to the
- * next row) with scales s: lo (even k) and hi (odd k) as bf16. */
+/* fp4_chunk of the FP4 weight row q (stride rb to the next row),
+ * prefetching the rows ahead. */
 static inline __attribute__((always_inline)) void fuse_dec4(const uint8_t *q, size_t rb, const uint8_t *s,
                                                             size_t nkb, size_t ch, __mmask32 m, __m512i tab,
                                                             __m512i nib, __m512i nz, __m512i *lo,
@@ -521,14 +545,7 @@ static inline __attribute__((always_inline)) void fuse_dec4(const uint8_t *q, si
      * next task's are contiguous with these): a stream the hardware
      * prefetchers do not start on short rows read side by side. */
     if (!(ch & 1)) _mm_prefetch((const char *)q + (size_t)FUSE_AHEAD * rb + ch * 32, _MM_HINT_T0);
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + ch * 32));
-    const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
-    const __m512i off =
-        _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
-                              _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
-    const __m512i l = _mm512_permutexvar_epi16(il, tab), h = _mm512_permutexvar_epi16(ih, tab);
-    *lo = _mm512_mask_add_epi16(l, _mm512_test_epi16_mask(il, nz), l, off);
-    *hi = _mm512_mask_add_epi16(h, _mm512_test_epi16_mask(ih, nz), h, off);
+    fp4_chunk(q, s, nkb, ch, m, tab, nib, nz, lo, hi);
 }
 
 /* Chunk ch (64 bytes, mask m) of the FP8 weight row q (stride K to the
@@ -569,11 +586,7 @@ static inline __attribute__((always_inline)) void fuse_fp4(const int R, const in
             for (int c = 0; c < C; c++) {
                 __m512i lo, hi;
                 fuse_dec4(q + (size_t)c * rb, rb, sc + (size_t)c * scs, nkb, ch, m, tab, nib, nz, &lo, &hi);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
-                }
+                fuse_held(R, c, a0, a1, lo, hi, acc);
             }
         } else {
             __m512i lo[FUSE_COLS], hi[FUSE_COLS];
@@ -607,11 +620,7 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
             for (int c = 0; c < C; c++) {
                 __m512i w0, w1;
                 fuse_dec8(q + (size_t)c * K, K, ch, m, th0, th1, tl0, tl1, sign, &w0, &w1);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)w0);
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)w1);
-                }
+                fuse_held(R, c, a0, a1, w0, w1, acc);
             }
         } else {
             __m512i w0[FUSE_COLS], w1[FUSE_COLS];
