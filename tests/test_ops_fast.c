@@ -302,11 +302,20 @@ static void test_linears(void) {
         {DS41_LINEAR_FP4, 1, 64, 2048, DS41_OUT_BF16},
         {DS41_LINEAR_BF16, 9, 40, 1056, DS41_OUT_F32},
         /* 2..4 rows over K of several 256-value slabs with a partial block: the
-         * fused decode + dot tiles (AVX-512 up to 4 rows, AVX2 up to 2) */
+         * fused decode + dot tiles (AVX-512 up to 8 rows, AVX2 up to 2) */
         {DS41_LINEAR_FP8, 2, 70, 1100, DS41_OUT_BF16},
         {DS41_LINEAR_FP8, 4, 37, 1100, DS41_OUT_BF16},
         {DS41_LINEAR_FP4, 3, 37, 1100, DS41_OUT_BF16},
         {DS41_LINEAR_FP4, 4, 70, 1100, DS41_OUT_BF16},
+        /* 5..8 rows: AVX-512's fused tiles past the rows whose activations
+         * stay in registers (a speculative step's token + drafts) */
+        {DS41_LINEAR_FP8, 6, 37, 1100, DS41_OUT_BF16},
+        {DS41_LINEAR_FP8, 8, 70, 1100, DS41_OUT_BF16},
+        {DS41_LINEAR_FP4, 5, 37, 1100, DS41_OUT_BF16},
+        {DS41_LINEAR_FP4, 8, 70, 1100, DS41_OUT_BF16},
+        /* 9..16 rows: the fused tiles on row blocks of at most 8 */
+        {DS41_LINEAR_FP4, 12, 37, 1100, DS41_OUT_BF16},
+        {DS41_LINEAR_FP8, 16, 70, 1100, DS41_OUT_BF16},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_linear_case(&cases[i]);
 }

@@ -92,10 +92,14 @@
  *  - threads split output columns (and, for large M, row blocks), never a
  *    reduction;
  *  - the kernel chosen may depend on M (e.g. decoding weights once into a
- *    scratch panel for many rows, or, for tasks of at most 4 rows at AVX-512
- *    and 2 at AVX2, decoding them into registers or an L1 slab right where
- *    they are multiplied) only when it computes bit-identical values
- *    (tests/test_ops_fast.c: rows alone = batched across those sizes).
+ *    scratch panel for many rows, or, for tasks of at most 16 rows at AVX-512
+ *    (a speculative step's token + drafts, batched decode; row blocks of at
+ *    most 8) and 2 at AVX2, decoding them into registers or an L1 slab right
+ *    where they are multiplied; past 4 rows AVX-512 decodes a tile's columns
+ *    first and then takes the rows in turn, which reorders work across
+ *    outputs but no output's own accumulation)
+ *    only when it computes bit-identical values (tests/test_ops_fast.c: rows
+ *    alone = batched across those sizes).
  * So a sequence's logits are the same whatever shares its decode step and
  * however its prompt was chunked (tests/test_fast_forward.c).  They differ
  * between levels (AVX-512, AVX2, scalar sum in different orders), which is

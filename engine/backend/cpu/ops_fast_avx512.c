@@ -36,8 +36,8 @@
  * dpbf16 level: a task decodes the weight rows of its columns into a panel
  * and runs a 3-row x 8-column register tile over every row; each output is
  * one 16-lane fp32 accumulator over the 32-value chunks of K in order, then
- * a fixed horizontal tree.  A task of at most FUSE_ROWS rows (decode steps,
- * MoE experts) decodes each 64-value chunk of a few weight rows into
+ * a fixed horizontal tree.  A task of at most FUSE_TASK_ROWS rows (decode steps,
+ * speculative steps, MoE experts) decodes each 64-value chunk of a few weight rows into
  * registers and multiplies it there (fuse_fp4 / fuse_fp8, prefetching the
  * rows ahead): the same values, chunks and accumulator, so the same bits and
  * the same error bound as the panel (cpu_backend.h: exact products, fp32
@@ -267,6 +267,23 @@ static void decode_fp8_row(const uint8_t *q, size_t K, uint16_t *out) {
     }
 }
 
+/* Chunk ch (32 bytes, mask m) of the FP4 row q with scales s (scale bytes
+ * 2..252): lo (even k) and hi (odd k) as bf16, scale folded in.  The panel
+ * and the fused tiles decode through this one function. */
+static inline __attribute__((always_inline)) void fp4_chunk(const uint8_t *q, const uint8_t *s, size_t nkb,
+                                                            size_t ch, __mmask32 m, __m512i tab, __m512i nib,
+                                                            __m512i nz, __m512i *lo, __m512i *hi) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + ch * 32));
+    const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
+    const __m512i off =
+        _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
+                              _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
+    /* non-zero magnitudes (code & 7 != 0) get the scale */
+    const __m512i l = _mm512_permutexvar_epi16(il, tab), h = _mm512_permutexvar_epi16(ih, tab);
+    *lo = _mm512_mask_add_epi16(l, _mm512_test_epi16_mask(il, nz), l, off);
+    *hi = _mm512_mask_add_epi16(h, _mm512_test_epi16_mask(ih, nz), h, off);
+}
+
 /* FP4 row: packed codes (ceil(K/2) bytes) and its ue8m0 scales -> bf16
  * [pad64(K)], chunk c = even k then odd k, scale folded in (scale bytes
  * 2..252 keep every product a normal bf16). */
@@ -281,16 +298,10 @@ static void decode_fp4_row(const uint8_t *q, const uint8_t *sc, size_t K, uint16
     for (size_t c = 0; c * 32 < rb; c++) {
         const size_t rem = rb - c * 32;
         const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << rem) - 1);
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + c * 32));
-        const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
-        const __m512i off =
-            _mm512_mask_mov_epi32(_mm512_set1_epi32((int)exp_off32[sc[2 * c]]), 0xFF00,
-                                  _mm512_set1_epi32((int)exp_off32[2 * c + 1 < nkb ? sc[2 * c + 1] : 127]));
-        /* non-zero magnitudes (code & 7 != 0) get the scale */
-        const __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
-        _mm512_storeu_si512(out + c * 64, _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off));
-        _mm512_storeu_si512(out + c * 64 + 32,
-                            _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(ih, nz), hi, off));
+        __m512i lo, hi;
+        fp4_chunk(q, sc, nkb, c, m, tab, nib, nz, &lo, &hi);
+        _mm512_storeu_si512(out + c * 64, lo);
+        _mm512_storeu_si512(out + c * 64 + 32, hi);
     }
 }
 
@@ -432,15 +443,34 @@ static void tiles(const uint16_t *A, size_t lda, size_t m0, size_t m1, const uin
  * 2c + 1 their two halves, one 16-lane accumulator per element over the
  * chunks in order, the same hsum), so an element's result is the same bits
  * whichever path its task takes (the invariance rule).  A row block whose
- * weight scales need decode_fp4_row's scalar path takes the panel path. */
-#define FUSE_ROWS 4
+ * weight scales need decode_fp4_row's scalar path takes the panel path.
+ * Up to FUSE_HOLD rows keep a chunk's activations in registers and decode
+ * column by column; more rows (a speculative step's token + drafts, batched
+ * decode, MoE experts of 5-8 rows) decode the tile's C columns first and then
+ * run each row's activations against them (loaded once per row, used for
+ * every column): only the order across accumulators differs, never an
+ * accumulator's own sequence, so the bits are the same. */
+#define FUSE_ROWS 8
+#define FUSE_HOLD 4
 #define FUSE_COLS 4
 #define FUSE_AHEAD (2 * FUSE_COLS)
 
-/* Columns per register tile: R x C accumulators, 2R activation registers
- * and the decode's own stay within the 32 vector registers. */
+/* Columns per register tile: R x C accumulators, the activation registers
+ * (2R held, or 2 per row in turn past FUSE_HOLD rows), 2C decoded weight
+ * registers past FUSE_HOLD rows and the decode's own stay within the 32
+ * vector registers. */
 static inline size_t fuse_cols(size_t rows) {
     return rows <= 2 ? FUSE_COLS : FUSE_COLS / 2;
+}
+
+/* A task of up to FUSE_TASK_ROWS rows (batched decode) runs the fused tiles
+ * on row blocks of at most FUSE_ROWS, as even as they come: each block
+ * decodes the weights again (from L1), still cheaper than the panel. */
+#define FUSE_TASK_ROWS (2 * FUSE_ROWS)
+
+static inline size_t fuse_block(size_t rows) {
+    const size_t nb = (rows + FUSE_ROWS - 1) / FUSE_ROWS;
+    return (rows + nb - 1) / nb;
 }
 
 /* The register tile's parts shared by fuse_fp4 and fuse_fp8: zeroed
@@ -448,15 +478,15 @@ static inline size_t fuse_cols(size_t rows) {
  * outputs (the panel tile's hsum and rounding). */
 static inline __attribute__((always_inline)) void fuse_zero(const int R, const int C,
                                                             __m512 acc[FUSE_ROWS][FUSE_COLS]) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
 }
 
 static inline __attribute__((always_inline)) void fuse_act(const int R, const uint16_t *A, size_t lda,
-                                                           size_t ch, __m512i a0[FUSE_ROWS],
-                                                           __m512i a1[FUSE_ROWS]) {
+                                                           size_t ch, __m512i a0[FUSE_HOLD],
+                                                           __m512i a1[FUSE_HOLD]) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         a0[r] = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
@@ -464,15 +494,73 @@ static inline __attribute__((always_inline)) void fuse_act(const int R, const ui
     }
 }
 
+/* Up to FUSE_HOLD rows: column c's decoded halves lo/hi of a chunk against
+ * the activation halves a0/a1 held for the chunk. */
+static inline __attribute__((always_inline)) void fuse_held(const int R, const int c,
+                                                            const __m512i a0[FUSE_HOLD],
+                                                            const __m512i a1[FUSE_HOLD], __m512i lo,
+                                                            __m512i hi, __m512 acc[FUSE_ROWS][FUSE_COLS]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
+    }
+}
+
+/* Past FUSE_HOLD rows: chunk ch's decoded halves lo/hi of the C columns
+ * against each row's two activation halves in turn (loaded once per row). */
+static inline __attribute__((always_inline)) void
+fuse_rows(const int R, const int C, const uint16_t *A, size_t lda, size_t ch, const __m512i lo[FUSE_COLS],
+          const __m512i hi[FUSE_COLS], __m512 acc[FUSE_ROWS][FUSE_COLS]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const __m512i x0 = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64);
+        const __m512i x1 = _mm512_loadu_si512(A + (size_t)r * lda + ch * 64 + 32);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)x0, (__m512bh)lo[c]);
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)x1, (__m512bh)hi[c]);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void
 fuse_out(const int R, const int C, __m512 acc[FUSE_ROWS][FUSE_COLS], float *y, size_t ldy, int out_bf16) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) {
             const float v = hsum(acc[r][c]);
             y[(size_t)r * ldy + (size_t)c] = out_bf16 ? fast_bf16_round(v) : v;
         }
+}
+
+/* fp4_chunk of the FP4 weight row q (stride rb to the next row),
+ * prefetching the rows ahead. */
+static inline __attribute__((always_inline)) void fuse_dec4(const uint8_t *q, size_t rb, const uint8_t *s,
+                                                            size_t nkb, size_t ch, __mmask32 m, __m512i tab,
+                                                            __m512i nib, __m512i nz, __m512i *lo,
+                                                            __m512i *hi) {
+    /* The same line FUSE_AHEAD rows on (the task's later rows and the
+     * next task's are contiguous with these): a stream the hardware
+     * prefetchers do not start on short rows read side by side. */
+    if (!(ch & 1)) _mm_prefetch((const char *)q + (size_t)FUSE_AHEAD * rb + ch * 32, _MM_HINT_T0);
+    fp4_chunk(q, s, nkb, ch, m, tab, nib, nz, lo, hi);
+}
+
+/* Chunk ch (64 bytes, mask m) of the FP8 weight row q (stride K to the
+ * next row): w0 (its first 32 values) and w1 as bf16. */
+static inline __attribute__((always_inline)) void fuse_dec8(const uint8_t *q, size_t K, size_t ch,
+                                                            __mmask64 m, __m512i th0, __m512i th1,
+                                                            __m512i tl0, __m512i tl1, __m512i sign,
+                                                            __m512i *w0, __m512i *w1) {
+    _mm_prefetch((const char *)q + (size_t)FUSE_AHEAD * K + ch * 64, _MM_HINT_T0);
+    const __m512i raw = _mm512_maskz_loadu_epi8(m, q + ch * 64);
+    __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
+    hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
+    const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
+    *w0 = _mm512_unpacklo_epi8(lo, hi);
+    *w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
 /* FP4: y for rows [0, R) of A (stride lda bf16) and the C weight rows q
@@ -491,29 +579,22 @@ static inline __attribute__((always_inline)) void fuse_fp4(const int R, const in
     for (size_t ch = 0; ch < nch; ch++) {
         const size_t rem = rb - ch * 32;
         const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << rem) - 1);
-        __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
-        fuse_act(R, A, lda, ch, a0, a1);
+        if (R <= FUSE_HOLD) {
+            __m512i a0[FUSE_HOLD], a1[FUSE_HOLD];
+            fuse_act(R, A, lda, ch, a0, a1);
 #pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-            const uint8_t *s = sc + (size_t)c * scs;
-            /* The same line FUSE_AHEAD rows on (the task's later rows and the
-             * next task's are contiguous with these): a stream the hardware
-             * prefetchers do not start on short rows read side by side. */
-            if (!(ch & 1))
-                _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * rb + ch * 32, _MM_HINT_T0);
-            const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q + (size_t)c * rb + ch * 32));
-            const __m512i il = _mm512_and_si512(w, nib), ih = _mm512_srli_epi16(w, 4);
-            const __m512i off = _mm512_mask_mov_epi32(
-                _mm512_set1_epi32((int)exp_off32[s[2 * ch]]), 0xFF00,
-                _mm512_set1_epi32((int)exp_off32[2 * ch + 1 < nkb ? s[2 * ch + 1] : 127]));
-            __m512i lo = _mm512_permutexvar_epi16(il, tab), hi = _mm512_permutexvar_epi16(ih, tab);
-            lo = _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(il, nz), lo, off);
-            hi = _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(ih, nz), hi, off);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)lo);
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)hi);
+            for (int c = 0; c < C; c++) {
+                __m512i lo, hi;
+                fuse_dec4(q + (size_t)c * rb, rb, sc + (size_t)c * scs, nkb, ch, m, tab, nib, nz, &lo, &hi);
+                fuse_held(R, c, a0, a1, lo, hi, acc);
             }
+        } else {
+            __m512i lo[FUSE_COLS], hi[FUSE_COLS];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++)
+                fuse_dec4(q + (size_t)c * rb, rb, sc + (size_t)c * scs, nkb, ch, m, tab, nib, nz, &lo[c],
+                          &hi[c]);
+            fuse_rows(R, C, A, lda, ch, lo, hi, acc);
         }
     }
     fuse_out(R, C, acc, y, ldy, out_bf16);
@@ -532,21 +613,21 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
     for (size_t ch = 0; ch * 64 < K; ch++) {
         const size_t rem = K - ch * 64;
         const __mmask64 m = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
-        __m512i a0[FUSE_ROWS], a1[FUSE_ROWS];
-        fuse_act(R, A, lda, ch, a0, a1);
+        if (R <= FUSE_HOLD) {
+            __m512i a0[FUSE_HOLD], a1[FUSE_HOLD];
+            fuse_act(R, A, lda, ch, a0, a1);
 #pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-            _mm_prefetch((const char *)q + (size_t)(c + FUSE_AHEAD) * K + ch * 64, _MM_HINT_T0);
-            const __m512i raw = _mm512_maskz_loadu_epi8(m, q + (size_t)c * K + ch * 64);
-            __m512i hi = _mm512_permutex2var_epi8(th0, raw, th1);
-            hi = _mm512_ternarylogic_epi32(hi, raw, sign, 0xF8); /* hi | (raw & 0x80) */
-            const __m512i lo = _mm512_permutex2var_epi8(tl0, raw, tl1);
-            const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a0[r], (__m512bh)w0);
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a1[r], (__m512bh)w1);
+            for (int c = 0; c < C; c++) {
+                __m512i w0, w1;
+                fuse_dec8(q + (size_t)c * K, K, ch, m, th0, th1, tl0, tl1, sign, &w0, &w1);
+                fuse_held(R, c, a0, a1, w0, w1, acc);
             }
+        } else {
+            __m512i w0[FUSE_COLS], w1[FUSE_COLS];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++)
+                fuse_dec8(q + (size_t)c * K, K, ch, m, th0, th1, tl0, tl1, sign, &w0[c], &w1[c]);
+            fuse_rows(R, C, A, lda, ch, w0, w1, acc);
         }
     }
     fuse_out(R, C, acc, y, ldy, out_bf16);
@@ -555,10 +636,14 @@ static inline __attribute__((always_inline)) void fuse_fp8(const int R, const in
 #define FUSE_CASES(CALL)                                                                                     \
     switch (R * 16 + C) {                                                                                    \
         FUSE_CASE(1, 1, CALL)                                                                                \
-        FUSE_CASE(1, 2, CALL) FUSE_CASE(1, 3, CALL) FUSE_CASE(1, 4, CALL) FUSE_CASE(2, 1, CALL)              \
-            FUSE_CASE(2, 2, CALL) FUSE_CASE(2, 3, CALL) FUSE_CASE(2, 4, CALL) FUSE_CASE(3, 1, CALL)          \
-                FUSE_CASE(3, 2, CALL) FUSE_CASE(3, 3, CALL) FUSE_CASE(3, 4, CALL) FUSE_CASE(4, 1, CALL)      \
-                    FUSE_CASE(4, 2, CALL) FUSE_CASE(4, 3, CALL) FUSE_CASE(4, 4, CALL) default : break;       \
+        FUSE_CASE(1, 2, CALL)                                                                                \
+        FUSE_CASE(1, 3, CALL) FUSE_CASE(1, 4, CALL) FUSE_CASE(2, 1, CALL) FUSE_CASE(2, 2, CALL)              \
+            FUSE_CASE(2, 3, CALL) FUSE_CASE(2, 4, CALL) FUSE_CASE(3, 1, CALL) FUSE_CASE(3, 2, CALL)          \
+                FUSE_CASE(3, 3, CALL) FUSE_CASE(3, 4, CALL) FUSE_CASE(4, 1, CALL) FUSE_CASE(4, 2, CALL)      \
+                    FUSE_CASE(4, 3, CALL) FUSE_CASE(4, 4, CALL) FUSE_CASE(5, 1, CALL) FUSE_CASE(5, 2, CALL)  \
+                        FUSE_CASE(6, 1, CALL) FUSE_CASE(6, 2, CALL) FUSE_CASE(7, 1, CALL)                    \
+                            FUSE_CASE(7, 2, CALL) FUSE_CASE(8, 1, CALL) FUSE_CASE(8, 2, CALL) default        \
+            : break;                                                                                         \
     }
 #define FUSE_CASE(R_, C_, CALL)                                                                              \
     case (R_)*16 + (C_):                                                                                     \
@@ -597,16 +682,18 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
     uint16_t *panel = scratch;
     if (w->kind == DS41_LINEAR_FP4) {
         const size_t rb = fast_row_bytes(w), scs = (size_t)w->scale_cols, nkb = (K + 31) / 32;
-        if (m1 - m0 <= FUSE_ROWS) {
+        if (m1 - m0 <= FUSE_TASK_ROWS) {
             int ok = 1;
             for (size_t n = n0; n < n1 && ok; n++) ok = scales_in(w->scale + n * scs, nkb, 2, 252);
             if (ok) {
                 const uint16_t *A = (const uint16_t *)(act + m0 * stride);
-                const size_t cols = fuse_cols(m1 - m0);
+                const size_t rs = fuse_block(m1 - m0), cols = fuse_cols(rs);
                 for (size_t n = n0; n < n1; n += cols) {
                     const int C = (int)(n1 - n < cols ? n1 - n : cols);
-                    run_fuse_fp4((int)(m1 - m0), C, A, stride / 2, w->q + n * rb, rb, w->scale + n * scs, scs,
-                                 K, y + m0 * N + n, N, out_bf16);
+                    for (size_t mb = m0; mb < m1; mb += rs)
+                        run_fuse_fp4((int)(m1 - mb < rs ? m1 - mb : rs), C, A + (mb - m0) * (stride / 2),
+                                     stride / 2, w->q + n * rb, rb, w->scale + n * scs, scs, K,
+                                     y + mb * N + n, N, out_bf16);
                 }
                 return;
             }
@@ -624,7 +711,7 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
     const size_t nkb = (K + 31) / 32;
     for (size_t g0 = n0; g0 < n1;) {
         const size_t g = g0 / 32, g1 = (g + 1) * 32 < n1 ? (g + 1) * 32 : n1;
-        const int fuse = m1 - m0 <= FUSE_ROWS;
+        const int fuse = m1 - m0 <= FUSE_TASK_ROWS;
         if (!fuse)
             for (size_t n = g0; n < g1; n++) decode_fp8_row(w->q + n * K, K, panel + (n - g0) * Kp);
         for (size_t kb = 0; kb < nkb; kb++) sw[kb] = fast_ue8m0(w->scale[g * (size_t)w->scale_cols + kb]);
@@ -645,12 +732,15 @@ static void dp_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, s
                     _mm512_storeu_si512(dst + 64 * c + 32, (__m512i)hi);
                 }
             }
-            if (fuse)
-                for (size_t n = g0; n < g1; n += fuse_cols(me - mb)) {
-                    const int C = (int)(g1 - n < fuse_cols(me - mb) ? g1 - n : fuse_cols(me - mb));
-                    run_fuse_fp8((int)(me - mb), C, ag, Kp, w->q + n * K, K, y + mb * N + n, N, out_bf16);
+            if (fuse) {
+                const size_t rs = fuse_block(me - mb), cols = fuse_cols(rs);
+                for (size_t n = g0; n < g1; n += cols) {
+                    const int C = (int)(g1 - n < cols ? g1 - n : cols);
+                    for (size_t sb = mb; sb < me; sb += rs)
+                        run_fuse_fp8((int)(me - sb < rs ? me - sb : rs), C, ag + (sb - mb) * Kp, Kp,
+                                     w->q + n * K, K, y + sb * N + n, N, out_bf16);
                 }
-            else
+            } else
                 tiles(ag, Kp, mb, me, panel, Kp, g0, g1, nq, ~(__mmask32)0, y, N, out_bf16);
         }
         g0 = g1;
