@@ -339,10 +339,17 @@ static void load_bar(const char *name, const json_t *load) {
 static int models_load_wait(const char *name) {
     json_t *j = post_model_action("load", name);
     if (!j) return 1;
-    json_decref(j);
     const bool bar = !g_json && isatty(STDOUT_FILENO);
     bool bar_drawn = false;
     char last[600] = "";
+    /* The load's answer says whether it started: printed at once, since a small model can be
+     * ready before the first poll sees it loading. */
+    if (!g_json && !bar && strcmp(jstr(j, "status"), "loading") == 0) {
+        printf("%s: loading\n", name);
+        fflush(stdout);
+        snprintf(last, sizeof last, "%s: loading", name);
+    }
+    json_decref(j);
     for (;;) {
         json_t *list = call_json("GET", "/admin/models", NULL, NULL, false);
         if (!list) return 1;
