@@ -32,7 +32,13 @@ typedef struct ds41_cuda_opts {
     int device;     /* CUDA device ordinal (real device only) */
     ds41_gpu *gpu;  /* NULL: open the real device `device`; else this one (the backend owns it) */
     bool emulated;  /* the host emulation of the kernels (gpu must be a fake device, or NULL to make one) */
-} ds41_cuda_opts;   /* zero-initialised: device 0, real kernels */
+    /* What the engine streams instead of holding (its expert_cache_bytes /
+     * engram_cache_bytes are set): place_weights leaves the text layers'
+     * routed experts / the Engram tables out of device memory, and an op
+     * handed one of them from the mapping is reported as a bug. */
+    bool stream_experts;
+    bool stream_engram;
+} ds41_cuda_opts;   /* zero-initialised: device 0, real kernels, everything placed */
 
 /* Errors: no usable device (the message says why: no driver, no device,
  * built without CUDA), out of device memory. */
@@ -50,6 +56,11 @@ typedef struct ds41_cuda_mem_stats {
     uint64_t scratch_bytes; /* activations, op scratch, metadata arena */
     uint64_t other_bytes;   /* anything else allocated through be->mem */
     uint64_t pinned_host_bytes; /* page-locked host memory: staging, metadata, the host expert tier */
+    /* How place_weights read the weights: bytes read with O_DIRECT into
+     * pinned staging, and bytes copied from the checkpoint's mapping (a file
+     * system without O_DIRECT, tensors the binder copied: wo_a). */
+    uint64_t placed_direct_bytes;
+    uint64_t placed_mapped_bytes;
 } ds41_cuda_mem_stats;
 void ds41_backend_cuda_mem_stats(const ds41_backend *be, ds41_cuda_mem_stats *out);
 

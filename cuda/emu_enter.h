@@ -3,11 +3,12 @@
  * An emulated op computes on the host at call time, where the kernel it
  * stands for would run when the compute stream reaches it.  So before it
  * reads anything, the work queued on the compute stream so far (uploads of
- * its inputs, the metadata copies ds41_cuda_meta queued for it, earlier
- * ops' copies) and whatever that work waits on through events must have
- * run: this call runs it.  Work of other streams that the compute stream
- * does not wait on stays queued, so an op whose host logic forgot an event
- * reads stale bytes (cuda/gpu_fake.c).
+ * its inputs, copies of be->mem, earlier ops' copies) and whatever that
+ * work waits on through events must have run: this call runs it.  The
+ * metadata an op ships afterwards is there too: an emulated ctx's meta()
+ * runs its copy before returning (cuda/cuda_backend.c).  Work of other
+ * streams that the compute stream does not wait on stays queued, so host
+ * logic that forgot an event reads stale bytes (cuda/gpu_fake.c).
  *
  * A ctx without a device (gpu == NULL: the families' standalone tests, with
  * an identity weight() and malloc'd meta()) has nothing queued: no-op. */
