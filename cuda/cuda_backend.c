@@ -55,7 +55,7 @@ struct cuda_be {
     ds41_backend be;
     ds41_gpu *gpu;
     ds41_gpu_stream *compute, *copy;
-    bool emulated, stream_experts, stream_engram;
+    bool emulated, stream_experts, stream_engram, buffered;
     tagged_mem mem[DS41_CUDA_MEM_KINDS];
     pthread_mutex_t mu; /* counters, rings */
     uint64_t kind_bytes[DS41_CUDA_MEM_KINDS];
@@ -342,7 +342,7 @@ static void send_stage(placer *pc, void *dst, const unsigned char *src, size_t n
 static void place_one(placer *pc, const ds41_place_entry *e, unsigned char *dst) {
     cuda_be *b = pc->b;
     const map_line *ml = maps_find(&pc->mp, e->host, e->bytes);
-    int fd = ml ? dio_fd(pc, ml->path) : -1;
+    int fd = ml && !b->buffered ? dio_fd(pc, ml->path) : -1;
     const uint64_t file_off = ml ? ml->off + ((uintptr_t)e->host - ml->lo) : 0;
     uint64_t done = 0;
     while (done < e->bytes) {
@@ -533,6 +533,10 @@ bool ds41_backend_is_cuda(const ds41_backend *be) {
 
 ds41_gpu *ds41_backend_cuda_gpu(const ds41_backend *be) {
     return ds41_backend_is_cuda(be) ? ((cuda_be *)be->impl)->gpu : NULL;
+}
+
+void ds41_backend_cuda_set_buffered(ds41_backend *be, bool buffered) {
+    if (ds41_backend_is_cuda(be)) ((cuda_be *)be->impl)->buffered = buffered;
 }
 
 ds41_cuda_ctx *ds41_backend_cuda_ctx(const ds41_backend *be) {

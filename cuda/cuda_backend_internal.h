@@ -27,6 +27,11 @@ typedef enum ds41_cuda_mem_kind {
  * stream; be->mem is DS41_CUDA_MEM_OTHER). */
 const ds41_memory *ds41_backend_cuda_memory(const ds41_backend *be, ds41_cuda_mem_kind kind);
 
+/* Read the weights through the checkpoint's mapping (the page cache)
+ * instead of O_DIRECT at the next place_weights: the path a file system
+ * without O_DIRECT takes. */
+void ds41_backend_cuda_set_buffered(ds41_backend *be, bool buffered);
+
 /* The op context (tests call weight / meta / scratch directly). */
 ds41_cuda_ctx *ds41_backend_cuda_ctx(const ds41_backend *be);
 

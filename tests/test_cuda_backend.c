@@ -24,9 +24,12 @@
 #include "tests/tap.h"
 #include "tests/tmpdir.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---------------------------------------------------- the wrapped table */
 
@@ -521,6 +524,27 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
         ds41_engine_free(cu);
         return;
     }
+    /* Where the file system takes O_DIRECT, placement used it. */
+    int direct_ok = 0;
+    DIR *d = opendir(dir);
+    for (struct dirent *de; d && (de = readdir(d)) && !direct_ok;) {
+        if (!strstr(de->d_name, ".safetensors") || strstr(de->d_name, ".json")) continue;
+        char path[4200];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        const int fd = open(path, O_RDONLY | O_DIRECT);
+        direct_ok = fd >= 0;
+        if (fd >= 0) close(fd);
+    }
+    if (d) closedir(d);
+    ds41_cuda_mem_stats ms;
+    ds41_backend_cuda_mem_stats(ds41_engine_backend(cu), &ms);
+    if (direct_ok)
+        TAP_CHECK(
+            ms.placed_direct_bytes > ms.placed_mapped_bytes,
+            "%s: placement read the shards with O_DIRECT (%llu bytes; %llu from memory: wo_a's bf16 copies)",
+            label, (unsigned long long)ms.placed_direct_bytes, (unsigned long long)ms.placed_mapped_bytes);
+    else
+        TAP_SKIP("%s: the file system refuses O_DIRECT", label);
     const size_t V = (size_t)ds41_engine_config(ref)->vocab_size;
     int32_t *prompt = malloc(n * sizeof *prompt);
     for (size_t i = 0; i < n; i++) prompt[i] = rnd((int64_t)V);
@@ -637,6 +661,70 @@ static void meta_ring(void) {
     ds41_backend_free(be);
 }
 
+/* Placement through the mapping (a file system without O_DIRECT takes this
+ * path): the stats say so, and the logits stay the reference's. */
+static void mapped_fallback(const char *dir) {
+    ds41_error err = {0};
+    ds41_engine_opts ro = {.reference = true};
+    ds41_engine_opts co = {.backend = fake_backend(13, true, false)};
+    if (co.backend) ds41_backend_cuda_set_buffered(co.backend, true);
+    ds41_engine *ref = ds41_engine_load(dir, &ro, &err);
+    ds41_engine *cu = co.backend ? ds41_engine_load(dir, &co, &err) : NULL;
+    if (TAP_CHECK(ref && cu, "buffered placement: engines load (%s)", err.msg)) {
+        ds41_cuda_mem_stats ms;
+        ds41_backend_cuda_mem_stats(ds41_engine_backend(cu), &ms);
+        TAP_CHECK(ms.placed_direct_bytes == 0 && ms.placed_mapped_bytes > 0,
+                  "buffered placement: every placed byte came from the mapping (%llu bytes)",
+                  (unsigned long long)ms.placed_mapped_bytes);
+        const size_t V = (size_t)ds41_engine_config(ref)->vocab_size, n = 9;
+        int32_t prompt[9];
+        for (size_t i = 0; i < n; i++) prompt[i] = rnd((int64_t)V);
+        float *a = calloc((n + STEPS) * V, sizeof *a), *b = calloc((n + STEPS) * V, sizeof *b);
+        TAP_CHECK(run(ref, prompt, n, n, a) == 0 && run(cu, prompt, n, 4, b) == 0 &&
+                      memcmp(a, b, (n + STEPS) * V * sizeof *a) == 0,
+                  "buffered placement: logits bit-identical to the reference");
+        free(a);
+        free(b);
+    }
+    ds41_engine_free(ref);
+    ds41_engine_free(cu);
+}
+
+/* be->mem's ordering (engine/backend/memory.h): upload returns when the
+ * source may be reused, download when the bytes are there, copies are
+ * ordered with both; each allocation counted under its memory's kind. */
+static void memory_order(void) {
+    ds41_backend *be = fake_backend(9, true, false);
+    if (!be) return;
+    const ds41_memory *m = be->mem, *pm = ds41_backend_cuda_memory(be, DS41_CUDA_MEM_POOL);
+    enum { N = 3000 };
+    uint8_t src[N], out[N], want[N];
+    for (int i = 0; i < N; i++) src[i] = want[i] = (uint8_t)(i * 7 + 1);
+    uint8_t *a = m->alloc(m, N), *b = pm->alloc(pm, N), *c = m->alloc(m, 2 * N);
+    m->upload(m, a, src, N);
+    memset(src, 0, N); /* reused right after the call */
+    m->copy(m, b, a, N);
+    m->copy_2d(m, c, 2 * 100, b, 100, 100, N / 100);
+    m->download(m, out, b, N);
+    TAP_CHECK(memcmp(out, want, N) == 0,
+              "memory: upload, copy, download in order; the source reusable on return");
+    memset(out, 0, N);
+    m->download(m, out, c + 200, 100);
+    TAP_CHECK(memcmp(out, want + 100, 100) == 0, "memory: copy_2d moves rows between pitches");
+    ds41_cuda_mem_stats ms;
+    ds41_backend_cuda_mem_stats(be, &ms);
+    TAP_CHECK(ms.pool_bytes == 3072 && ms.other_bytes == 3072 + 6144,
+              "memory: allocations counted by the memory they came from (pool %llu, other %llu)",
+              (unsigned long long)ms.pool_bytes, (unsigned long long)ms.other_bytes);
+    m->copy(m, c, a, N); /* queued; the free waits for it */
+    m->free(m, a, N);
+    pm->free(pm, b, N);
+    m->free(m, c, 2 * N);
+    ds41_backend_cuda_mem_stats(be, &ms);
+    TAP_CHECK(ms.pool_bytes == 0 && ms.other_bytes == 0, "memory: frees counted");
+    ds41_backend_free(be);
+}
+
 static int make(const char *root, const char *preset, uint64_t seed, char *dir, size_t cap) {
     ds41_error err = {0};
     snprintf(dir, cap, "%s/%s", root, preset);
@@ -652,6 +740,7 @@ int main(void) {
     static char root[3000], dir[3100];
 
     meta_ring();
+    memory_order();
     placement_release();
     /* Under the build tree: a real file system, where placement reads the
      * shards with O_DIRECT (/tmp is often tmpfs, which refuses it); the
@@ -663,6 +752,7 @@ int main(void) {
     if (make(root, "tiny", 31, dir, sizeof dir) == 0) {
         placement_checks(dir, "tiny");
         forward_checks(dir, "tiny", 23);
+        mapped_fallback(dir);
     }
     if (make(root, "long", 32, dir, sizeof dir) == 0) {
         placement_checks(dir, "long");
