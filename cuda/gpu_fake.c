@@ -378,31 +378,28 @@ static void check_host(const fake *f, const char *call, const char *what, const 
     if (n && (!p || find_alloc(f, p, 1))) die(call, what, p, n);
 }
 
-static void f_h2d(ds41_gpu *g, ds41_gpu_stream *s, void *dst, const void *src, size_t n) {
+/* A copy queued on s after checking each side is where the call says
+ * (device memory, or host memory outside every device allocation). */
+static void queue_copy(ds41_gpu *g, ds41_gpu_stream *s, const char *call, void *dst, bool dst_dev,
+                       const void *src, bool src_dev, size_t n) {
     fake *f = F(g);
     pthread_mutex_lock(&f->mu);
-    check_dev(f, "h2d", "destination", dst, n);
-    check_host(f, "h2d", "host source", src, n);
+    (dst_dev ? check_dev : check_host)(f, call, dst_dev ? "destination" : "host destination", dst, n);
+    (src_dev ? check_dev : check_host)(f, call, src_dev ? "source" : "host source", src, n);
     queue(g, s, &(item){.kind = IT_COPY, .dst = dst, .src = src, .n = n});
     pthread_mutex_unlock(&f->mu);
+}
+
+static void f_h2d(ds41_gpu *g, ds41_gpu_stream *s, void *dst, const void *src, size_t n) {
+    queue_copy(g, s, "h2d", dst, true, src, false, n);
 }
 
 static void f_d2h(ds41_gpu *g, ds41_gpu_stream *s, void *dst, const void *src, size_t n) {
-    fake *f = F(g);
-    pthread_mutex_lock(&f->mu);
-    check_dev(f, "d2h", "source", src, n);
-    check_host(f, "d2h", "host destination", dst, n);
-    queue(g, s, &(item){.kind = IT_COPY, .dst = dst, .src = src, .n = n});
-    pthread_mutex_unlock(&f->mu);
+    queue_copy(g, s, "d2h", dst, false, src, true, n);
 }
 
 static void f_d2d(ds41_gpu *g, ds41_gpu_stream *s, void *dst, const void *src, size_t n) {
-    fake *f = F(g);
-    pthread_mutex_lock(&f->mu);
-    check_dev(f, "d2d", "destination", dst, n);
-    check_dev(f, "d2d", "source", src, n);
-    queue(g, s, &(item){.kind = IT_COPY, .dst = dst, .src = src, .n = n});
-    pthread_mutex_unlock(&f->mu);
+    queue_copy(g, s, "d2d", dst, true, src, true, n);
 }
 
 static void f_d2d_2d(ds41_gpu *g, ds41_gpu_stream *s, void *dst, size_t dpitch, const void *src,
