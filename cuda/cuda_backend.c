@@ -43,12 +43,22 @@ typedef struct tagged_mem {
  * RING_SEGS segments; a segment is entered again only after the event
  * recorded on the compute stream when it was left has passed, i.e. the ops
  * that read its bytes (and the copies into them) have run. */
+typedef struct ring_buf {
+    unsigned char *dev, *host;
+    size_t cap;
+} ring_buf;
+
 typedef struct ring {
     unsigned char *dev, *host; /* host: NULL for the scratch ring */
     size_t cap, seg, off;
     int cur;
     ds41_gpu_event *ev[RING_SEGS];
     bool recorded[RING_SEGS];
+    /* Buffers a growth replaced: the op being queued may still name them
+     * (it took bytes before the growth), so they go only once the ring has
+     * gone round and synced a record made after the growth. */
+    ring_buf old[8];
+    int n_old, old_countdown;
 } ring;
 
 struct cuda_be {
@@ -142,24 +152,39 @@ static const char *const mem_names[DS41_CUDA_MEM_KINDS] = {"cuda", "cuda-pool", 
 
 /* ----------------------------------------------------------------- rings */
 
+static void ring_free_buffers(cuda_be *b, unsigned char *dev, unsigned char *host, size_t cap) {
+    if (dev) {
+        b->gpu->dev_free(b->gpu, dev, cap);
+        b->scratch_bytes -= round256(cap);
+    }
+    if (host) {
+        b->gpu->host_free(b->gpu, host, cap);
+        b->pinned_bytes -= cap;
+    }
+}
+
+static void ring_free_old(cuda_be *b, ring *r) {
+    for (int i = 0; i < r->n_old; i++) ring_free_buffers(b, r->old[i].dev, r->old[i].host, r->old[i].cap);
+    r->n_old = 0;
+}
+
+/* Everything the ring holds (the compute stream has run what used it). */
 static void ring_release(cuda_be *b, ring *r) {
-    if (r->dev) {
-        b->gpu->dev_free(b->gpu, r->dev, r->cap);
-        b->scratch_bytes -= round256(r->cap);
-    }
-    if (r->host) {
-        b->gpu->host_free(b->gpu, r->host, r->cap);
-        b->pinned_bytes -= r->cap;
-    }
+    ring_free_old(b, r);
+    ring_free_buffers(b, r->dev, r->host, r->cap);
     r->dev = r->host = NULL;
     r->cap = r->seg = r->off = 0;
 }
 
-/* (Re)size r to hold segments of at least n bytes; the compute stream has
- * run everything that used the old bytes. */
+/* Resize r to segments of at least n bytes.  The old buffers are retired,
+ * not freed: the op being queued may hold bytes of them. */
 static void ring_grow(cuda_be *b, ring *r, size_t n, bool with_host) {
-    sync_compute(b);
-    ring_release(b, r);
+    if (r->n_old == (int)(sizeof r->old / sizeof r->old[0])) {
+        sync_compute(b);
+        ring_free_old(b, r);
+    }
+    if (r->dev) r->old[r->n_old++] = (ring_buf){r->dev, r->host, r->cap};
+    r->dev = r->host = NULL;
     size_t seg = 64 << 10;
     while (seg < n) seg *= 2;
     ds41_error err = {0};
@@ -173,6 +198,7 @@ static void ring_grow(cuda_be *b, ring *r, size_t n, bool with_host) {
     }
     r->cur = 0;
     r->off = 0;
+    r->old_countdown = r->n_old ? RING_SEGS : 0;
     for (int i = 0; i < RING_SEGS; i++) r->recorded[i] = false;
 }
 
@@ -189,6 +215,8 @@ static size_t ring_take(cuda_be *b, ring *r, size_t n, bool with_host) {
         r->cur = (r->cur + 1) % RING_SEGS;
         r->off = (size_t)r->cur * r->seg;
         if (r->recorded[r->cur]) b->gpu->event_sync(b->gpu, r->ev[r->cur]);
+        /* Round once since a growth: that record was made after it. */
+        if (r->old_countdown && --r->old_countdown == 0) ring_free_old(b, r);
     }
     const size_t off = r->off;
     r->off += n;

@@ -652,6 +652,22 @@ static void meta_ring(void) {
     TAP_CHECK(good == N,
               "metadata: %d of %d copies queued back to back (the ring wrapped) read what was shipped", good,
               N);
+    /* One op's metadata across a growth of the ring: the bytes taken before
+     * it stay valid until the stream has run the op. */
+    uint8_t *big = malloc(1 << 20), small[64], got_small[64], *got_big = malloc(1 << 20);
+    memset(small, 0x42, sizeof small);
+    memset(big, 0x17, 1 << 20);
+    void *ds = c->meta(c, small, sizeof small), *db = c->meta(c, big, 1 << 20);
+    c->gpu->d2h(c->gpu, c->compute, got_small, ds, sizeof small);
+    c->gpu->d2h(c->gpu, c->compute, got_big, db, 1 << 20);
+    c->gpu->stream_sync(c->gpu, c->compute, &(ds41_error){0});
+    TAP_CHECK(got_small[0] == 0x42 && got_small[63] == 0x42 && got_big[0] == 0x17 &&
+                  got_big[(1 << 20) - 1] == 0x17,
+              "metadata: bytes taken before the ring grew stay valid for the op");
+    for (int i = 0; i < 64; i++) c->meta(c, big, 60000); /* round the grown ring: the old buffers go */
+    c->gpu->stream_sync(c->gpu, c->compute, &(ds41_error){0});
+    free(big);
+    free(got_big);
     void *s1 = c->scratch(c, 1000), *s2 = c->scratch(c, 1000);
     TAP_CHECK(s1 != s2 && ds41_gpu_fake_is_device(c->gpu, s1, 1000) &&
                   ds41_gpu_fake_is_device(c->gpu, s2, 1000),
