@@ -16,20 +16,6 @@
 
 #include <stdlib.h>
 
-static uint64_t weight_bytes(const ds41_linear *w) {
-    const uint64_t N = (uint64_t)w->n, K = (uint64_t)w->k;
-    switch (w->kind) {
-    case DS41_LINEAR_BF16:
-        return N * K * 2;
-    case DS41_LINEAR_FP8:
-        return N * K + (N + 31) / 32 * (uint64_t)w->scale_cols;
-    case DS41_LINEAR_FP4:
-        return N * ((K + 1) / 2) + N * (uint64_t)w->scale_cols;
-    default:
-        return 0;
-    }
-}
-
 int ds41_cuda_lin_descs(ds41_cuda_ctx *c, size_t n, const ds41_linear *const *ws, const float *const *xs,
                         const size_t *Ms, float *const *ys, ds41_linear_out out, ds41_lin_desc *d,
                         int64_t *max_n, int64_t *max_items) {
@@ -62,19 +48,23 @@ int ds41_cuda_lin_descs(ds41_cuda_ctx *c, size_t n, const ds41_linear *const *ws
             e->k = 0;
             continue;
         }
+        /* Counted as the fast CPU backend counts them: every weight byte once per call. */
         c->stats.flops += 2 * (uint64_t)Ms[i] * N * K;
-        c->stats.weight_bytes += weight_bytes(w);
         if (w->kind == DS41_LINEAR_BF16) {
             e->kind = DS41_LIN_KIND_BF16;
             e->bf16 = ds41_cuda_weight(c, w->bf16, N * K * 2);
+            c->stats.weight_bytes += N * K * 2;
             continue;
         }
         const int fp4 = w->kind == DS41_LINEAR_FP4;
         e->kind = fp4 ? DS41_LIN_KIND_FP4 : DS41_LIN_KIND_FP8;
         e->out_bf16 = 1; /* FP8 / FP4 outputs are bf16 (the reference) */
         e->scale_cols = w->scale_cols;
-        e->q = ds41_cuda_weight(c, w->q, N * (size_t)ds41_lin_row_bytes(e->kind, (int64_t)K));
-        e->scale = ds41_cuda_weight(c, w->scale, (fp4 ? N : (N + 31) / 32) * (size_t)w->scale_cols);
+        const size_t qbytes = N * (size_t)ds41_lin_row_bytes(e->kind, (int64_t)K);
+        const size_t sbytes = (fp4 ? N : (N + 31) / 32) * (size_t)w->scale_cols;
+        e->q = ds41_cuda_weight(c, w->q, qbytes);
+        e->scale = ds41_cuda_weight(c, w->scale, sbytes);
+        c->stats.weight_bytes += qbytes + sbytes;
         const int64_t nkb = ds41_lin_nkb((int64_t)K);
         if (e->M * nkb > *max_items) *max_items = e->M * nkb;
         act_total += ((size_t)e->M * (size_t)(ds41_lin_kp((int64_t)K) + nkb) + 255) & ~(size_t)255;

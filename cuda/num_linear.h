@@ -32,12 +32,16 @@
  *    (ds41_lin_q_block; each product of an e4m3 and an e4m3 / e2m1 value is
  *    exact in fp32, so the fma is a plain add); lane step acc = acc + b *
  *    fp32(sa * sw) (ds41_lin_q_step; the scale product is a power of two),
- *    then the tree, then bf16.  Rounding depth on a path: (min(K,32) - 1)
- *    in the block + (ceil(nkb/32) - 1) along the lane + ceil(log2
- *    min(nkb,32)) in the tree (adding a lane that holds no block adds an
- *    exact zero); the reference has 1 + (nkb - 1).  So |y - ref| <= (d +
- *    nkb) u S (1 + O(Ku)) with d = min(K,32) + ceil(nkb/32) + 5: below the
- *    fast CPU path's 2 (K + 2) u S for every K >= 1.
+ *    then the tree, then bf16.  Roundings a product passes through (the
+ *    first add onto a lane's 0 and any add of a lane that holds no block
+ *    are exact; the scale products are powers of two, exact outside fp32
+ *    underflow): at most min(K,32) - 1 in its block, ceil(nkb/32) - 1
+ *    along the lane, ceil(log2 min(nkb,32)) in the tree; the reference's
+ *    are 1 (fp32 block sum) + nkb - 1 (its chain).  So
+ *      |y - ref| <= d u S (1 + 2^-10) + 1 bf16 ulp,
+ *      d = min(K,32) - 1 + ceil(nkb/32) - 1 + ceil(log2 min(nkb,32)) + nkb,
+ *    below the fast CPU path's 2 (K + 2) u S for every K >= 1 (test
+ *    cuda_linear checks both, with nkb = ceil(K/32)).
  *  FP8 / FP4, DS41_OUT_BF16_EXACT (and any *_EXACT): the reference itself.
  *    Block partial in double (ds41_lin_q_block_f64: products are multiples
  *    of 2^-18 (2^-10 for FP4) below 2^18, so 32 of them sum exactly in any
@@ -48,10 +52,13 @@
  *    out kind, as in the reference.
  *  BF16, DS41_OUT_BF16 / DS41_OUT_F32 (the fp32 matmuls: gate, head, ...):
  *    chunk of 8: acc = fma(x_k, w_k, acc) in k order on the lane's one
- *    partial, then the tree.  Depth (min(K,8) - 1 + 8 (ceil(K/256) - 1)) +
- *    ceil(log2 min(ceil(K/8),32)) + 1 <= K + 6; the reference rounds once:
- *    |y - ref| <= (K + 7) u S (1 + O(Ku)) <= 2 (K + 2) u S for K >= 3, and
- *    for K <= 2 the tree adds only exact zeros (depth K - 1 + 1).
+ *    partial, then the tree.  With bf16 inputs (the contract) every
+ *    product is exact in fp32, so a product passes through at most
+ *    min(K, 8 ceil(K/256)) - 1 roundings on its lane and ceil(log2
+ *    min(ceil(K/8),32)) in the tree; the reference rounds once:
+ *      |y - ref| <= d u S (1 + 2^-10) (+ 1 bf16 ulp for DS41_OUT_BF16),
+ *      d = min(K, 8 ceil(K/256)) + ceil(log2 min(ceil(K/8), 32)),
+ *    below 2 (K + 2) u S for every K >= 1.
  *  BF16, DS41_OUT_BF16_EXACT / DS41_OUT_F32_EXACT: fp32(exact sum), the
  *    reference bit for bit.  Each lane sums its products (exact in double:
  *    24 x 8 significant bits) in double in the order above, together with
@@ -73,9 +80,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#ifndef __CUDACC__
 #include <math.h>
-#endif
+#include <string.h>
 
 #define DS41_LIN_LANES 32     /* a warp */
 #define DS41_LIN_QBLOCK 32    /* FP8 / FP4 chunk: one ue8m0 scale block of K */
@@ -102,49 +108,44 @@ typedef struct ds41_lin_desc {
     int32_t pad_;
 } ds41_lin_desc;
 
+/* Host halves of the double bit casts (the device uses its intrinsics). */
+#ifndef __CUDA_ARCH__
+static inline uint64_t ds41_lin_host_f64_bits(double d) {
+    uint64_t u;
+    memcpy(&u, &d, sizeof u);
+    return u;
+}
+static inline double ds41_lin_host_f64_from_bits(uint64_t u) {
+    double d;
+    memcpy(&d, &u, sizeof d);
+    return d;
+}
+#endif
+
 /* ---- fp32 / double operations, one rounding each ------------------------------------------- */
 
-DS41_HD float ds41_lin_add(float a, float b) {
 #ifdef __CUDA_ARCH__
-    return __fadd_rn(a, b);
+#define DS41_LIN_RN(device, host) (device)
 #else
-    return a + b;
+#define DS41_LIN_RN(device, host) (host)
 #endif
+DS41_HD float ds41_lin_add(float a, float b) {
+    return DS41_LIN_RN(__fadd_rn(a, b), a + b);
 }
 DS41_HD float ds41_lin_mul(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
+    return DS41_LIN_RN(__fmul_rn(a, b), a * b);
 }
 DS41_HD float ds41_lin_fma(float a, float b, float c) {
-#ifdef __CUDA_ARCH__
-    return __fmaf_rn(a, b, c);
-#else
-    return fmaf(a, b, c);
-#endif
+    return DS41_LIN_RN(__fmaf_rn(a, b, c), fmaf(a, b, c));
 }
 DS41_HD double ds41_lin_dadd(double a, double b) {
-#ifdef __CUDA_ARCH__
-    return __dadd_rn(a, b);
-#else
-    return a + b;
-#endif
+    return DS41_LIN_RN(__dadd_rn(a, b), a + b);
 }
 DS41_HD double ds41_lin_dmul(double a, double b) {
-#ifdef __CUDA_ARCH__
-    return __dmul_rn(a, b);
-#else
-    return a * b;
-#endif
+    return DS41_LIN_RN(__dmul_rn(a, b), a * b);
 }
 DS41_HD float ds41_lin_div(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fdiv_rn(a, b);
-#else
-    return a / b;
-#endif
+    return DS41_LIN_RN(__fdiv_rn(a, b), a / b);
 }
 
 /* ---- codecs (engine/model/quant.h, bit for bit) --------------------------------------------- */
@@ -315,27 +316,13 @@ DS41_HD double ds41_lin_tree_f64(double *v) {
 /* ---- exact sums (a port of engine/backend/refmath.c's accumulator) ------------------------------ */
 
 DS41_HD uint64_t ds41_lin_f64_bits(double d) {
-    union {
-        uint64_t u;
-        double d;
-    } v;
-    v.d = d;
-    return v.u;
+    return (uint64_t)DS41_LIN_RN(__double_as_longlong(d), ds41_lin_host_f64_bits(d));
 }
 DS41_HD double ds41_lin_f64_from_bits(uint64_t u) {
-    union {
-        uint64_t u;
-        double d;
-    } v;
-    v.u = u;
-    return v.d;
+    return DS41_LIN_RN(__longlong_as_double((long long)u), ds41_lin_host_f64_from_bits(u));
 }
 DS41_HD int ds41_lin_clz64(uint64_t x) {
-#ifdef __CUDA_ARCH__
-    return __clzll((long long)x);
-#else
-    return __builtin_clzll(x);
-#endif
+    return DS41_LIN_RN(__clzll((long long)x), __builtin_clzll(x));
 }
 DS41_HD int ds41_lin_finite(double d) {
     return ((ds41_lin_f64_bits(d) >> 52) & 0x7FFu) != 0x7FFu;

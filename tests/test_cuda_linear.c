@@ -20,6 +20,8 @@
 #include "engine/backend/ops.h"
 #include "engine/model/quant.h"
 #include "tests/cuda_test_ctx.h"
+#include "tests/float_bits.h"
+#include "tests/linear_data.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -36,18 +38,13 @@ static uint32_t urand32(void) {
     return (uint32_t)(rng >> 32);
 }
 
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
 static float from_bits(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 /* Bitwise equal, or both NaN. */
-static int same(float a, float b) {
+static int same_or_nan(float a, float b) {
     if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
     return bits(a) == bits(b);
 }
@@ -85,9 +82,7 @@ static void test_codecs(void) {
         for (size_t j = 0; j < sizeof lows / sizeof lows[0] + 2; j++) {
             const uint32_t u = h << 16 | (j < sizeof lows / sizeof lows[0] ? lows[j] : (urand32() & 0xFFFF));
             const float f = from_bits(u);
-            if (!same(ds41_hd_bf16_round(f), ds41_bf16_round(f)) ||
-                (!isnan(f) && bits(ds41_hd_bf16_round(f)) != bits(ds41_bf16_round(f))))
-                ok_bf = 0, bad_bf = u;
+            if (!same(ds41_hd_bf16_round(f), ds41_bf16_round(f))) ok_bf = 0, bad_bf = u;
             if (ds41_hd_e4m3_from_f32(f) != ds41_e4m3_from_f32(f)) ok_e4 = 0, bad_e4 = u;
             if (ds41_hd_ue8m0_scale_byte(f, DS41_FP8_RECIP) != ds41_ue8m0_scale_byte(f, DS41_FP8_RECIP) ||
                 ds41_hd_ue8m0_scale_byte(f, DS41_FP4_RECIP) != ds41_ue8m0_scale_byte(f, DS41_FP4_RECIP))
@@ -130,58 +125,12 @@ static void test_codecs(void) {
 
 /* ---- linear data ------------------------------------------------------------------------------ */
 
-typedef struct lin_data {
-    ds41_linear w;
-    uint8_t *q, *sc;
-    uint16_t *bf;
-    float *x, *wd, *xq; /* input, dequantized weights, QDQ'd input (bounds) */
-    size_t M, N, K;
-} lin_data;
-
 static void make_linear(ds41_linear_kind kind, size_t M, size_t N, size_t K, lin_data *d) {
-    const size_t kb = (K + 31) / 32;
-    float *w = malloc(N * K * sizeof *w);
-    for (size_t n = 0; n < N; n++)
-        for (size_t k = 0; k < K; k++)
-            w[n * K + k] = (float)(urand() * ldexp(1.0, -(int)((n / 32 + k / 32 + n) % 5)));
-    memset(d, 0, sizeof *d);
-    d->M = M, d->N = N, d->K = K;
-    d->w.kind = kind;
-    d->w.n = (int64_t)N;
-    d->w.k = (int64_t)K;
-    d->wd = malloc(N * K * sizeof *d->wd + 1);
-    if (kind == DS41_LINEAR_FP8) {
-        d->q = malloc(N * K);
-        d->sc = malloc(((N + 31) / 32) * kb);
-        ds41_quant_fp8_weight(w, N, K, d->q, d->sc);
-        ds41_dequant_fp8_weight(d->q, d->sc, N, K, d->wd);
-        d->w.q = d->q, d->w.scale = d->sc, d->w.scale_cols = (int64_t)kb;
-    } else if (kind == DS41_LINEAR_FP4) {
-        d->q = malloc(N * ((K + 1) / 2));
-        d->sc = malloc(N * kb);
-        ds41_quant_fp4_weight(w, N, K, d->q, d->sc);
-        ds41_dequant_fp4_weight(d->q, d->sc, N, K, d->wd);
-        d->w.q = d->q, d->w.scale = d->sc, d->w.scale_cols = (int64_t)kb;
-    } else {
-        d->bf = malloc(N * K * sizeof *d->bf);
-        for (size_t i = 0; i < N * K; i++) {
-            d->bf[i] = ds41_bf16_bits(w[i]);
-            d->wd[i] = ds41_bf16_to_f32(d->bf[i]);
-        }
-        d->w.bf16 = d->bf;
-    }
-    free(w);
-    d->x = malloc(M * K * sizeof *d->x + 1);
-    d->xq = malloc(M * K * sizeof *d->xq + 1);
-    for (size_t i = 0; i < M * K; i++)
-        d->x[i] = ds41_bf16_round((float)(urand() * 2.0 * (i % 7 == 3 ? 8.0 : 1.0)));
-    memcpy(d->xq, d->x, M * K * sizeof *d->xq);
-    if (kind != DS41_LINEAR_BF16)
-        for (size_t m = 0; m < M; m++) ds41_act_quant_qdq(d->xq + m * K, K);
+    lin_data_make(kind, M, N, K, urand, d);
 }
 
 static void free_linear(lin_data *d) {
-    free(d->q), free(d->sc), free(d->bf), free(d->x), free(d->wd), free(d->xq);
+    lin_data_free(d);
 }
 
 static int is_exact(ds41_linear_out out) {
@@ -303,10 +252,10 @@ static void test_linear_case(ds41_linear_kind kind, size_t M, size_t N, size_t K
     for (size_t i = 0; i < MN; i++) {
         if (is_exact(out)) {
             /* error 0: the reference's value, and the fast CPU op's EXACT one */
-            if (!same(y[i], ref[i]) && ok_ref) ok_ref = 0, bad = i;
-            ok_fast &= same(y[i], fy[i]);
+            if (!same_or_nan(y[i], ref[i]) && ok_ref) ok_ref = 0, bad = i;
+            ok_fast &= same_or_nan(y[i], fy[i]);
         } else {
-            if (!same(y[i], spec[i]) && ok_order) ok_order = 0, bad = i;
+            if (!same_or_nan(y[i], spec[i]) && ok_order) ok_order = 0, bad = i;
             if (!(within_depth(y[i], ref[i], mag[i], depth, bf) &&
                   within_depth(y[i], ref[i], mag[i], fast_depth, bf)) &&
                 ok_ref)
@@ -418,6 +367,14 @@ static void test_batch_op(void) {
     }
 }
 
+/* The one output of a 1 x 1 linear: emulated and reference. */
+static void one_output(const ds41_linear *w, const float *x, ds41_linear_out out, float *y, float *ref) {
+    *y = 7.0f, *ref = 8.0f;
+    emu.linear(&emu, w, x, 1, y, out);
+    test_cuda_ctx_reset(&tctx);
+    ds41_ops_reference.linear(&ds41_ops_reference, w, x, 1, ref, out);
+}
+
 /* BF16 EXACT sums the double fast path cannot decide: on an fp32 tie, after
  * cancellation, non-finite, a tiny signed result. */
 static void test_exact_fallback(void) {
@@ -440,12 +397,10 @@ static void test_exact_fallback(void) {
             uint16_t wb[3];
             for (int i = 0; i < 3; i++) wb[i] = ds41_bf16_bits(cs[c].w[i]);
             ds41_linear w = {.kind = DS41_LINEAR_BF16, .n = 1, .k = (int64_t)cs[c].K, .bf16 = wb};
-            float y = 7.0f, ref = 8.0f;
-            emu.linear(&emu, &w, cs[c].x, 1, &y, out);
-            test_cuda_ctx_reset(&tctx);
-            ds41_ops_reference.linear(&ds41_ops_reference, &w, cs[c].x, 1, &ref, out);
-            TAP_CHECK(same(y, ref) && (isnan(y) || bits(y) == bits(ref)), "emu BF16 %s: %s = reference (%a)",
-                      out_name(out), cs[c].what, (double)ref);
+            float y, ref;
+            one_output(&w, cs[c].x, out, &y, &ref);
+            TAP_CHECK(same_or_nan(y, ref), "emu BF16 %s: %s = reference (%a)", out_name(out), cs[c].what,
+                      (double)ref);
         }
 }
 
@@ -466,34 +421,16 @@ static void test_block_order(void) {
         float want;
         const char *what;
     } cs[] = {
-        {3,
-         {0, 1, 2},
-         {256.0f, -256.0f, 0x1p-9f},
-         {256.0f, 256.0f, 0x1p-9f},
-         DS41_OUT_BF16,
-         0x1p-18f,
+        // clang-format off
+        {3, {0, 1, 2}, {256.0f, -256.0f, 0x1p-9f}, {256.0f, 256.0f, 0x1p-9f}, DS41_OUT_BF16, 0x1p-18f,
          "fast, one block: 2^16 - 2^16 + 2^-18 in k order keeps 2^-18"},
-        {3,
-         {0, 1, 2},
-         {256.0f, 0x1p-9f, -256.0f},
-         {256.0f, 0x1p-9f, 256.0f},
-         DS41_OUT_BF16,
-         0.0f,
+        {3, {0, 1, 2}, {256.0f, 0x1p-9f, -256.0f}, {256.0f, 0x1p-9f, 256.0f}, DS41_OUT_BF16, 0.0f,
          "fast, one block: 2^16 + 2^-18 - 2^16 in k order loses 2^-18 (fp32, within the bound)"},
-        {3,
-         {0, 1, 2},
-         {256.0f, 0x1p-9f, -256.0f},
-         {256.0f, 0x1p-9f, 256.0f},
-         DS41_OUT_BF16_EXACT,
-         0x1p-18f,
+        {3, {0, 1, 2}, {256.0f, 0x1p-9f, -256.0f}, {256.0f, 0x1p-9f, 256.0f}, DS41_OUT_BF16_EXACT, 0x1p-18f,
          "EXACT, one block: 2^16 + 2^-18 - 2^16 is 2^-18 (exact block sum)"},
-        {65,
-         {0, 32, 64},
-         {256.0f, -256.0f, 0x1p-9f},
-         {256.0f, 256.0f, 0x1p-9f},
-         DS41_OUT_BF16_EXACT,
-         0x1p-18f,
+        {65, {0, 32, 64}, {256.0f, -256.0f, 0x1p-9f}, {256.0f, 256.0f, 0x1p-9f}, DS41_OUT_BF16_EXACT, 0x1p-18f,
          "EXACT, three blocks: 2^16, -2^16, 2^-18 chained in block order keep 2^-18"},
+        // clang-format on
     };
     for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
         const size_t K = cs[c].K, nkb = (K + 31) / 32;
@@ -507,10 +444,8 @@ static void test_block_order(void) {
                          .q = q,
                          .scale = sc,
                          .scale_cols = (int64_t)nkb};
-        float y = 7.0f, ref = 8.0f;
-        emu.linear(&emu, &w, x, 1, &y, cs[c].out);
-        test_cuda_ctx_reset(&tctx);
-        ds41_ops_reference.linear(&ds41_ops_reference, &w, x, 1, &ref, cs[c].out);
+        float y, ref;
+        one_output(&w, x, cs[c].out, &y, &ref);
         TAP_CHECK(bits(y) == bits(cs[c].want) && (cs[c].out == DS41_OUT_BF16 || bits(ref) == bits(y)),
                   "emu FP8 order, %s: got %a", cs[c].what, (double)y);
     }
