@@ -14,7 +14,29 @@
 #define DS41_LIN_EMU_ENTER(c) ((void)(c))
 #endif
 
+#include <stdio.h>
 #include <stdlib.h>
+
+/* On the fake device every byte an emulated kernel touches must be device
+ * memory (cuda/cuda_ctx.h): a host pointer here is what faults a real GPU.
+ * The fake device comes with the backend (cuda/gpu_fake.c); the standalone
+ * test ctx (gpu NULL) has none. */
+#if defined(__has_include)
+#if __has_include("cuda/gpu_fake.h")
+#include "cuda/gpu_fake.h"
+#define DS41_LIN_EMU_FAKE 1
+#endif
+#endif
+static void emu_check(const ds41_cuda_ctx *c, const void *p, size_t n, const char *what) {
+#ifdef DS41_LIN_EMU_FAKE
+    if (c->gpu && n && ds41_gpu_is_fake(c->gpu) && !ds41_gpu_fake_is_device(c->gpu, p, n)) {
+        fprintf(stderr, "cuda-emu linear: %s [%p, +%zu) is not device memory\n", what, p, n);
+        abort();
+    }
+#else
+    (void)c, (void)p, (void)n, (void)what;
+#endif
+}
 
 int ds41_cuda_lin_descs(ds41_cuda_ctx *c, size_t n, const ds41_linear *const *ws, const float *const *xs,
                         const size_t *Ms, float *const *ys, ds41_linear_out out, ds41_lin_desc *d,
@@ -145,7 +167,24 @@ static float emu_bf16(const ds41_lin_desc *d, int64_t m, int64_t n) {
 
 /* The two kernels of a call, in stream order: act_quant items, then every
  * output of every linear. */
-static void emu_run(const ds41_lin_desc *dd, size_t n) {
+static void emu_run(const ds41_cuda_ctx *c, const ds41_lin_desc *dd, size_t n) {
+    emu_check(c, dd, n * sizeof *dd, "descriptors");
+    for (size_t i = 0; i < n; i++) {
+        const ds41_lin_desc *d = &dd[i];
+        if (d->M == 0) continue;
+        const size_t M = (size_t)d->M, N = (size_t)d->n, K = (size_t)d->k;
+        emu_check(c, d->x, M * K * sizeof(float), "x");
+        emu_check(c, d->y, M * N * sizeof(float), "y");
+        if (K == 0) continue;
+        if (d->kind == DS41_LIN_KIND_BF16) {
+            emu_check(c, d->bf16, N * K * 2, "bf16 weight");
+            continue;
+        }
+        const int fp4 = d->kind == DS41_LIN_KIND_FP4;
+        emu_check(c, d->q, N * (size_t)ds41_lin_row_bytes(d->kind, d->k), "weight codes");
+        emu_check(c, d->scale, (fp4 ? N : (N + 31) / 32) * (size_t)d->scale_cols, "weight scales");
+        emu_check(c, d->act, M * (size_t)(ds41_lin_kp(d->k) + ds41_lin_nkb(d->k)), "activation scratch");
+    }
     for (size_t i = 0; i < n; i++) {
         const ds41_lin_desc *d = &dd[i];
         if (d->M == 0 || d->kind == DS41_LIN_KIND_BF16) continue;
@@ -171,7 +210,7 @@ void ds41_cuda_emu_linear_batch(const ds41_ops *self, size_t n, const ds41_linea
     if (!d) abort(); /* ops cannot fail (engine/backend/ops.h) */
     int64_t max_n, max_items;
     if (ds41_cuda_lin_descs(c, n, ws, xs, Ms, ys, out, d, &max_n, &max_items))
-        emu_run(ds41_cuda_meta(c, d, n * sizeof *d), n);
+        emu_run(c, ds41_cuda_meta(c, d, n * sizeof *d), n);
     if (d != local) free(d);
 }
 
