@@ -20,6 +20,7 @@
 #include "engine/model/quant.h"
 #include "tests/attn_step.h"
 #include "tests/index_pages.h"
+#include "tests/linear_data.h"
 #include "tests/tap.h"
 
 #include <math.h>
@@ -58,66 +59,12 @@ typedef struct lin_case {
     ds41_linear_out out;
 } lin_case;
 
-typedef struct lin_data {
-    ds41_linear w;
-    uint8_t *q, *sc;
-    uint16_t *bf;
-    float *x, *wd, *xq;
-} lin_data;
-
-/* Random weights with per-block magnitudes that differ by powers of two (the
- * ue8m0 scales vary across blocks). */
 static void make_linear(const lin_case *c, lin_data *d) {
-    const size_t N = c->N, K = c->K, kb = (K + 31) / 32;
-    float *w = malloc(N * K * sizeof *w);
-    for (size_t n = 0; n < N; n++)
-        for (size_t k = 0; k < K; k++)
-            w[n * K + k] = (float)(urand() * ldexp(1.0, -(int)((n / 32 + k / 32 + n) % 5)));
-    memset(d, 0, sizeof *d);
-    d->w.kind = c->kind;
-    d->w.n = (int64_t)N;
-    d->w.k = (int64_t)K;
-    d->wd = malloc(N * K * sizeof *d->wd);
-    if (c->kind == DS41_LINEAR_FP8) {
-        d->q = malloc(N * K);
-        d->sc = malloc(((N + 31) / 32) * kb);
-        ds41_quant_fp8_weight(w, N, K, d->q, d->sc);
-        ds41_dequant_fp8_weight(d->q, d->sc, N, K, d->wd);
-        d->w.q = d->q;
-        d->w.scale = d->sc;
-        d->w.scale_cols = (int64_t)kb;
-    } else if (c->kind == DS41_LINEAR_FP4) {
-        d->q = malloc(N * ((K + 1) / 2));
-        d->sc = malloc(N * kb);
-        ds41_quant_fp4_weight(w, N, K, d->q, d->sc);
-        ds41_dequant_fp4_weight(d->q, d->sc, N, K, d->wd);
-        d->w.q = d->q;
-        d->w.scale = d->sc;
-        d->w.scale_cols = (int64_t)kb;
-    } else {
-        d->bf = malloc(N * K * sizeof *d->bf);
-        for (size_t i = 0; i < N * K; i++) {
-            d->bf[i] = ds41_bf16_bits(w[i]);
-            d->wd[i] = ds41_bf16_to_f32(d->bf[i]);
-        }
-        d->w.bf16 = d->bf;
-    }
-    free(w);
-    d->x = malloc(c->M * K * sizeof *d->x);
-    d->xq = malloc(c->M * K * sizeof *d->xq);
-    fill_bf16(d->x, c->M * K, 2.0);
-    memcpy(d->xq, d->x, c->M * K * sizeof *d->xq);
-    if (c->kind != DS41_LINEAR_BF16)
-        for (size_t m = 0; m < c->M; m++) ds41_act_quant_qdq(d->xq + m * K, K);
+    lin_data_make(c->kind, c->M, c->N, c->K, urand, d);
 }
 
 static void free_linear(lin_data *d) {
-    free(d->q);
-    free(d->sc);
-    free(d->bf);
-    free(d->x);
-    free(d->wd);
-    free(d->xq);
+    lin_data_free(d);
 }
 
 /* |a - b| within the fp32 accumulation bound of K exact products (sum of
