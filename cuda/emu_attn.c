@@ -205,10 +205,7 @@ static void attn_block(const ds41_na_attn_src *src, size_t m, const float *q, si
             }
             const float m_new = ds41_na_chunk_max(mx[g], z, nc);
             const float corr = ds41_na_exp(ds41_na_fsub(mx[g], m_new));
-            for (size_t j = 0; j < nc; j++) {
-                p[j] = ds41_na_exp(ds41_na_fsub(z[j], m_new));
-                pb[j] = ds41_na_bf16_round(p[j]);
-            }
+            for (size_t j = 0; j < nc; j++) p[j] = ds41_na_prob(z[j], m_new, &pb[j]);
             den[g] = ds41_na_den_update(den[g], corr, p, nc);
             for (size_t d = 0; d < hd; d++) { /* a thread per channel */
                 double pv = 0.0;
@@ -227,6 +224,7 @@ static void attn_rows(ds41_cuda_ctx *c, const ds41_na_attn_src *src, const float
                       int head_dim, const float *sink, float scale, float *out) {
     const size_t H = (size_t)n_heads, hd = (size_t)head_dim, qo = H * hd;
     float *acc = (float *)ds41_cuda_scratch(c, DS41_CUDA_ATTN_HEADS * hd * sizeof *acc);
+    sink = (const float *)ds41_cuda_weight(c, sink, H * sizeof *sink); /* the layer's weight */
     for (size_t m = 0; m < M; m++)
         for (size_t h0 = 0; h0 < H; h0 += DS41_CUDA_ATTN_HEADS) {
             const size_t h1 = h0 + DS41_CUDA_ATTN_HEADS < H ? h0 + DS41_CUDA_ATTN_HEADS : H;

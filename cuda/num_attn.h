@@ -487,6 +487,13 @@ DS41_HD float ds41_na_chunk_max(float mx, const float *z, size_t nc) {
         if (z[j] > m_new) m_new = z[j];
     return m_new;
 }
+/* p = fp32(exp(z - m_new)) (the denominator's term) and *pb its bf16
+ * rounding (the PV product's weight, §10.7). */
+DS41_HD float ds41_na_prob(float z, float m_new, float *pb) {
+    const float p = ds41_na_exp(ds41_na_fsub(z, m_new));
+    *pb = ds41_na_bf16_round(p);
+    return p;
+}
 /* den = fp32(den * corr) + fp32(double sum of p in row order). */
 DS41_HD float ds41_na_den_update(float den, float corr, const float *p, size_t nc) {
     double ps = 0.0;

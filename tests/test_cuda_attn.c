@@ -238,10 +238,12 @@ static void test_decisions(void) {
     static uint8_t al_r[M * NB], al_e[M * NB], al1[NB];
     static int32_t sel_r[M * K], sel_e[M * K], sel_f[M * K], sel1[K];
     static uint32_t cnt_r[M], cnt_e[M], cnt_f[M], cnt1;
-    const uint32_t reach[M] = {STRIDE, 0, 1, 17, 64, 65, 2000, 33, 1500};
+    const uint32_t reach[M] = {STRIDE, 0, 1, 17, 64, 65, 2000, 200, 1500};
     tie_scores(score, M * STRIDE);
-    /* Row 7: every score equal (the tie rule alone decides); row 8: all -inf but 3. */
-    for (int i = 0; i < STRIDE; i++) score[7 * STRIDE + i] = 0.5f;
+    /* Row 5: every score equal (the tie rule alone decides); row 7: -0 and +0 alternating (equal
+     * values: the lower indices, whatever the sign); row 8: all -inf but 3. */
+    for (int i = 0; i < STRIDE; i++) score[5 * STRIDE + i] = 0.5f;
+    for (int i = 0; i < STRIDE; i++) score[7 * STRIDE + i] = i % 2 ? 0.0f : -0.0f;
     for (int i = 0; i < STRIDE; i++) score[8 * STRIDE + i] = i % 500 == 7 ? 1.0f : -INFINITY;
     memset(sel_r, 0xff, sizeof sel_r);
     memset(sel_e, 0xff, sizeof sel_e);
