@@ -244,8 +244,8 @@ void ds41_cuda_emu_sparse_attn(const ds41_ops *self, const float *q, int n_heads
 void ds41_cuda_emu_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
                           const float *sink, float scale, const ds41_attn_step *step, float *out) {
     ds41_cuda_ctx *c = enter(self);
+    ds41_cuda_attend_count(c, step, M, (size_t)n_heads, (size_t)head_dim); /* reads the host metadata */
     ds41_na_attn_src src;
     ds41_cuda_attn_src_step(c, step, M, &src);
-    ds41_cuda_attend_count(c, step, M, (size_t)n_heads, (size_t)head_dim);
     attn_rows(c, &src, q, M, n_heads, head_dim, sink, scale, out);
 }

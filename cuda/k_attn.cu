@@ -360,9 +360,9 @@ void ds41_cuda_k_attend(const ds41_ops *self, const float *q, size_t M, int n_he
                         const float *sink, float scale, const ds41_attn_step *step, float *out) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     c->stats.op_calls++;
+    ds41_cuda_attend_count(c, step, M, (size_t)n_heads, (size_t)head_dim); /* reads the host metadata */
     ds41_na_attn_src src;
     ds41_cuda_attn_src_step(c, step, M, &src);
-    ds41_cuda_attend_count(c, step, M, (size_t)n_heads, (size_t)head_dim);
     launch_attn(c, src, q, M, n_heads, head_dim, sink, scale, out);
 }
 

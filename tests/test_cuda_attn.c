@@ -22,11 +22,16 @@
 #include <string.h>
 
 /* ---- a host test ctx (until the fake device lands): identity weights, meta a
- * malloc'd copy (so a host array read instead of its copy shows up as a
- * difference when the test scribbles the host array after the call), scratch
- * from a buffer ---------------------------------------------------------------------- */
+ * malloc'd copy after which the host array is poisoned until the op returns
+ * (metas_restore), so an op that reads a host metadata array instead of its
+ * device copy reads garbage and fails (or trips the sanitizers); scratch from
+ * a buffer ----------------------------------------------------------------------------- */
 
-static void *metas[4096];
+typedef struct meta_rec {
+    void *copy, *host, *saved;
+    size_t n;
+} meta_rec;
+static meta_rec metas[4096];
 static size_t n_metas;
 static unsigned char scratch_buf[1 << 20];
 
@@ -37,21 +42,33 @@ static const void *t_weight(ds41_cuda_ctx *c, const void *p, size_t n) {
 }
 static void *t_meta(ds41_cuda_ctx *c, const void *host, size_t n) {
     (void)c;
-    void *p = malloc(n);
-    if (!p || n_metas == sizeof metas / sizeof metas[0]) abort();
-    memcpy(p, host, n);
-    metas[n_metas++] = p;
-    return p;
+    meta_rec *r = &metas[n_metas];
+    if (n_metas == sizeof metas / sizeof metas[0] || !(r->copy = malloc(n)) || !(r->saved = malloc(n))) abort();
+    n_metas++;
+    memcpy(r->copy, host, n);
+    memcpy(r->saved, host, n);
+    r->host = (void *)(uintptr_t)host; /* the test's own writable arrays */
+    r->n = n;
+    memset(r->host, 0xA5, n);
+    return r->copy;
 }
 static void *t_scratch(ds41_cuda_ctx *c, size_t n) {
     (void)c;
     if (n > sizeof scratch_buf) abort();
     return scratch_buf;
 }
-static void metas_free(void) {
-    for (size_t i = 0; i < n_metas; i++) free(metas[i]);
-    n_metas = 0;
+/* Un-poison the host arrays shipped since the last call (newest first). */
+static void metas_restore(void) {
+    while (n_metas) {
+        meta_rec *r = &metas[--n_metas];
+        memcpy(r->host, r->saved, r->n);
+        free(r->saved);
+        free(r->copy);
+    }
 }
+
+/* An emulated op call, then the host arrays back. */
+#define EMU(op, ...) (emu.op(&emu, __VA_ARGS__), metas_restore())
 
 static ds41_cuda_ctx tctx = {.weight = t_weight, .meta = t_meta, .scratch = t_scratch, .emulated = true};
 static ds41_ops emu;
@@ -133,7 +150,7 @@ static void test_quantizers(void) {
     memset(out, 0x5a, sizeof out);
     memset(out_r, 0x5a, sizeof out_r);
     ref->act_quant_fp8(ref, x, M, N, out_r, STRIDE);
-    emu.act_quant_fp8(&emu, x, M, N, out, STRIDE);
+    EMU(act_quant_fp8, x, M, N, out, STRIDE);
     TAP_CHECK(same_bits(out, out_r, sizeof out), "act_quant_fp8 of %d rows of %d (partial block, NaN, inf, zero "
               "block), at a stride: bit for bit the reference", M, N);
     memcpy(q, q0, sizeof q);
@@ -141,7 +158,7 @@ static void test_quantizers(void) {
     memcpy(qr, q0, sizeof q);
     memcpy(wr, w0, sizeof w);
     ref->index_query(ref, qr, QN, wr, WN, M, 0.0625f);
-    emu.index_query(&emu, q, QN, w, WN, M, 0.0625f);
+    EMU(index_query, q, QN, w, WN, M, 0.0625f);
     TAP_CHECK(same_bits(q, qr, sizeof q) && same_bits(w, wr, sizeof w),
               "index_query of %d rows (FP4 QDQ with a partial block and NaN, weights): bit for bit the reference", M);
 
@@ -158,7 +175,7 @@ static void test_quantizers(void) {
     lat[17] = NAN;
     for (int i = 0; i < 16; i++) lat[64 + 16 + i] = 0.0f;
     ref->kv_pack(ref, &lay, lat, key, NE, pr);
-    emu.kv_pack(&emu, &lay, lat, key, NE, pk);
+    EMU(kv_pack, &lay, lat, key, NE, pk);
     TAP_CHECK(same_bits(pk, pr, sizeof pk), "kv_pack of %d entries (e4m3-scaled latent, ue8m0 key, NaN, zero "
               "block): bit for bit the reference", NE);
 
@@ -169,11 +186,11 @@ static void test_quantizers(void) {
     }
     sc[HD + 2] = -INFINITY;
     ref->compress_pool(ref, kv, sc, G, RATIO, HD, pooled_r);
-    emu.compress_pool(&emu, kv, sc, G, RATIO, HD, pooled);
+    EMU(compress_pool, kv, sc, G, RATIO, HD, pooled);
     fast->compress_pool(fast, kv, sc, G, RATIO, HD, pooled_f);
     TAP_CHECK(same_bits(pooled, pooled_r, sizeof pooled) && same_bits(pooled, pooled_f, sizeof pooled),
               "compress_pool (%d groups of %d x %d): bit for bit the reference and the fast CPU op", G, RATIO, HD);
-    metas_free();
+    metas_restore();
 }
 
 /* ---- index scores ---------------------------------------------------------------------- */
@@ -204,7 +221,7 @@ static void test_index_scores(void) {
     for (int i = 0; i < M * STRIDE; i++) sc[i] = sr[i] = sf[i] = 1234.0f;
     ref->index_scores(ref, q, w, M, NH, ID, &keys, sr, STRIDE);
     fast->index_scores(fast, q, w, M, NH, ID, &keys, sf, STRIDE);
-    emu.index_scores(&emu, q, w, M, NH, ID, &keys, sc, STRIDE);
+    EMU(index_scores, q, w, M, NH, ID, &keys, sc, STRIDE);
     TAP_CHECK(same_bits(sc, sr, sizeof sc) && same_bits(sc, sf, sizeof sc),
               "index_scores of %d rows over paged keys (reaches %u, 0, 1, %u, %u, %u): equal to the reference and "
               "the fast CPU op, nothing past a row's reach written", M, reach[0], reach[3], reach[4], reach[5]);
@@ -213,11 +230,11 @@ static void test_index_scores(void) {
         for (int i = 0; i < STRIDE; i++) s1[i] = 1234.0f;
         const ds41_kv_pages k1 = {.layout = &lay, .pages = pages, .row_table = row_table + m, .row_reach = reach + m,
                                   .n_pages = (NC + PER - 1) / PER};
-        emu.index_scores(&emu, q + m * NH * ID, w + m * NH, 1, NH, ID, &k1, s1, STRIDE);
+        EMU(index_scores, q + m * NH * ID, w + m * NH, 1, NH, ID, &k1, s1, STRIDE);
         alone &= same_bits(s1, sc + m * STRIDE, sizeof s1);
     }
     TAP_CHECK(alone, "index_scores: every row alone = the batch, bit for bit");
-    metas_free();
+    metas_restore();
 }
 
 /* ---- decisions ---------------------------------------------------------------------------- */
@@ -238,7 +255,7 @@ static void test_decisions(void) {
     static uint8_t al_r[M * NB], al_e[M * NB], al1[NB];
     static int32_t sel_r[M * K], sel_e[M * K], sel_f[M * K], sel1[K];
     static uint32_t cnt_r[M], cnt_e[M], cnt_f[M], cnt1;
-    const uint32_t reach[M] = {STRIDE, 0, 1, 17, 64, 65, 2000, 200, 1500};
+    uint32_t reach[M] = {STRIDE, 0, 1, 17, 64, 65, 2000, 200, 1500};
     tie_scores(score, M * STRIDE);
     /* Row 5: every score equal (the tie rule alone decides); row 7: -0 and +0 alternating (equal
      * values: the lower indices, whatever the sign); row 8: all -inf but 3. */
@@ -251,7 +268,7 @@ static void test_decisions(void) {
     memset(bs_r, 0, sizeof bs_r);
     memset(bs_e, 0, sizeof bs_e);
     ref->index_blocks(ref, score, STRIDE, reach, M, B, TAKE, bs_r, NB, al_r, NB);
-    emu.index_blocks(&emu, score, STRIDE, reach, M, B, TAKE, bs_e, NB, al_e, NB);
+    EMU(index_blocks, score, STRIDE, reach, M, B, TAKE, bs_e, NB, al_e, NB);
     TAP_CHECK(same_bits(bs_e, bs_r, sizeof bs_e) && same_bits(al_e, al_r, sizeof al_e),
               "index_blocks of %d rows (ties, NaN, -inf, reaches 0, 1, not multiples of %d): block scores and "
               "allowed blocks equal the reference's", M, B);
@@ -262,7 +279,7 @@ static void test_decisions(void) {
         const uint8_t *al = allowed ? al_r : NULL;
         ref->index_topk(ref, s_r, STRIDE, reach, M, al, NB, B, K, sel_r, cnt_r);
         fast->index_topk(fast, s_f, STRIDE, reach, M, al, NB, B, K, sel_f, cnt_f);
-        emu.index_topk(&emu, s_e, STRIDE, reach, M, al, NB, B, K, sel_e, cnt_e);
+        EMU(index_topk, s_e, STRIDE, reach, M, al, NB, B, K, sel_e, cnt_e);
         int ok = same_bits(cnt_e, cnt_r, sizeof cnt_e) && same_bits(cnt_e, cnt_f, sizeof cnt_e) &&
                  same_bits(s_e, s_r, sizeof s_e);
         for (size_t m = 0; m < M; m++)
@@ -276,14 +293,14 @@ static void test_decisions(void) {
     int alone = 1;
     for (size_t m = 0; m < M; m++) {
         memcpy(s1, score + m * STRIDE, sizeof s1);
-        emu.index_blocks(&emu, s1, STRIDE, reach + m, 1, B, TAKE, bs1, NB, al1, NB);
+        EMU(index_blocks, s1, STRIDE, reach + m, 1, B, TAKE, bs1, NB, al1, NB);
         alone &= same_bits(al1, al_e + m * NB, NB) &&
                  same_bits(bs1, bs_e + m * NB, ((reach[m] + B - 1) / B) * sizeof *bs1);
-        emu.index_topk(&emu, s1, STRIDE, reach + m, 1, al_e + m * NB, NB, B, K, sel1, &cnt1);
+        EMU(index_topk, s1, STRIDE, reach + m, 1, al_e + m * NB, NB, B, K, sel1, &cnt1);
         alone &= cnt1 == cnt_e[m] && same_bits(sel1, sel_e + m * K, cnt1 * sizeof *sel1);
     }
     TAP_CHECK(alone, "index_blocks and index_topk: every row alone = the batch, bit for bit");
-    metas_free();
+    metas_restore();
 }
 
 /* ---- attention ------------------------------------------------------------------------------ */
@@ -400,7 +417,7 @@ static int attend_case(const attn_fix *f, rstep *r, const float *q, const float 
     const size_t qo = (size_t)f->H * (size_t)f->hd;
     ref->attend(ref, q, r->M, f->H, f->hd, sink, scale, &r->step, o_r);
     fast->attend(fast, q, r->M, f->H, f->hd, sink, scale, &r->step, o_f);
-    emu.attend(&emu, q, r->M, f->H, f->hd, sink, scale, &r->step, o_e);
+    EMU(attend, q, r->M, f->H, f->hd, sink, scale, &r->step, o_e);
     int ok = attn_close(o_e, o_r, r->M * qo, exact) & attn_close(o_e, o_f, r->M * qo, exact + 1);
     *total += r->M * qo;
     for (size_t m = 0; m < r->M; m++) {
@@ -410,10 +427,10 @@ static int attend_case(const attn_fix *f, rstep *r, const float *q, const float 
         s1.count = r->count + m;
         s1.sel = r->step.sel ? r->sel + m * 24 : NULL;
         s1.comp.row_table = r->row_table + m;
-        emu.attend(&emu, q + m * qo, 1, f->H, f->hd, sink, scale, &s1, o1);
+        EMU(attend, q + m * qo, 1, f->H, f->hd, sink, scale, &s1, o1);
         *alone &= same_bits(o1, o_e + m * qo, qo * sizeof *o1);
     }
-    metas_free();
+    metas_restore();
     return ok;
 }
 
@@ -439,7 +456,7 @@ static void test_attention(void) {
     for (int i = 0; i < 3; i++) {
         ref->sparse_attn(ref, q, H, hd, sink, scale, &lists[i], o_r);
         fast->sparse_attn(fast, q, H, hd, sink, scale, &lists[i], o_f);
-        emu.sparse_attn(&emu, q, H, hd, sink, scale, &lists[i], o_e);
+        EMU(sparse_attn, q, H, hd, sink, scale, &lists[i], o_e);
         ok &= attn_close(o_e, o_r, qo, &exact[0]) & attn_close(o_e, o_f, qo, &exact[1]);
         total += qo;
     }
@@ -447,7 +464,7 @@ static void test_attention(void) {
               "sparse_attn (190 rows in 3 chunks, one compressed row, one window row): within one bf16 ulp of the "
               "reference and the fast CPU op, %zu / %zu and %zu / %zu elements bit equal",
               exact[0], total, exact[1], total);
-    metas_free();
+    metas_restore();
 
     /* The shared two-sequence step of the CPU tests: attend = sparse_attn row by row. */
     static attn_step_case t;
@@ -455,9 +472,11 @@ static void test_attention(void) {
     attn_step_case_init(&t, &f.lay, f.wrow, f.ent, NENT);
     t.step.comp.n_pages = 16;
     fill_bf16(sq, sizeof sq / sizeof sq[0], 0.5);
-    TAP_CHECK(attn_step_check(&emu, &t, sq, H, hd, sink, scale, so, sw),
+    const int step_ok = attn_step_check(&emu, &t, sq, H, hd, sink, scale, so, sw);
+    metas_restore();
+    TAP_CHECK(step_ok,
               "attend over the two-sequence step (a window wrapping the ring) = sparse_attn row by row, bit for bit");
-    metas_free();
+    metas_restore();
 
     /* Random steps: causal with selections, window-only, DSpark blocks; windows wrap. */
     static const struct {
