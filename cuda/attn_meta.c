@@ -4,7 +4,6 @@
  * the kernels would). */
 #include "cuda/op_attn.h"
 
-
 size_t ds41_cuda_attn_n_pages(const ds41_kv_pages *k, size_t M) {
     if (k->n_pages) return k->n_pages;
     size_t n = 0;
@@ -34,8 +33,8 @@ void ds41_cuda_attn_src_step(ds41_cuda_ctx *c, const ds41_attn_step *s, size_t M
     a.count = s->count;
     a.sel_stride = s->sel_stride;
     if (s->sel) {
-        a.pages = (const uint8_t *const *)ds41_cuda_meta(c, s->comp.pages,
-                                                         ds41_cuda_attn_n_pages(&s->comp, M) * sizeof *s->comp.pages);
+        a.pages = (const uint8_t *const *)ds41_cuda_meta(
+            c, s->comp.pages, ds41_cuda_attn_n_pages(&s->comp, M) * sizeof *s->comp.pages);
         a.row_table = (const size_t *)ds41_cuda_meta(c, s->comp.row_table, M * sizeof *s->comp.row_table);
         a.per = s->comp.layout->entries_per_page;
         a.entry_bytes = s->comp.layout->entry_bytes;
@@ -54,8 +53,9 @@ void ds41_cuda_attn_src_rows(ds41_cuda_ctx *c, const ds41_attn_rows *r, ds41_na_
     *out = a;
 }
 
-const uint32_t *ds41_cuda_index_meta(ds41_cuda_ctx *c, const ds41_kv_pages *keys, size_t M, int n_heads, int dim,
-                                     uint32_t *max_reach, const uint8_t *const **pages, const size_t **row_table) {
+const uint32_t *ds41_cuda_index_meta(ds41_cuda_ctx *c, const ds41_kv_pages *keys, size_t M, int n_heads,
+                                     int dim, uint32_t *max_reach, const uint8_t *const **pages,
+                                     const size_t **row_table) {
     uint32_t mr = 0;
     uint64_t pairs = 0;
     for (size_t m = 0; m < M; m++) {
@@ -79,7 +79,8 @@ void ds41_cuda_attend_count(ds41_cuda_ctx *c, const ds41_attn_step *s, size_t M,
     /* sel / count are on the device: the window rows and sel_stride bound the compressed ones */
     for (size_t m = 0; m < M; m++) {
         const uint64_t a = s->row_pos[m], p0 = s->item_pos0[s->row_item[m]], W = s->window;
-        const uint64_t nw = s->block ? p0 - (p0 > W ? p0 - W : 0) + s->block : a + 1 - (a + 1 > W ? a + 1 - W : 0);
+        const uint64_t nw =
+            s->block ? p0 - (p0 > W ? p0 - W : 0) + s->block : a + 1 - (a + 1 > W ? a + 1 - W : 0);
         ds41_cuda_attn_count(c, H, hd, (size_t)nw + (s->sel ? s->sel_stride : 0));
     }
 }

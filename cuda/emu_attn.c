@@ -45,8 +45,8 @@ void ds41_cuda_emu_index_query(const ds41_ops *self, float *q, size_t qn, float 
     for (size_t i = 0; i < M * wn; i++) w[i] = ds41_na_bf16_round(ds41_na_fmul(w[i], scale));
 }
 
-void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const float *latent, const float *key,
-                           size_t n, uint8_t *out) {
+void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const float *latent,
+                           const float *key, size_t n, uint8_t *out) {
     enter(self);
     const size_t ld = l->latent_dim, kd = l->index_dim, nl = (ld + 15) / 16, nk = (kd + 31) / 32;
     for (size_t t = 0; t < n * (nl + nk); t++) {
@@ -59,8 +59,8 @@ void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const 
     }
 }
 
-void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
-                                 size_t hd, float *pooled) {
+void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n,
+                                 int ratio, size_t hd, float *pooled) {
     enter(self);
     const size_t group = (size_t)ratio * hd;
     for (size_t t = 0; t < n * hd; t++) {
@@ -90,10 +90,12 @@ void ds41_cuda_emu_index_scores(const ds41_ops *self, const float *q, const floa
                 const float *qh = q + m * qw + (size_t)h * D;
                 for (unsigned l = 0; l < DS41_NA_WARP; l++) {
                     double s = 0.0;
-                    for (size_t i = l; i < D; i += DS41_NA_WARP) s = ds41_na_dacc(s, qh[i], ds41_na_key_value(k, D, i));
+                    for (size_t i = l; i < D; i += DS41_NA_WARP)
+                        s = ds41_na_dacc(s, qh[i], ds41_na_key_value(k, D, i));
                     part[l] = s;
                 }
-                const float term = ds41_na_index_term(ds41_na_xor_tree(part), w[m * (size_t)n_heads + (size_t)h]);
+                const float term =
+                    ds41_na_index_term(ds41_na_xor_tree(part), w[m * (size_t)n_heads + (size_t)h]);
                 hsum = ds41_na_dadd(hsum, (double)term);
             }
             score[m * score_stride + t] = ds41_na_bf16_round((float)hsum);
@@ -121,8 +123,8 @@ static uint64_t select_nth(const float *a, size_t len, size_t n) {
 }
 
 void ds41_cuda_emu_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
-                                const uint32_t *reach_host, size_t M, size_t block, size_t n_take, float *bscore,
-                                size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
+                                const uint32_t *reach_host, size_t M, size_t block, size_t n_take,
+                                float *bscore, size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
     ds41_cuda_ctx *c = enter(self);
     const uint32_t *reach = (const uint32_t *)ds41_cuda_meta(c, reach_host, M * sizeof *reach_host);
     for (size_t m = 0; m < M; m++) {
@@ -135,7 +137,8 @@ void ds41_cuda_emu_index_blocks(const ds41_ops *self, const float *score, size_t
         const size_t nb = (r + block - 1) / block;
         for (size_t j = 0; j < nb; j++) { /* a thread per block */
             float mx = -INFINITY;
-            for (size_t t = j * block; t < r && t < (j + 1) * block; t++) mx = ds41_na_block_max_step(mx, s[t]);
+            for (size_t t = j * block; t < r && t < (j + 1) * block; t++)
+                mx = ds41_na_block_max_step(mx, s[t]);
             bs[j] = j == nb - 1 ? INFINITY : mx;
         }
         const size_t take = n_take < nb ? n_take : nb;
@@ -146,9 +149,9 @@ void ds41_cuda_emu_index_blocks(const ds41_ops *self, const float *score, size_t
     }
 }
 
-void ds41_cuda_emu_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach_host,
-                              size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
-                              int32_t *sel, uint32_t *count) {
+void ds41_cuda_emu_index_topk(const ds41_ops *self, float *score, size_t score_stride,
+                              const uint32_t *reach_host, size_t M, const uint8_t *allow, size_t allow_stride,
+                              size_t block, size_t k, int32_t *sel, uint32_t *count) {
     ds41_cuda_ctx *c = enter(self);
     const uint32_t *reach = (const uint32_t *)ds41_cuda_meta(c, reach_host, M * sizeof *reach_host);
     for (size_t m = 0; m < M; m++) {
@@ -209,7 +212,8 @@ static void attn_block(const ds41_na_attn_src *src, size_t m, const float *q, si
             den[g] = ds41_na_den_update(den[g], corr, p, nc);
             for (size_t d = 0; d < hd; d++) { /* a thread per channel */
                 double pv = 0.0;
-                for (size_t j = 0; j < nc; j++) pv = ds41_na_dacc(pv, pb[j], ds41_na_row_value(rows[j], isw[j], hd, d));
+                for (size_t j = 0; j < nc; j++)
+                    pv = ds41_na_dacc(pv, pb[j], ds41_na_row_value(rows[j], isw[j], hd, d));
                 acc[g * hd + d] = ds41_na_acc_update(acc[g * hd + d], corr, pv);
             }
             mx[g] = m_new;

@@ -77,9 +77,10 @@ __device__ double warp_tree(double v) {
     return v;
 }
 
-__global__ void k_index_scores(const float *q, const float *w, int n_heads, int dim, const uint8_t *const *pages,
-                               const size_t *row_table, const uint32_t *reach, uint32_t per, size_t entry_bytes,
-                               size_t latent_bytes, float *score, size_t score_stride) {
+__global__ void k_index_scores(const float *q, const float *w, int n_heads, int dim,
+                               const uint8_t *const *pages, const size_t *row_table, const uint32_t *reach,
+                               uint32_t per, size_t entry_bytes, size_t latent_bytes, float *score,
+                               size_t score_stride) {
     const size_t m = blockIdx.y, t = (size_t)blockIdx.x * kScoreWarps + threadIdx.x / DS41_NA_WARP;
     const unsigned lane = threadIdx.x % DS41_NA_WARP;
     if (t >= reach[m]) return; // the whole warp leaves together
@@ -89,8 +90,10 @@ __global__ void k_index_scores(const float *q, const float *w, int n_heads, int 
     for (int h = 0; h < n_heads; h++) {
         const float *qh = q + (m * (size_t)n_heads + (size_t)h) * D;
         double s = 0.0;
-        for (size_t i = lane; i < D; i += DS41_NA_WARP) s = ds41_na_dacc(s, qh[i], ds41_na_key_value(k, D, i));
-        hsum = ds41_na_dadd(hsum, (double)ds41_na_index_term(warp_tree(s), w[m * (size_t)n_heads + (size_t)h]));
+        for (size_t i = lane; i < D; i += DS41_NA_WARP)
+            s = ds41_na_dacc(s, qh[i], ds41_na_key_value(k, D, i));
+        hsum =
+            ds41_na_dadd(hsum, (double)ds41_na_index_term(warp_tree(s), w[m * (size_t)n_heads + (size_t)h]));
     }
     if (lane == 0) score[m * score_stride + t] = ds41_na_bf16_round((float)hsum);
 }
@@ -243,7 +246,8 @@ __global__ void k_attn(ds41_na_attn_src src, const float *q, int n_heads, int he
             if (threadIdx.x == 0) den[g] = ds41_na_den_update(den[g], corr, p, nc);
             for (size_t d = threadIdx.x; d < hd; d += blockDim.x) {
                 double pv = 0.0;
-                for (size_t j = 0; j < nc; j++) pv = ds41_na_dacc(pv, pb[j], ds41_na_row_value(rows[j], isw[j], hd, d));
+                for (size_t j = 0; j < nc; j++)
+                    pv = ds41_na_dacc(pv, pb[j], ds41_na_row_value(rows[j], isw[j], hd, d));
                 acc[g * hd + d] = ds41_na_acc_update(acc[g * hd + d], corr, pv);
             }
             __syncthreads();
@@ -298,18 +302,19 @@ void ds41_cuda_k_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const fl
     const size_t t = n * ((l->latent_dim + 15) / 16 + (l->index_dim + 31) / 32);
     if (t)
         k_kv_pack<<<blocks_for(t, 128), 128, 0, stream_of(c)>>>(l->latent_dim, l->index_dim, l->latent_bytes,
-                                                                 l->entry_bytes, latent, key, n, out);
+                                                                l->entry_bytes, latent, key, n, out);
 }
 
 void ds41_cuda_k_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
                                size_t hd, float *pooled) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     c->stats.op_calls++;
-    if (n && hd) k_compress_pool<<<blocks_for(n * hd, 128), 128, 0, stream_of(c)>>>(kv, score, n, ratio, hd, pooled);
+    if (n && hd)
+        k_compress_pool<<<blocks_for(n * hd, 128), 128, 0, stream_of(c)>>>(kv, score, n, ratio, hd, pooled);
 }
 
-void ds41_cuda_k_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads, int dim,
-                              const ds41_kv_pages *keys, float *score, size_t score_stride) {
+void ds41_cuda_k_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
+                              int dim, const ds41_kv_pages *keys, float *score, size_t score_stride) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     c->stats.op_calls++;
     const uint8_t *const *pages;
@@ -320,19 +325,19 @@ void ds41_cuda_k_index_scores(const ds41_ops *self, const float *q, const float 
     const ds41_kv_layout *l = keys->layout;
     const dim3 grid(blocks_for(max_reach, kScoreWarps), (unsigned)M);
     k_index_scores<<<grid, kScoreWarps * DS41_NA_WARP, 0, stream_of(c)>>>(
-        q, w, n_heads, dim, pages, row_table, reach, l->entries_per_page, l->entry_bytes, l->latent_bytes, score,
-        score_stride);
+        q, w, n_heads, dim, pages, row_table, reach, l->entries_per_page, l->entry_bytes, l->latent_bytes,
+        score, score_stride);
 }
 
-void ds41_cuda_k_index_blocks(const ds41_ops *self, const float *score, size_t score_stride, const uint32_t *reach,
-                              size_t M, size_t block, size_t n_take, float *bscore, size_t bscore_stride,
-                              uint8_t *allow, size_t allow_stride) {
+void ds41_cuda_k_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
+                              const uint32_t *reach, size_t M, size_t block, size_t n_take, float *bscore,
+                              size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     c->stats.op_calls++;
     const uint32_t *r = (const uint32_t *)ds41_cuda_meta(c, reach, M * sizeof *reach);
     if (M)
-        k_index_blocks<<<(unsigned)M, kSelThreads, 0, stream_of(c)>>>(score, score_stride, r, block, n_take, bscore,
-                                                                     bscore_stride, allow, allow_stride);
+        k_index_blocks<<<(unsigned)M, kSelThreads, 0, stream_of(c)>>>(
+            score, score_stride, r, block, n_take, bscore, bscore_stride, allow, allow_stride);
 }
 
 void ds41_cuda_k_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
@@ -342,12 +347,12 @@ void ds41_cuda_k_index_topk(const ds41_ops *self, float *score, size_t score_str
     c->stats.op_calls++;
     const uint32_t *r = (const uint32_t *)ds41_cuda_meta(c, reach, M * sizeof *reach);
     if (M)
-        k_index_topk<<<(unsigned)M, kSelThreads, 0, stream_of(c)>>>(score, score_stride, r, allow, allow_stride,
-                                                                   block, k, sel, count);
+        k_index_topk<<<(unsigned)M, kSelThreads, 0, stream_of(c)>>>(score, score_stride, r, allow,
+                                                                    allow_stride, block, k, sel, count);
 }
 
-void ds41_cuda_k_sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim, const float *sink,
-                             float scale, const ds41_attn_rows *rows, float *out) {
+void ds41_cuda_k_sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim,
+                             const float *sink, float scale, const ds41_attn_rows *rows, float *out) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     c->stats.op_calls++;
     ds41_na_attn_src src;

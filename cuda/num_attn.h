@@ -330,12 +330,14 @@ DS41_HD float ds41_na_ring_value(const uint8_t *row, size_t dim, size_t i) {
 }
 /* A compressed entry's latent (dim/2 bytes of e2m1, then e4m3 per 16). */
 DS41_HD float ds41_na_latent_value(const uint8_t *e, size_t dim, size_t i) {
-    return ds41_na_fmul(ds41_na_e2m1((uint8_t)(e[i / 2] >> ((i & 1) * 4))), ds41_na_e4m3(e[dim / 2 + i / 16]));
+    return ds41_na_fmul(ds41_na_e2m1((uint8_t)(e[i / 2] >> ((i & 1) * 4))),
+                        ds41_na_e4m3(e[dim / 2 + i / 16]));
 }
 /* An index key (dim/2 bytes of e2m1, then ue8m0 per 32); k points at the
  * key part of the entry (entry + latent_bytes). */
 DS41_HD float ds41_na_key_value(const uint8_t *k, size_t dim, size_t i) {
-    return ds41_na_fmul(ds41_na_e2m1((uint8_t)(k[i / 2] >> ((i & 1) * 4))), ds41_na_ue8m0(k[dim / 2 + i / 32]));
+    return ds41_na_fmul(ds41_na_e2m1((uint8_t)(k[i / 2] >> ((i & 1) * 4))),
+                        ds41_na_ue8m0(k[dim / 2 + i / 32]));
 }
 DS41_HD float ds41_na_row_value(const uint8_t *row, int is_window, size_t dim, size_t i) {
     return is_window ? ds41_na_ring_value(row, dim, i) : ds41_na_latent_value(row, dim, i);

@@ -23,9 +23,10 @@
 extern "C" {
 #endif
 
-#define DS41_CUDA_ATTN_OPS(X)                                                                                     \
-    X(act_quant_fp8) X(index_query) X(kv_pack) X(compress_pool) X(index_scores) X(index_blocks) X(index_topk)     \
-        X(sparse_attn) X(attend)
+#define DS41_CUDA_ATTN_OPS(X)                                                                                \
+    X(act_quant_fp8)                                                                                         \
+    X(index_query) X(kv_pack) X(compress_pool) X(index_scores) X(index_blocks) X(index_topk) X(sparse_attn)  \
+        X(attend)
 
 void ds41_cuda_emu_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
                                  size_t out_stride);
@@ -33,8 +34,8 @@ void ds41_cuda_emu_index_query(const ds41_ops *self, float *q, size_t qn, float 
                                float scale);
 void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
                            const float *key, size_t n, uint8_t *out);
-void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
-                                 size_t hd, float *pooled);
+void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n,
+                                 int ratio, size_t hd, float *pooled);
 void ds41_cuda_emu_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
                                 int dim, const ds41_kv_pages *keys, float *score, size_t score_stride);
 void ds41_cuda_emu_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
@@ -89,8 +90,9 @@ void ds41_cuda_attn_src_rows(ds41_cuda_ctx *c, const ds41_attn_rows *r, ds41_na_
 /* index_scores' metadata: the reaches (returned), the page table and the
  * rows' table offsets as device copies; *max_reach the largest reach (the
  * launch's extent over entries); counts the op's flops. */
-const uint32_t *ds41_cuda_index_meta(ds41_cuda_ctx *c, const ds41_kv_pages *keys, size_t M, int n_heads, int dim,
-                                     uint32_t *max_reach, const uint8_t *const **pages, const size_t **row_table);
+const uint32_t *ds41_cuda_index_meta(ds41_cuda_ctx *c, const ds41_kv_pages *keys, size_t M, int n_heads,
+                                     int dim, uint32_t *max_reach, const uint8_t *const **pages,
+                                     const size_t **row_table);
 
 /* The counters of sparse_attn / attend (as the fast CPU backend counts). */
 void ds41_cuda_attn_count(ds41_cuda_ctx *c, size_t H, size_t hd, size_t rows);

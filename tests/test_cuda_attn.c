@@ -43,7 +43,8 @@ static const void *t_weight(ds41_cuda_ctx *c, const void *p, size_t n) {
 static void *t_meta(ds41_cuda_ctx *c, const void *host, size_t n) {
     (void)c;
     meta_rec *r = &metas[n_metas];
-    if (n_metas == sizeof metas / sizeof metas[0] || !(r->copy = malloc(n)) || !(r->saved = malloc(n))) abort();
+    if (n_metas == sizeof metas / sizeof metas[0] || !(r->copy = malloc(n)) || !(r->saved = malloc(n)))
+        abort();
     n_metas++;
     memcpy(r->copy, host, n);
     memcpy(r->saved, host, n);
@@ -84,7 +85,8 @@ static uint32_t irand(uint32_t n) {
     return (uint32_t)((urand() + 1.0) * 0.5 * n) % n;
 }
 static void fill_bf16(float *x, size_t n, double scale) {
-    for (size_t i = 0; i < n; i++) x[i] = ds41_bf16_round((float)(urand() * scale * (i % 7 == 3 ? 8.0 : 1.0)));
+    for (size_t i = 0; i < n; i++)
+        x[i] = ds41_bf16_round((float)(urand() * scale * (i % 7 == 3 ? 8.0 : 1.0)));
 }
 static int same_bits(const void *a, const void *b, size_t n) {
     return memcmp(a, b, n) == 0;
@@ -108,11 +110,13 @@ static void test_codecs(void) {
               (b == 255 && isnan(ds41_na_ue8m0(255)));
     }
     for (int c = 0; c < 16; c++) ok &= fbits(ds41_na_e2m1((uint8_t)c)) == fbits(ds41_e2m1_table[c]);
-    TAP_CHECK(ok, "decoders: all 256 e4m3 codes, all 16 e2m1 codes, all 256 ue8m0 bytes = quant.c, bit for bit");
+    TAP_CHECK(ok,
+              "decoders: all 256 e4m3 codes, all 16 e2m1 codes, all 256 ue8m0 bytes = quant.c, bit for bit");
     /* Encoders over every fp32 exponent, the codes' rounding boundaries and specials. */
     int enc = 1, n = 0;
-    float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 448.0f, 464.0f, 0x1p-10f, 0x1.8p-10f, 0.25f, 0.75f,
-                        1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f, 1e-45f, 0x1p-126f, 3.4e38f};
+    float specials[] = {0.0f,     -0.0f,      INFINITY, -INFINITY, NAN,       448.0f, 464.0f,
+                        0x1p-10f, 0x1.8p-10f, 0.25f,    0.75f,     1.25f,     1.75f,  2.5f,
+                        3.5f,     5.0f,       6.0f,     1e-45f,    0x1p-126f, 3.4e38f};
     for (size_t i = 0; i < sizeof specials / sizeof specials[0] + 400000; i++) {
         float v;
         if (i < sizeof specials / sizeof specials[0])
@@ -125,12 +129,16 @@ static void test_codecs(void) {
         n++;
         enc &= ds41_na_e4m3_from_f32(v) == ds41_e4m3_from_f32(v);
         enc &= ds41_na_e2m1_from_f32(v) == ds41_e2m1_from_f32(v);
-        enc &= ds41_na_ue8m0_scale_byte(fabsf(v), DS41_FP8_RECIP) == ds41_ue8m0_scale_byte(fabsf(v), DS41_FP8_RECIP);
-        enc &= ds41_na_ue8m0_scale_byte(fabsf(v), DS41_FP4_RECIP) == ds41_ue8m0_scale_byte(fabsf(v), DS41_FP4_RECIP);
+        enc &= ds41_na_ue8m0_scale_byte(fabsf(v), DS41_FP8_RECIP) ==
+               ds41_ue8m0_scale_byte(fabsf(v), DS41_FP8_RECIP);
+        enc &= ds41_na_ue8m0_scale_byte(fabsf(v), DS41_FP4_RECIP) ==
+               ds41_ue8m0_scale_byte(fabsf(v), DS41_FP4_RECIP);
         enc &= fbits(ds41_na_bf16_round(v)) == fbits(ds41_bf16_round(v));
     }
-    TAP_CHECK(enc, "encoders (e4m3, e2m1, ue8m0 scale bytes, bf16 rounding) = quant.c on %d values (specials, "
-              "random bit patterns)", n);
+    TAP_CHECK(enc,
+              "encoders (e4m3, e2m1, ue8m0 scale bytes, bf16 rounding) = quant.c on %d values (specials, "
+              "random bit patterns)",
+              n);
 }
 
 /* ---- the step quantizers and the pooling: bit for bit ---------------------------------- */
@@ -151,16 +159,20 @@ static void test_quantizers(void) {
     memset(out_r, 0x5a, sizeof out_r);
     ref->act_quant_fp8(ref, x, M, N, out_r, STRIDE);
     EMU(act_quant_fp8, x, M, N, out, STRIDE);
-    TAP_CHECK(same_bits(out, out_r, sizeof out), "act_quant_fp8 of %d rows of %d (partial block, NaN, inf, zero "
-              "block), at a stride: bit for bit the reference", M, N);
+    TAP_CHECK(same_bits(out, out_r, sizeof out),
+              "act_quant_fp8 of %d rows of %d (partial block, NaN, inf, zero "
+              "block), at a stride: bit for bit the reference",
+              M, N);
     memcpy(q, q0, sizeof q);
     memcpy(w, w0, sizeof w);
     memcpy(qr, q0, sizeof q);
     memcpy(wr, w0, sizeof w);
     ref->index_query(ref, qr, QN, wr, WN, M, 0.0625f);
     EMU(index_query, q, QN, w, WN, M, 0.0625f);
-    TAP_CHECK(same_bits(q, qr, sizeof q) && same_bits(w, wr, sizeof w),
-              "index_query of %d rows (FP4 QDQ with a partial block and NaN, weights): bit for bit the reference", M);
+    TAP_CHECK(
+        same_bits(q, qr, sizeof q) && same_bits(w, wr, sizeof w),
+        "index_query of %d rows (FP4 QDQ with a partial block and NaN, weights): bit for bit the reference",
+        M);
 
     ds41_kv_layout lay = {0};
     lay.latent_dim = 64;
@@ -176,8 +188,10 @@ static void test_quantizers(void) {
     for (int i = 0; i < 16; i++) lat[64 + 16 + i] = 0.0f;
     ref->kv_pack(ref, &lay, lat, key, NE, pr);
     EMU(kv_pack, &lay, lat, key, NE, pk);
-    TAP_CHECK(same_bits(pk, pr, sizeof pk), "kv_pack of %d entries (e4m3-scaled latent, ue8m0 key, NaN, zero "
-              "block): bit for bit the reference", NE);
+    TAP_CHECK(same_bits(pk, pr, sizeof pk),
+              "kv_pack of %d entries (e4m3-scaled latent, ue8m0 key, NaN, zero "
+              "block): bit for bit the reference",
+              NE);
 
     static float kv[G * RATIO * HD], sc[G * RATIO * HD], pooled[G * HD], pooled_r[G * HD], pooled_f[G * HD];
     for (int i = 0; i < G * RATIO * HD; i++) {
@@ -189,7 +203,8 @@ static void test_quantizers(void) {
     EMU(compress_pool, kv, sc, G, RATIO, HD, pooled);
     fast->compress_pool(fast, kv, sc, G, RATIO, HD, pooled_f);
     TAP_CHECK(same_bits(pooled, pooled_r, sizeof pooled) && same_bits(pooled, pooled_f, sizeof pooled),
-              "compress_pool (%d groups of %d x %d): bit for bit the reference and the fast CPU op", G, RATIO, HD);
+              "compress_pool (%d groups of %d x %d): bit for bit the reference and the fast CPU op", G, RATIO,
+              HD);
     metas_restore();
 }
 
@@ -222,13 +237,18 @@ static void test_index_scores(void) {
     ref->index_scores(ref, q, w, M, NH, ID, &keys, sr, STRIDE);
     fast->index_scores(fast, q, w, M, NH, ID, &keys, sf, STRIDE);
     EMU(index_scores, q, w, M, NH, ID, &keys, sc, STRIDE);
-    TAP_CHECK(same_bits(sc, sr, sizeof sc) && same_bits(sc, sf, sizeof sc),
-              "index_scores of %d rows over paged keys (reaches %u, 0, 1, %u, %u, %u): equal to the reference and "
-              "the fast CPU op, nothing past a row's reach written", M, reach[0], reach[3], reach[4], reach[5]);
+    TAP_CHECK(
+        same_bits(sc, sr, sizeof sc) && same_bits(sc, sf, sizeof sc),
+        "index_scores of %d rows over paged keys (reaches %u, 0, 1, %u, %u, %u): equal to the reference and "
+        "the fast CPU op, nothing past a row's reach written",
+        M, reach[0], reach[3], reach[4], reach[5]);
     int alone = 1;
     for (size_t m = 0; m < M; m++) {
         for (int i = 0; i < STRIDE; i++) s1[i] = 1234.0f;
-        const ds41_kv_pages k1 = {.layout = &lay, .pages = pages, .row_table = row_table + m, .row_reach = reach + m,
+        const ds41_kv_pages k1 = {.layout = &lay,
+                                  .pages = pages,
+                                  .row_table = row_table + m,
+                                  .row_reach = reach + m,
                                   .n_pages = (NC + PER - 1) / PER};
         EMU(index_scores, q + m * NH * ID, w + m * NH, 1, NH, ID, &k1, s1, STRIDE);
         alone &= same_bits(s1, sc + m * STRIDE, sizeof s1);
@@ -269,9 +289,11 @@ static void test_decisions(void) {
     memset(bs_e, 0, sizeof bs_e);
     ref->index_blocks(ref, score, STRIDE, reach, M, B, TAKE, bs_r, NB, al_r, NB);
     EMU(index_blocks, score, STRIDE, reach, M, B, TAKE, bs_e, NB, al_e, NB);
-    TAP_CHECK(same_bits(bs_e, bs_r, sizeof bs_e) && same_bits(al_e, al_r, sizeof al_e),
-              "index_blocks of %d rows (ties, NaN, -inf, reaches 0, 1, not multiples of %d): block scores and "
-              "allowed blocks equal the reference's", M, B);
+    TAP_CHECK(
+        same_bits(bs_e, bs_r, sizeof bs_e) && same_bits(al_e, al_r, sizeof al_e),
+        "index_blocks of %d rows (ties, NaN, -inf, reaches 0, 1, not multiples of %d): block scores and "
+        "allowed blocks equal the reference's",
+        M, B);
     for (int allowed = 0; allowed < 2; allowed++) {
         memcpy(s_r, score, sizeof s_r);
         memcpy(s_e, score, sizeof s_e);
@@ -285,7 +307,8 @@ static void test_decisions(void) {
         for (size_t m = 0; m < M; m++)
             ok &= same_bits(sel_e + m * K, sel_r + m * K, cnt_r[m] * sizeof *sel_e) &&
                   same_bits(sel_e + m * K, sel_f + m * K, cnt_r[m] * sizeof *sel_e);
-        TAP_CHECK(ok, "index_topk of %d rows, %s: torch.topk's order (NaN first, lower index on ties, -inf picks "
+        TAP_CHECK(ok,
+                  "index_topk of %d rows, %s: torch.topk's order (NaN first, lower index on ties, -inf picks "
                   "kept), the same selections and counts as the reference and the fast CPU op",
                   M, allowed ? "masked by the candidate blocks" : "unmasked");
     }
@@ -406,14 +429,17 @@ static void rstep_init(rstep *r, const attn_fix *f, uint32_t W, uint32_t block, 
                                .sel = with_sel ? r->sel : NULL,
                                .count = r->count,
                                .sel_stride = 24,
-                               .comp = {.layout = &f->lay, .pages = f->pages, .row_table = r->row_table,
+                               .comp = {.layout = &f->lay,
+                                        .pages = f->pages,
+                                        .row_table = r->row_table,
                                         .n_pages = (NENT + APER - 1) / APER}};
 }
 
 /* attend of a random step on emu vs the reference, the fast op and each row
  * alone; returns the checks' conjunction and counts exact elements. */
-static int attend_case(const attn_fix *f, rstep *r, const float *q, const float *sink, float scale, float *o_e,
-                       float *o_r, float *o_f, float *o1, size_t *exact, size_t *total, int *alone) {
+static int attend_case(const attn_fix *f, rstep *r, const float *q, const float *sink, float scale,
+                       float *o_e, float *o_r, float *o_f, float *o1, size_t *exact, size_t *total,
+                       int *alone) {
     const size_t qo = (size_t)f->H * (size_t)f->hd;
     ref->attend(ref, q, r->M, f->H, f->hd, sink, scale, &r->step, o_r);
     fast->attend(fast, q, r->M, f->H, f->hd, sink, scale, &r->step, o_f);
@@ -450,9 +476,10 @@ static void test_attention(void) {
     for (int j = 0; j < 90; j++) cp[j] = f.ent + (size_t)(j * 3) * f.lay.entry_bytes;
     size_t exact[2] = {0, 0}, total = 0;
     int ok = 1;
-    const ds41_attn_rows lists[3] = {{.layout = &f.lay, .n_window = 100, .window = wp, .n_comp = 90, .comp = cp},
-                                     {.layout = &f.lay, .n_window = 0, .window = wp, .n_comp = 1, .comp = cp},
-                                     {.layout = &f.lay, .n_window = 1, .window = wp + 7, .n_comp = 0, .comp = cp}};
+    const ds41_attn_rows lists[3] = {
+        {.layout = &f.lay, .n_window = 100, .window = wp, .n_comp = 90, .comp = cp},
+        {.layout = &f.lay, .n_window = 0, .window = wp, .n_comp = 1, .comp = cp},
+        {.layout = &f.lay, .n_window = 1, .window = wp + 7, .n_comp = 0, .comp = cp}};
     for (int i = 0; i < 3; i++) {
         ref->sparse_attn(ref, q, H, hd, sink, scale, &lists[i], o_r);
         fast->sparse_attn(fast, q, H, hd, sink, scale, &lists[i], o_f);
@@ -460,10 +487,11 @@ static void test_attention(void) {
         ok &= attn_close(o_e, o_r, qo, &exact[0]) & attn_close(o_e, o_f, qo, &exact[1]);
         total += qo;
     }
-    TAP_CHECK(ok && exact[0] * 100 >= total * 99 && exact[1] * 100 >= total * 99,
-              "sparse_attn (190 rows in 3 chunks, one compressed row, one window row): within one bf16 ulp of the "
-              "reference and the fast CPU op, %zu / %zu and %zu / %zu elements bit equal",
-              exact[0], total, exact[1], total);
+    TAP_CHECK(
+        ok && exact[0] * 100 >= total * 99 && exact[1] * 100 >= total * 99,
+        "sparse_attn (190 rows in 3 chunks, one compressed row, one window row): within one bf16 ulp of the "
+        "reference and the fast CPU op, %zu / %zu and %zu / %zu elements bit equal",
+        exact[0], total, exact[1], total);
     metas_restore();
 
     /* The shared two-sequence step of the CPU tests: attend = sparse_attn row by row. */
@@ -474,8 +502,8 @@ static void test_attention(void) {
     fill_bf16(sq, sizeof sq / sizeof sq[0], 0.5);
     const int step_ok = attn_step_check(&emu, &t, sq, H, hd, sink, scale, so, sw);
     metas_restore();
-    TAP_CHECK(step_ok,
-              "attend over the two-sequence step (a window wrapping the ring) = sparse_attn row by row, bit for bit");
+    TAP_CHECK(step_ok, "attend over the two-sequence step (a window wrapping the ring) = sparse_attn row by "
+                       "row, bit for bit");
     metas_restore();
 
     /* Random steps: causal with selections, window-only, DSpark blocks; windows wrap. */
@@ -496,9 +524,11 @@ static void test_attention(void) {
             rstep_init(&r, &f, kinds[kd].W, kinds[kd].block, kinds[kd].sel);
             good &= attend_case(&f, &r, q, sink, scale, o_e, o_r, o_f, o1, ex, &tot, &alone);
         }
-        TAP_CHECK(good && ex[0] * 100 >= tot * 99 && ex[1] * 100 >= tot * 99,
-                  "attend, %s: within one bf16 ulp of the reference and the fast CPU op (%zu / %zu and %zu / %zu "
-                  "bit equal)", kinds[kd].what, ex[0], tot, ex[1], tot);
+        TAP_CHECK(
+            good && ex[0] * 100 >= tot * 99 && ex[1] * 100 >= tot * 99,
+            "attend, %s: within one bf16 ulp of the reference and the fast CPU op (%zu / %zu and %zu / %zu "
+            "bit equal)",
+            kinds[kd].what, ex[0], tot, ex[1], tot);
         TAP_CHECK(alone, "attend, %s: every row alone = the batch, bit for bit", kinds[kd].what);
     }
     free(f.wrow);
