@@ -67,34 +67,25 @@
 
 /* ---- rounding-explicit arithmetic ------------------------------------------ */
 
-DS41_HD float ds41_na_fmul(float a, float b) {
+/* fp32 a OP b rounded once: the C operator on the host, the _rn intrinsic
+ * (never contracted) on the device. */
 #ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
+#define DS41_NA_FOP(name, op, intrinsic)                                                                           \
+    DS41_HD float name(float a, float b) {                                                                         \
+        return intrinsic(a, b);                                                                                    \
+    }
 #else
-    return a * b;
+#define DS41_NA_FOP(name, op, intrinsic)                                                                           \
+    DS41_HD float name(float a, float b) {                                                                         \
+        return a op b;                                                                                             \
+    }
 #endif
-}
-DS41_HD float ds41_na_fadd(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-DS41_HD float ds41_na_fsub(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
-DS41_HD float ds41_na_fdiv(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fdiv_rn(a, b);
-#else
-    return a / b;
-#endif
-}
+DS41_NA_FOP(ds41_na_fmul, *, __fmul_rn)
+DS41_NA_FOP(ds41_na_fadd, +, __fadd_rn)
+DS41_NA_FOP(ds41_na_fsub, -, __fsub_rn)
+DS41_NA_FOP(ds41_na_fdiv, /, __fdiv_rn)
+#undef DS41_NA_FOP
+
 /* s + a * b in double with a * b exact (fp32 operands): a fused multiply-add
  * rounds the same value once, so contraction cannot change it. */
 DS41_HD double ds41_na_dacc(double s, float a, float b) {

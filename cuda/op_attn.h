@@ -28,48 +28,33 @@ extern "C" {
     X(index_query) X(kv_pack) X(compress_pool) X(index_scores) X(index_blocks) X(index_topk) X(sparse_attn)  \
         X(attend)
 
-void ds41_cuda_emu_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
-                                 size_t out_stride);
-void ds41_cuda_emu_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
-                               float scale);
-void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
-                           const float *key, size_t n, uint8_t *out);
-void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n,
-                                 int ratio, size_t hd, float *pooled);
-void ds41_cuda_emu_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
-                                int dim, const ds41_kv_pages *keys, float *score, size_t score_stride);
-void ds41_cuda_emu_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
-                                const uint32_t *reach, size_t M, size_t block, size_t n_take, float *bscore,
-                                size_t bscore_stride, uint8_t *allow, size_t allow_stride);
-void ds41_cuda_emu_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
-                              size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
-                              int32_t *sel, uint32_t *count);
-void ds41_cuda_emu_sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim,
-                               const float *sink, float scale, const ds41_attn_rows *rows, float *out);
-void ds41_cuda_emu_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
-                          const float *sink, float scale, const ds41_attn_step *step, float *out);
+/* The nine signatures with the name prefix P (ds41_cuda_emu_ or ds41_cuda_k_). */
+#define DS41_CUDA_ATTN_DECLARE(P)                                                                                  \
+    void P##act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,                 \
+                          size_t out_stride);                                                                      \
+    void P##index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M, float scale);   \
+    void P##kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent, const float *key,    \
+                    size_t n, uint8_t *out);                                                                       \
+    void P##compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,         \
+                          size_t hd, float *pooled);                                                               \
+    void P##index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads, int dim,     \
+                         const ds41_kv_pages *keys, float *score, size_t score_stride);                            \
+    void P##index_blocks(const ds41_ops *self, const float *score, size_t score_stride, const uint32_t *reach,     \
+                         size_t M, size_t block, size_t n_take, float *bscore, size_t bscore_stride,               \
+                         uint8_t *allow, size_t allow_stride);                                                     \
+    void P##index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach, size_t M,   \
+                       const uint8_t *allow, size_t allow_stride, size_t block, size_t k, int32_t *sel,            \
+                       uint32_t *count);                                                                           \
+    void P##sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim, const float *sink,        \
+                        float scale, const ds41_attn_rows *rows, float *out);                                      \
+    void P##attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim, const float *sink,   \
+                   float scale, const ds41_attn_step *step, float *out);
 
+/* ds41_cuda_emu_act_quant_fp8 ... ds41_cuda_emu_attend (cuda/emu_attn.c). */
+DS41_CUDA_ATTN_DECLARE(ds41_cuda_emu_)
 #ifdef DS41_HAVE_CUDA
-void ds41_cuda_k_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
-                               size_t out_stride);
-void ds41_cuda_k_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
-                             float scale);
-void ds41_cuda_k_kv_pack(const ds41_ops *self, const ds41_kv_layout *layout, const float *latent,
-                         const float *key, size_t n, uint8_t *out);
-void ds41_cuda_k_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n, int ratio,
-                               size_t hd, float *pooled);
-void ds41_cuda_k_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
-                              int dim, const ds41_kv_pages *keys, float *score, size_t score_stride);
-void ds41_cuda_k_index_blocks(const ds41_ops *self, const float *score, size_t score_stride,
-                              const uint32_t *reach, size_t M, size_t block, size_t n_take, float *bscore,
-                              size_t bscore_stride, uint8_t *allow, size_t allow_stride);
-void ds41_cuda_k_index_topk(const ds41_ops *self, float *score, size_t score_stride, const uint32_t *reach,
-                            size_t M, const uint8_t *allow, size_t allow_stride, size_t block, size_t k,
-                            int32_t *sel, uint32_t *count);
-void ds41_cuda_k_sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim,
-                             const float *sink, float scale, const ds41_attn_rows *rows, float *out);
-void ds41_cuda_k_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
-                        const float *sink, float scale, const ds41_attn_step *step, float *out);
+/* ds41_cuda_k_act_quant_fp8 ... ds41_cuda_k_attend (cuda/k_attn.cu). */
+DS41_CUDA_ATTN_DECLARE(ds41_cuda_k_)
 #endif
 
 /* ---- host preparation shared by both (cuda/attn_meta.c) -------------------------------- */
