@@ -146,7 +146,8 @@ static void test_codecs(void) {
 static void test_quantizers(void) {
     enum { M = 7, N = 70, STRIDE = N + 3 + 4, QN = 100, WN = 6, G = 5, RATIO = 4, HD = 37, NE = 6 };
     static float x[M * N], q[M * QN], w[M * WN], q0[M * QN], w0[M * WN], qr[M * QN], wr[M * WN];
-    static uint8_t out[M * STRIDE], out_r[M * STRIDE];
+    static uint8_t out[M * STRIDE], out_r[M * STRIDE], out_f[M * STRIDE];
+    static float qf[M * QN], wf[M * WN];
     fill_bf16(x, M * N, 50.0);
     x[3] = NAN;
     x[40] = INFINITY;
@@ -157,21 +158,28 @@ static void test_quantizers(void) {
     fill_bf16(w0, M * WN, 1.0);
     memset(out, 0x5a, sizeof out);
     memset(out_r, 0x5a, sizeof out_r);
+    memset(out_f, 0x5a, sizeof out_f);
     ref->act_quant_fp8(ref, x, M, N, out_r, STRIDE);
+    fast->act_quant_fp8(fast, x, M, N, out_f, STRIDE);
     EMU(act_quant_fp8, x, M, N, out, STRIDE);
-    TAP_CHECK(same_bits(out, out_r, sizeof out),
+    TAP_CHECK(same_bits(out, out_r, sizeof out) && same_bits(out, out_f, sizeof out),
               "act_quant_fp8 of %d rows of %d (partial block, NaN, inf, zero "
-              "block), at a stride: bit for bit the reference",
+              "block), at a stride: bit for bit the reference and the fast CPU op",
               M, N);
     memcpy(q, q0, sizeof q);
     memcpy(w, w0, sizeof w);
     memcpy(qr, q0, sizeof q);
     memcpy(wr, w0, sizeof w);
+    memcpy(qf, q0, sizeof q);
+    memcpy(wf, w0, sizeof w);
     ref->index_query(ref, qr, QN, wr, WN, M, 0.0625f);
+    fast->index_query(fast, qf, QN, wf, WN, M, 0.0625f);
     EMU(index_query, q, QN, w, WN, M, 0.0625f);
     TAP_CHECK(
-        same_bits(q, qr, sizeof q) && same_bits(w, wr, sizeof w),
-        "index_query of %d rows (FP4 QDQ with a partial block and NaN, weights): bit for bit the reference",
+        same_bits(q, qr, sizeof q) && same_bits(w, wr, sizeof w) && same_bits(q, qf, sizeof q) &&
+            same_bits(w, wf, sizeof w),
+        "index_query of %d rows (FP4 QDQ with a partial block and NaN, weights): bit for bit the reference "
+        "and the fast CPU op",
         M);
 
     ds41_kv_layout lay = {0};
@@ -181,16 +189,17 @@ static void test_quantizers(void) {
     lay.index_bytes = 96 / 2 + 96 / 32;
     lay.entry_bytes = lay.latent_bytes + lay.index_bytes;
     static float lat[NE * 64], key[NE * 96];
-    static uint8_t pk[NE * 87], pr[NE * 87];
+    static uint8_t pk[NE * 87], pr[NE * 87], pf[NE * 87];
     fill_bf16(lat, NE * 64, 2.0);
     fill_bf16(key, NE * 96, 1.0);
     lat[17] = NAN;
     for (int i = 0; i < 16; i++) lat[64 + 16 + i] = 0.0f;
     ref->kv_pack(ref, &lay, lat, key, NE, pr);
+    fast->kv_pack(fast, &lay, lat, key, NE, pf);
     EMU(kv_pack, &lay, lat, key, NE, pk);
-    TAP_CHECK(same_bits(pk, pr, sizeof pk),
+    TAP_CHECK(same_bits(pk, pr, sizeof pk) && same_bits(pk, pf, sizeof pk),
               "kv_pack of %d entries (e4m3-scaled latent, ue8m0 key, NaN, zero "
-              "block): bit for bit the reference",
+              "block): bit for bit the reference and the fast CPU op",
               NE);
 
     static float kv[G * RATIO * HD], sc[G * RATIO * HD], pooled[G * HD], pooled_r[G * HD], pooled_f[G * HD];
@@ -271,8 +280,8 @@ static void tie_scores(float *s, size_t n) {
 static void test_decisions(void) {
     enum { M = 9, STRIDE = 3001, K = 64, B = 16, NB = (STRIDE + B - 1) / B, TAKE = 7 };
     static float score[M * STRIDE], s_r[M * STRIDE], s_e[M * STRIDE], s_f[M * STRIDE], s1[STRIDE];
-    static float bs_r[M * NB], bs_e[M * NB], bs1[NB];
-    static uint8_t al_r[M * NB], al_e[M * NB], al1[NB];
+    static float bs_r[M * NB], bs_e[M * NB], bs_f[M * NB], bs1[NB];
+    static uint8_t al_r[M * NB], al_e[M * NB], al_f[M * NB], al1[NB];
     static int32_t sel_r[M * K], sel_e[M * K], sel_f[M * K], sel1[K];
     static uint32_t cnt_r[M], cnt_e[M], cnt_f[M], cnt1;
     uint32_t reach[M] = {STRIDE, 0, 1, 17, 64, 65, 2000, 200, 1500};
@@ -287,12 +296,15 @@ static void test_decisions(void) {
     memset(sel_f, 0xff, sizeof sel_f);
     memset(bs_r, 0, sizeof bs_r);
     memset(bs_e, 0, sizeof bs_e);
+    memset(bs_f, 0, sizeof bs_f);
     ref->index_blocks(ref, score, STRIDE, reach, M, B, TAKE, bs_r, NB, al_r, NB);
+    fast->index_blocks(fast, score, STRIDE, reach, M, B, TAKE, bs_f, NB, al_f, NB);
     EMU(index_blocks, score, STRIDE, reach, M, B, TAKE, bs_e, NB, al_e, NB);
     TAP_CHECK(
-        same_bits(bs_e, bs_r, sizeof bs_e) && same_bits(al_e, al_r, sizeof al_e),
+        same_bits(bs_e, bs_r, sizeof bs_e) && same_bits(al_e, al_r, sizeof al_e) &&
+            same_bits(bs_e, bs_f, sizeof bs_e) && same_bits(al_e, al_f, sizeof al_e),
         "index_blocks of %d rows (ties, NaN, -inf, reaches 0, 1, not multiples of %d): block scores and "
-        "allowed blocks equal the reference's",
+        "allowed blocks equal the reference's and the fast CPU op's",
         M, B);
     for (int allowed = 0; allowed < 2; allowed++) {
         memcpy(s_r, score, sizeof s_r);
