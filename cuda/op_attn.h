@@ -63,7 +63,10 @@ DS41_CUDA_ATTN_DECLARE(ds41_cuda_k_)
 #define DS41_CUDA_ATTN_HEADS 4
 
 /* The entries of a page table description the op may read: n_pages when
- * given, else what the rows' reaches (row_reach) need. */
+ * given, else what the rows' reaches (row_reach) need.  attend needs n_pages
+ * (the forward pass sets it): its selections are device memory, so the host
+ * cannot tell how far into the table they reach, and a meta copy of the
+ * table must not read past the host array. */
 size_t ds41_cuda_attn_n_pages(const ds41_kv_pages *k, size_t M);
 
 /* A step's rows as device-side metadata (every host array shipped with
