@@ -70,14 +70,14 @@
 /* fp32 a OP b rounded once: the C operator on the host, the _rn intrinsic
  * (never contracted) on the device. */
 #ifdef __CUDA_ARCH__
-#define DS41_NA_FOP(name, op, intrinsic)                                                                           \
-    DS41_HD float name(float a, float b) {                                                                         \
-        return intrinsic(a, b);                                                                                    \
+#define DS41_NA_FOP(name, op, intrinsic)                                                                     \
+    DS41_HD float name(float a, float b) {                                                                   \
+        return intrinsic(a, b);                                                                              \
     }
 #else
-#define DS41_NA_FOP(name, op, intrinsic)                                                                           \
-    DS41_HD float name(float a, float b) {                                                                         \
-        return a op b;                                                                                             \
+#define DS41_NA_FOP(name, op, intrinsic)                                                                     \
+    DS41_HD float name(float a, float b) {                                                                   \
+        return a op b;                                                                                       \
     }
 #endif
 DS41_NA_FOP(ds41_na_fmul, *, __fmul_rn)
@@ -174,30 +174,18 @@ DS41_HD uint8_t ds41_na_e4m3_from_f32(float v) {
     return (uint8_t)(sign | kept);
 }
 
-/* ds41_e2m1_from_f32 (thresholds on |v|, ties to the even code, NaN and
- * beyond 5 saturate). */
+/* ds41_e2m1_from_f32: the magnitude code counts the thresholds |v| passes
+ * (0.25 0.75 1.25 1.75 2.5 3.5 5); exactly at one, the odd ones (0.75, 1.75,
+ * 3.5) go up (ties to the even code); NaN saturates to 7; the sign bit is
+ * v's. */
 DS41_HD uint8_t ds41_na_e2m1_from_f32(float v) {
+    const float th[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
     const uint32_t u = ds41_hd_f32_bits(v);
-    const uint8_t sign = (u >> 31) ? 8 : 0;
     const float a = ds41_hd_f32_from_bits(u & 0x7FFFFFFFu);
-    uint8_t mag;
-    if (a <= 0.25f)
-        mag = 0;
-    else if (a < 0.75f)
-        mag = 1;
-    else if (a <= 1.25f)
-        mag = 2;
-    else if (a < 1.75f)
-        mag = 3;
-    else if (a <= 2.5f)
-        mag = 4;
-    else if (a < 3.5f)
-        mag = 5;
-    else if (a <= 5.0f)
-        mag = 6;
-    else
-        mag = 7;
-    return (uint8_t)(sign | mag);
+    uint8_t mag = ds41_na_isnan(a) ? 7 : 0;
+    for (int i = 0; i < 7; i++)
+        if (a > th[i] || (a == th[i] && (i & 1))) mag = (uint8_t)(i + 1);
+    return (uint8_t)((u >> 31 ? 8 : 0) | mag);
 }
 
 /* ds41_ue8m0_scale_byte. */
