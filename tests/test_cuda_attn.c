@@ -263,6 +263,31 @@ static void test_index_scores(void) {
         alone &= same_bits(s1, sc + m * STRIDE, sizeof s1);
     }
     TAP_CHECK(alone, "index_scores: every row alone = the batch, bit for bit");
+    /* A large step: 40 rows of random reaches and tables, against the reference and each row alone. */
+    enum { BM = 40 };
+    static float bq[BM * NH * ID], bw[BM * NH], bs[BM * STRIDE], bsr[BM * STRIDE];
+    size_t btable[BM];
+    uint32_t breach[BM];
+    index_test_queries(bq, bw, BM, NH, ID, urand);
+    for (size_t m = 0; m < BM; m++) {
+        btable[m] = irand(4);
+        breach[m] = irand((uint32_t)(NC - btable[m] * PER) + 1);
+    }
+    const ds41_kv_pages bk = {.layout = &lay, .pages = pages, .row_table = btable, .row_reach = breach};
+    for (int i = 0; i < BM * STRIDE; i++) bs[i] = bsr[i] = 1234.0f;
+    ref->index_scores(ref, bq, bw, BM, NH, ID, &bk, bsr, STRIDE);
+    EMU(index_scores, bq, bw, BM, NH, ID, &bk, bs, STRIDE);
+    int big = same_bits(bs, bsr, sizeof bs);
+    for (size_t m = 0; m < BM; m++) {
+        for (int i = 0; i < STRIDE; i++) s1[i] = 1234.0f;
+        const ds41_kv_pages k1 = {
+            .layout = &lay, .pages = pages, .row_table = btable + m, .row_reach = breach + m};
+        EMU(index_scores, bq + m * NH * ID, bw + m * NH, 1, NH, ID, &k1, s1, STRIDE);
+        big &= same_bits(s1, bs + m * STRIDE, sizeof s1);
+    }
+    TAP_CHECK(
+        big, "index_scores of %d rows of random reaches: equal to the reference, every row alone = the batch",
+        BM);
     metas_restore();
 }
 
