@@ -94,6 +94,7 @@ typedef struct ds41_kv_pages {
     const uint8_t *const *pages; /* the step's page tables, concatenated */
     const size_t *row_table;     /* [M] start of row m's table in pages */
     const uint32_t *row_reach;   /* [M] entries row m sees (its first ones); 0: none */
+    size_t n_pages;              /* entries of pages (a device backend ships the table); 0: not given */
 } ds41_kv_pages;
 
 /* The packed entry t of row m (t < k->row_reach[m]). */

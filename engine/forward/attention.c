@@ -171,7 +171,8 @@ static uint64_t step_max_reach(const fwd_batch *b, int ratio) {
  * tables concatenated, from the step's scratch) and row_table[M] (where
  * each row's table starts), as ds41_kv_pages describes them.  NULL on out
  * of memory. */
-static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, size_t *row_table) {
+static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, size_t *row_table,
+                                  size_t *n_pages) {
     const ds41_kv_pool *pool = ds41_kv_seq_pool(b->items[0].seq);
     size_t *item_table = host(b->n_items * sizeof *item_table);
     if (!item_table) return NULL;
@@ -190,6 +191,7 @@ static const uint8_t **step_pages(ds41_engine *e, const fwd_batch *b, int src, s
         for (uint32_t i = 0; i < np; i++) pages[item_table[it] + i] = ds41_kv_pool_page(pool, ids[i]);
     }
     for (size_t r = 0; r < b->M; r++) row_table[r] = item_table[b->row_item[r]];
+    *n_pages = n_ids;
     return pages;
 }
 
@@ -276,13 +278,15 @@ static int indexer(ds41_engine *e, fwd_batch *b, int L, const float *xn, const f
 
     /* Metadata: each row's reach and its sequence's page table (the
      * entries the compressor appended this step included). */
-    const uint8_t **pages = step_pages(e, b, ks, row_table);
+    size_t n_pages = 0;
+    const uint8_t **pages = step_pages(e, b, ks, row_table, &n_pages);
     if (!pages) {
         rc = ds41_fail(err, "forward: out of memory");
         goto out;
     }
     for (size_t r = 0; r < M; r++) reach[r] = (uint32_t)((b->row_pos[r] + 1) / (uint64_t)ratio);
-    const ds41_kv_pages keys = {.layout = lay, .pages = pages, .row_table = row_table, .row_reach = reach};
+    const ds41_kv_pages keys = {
+        .layout = lay, .pages = pages, .row_table = row_table, .row_reach = reach, .n_pages = n_pages};
 
     /* Scores, candidate blocks (the source), the mask (a user), top-k:
      * the decisions land in b->cand and b->idx_list/idx_count. */
@@ -405,12 +409,13 @@ int ds41__attention(ds41_engine *e, fwd_batch *b, int L, const float *xn, float 
                            .sel_stride = (size_t)c->index_topk};
     for (size_t it = 0; it < b->n_items; it++) rings[it] = ds41_kv_ring_row(b->items[it].seq, L, 0);
     if (role->ratio > 0) {
-        const uint8_t **pages = step_pages(e, b, src, row_table);
+        size_t n_pages = 0;
+        const uint8_t **pages = step_pages(e, b, src, row_table, &n_pages);
         if (!pages) {
             rc = ds41_fail(err, "forward: out of memory");
             goto out;
         }
-        step.comp = (ds41_kv_pages){.layout = lay, .pages = pages, .row_table = row_table};
+        step.comp = (ds41_kv_pages){.layout = lay, .pages = pages, .row_table = row_table, .n_pages = n_pages};
         /* (An index source reported its lists with their scores.) */
         if (!role->index_source && b->hooks && b->hooks->decision) {
             const size_t topk = (size_t)c->index_topk;
