@@ -31,7 +31,10 @@
  * reference's exact sum rounded once except within that distance of an fp32
  * rounding boundary (then one fp32 ulp off), and bit for bit whenever the
  * double sum is exact (terms on a grid with fewer than 53 bits of range
- * between the grid and the total, which the tests use to pin the sequence).
+ * between the grid and the total, which the tests use to pin the sequence;
+ * a mean divides that sum by n in double before its fp32 rounding, which
+ * equals the exact quotient rounded once except at a double rounding tie,
+ * about 2^-29 of the cases).
  * The fast CPU backend has the same bound with its own order.
  *
  * Per op, what the kernel computes and its bound against the reference

@@ -87,8 +87,10 @@ static void emu_init(void) {
     emu.ctx = &tctx.c;
 #define SET(op) emu.op = ds41_cuda_emu_##op;
     SET(rmsnorm)
-    SET(hc_mix) SET(hc_pre) SET(hc_post) SET(rope_table) SET(rope) SET(swiglu) SET(moe_combine) SET(router)
-        SET(engram_mix) SET(embed) SET(gather_rows) SET(fp8_rows)
+    SET(hc_mix)
+    SET(hc_pre)
+    SET(hc_post) SET(rope_table) SET(rope) SET(swiglu) SET(moe_combine) SET(router) SET(engram_mix) SET(embed)
+        SET(gather_rows) SET(fp8_rows)
 #undef SET
 }
 
@@ -295,6 +297,12 @@ static void test_rope_port(void) {
                   "positions up to 1e9, YaRN tables, forward and inverse, NaN / inf)");
 }
 
+/* fp32 values of magnitude in [1, 2) with full 24-bit significands: their
+ * squares must be rounded to fp32 (§10.5) and then sum exactly in double. */
+static void fill_f32_unit(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = (float)((urand() >= 0 ? 1.0 : -1.0) * (1.0 + fabs(urand())));
+}
+
 static void test_block_sum(void) {
     /* Exact terms: any order gives the exact sum; so the butterfly is a
      * sum of all 256 partials, each counted once. */
@@ -316,6 +324,20 @@ static void test_block_sum(void) {
         ok &= ds41_misc_block_sum(v) == 1.0;
     }
     TAP_CHECK(ok, "block sum: every one of the 256 partials counted once");
+    /* The kernels' mean of squares (one element per thread here) against
+     * the reference's: each square rounded to fp32 first, so with fp32
+     * inputs in [1, 2) the double sum is exact and the mean bit for bit. */
+    float x[DS41_MISC_THREADS];
+    ok = 1;
+    for (int it = 0; it < 5000; it++) {
+        const size_t n = 1 + next_u64() % DS41_MISC_THREADS;
+        fill_f32_unit(x, n);
+        for (size_t i = 0; i < DS41_MISC_THREADS; i++) v[i] = i < n ? ds41_misc_sq_term(x[i]) : 0.0;
+        ok &= same(ds41_misc_mean(ds41_misc_block_sum(v), n), ds41_mean_sq_f32(x, n));
+    }
+    TAP_CHECK(
+        ok, "mean of squares (squares rounded to fp32, block sum, one division): = ds41_mean_sq_f32 bit for "
+            "bit on 5000 rows of full-precision fp32");
 }
 
 /* ---- ops: reference, fast CPU, emulation -------------------------------------------------------- */
@@ -324,43 +346,43 @@ enum { BIG_M = 64 };
 
 static void test_rmsnorm(void) {
     enum { N = 1000 };
-    static const size_t Ms[] = {1, 3, 17, BIG_M};
     static float x[BIG_M * N], y[BIG_M * N], yr[BIG_M * N], yf[BIG_M * N], one[N];
     static uint16_t w[N];
     for (int i = 0; i < N; i++) w[i] = ds41_bf16_bits((float)(1.0 + 0.5 * urand()));
-    for (int pass = 0; pass < 2; pass++) {
-        /* pass 0: exact sums (grid); pass 1: general fp32 over many binades */
+    static const char *const what[] = {"exact sums of bf16 squares", "exact sums of rounded fp32 squares",
+                                       "general fp32"};
+    for (int pass = 0; pass < 3; pass++) {
         if (pass == 0)
             fill_grid(x, BIG_M * N);
+        else if (pass == 1)
+            fill_f32_unit(x, BIG_M * N);
         else
             fill_wide(x, BIG_M * N, 3.0);
-        for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
-            const size_t M = Ms[mi];
+        int eq = 1, close_r = 1, close_f = 1, inv = 1;
+        size_t d1 = 0, d2 = 0;
+        /* M = 1..17 and a large M */
+        for (size_t M = 1; M <= BIG_M; M = M == 17 ? BIG_M : M + 1) {
             ref->rmsnorm(ref, w, x, M, N, 1e-6f, yr);
             fast->rmsnorm(fast, w, x, M, N, 1e-6f, yf);
             emu.rmsnorm(&emu, w, x, M, N, 1e-6f, y);
             done();
-            int inv = 1;
             for (size_t m = 0; m < M; m++) {
                 emu.rmsnorm(&emu, w, x + m * N, 1, N, 1e-6f, one);
                 done();
                 inv &= bits_equal(one, y + m * N, sizeof one);
             }
-            size_t d1, d2;
-            const int c1 = bf16_close(y, yr, M * N, &d1), c2 = bf16_close(y, yf, M * N, &d2);
-            if (pass == 0)
-                TAP_CHECK(
-                    bits_equal(y, yr, M * N * 4) && c2 && inv,
-                    "rmsnorm M %zu, exact sums: = reference bit for bit, fast within a bf16 ulp (%zu), rows "
-                    "alone = batched",
-                    M, d2);
-            else
-                TAP_CHECK(
-                    c1 && c2 && inv,
-                    "rmsnorm M %zu, general fp32: within a bf16 ulp of the reference (%zu differ) and fast "
-                    "(%zu), rows alone = batched",
-                    M, d1, d2);
+            size_t e1, e2;
+            eq &= bits_equal(y, yr, M * N * 4);
+            close_r &= bf16_close(y, yr, M * N, &e1);
+            close_f &= bf16_close(y, yf, M * N, &e2);
+            d1 += e1;
+            d2 += e2;
         }
+        TAP_CHECK(
+            (pass < 2 ? eq : close_r) && close_f && inv,
+            "rmsnorm M 1..17 and %d, %s: %s the reference (%zu differ), fast within a bf16 ulp (%zu differ), "
+            "rows alone = batched",
+            BIG_M, what[pass], pass < 2 ? "bit for bit" : "within a bf16 ulp of", d1, d2);
     }
 }
 
