@@ -14,7 +14,10 @@
  * device they come from libdevice (hd.h: within one double ulp of glibc, so
  * the fp32 results agree except within a double ulp of an fp32 rounding
  * boundary; "bit-exact" below means bit for bit on the host emulation and
- * bit for bit on the device up to that).
+ * bit for bit on the device up to that).  NaN: an output is NaN exactly
+ * where the reference's is, its sign and payload are not promised (the
+ * device's arithmetic returns its canonical NaN, and a C compiler may
+ * compute x - y as x + (-y)); the codecs and copies keep every bit.
  *
  * Block reductions (rmsnorm, hc_mix, engram_mix): the kernels run one block
  * of DS41_MISC_THREADS (256) threads per row (per row and copy for Engram).
