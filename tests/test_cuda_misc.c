@@ -91,8 +91,8 @@ static void emu_init(void) {
     SET(hc_pre)
     SET(hc_post)
     SET(rope_table)
-    SET(rope) SET(swiglu) SET(moe_combine) SET(router) SET(engram_mix) SET(embed) SET(gather_rows)
-        SET(fp8_rows)
+    SET(rope)
+    SET(swiglu) SET(moe_combine) SET(router) SET(engram_mix) SET(embed) SET(gather_rows) SET(fp8_rows)
 #undef SET
 }
 
@@ -398,6 +398,32 @@ static void test_rmsnorm(void) {
             "rows alone = batched",
             BIG_M, what[pass], pass < 2 ? "bit for bit" : "within a bf16 ulp of", d1, d2);
     }
+}
+
+/* Rows the reference defines at the edges: all zeros (r = rsqrt(eps)),
+ * squares that overflow to inf (r = 0, so inf * 0 = NaN where x is inf),
+ * squares that underflow to 0, a NaN, an infinity. */
+static void test_rmsnorm_edges(void) {
+    enum { N = 300, M = 5 };
+    static float x[M * N], y[M * N], yr[M * N], yf[M * N];
+    static uint16_t w[N];
+    for (int i = 0; i < N; i++) w[i] = ds41_bf16_bits((float)(1.0 + 0.5 * urand()));
+    fill_bf16(x, M * N, 2.0);
+    for (int i = 0; i < N; i++) {
+        x[i] = 0.0f;
+        x[2 * N + i] = (float)(urand() * 1e-30);
+    }
+    x[N + 7] = 1e20f;
+    x[N + 100] = -3e25f;
+    x[3 * N + 5] = NAN;
+    x[4 * N + 9] = -INFINITY;
+    ref->rmsnorm(ref, w, x, M, N, 1e-6f, yr);
+    fast->rmsnorm(fast, w, x, M, N, 1e-6f, yf);
+    emu.rmsnorm(&emu, w, x, M, N, 1e-6f, y);
+    done();
+    TAP_CHECK(
+        fsame(y, yr, sizeof y) && fsame(y, yf, sizeof y),
+        "rmsnorm edge rows (zeros, overflowing and underflowing squares, NaN, -inf): = reference and fast");
 }
 
 static void test_hc(void) {
@@ -739,6 +765,7 @@ int main(void) {
     test_rope_port();
     test_block_sum();
     test_rmsnorm();
+    test_rmsnorm_edges();
     test_hc();
     test_rope();
     test_swiglu();
