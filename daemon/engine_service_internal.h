@@ -33,6 +33,8 @@ typedef struct settings {
     uint64_t embedded_seed;
     ds41_engine_mode mode;
     uint32_t threads; /* fast backend workers, 0 = one per CPU */
+    ds41_cfg_backend backend; /* engine.backend (fast mode) */
+    uint32_t cuda_device;
     uint32_t max_sequences, max_batch_tokens, prefill_chunk;
     bool speculative;
     uint32_t spec_max_draft, spec_min_confidence_pct;
