@@ -20,6 +20,11 @@
 #include <unistd.h>
 #include <yaml.h>
 
+const char *ds41_cfg_backend_name(ds41_cfg_backend b) {
+    static const char *const n[] = {"auto", "cpu", "cuda", "cuda-emu"};
+    return (unsigned)b < sizeof n / sizeof n[0] ? n[b] : "?";
+}
+
 /* ---- the schema ---------------------------------------------------------- */
 
 typedef enum value_kind {
@@ -51,6 +56,7 @@ typedef struct key_desc {
 } key_desc;
 
 static const char *const engine_modes[] = {"fast", "reference", NULL};
+static const char *const engine_backends[] = {"auto", "cpu", "cuda", "cuda-emu", NULL};
 static const char *const log_levels[] = {"error", "warning", "info", "debug", NULL};
 /* ds41-mkmodel's presets (engine/model/model_gen.h); the config layer cannot
  * include the engine, so the list is repeated here for line:column errors. */
@@ -81,6 +87,8 @@ static const key_desc keys[] = {
      NULL},
     {"engine.threads", "engine", "threads", V_UINT, CFG(engine.threads), 0, 4096, false, false, NULL},
     {"engine.mode", "engine", "mode", V_ENUM, CFG(engine.mode), 0, 0, false, false, engine_modes},
+    {"engine.backend", "engine", "backend", V_ENUM, CFG(engine.backend), 0, 0, false, false, engine_backends},
+    {"engine.cuda_device", "engine", "cuda_device", V_UINT, CFG(engine.cuda_device), 0, 1023, false, false, NULL},
     {"engine.max_sequences", "engine", "max_sequences", V_UINT, CFG(engine.max_sequences), 1, 4096, false, false,
      NULL},
     {"engine.max_batch_tokens", "engine", "max_batch_tokens", V_UINT, CFG(engine.max_batch_tokens), 1, 1048576, false,
@@ -136,7 +144,8 @@ static const key_desc keys[] = {
 #define N_KEYS (sizeof keys / sizeof keys[0])
 
 /* get_uint/put_uint tell field types apart by width. */
-_Static_assert(sizeof(ds41_engine_mode) == sizeof(uint32_t) && sizeof(ds41_log_level) == sizeof(uint32_t),
+_Static_assert(sizeof(ds41_engine_mode) == sizeof(uint32_t) && sizeof(ds41_cfg_backend) == sizeof(uint32_t) &&
+                   sizeof(ds41_log_level) == sizeof(uint32_t),
                "enum fields are 4 bytes");
 _Static_assert(sizeof(bool) == 1, "bool fields are 1 byte");
 
@@ -682,6 +691,8 @@ int ds41_daemon_config_defaults(ds41_daemon_config *cfg, ds41_error *err) {
     cfg->embedded_model.seed = 1;
     cfg->engine.threads = 0;
     cfg->engine.mode = DS41_ENGINE_MODE_FAST;
+    cfg->engine.backend = DS41_CFG_BACKEND_AUTO;
+    cfg->engine.cuda_device = 0;
     cfg->engine.max_sequences = 64;
     cfg->engine.max_batch_tokens = 8192;
     cfg->engine.prefill_chunk = 512;

@@ -42,6 +42,12 @@
  *                            on first start into ds41_daemon_config_embedded_dir().
  *   engine.threads           0        CPU worker threads, 0 = one per online CPU; 0..4096.
  *   engine.mode              fast     fast | reference (the slow exact reference path).
+ *   engine.backend           auto     what runs the fast mode (cuda/backend_select.h): auto (the
+ *                            CUDA backend when a usable GPU is present, else cpu) | cpu |
+ *                            cuda (no usable GPU fails the load, naming why) | cuda-emu (test
+ *                            mode: the CUDA backend with its kernels emulated on the host;
+ *                            slow, never for production).  Ignored with mode reference.
+ *   engine.cuda_device       0        CUDA device ordinal for auto and cuda, 0..1023.
  *   engine.max_sequences     64       sequences decoded together per step, 1..4096.
  *   engine.max_batch_tokens  8192     tokens in one forward step (prefill chunks plus one per
  *                            decoding sequence), 1..1048576; >= max_sequences and >=
@@ -157,6 +163,16 @@ typedef enum ds41_engine_mode {
     DS41_ENGINE_MODE_REFERENCE = 1, /* "reference" */
 } ds41_engine_mode;
 
+typedef enum ds41_cfg_backend {
+    DS41_CFG_BACKEND_AUTO = 0,     /* "auto" */
+    DS41_CFG_BACKEND_CPU = 1,      /* "cpu" */
+    DS41_CFG_BACKEND_CUDA = 2,     /* "cuda" */
+    DS41_CFG_BACKEND_CUDA_EMU = 3, /* "cuda-emu" (test mode) */
+} ds41_cfg_backend;
+
+/* "auto", "cpu", "cuda", "cuda-emu". */
+const char *ds41_cfg_backend_name(ds41_cfg_backend b);
+
 typedef enum ds41_log_level {
     DS41_LOG_ERROR = 0,   /* "error" */
     DS41_LOG_WARNING = 1, /* "warning" */
@@ -197,6 +213,8 @@ typedef struct ds41_daemon_config {
     struct {
         uint32_t threads;
         ds41_engine_mode mode;
+        ds41_cfg_backend backend;
+        uint32_t cuda_device;
         uint32_t max_sequences;
         uint32_t max_batch_tokens;
         uint32_t prefill_chunk;

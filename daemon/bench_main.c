@@ -8,6 +8,9 @@
  * weights, embedding and Engram rows, the head) and those bytes per second as
  * a fraction of the measured read bandwidth.  Timing starts after a warm-up
  * that has touched the weights (page faults of the mapping do not count). */
+#include "cuda/cuda_backend.h"
+#include "cuda/gpu_measure.h"
+#include "daemon/backend_flag.h"
 #include "daemon/bench_kernels.h"
 #include "daemon/bench_ops.h"
 #include "daemon/budget_flags.h"
@@ -35,12 +38,18 @@ static void usage(FILE *f) {
                "                  [--prompt N] [--steps N] [--batches 1,4,16] [--bandwidth-gib G]\n"
                "                  [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE]\n"
                "                  [--config ds41d.yaml] [--no-predict] [--predict early|next|both]\n"
-               "                  [--predict-extra N] [--ops]\n"
+               "                  [--predict-extra N] [--ops] [--backend KIND]\n"
                "       ds41-bench --model DIR --speculative N [--batches 1,4] [--steps T] [--json] ...\n"
                "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL] [--bandwidth-gib G]\n"
                "       ds41-bench --version\n"
                "\n"
-               "Measures, with the fast CPU path:\n"
+               "Measures, with the backend --backend KIND names: auto (the GPU when one is usable,\n"
+               "else the fast CPU path; the default), cpu, cuda (an error without a usable GPU) or\n"
+               "cuda-emu (test mode: the CUDA kernels emulated on the host).  On the CUDA backend the\n"
+               "machine figures are the device's: memory bandwidth (2 x a 1 GiB device copy / time,\n"
+               "best of 3) and host-to-device copy bandwidth from pinned memory; no FLOP peak is\n"
+               "measured there (prefill fractions 0).  --kernels always measures the CPU kernels.\n"
+               "The figures:\n"
                "  machine   read bandwidth (every thread streaming its slice of a G GiB buffer,\n"
                "            default 4, far larger than the L3; 3 passes before and 3 after the\n"
                "            workload, the best kept) and FMA peak (likewise)\n"
@@ -762,6 +771,27 @@ static int bench_kernels(const ds41_cpu_opts *cpu, int json, uint64_t set_bytes)
     return 0;
 }
 
+/* The machine's limits for the backend's figures: the CPU's read bandwidth and FMA peak on the fast
+ * CPU backend; on the CUDA backend the device's memory bandwidth as read_gbs (gib is the CPU
+ * buffer's size: the device copy is 1 GiB or an eighth of the free memory, whichever is less) and
+ * no FLOP peak (0: fractions reported as 0); nothing on other backends. */
+static int bench_machine(ds41_backend *be, size_t gib, ds41_cpu_measure *out, ds41_error *err) {
+    memset(out, 0, sizeof *out);
+    if (ds41_backend_cpu_level(be) != DS41_CPU_AUTO) return ds41_backend_cpu_measure(be, (uint64_t)gib << 30, 3, out, err);
+    ds41_gpu *g = ds41_backend_is_cuda(be) ? ds41_backend_cuda_gpu(be) : NULL;
+    ds41_gpu_info gi;
+    if (!g || g->info(g, &gi, err) != 0) return g ? -1 : 0;
+    uint64_t n = gi.free_bytes / 8 < (1ull << 30) ? gi.free_bytes / 8 : 1ull << 30;
+    ds41_gpu_measure m;
+    if (ds41_gpu_measure_run(g, n, n / 4, 3, NULL, NULL, &m, err) != 0) return -1;
+    out->read_bytes = m.device_bytes;
+    out->read_passes = m.passes;
+    out->read_gbs = m.device_gbs;
+    fprintf(stderr, "ds41-bench: %s: device memory %.1f GB/s, host-to-device %.1f GB/s (pinned)\n", gi.name,
+            m.device_gbs, m.h2d_gbs);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     static const struct option longopts[] = {
         {"model", required_argument, NULL, 'm'},
@@ -780,6 +810,7 @@ int main(int argc, char **argv) {
         DS41_BUDGET_LONGOPTS,
         {"predict", required_argument, NULL, 'R'},
         {"predict-extra", required_argument, NULL, 'x'},
+        DS41_BACKEND_LONGOPT,
         {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
@@ -789,6 +820,7 @@ int main(int argc, char **argv) {
     size_t batches[16] = {1, 4, 16}, n_batches = 3;
     int json = 0, kernels = 0, gib_set = 0, ops = 0, steps_set = 0, batches_set = 0;
     size_t speculative = 0;
+    const char *backend = NULL; /* --backend (NULL: auto) */
     ds41_engine_opts eo = {.reference = false};
     ds41_budget_flags budgets = {.tool = "ds41-bench"};
     int ch;
@@ -813,6 +845,10 @@ int main(int argc, char **argv) {
             break;
         case 'K':
             kernels = 1;
+            break;
+        case DS41_BACKEND_OPT:
+            if (ds41_backend_flag_parse("ds41-bench", optarg) != 0) return 2;
+            backend = optarg;
             break;
         case 'O':
             ops = 1;
@@ -956,16 +992,14 @@ int main(int argc, char **argv) {
         }
         const int n_layers = (int)oc.n_layers;
         ds41_model_config_free(&oc);
-        if (!(eo.backend = ds41_backend_cpu_new(&eo.cpu, &err))) {
-            fprintf(stderr, "ds41-bench: %s\n", err.msg);
-            return 1;
-        }
+        if (ds41_backend_flag_apply("ds41-bench", backend, &eo) != 0) return 1;
         if (!(g_prof = ds41_op_profile_install(eo.backend, n_layers))) {
             fprintf(stderr, "ds41-bench: --ops: out of memory\n");
             ds41_backend_free(eo.backend);
             return 1;
         }
     }
+    if (!eo.backend && ds41_backend_flag_apply("ds41-bench", backend, &eo) != 0) return 1;
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-bench: %s\n", err.msg);
@@ -989,7 +1023,7 @@ int main(int argc, char **argv) {
      * busy moment and flatter the ratios (the best is the conservative
      * denominator). */
     ds41_cpu_measure mach2;
-    if (ds41_backend_cpu_measure(be, (uint64_t)gib << 30, 3, &mach, &err) != 0) goto fail;
+    if (bench_machine(be, gib, &mach, &err) != 0) goto fail;
     if (!json)
         fprintf(stderr, "ds41-bench: %s, %d threads: read %.1f GB/s, FMA %.0f GFLOP/s\n", be->name,
                 ds41_backend_threads(be), mach.read_gbs, mach.fma_gflops);
@@ -1017,7 +1051,7 @@ int main(int argc, char **argv) {
     if (bench_prefill(e, be, P, mach.fma_gflops, &pre, &err) != 0) goto fail;
     for (size_t i = 0; i < n_batches; i++)
         if (bench_decode(e, be, batches[i], steps, mach.read_gbs, &dec[i], &err) != 0) goto fail;
-    if (ds41_backend_cpu_measure(be, (uint64_t)gib << 30, 3, &mach2, &err) != 0) goto fail;
+    if (bench_machine(be, gib, &mach2, &err) != 0) goto fail;
     if (streamed && probe_path) {
         ds41_bandwidth_probe p2;
         if (ds41_reader_probe_bandwidth(probe_path, 1ull << 30, &p2, &err) != 0) goto fail;

@@ -4,6 +4,9 @@
 #include "config/buf.h"
 #include "config/daemon_config.h"
 #include "config/model_config.h"
+#include "cuda/backend_select.h"
+#include "cuda/gpu.h"
+#include "cuda/gpu_measure.h"
 #include "daemon/ctl_client.h"
 #include "daemon/ctl_internal.h"
 #include "engine/backend/backend.h"
@@ -123,6 +126,61 @@ static void doctor_checkpoint(doctor *d, const char *dir) {
            fmt("%zu tensors, %s of weights; inference/config.json and tokenizer.json present",
                ds41_checkpoint_tensor_count(ck), b));
     ds41_checkpoint_close(ck);
+}
+
+/* The GPU rows: the first CUDA device (name, compute capability, driver and runtime versions,
+ * memory) and its measured bandwidths, or "none (reason)"; then what engine.backend: auto picks
+ * on this machine (cuda/backend_select.h: the same choice the daemon makes). */
+static void doctor_gpu(doctor *d) {
+    ds41_error err = {{0}};
+    ds41_gpu *g = ds41_gpu_cuda_open(0, &err);
+    ds41_gpu_info gi;
+    if (g && g->info(g, &gi, &err) != 0) {
+        g->destroy(g);
+        g = NULL;
+    }
+    if (!g) {
+        char drv[160] = "";
+        FILE *fv = fopen("/proc/driver/nvidia/version", "r");
+        if (fv) {
+            char line[128] = "";
+            if (fgets(line, sizeof line, fv)) {
+                line[strcspn(line, "\n")] = 0;
+                snprintf(drv, sizeof drv, "; /proc/driver/nvidia/version: %.100s", line);
+            }
+            fclose(fv);
+        }
+        dr(d, "gpu", "warn", fmt("GPU: none (%.200s)%s", err.msg, drv));
+    } else {
+        char fr[32], tot[32];
+        human_bytes((double)gi.free_bytes, fr, sizeof fr);
+        human_bytes((double)gi.total_bytes, tot, sizeof tot);
+        dr(d, "gpu", "ok",
+           fmt("GPU: %.100s, compute capability %d.%d, %d SMs, driver %d.%d, runtime %d.%d, %s free of %s%s",
+               gi.name, gi.cc_major, gi.cc_minor, gi.multiprocessors, gi.driver_version / 1000,
+               gi.driver_version % 1000 / 10, gi.runtime_version / 1000, gi.runtime_version % 1000 / 10, fr, tot,
+               gi.unified ? " (unified memory)" : ""));
+        /* A copy of up to 256 MiB each way: a fraction of a second on any of the targets. */
+        uint64_t n = gi.free_bytes / 8 < (256u << 20) ? gi.free_bytes / 8 : 256u << 20;
+        ds41_gpu_measure m;
+        if (ds41_gpu_measure_run(g, n, n / 2, 3, NULL, NULL, &m, &err) == 0)
+            dr(d, "gpu bandwidth", "ok",
+               fmt("device memory %.1f GB/s (2 x %.0f MiB copied / time, best of %d), host-to-device %.1f GB/s "
+                   "(pinned)",
+                   m.device_gbs, (double)m.device_bytes / 1048576.0, m.passes, m.h2d_gbs));
+        else
+            dr(d, "gpu bandwidth", "fail", fmt("%.200s", err.msg));
+        g->destroy(g);
+    }
+    char why[256] = "";
+    ds41_cpu_opts one = {.threads = 1};
+    ds41_backend *be = ds41_backend_open_why("auto", &one, 0, why, sizeof why, &err);
+    if (be)
+        dr(d, "backend auto", "ok",
+           fmt("%.250s", strncmp(why, "backend auto: ", 14) == 0 ? why + 14 : why)); /* "cpu (why)" */
+    else
+        dr(d, "backend auto", "fail", fmt("%.250s", err.msg));
+    ds41_backend_free(be);
 }
 
 /* ---- doctor --model DIR: a download checked before it is served ------------------------------
@@ -671,21 +729,8 @@ int cmd_doctor(int argc, char **argv) {
                threads));
     }
 
-    /* GPU */
-    {
-        FILE *fv = fopen("/proc/driver/nvidia/version", "r");
-        if (fv) {
-            char line[256] = "";
-            if (!fgets(line, sizeof line, fv)) line[0] = 0;
-            fclose(fv);
-            line[strcspn(line, "\n")] = 0;
-            dr(&d, "gpu", "ok", fmt("NVIDIA driver: %.100s", line));
-        } else if (access("/dev/nvidia0", F_OK) == 0) {
-            dr(&d, "gpu", "ok", "/dev/nvidia0 present");
-        } else {
-            dr(&d, "gpu", "warn", "no NVIDIA GPU found (CPU only)");
-        }
-    }
+    /* GPU: the device the CUDA backend would run on, and what engine.backend: auto picks here */
+    doctor_gpu(&d);
 
     /* memory */
     {

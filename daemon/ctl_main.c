@@ -517,10 +517,12 @@ static int cmd_cache(void) {
             char u[32], cap[32];
             human_bytes((double)jint(tier, "used_bytes"), u, sizeof u);
             long long capb = jint(tier, "capacity_bytes");
+            const char *tn = jstr(tier, "name");
             if (capb)
                 human_bytes((double)capb, cap, sizeof cap);
-            else
-                snprintf(cap, sizeof cap, "auto");
+            else /* the CUDA backend's memory tiers have no budget of their own */
+                snprintf(cap, sizeof cap, "%s",
+                         strncmp(tn, "device-", 7) == 0 || strcmp(tn, "pinned-host") == 0 ? "-" : "auto");
             json_t *hr = json_object_get(tier, "hit_rate");
             table_row(&t, jstr(tier, "name"), u, cap, fmt("%lld", jint(tier, "hits")), fmt("%lld", jint(tier, "misses")),
                       json_is_number(hr) ? fmt("%.1f%%", 100 * json_number_value(hr)) : "-");

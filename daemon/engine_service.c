@@ -6,6 +6,7 @@
 #include "engine/serve/auto_budget.h"
 #include "engine/forward/forward.h"
 #include "engine/serve/generate.h"
+#include "cuda/backend_select.h"
 #include "engine/model/model_gen.h"
 #include "engine/text/pyjson.h"
 #include "engine/serve/scheduler.h"
@@ -80,6 +81,8 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     }
     st->mode = cfg->engine.mode;
     st->threads = cfg->engine.threads;
+    st->backend = cfg->engine.backend;
+    st->cuda_device = cfg->engine.cuda_device;
     st->max_sequences = cfg->engine.max_sequences;
     st->max_batch_tokens = cfg->engine.max_batch_tokens;
     st->prefill_chunk = cfg->engine.prefill_chunk;
@@ -627,6 +630,17 @@ static void *loader_main(void *p) {
      * read is read again when a layer needs the expert, so only with
      * prediction off is the Nth read surely one a request waits for. */
     eo.expert_no_predict = a->st.test_fault_expert_read != 0;
+    if (!eo.reference) {
+        /* engine.backend: the engine owns the backend from the load on. */
+        char why[256];
+        eo.backend = ds41_backend_open_why(ds41_cfg_backend_name(a->st.backend), &eo.cpu, (int)a->st.cuda_device,
+                                           why, sizeof why, &err);
+        if (!eo.backend) {
+            ds41_error_prefix(&err, "engine.backend");
+            goto fail;
+        }
+        ds41_log(DS41_LOG_INFO, "model %s: %s", m->name, why);
+    }
     engine = ds41_engine_load(m->path, &eo, &err);
     if (!engine) goto fail;
     if (ds41_engine_experts_streamed(engine)) {

@@ -78,7 +78,8 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     uint64_t sn_bytes = 0, sn_cap = 0, sn_hits = 0, sn_misses = 0;
     bool first = true;
     ds41_svc_cache_tier xt = {.name = "experts"}, gt = {.name = "engram"};
-    bool have_experts = false, have_engram = false;
+    bool have_experts = false, have_engram = false, have_device = false;
+    uint64_t device[ES_DEVICE_TIERS] = {0}; /* summed over the models on the CUDA backend */
     char budgets[sizeof s->models[0]->budgets] = "";
     pthread_rwlock_rdlock(&s->cfg_lock);
     c.prefix_shared_across_users = s->st.prefix_share;
@@ -127,6 +128,13 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
             xt.bytes_read += xs.bytes_read;
             xt.predicted += xs.predicted;
             xt.predicted_used += xs.predicted_used;
+            ds41_cuda_mem_stats dm;
+            if (es_device_mem(m, &dm)) {
+                uint64_t v[ES_DEVICE_TIERS];
+                es_device_tier_bytes(&dm, v);
+                for (int k = 0; k < ES_DEVICE_TIERS; k++) device[k] += v[k];
+                have_device = true;
+            }
             ds41_engram_cache_stats gs;
             if (ds41_engine_engram_stats(m->engine, &gs)) {
                 if (!have_engram || m->is_default) {
@@ -146,7 +154,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     }
     pthread_rwlock_unlock(&s->cfg_lock);
     c.pages_free = c.pages_total > c.pages_used ? c.pages_total - c.pages_used : 0;
-    ds41_svc_cache_tier tiers[5] = {
+    ds41_svc_cache_tier tiers[5 + ES_DEVICE_TIERS] = {
         {.name = "kv", .used_bytes = kv_used, .capacity_bytes = kv_cap},
         {.name = "prefix", .used_bytes = pc_bytes, .capacity_bytes = s->st.prefix_cache_max_bytes, .hits = hits,
          .misses = misses},
@@ -159,6 +167,8 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     if (s->st.snapshots) c.n_tiers++;
     if (have_experts) tiers[c.n_tiers++] = xt;
     if (have_engram) tiers[c.n_tiers++] = gt; /* only while its rows are streamed */
+    for (int k = 0; have_device && k < ES_DEVICE_TIERS; k++) /* only on the CUDA backend */
+        tiers[c.n_tiers++] = (ds41_svc_cache_tier){.name = es_device_tier_names[k], .used_bytes = device[k]};
     emit(acc, &c);
     return 0;
 }

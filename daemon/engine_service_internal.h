@@ -8,6 +8,7 @@
 #ifndef DS41_DAEMON_ENGINE_SERVICE_INTERNAL_H
 #define DS41_DAEMON_ENGINE_SERVICE_INTERNAL_H
 
+#include "cuda/cuda_backend.h"
 #include "daemon/engine_service.h"
 #include "engine/forward/forward.h"
 #include "engine/serve/scheduler.h"
@@ -33,6 +34,8 @@ typedef struct settings {
     uint64_t embedded_seed;
     ds41_engine_mode mode;
     uint32_t threads; /* fast backend workers, 0 = one per CPU */
+    ds41_cfg_backend backend; /* engine.backend (fast mode) */
+    uint32_t cuda_device;
     uint32_t max_sequences, max_batch_tokens, prefill_chunk;
     bool speculative;
     uint32_t spec_max_draft, spec_min_confidence_pct;
@@ -139,6 +142,15 @@ ds41_model_state es_effective_state(const model *m, ds41_error *lost);
 /* A scheduler partition <-> the owner a snapshot file keeps. */
 ds41_snapshot_owner es_owner_of(const ds41_sched_partition *part);
 ds41_sched_partition es_partition_of(const ds41_snapshot_owner *o);
+
+/* Device memory by what holds it (cuda/cuda_backend.h) of m's backend (m->lock held, m ready):
+ * false, *out zeroed, when m does not run on the CUDA backend (/metrics and /admin/cache then
+ * show no device lines). */
+bool es_device_mem(const model *m, ds41_cuda_mem_stats *out);
+/* The device-memory tiers of /admin/cache, in this order ("device-weights", ... "pinned-host"). */
+#define ES_DEVICE_TIERS 6
+extern const char *const es_device_tier_names[ES_DEVICE_TIERS];
+void es_device_tier_bytes(const ds41_cuda_mem_stats *d, uint64_t out[ES_DEVICE_TIERS]);
 
 /* Each route family fills its entries of the service table. */
 void es_generation_routes(ds41_service *iface);

@@ -172,6 +172,43 @@ out:
     free(e_on);
 }
 
+bool es_device_mem(const model *m, ds41_cuda_mem_stats *out) {
+    memset(out, 0, sizeof *out);
+    const ds41_backend *be = m->engine ? ds41_engine_backend(m->engine) : NULL;
+    if (!be || !ds41_backend_is_cuda(be)) return false;
+    ds41_backend_cuda_mem_stats(be, out);
+    return true;
+}
+
+const char *const es_device_tier_names[ES_DEVICE_TIERS] = {"device-weights", "device-pool",  "device-experts",
+                                                           "device-scratch", "device-other", "pinned-host"};
+
+void es_device_tier_bytes(const ds41_cuda_mem_stats *d, uint64_t out[ES_DEVICE_TIERS]) {
+    const uint64_t v[ES_DEVICE_TIERS] = {d->weight_bytes,  d->pool_bytes,  d->expert_bytes,
+                                         d->scratch_bytes, d->other_bytes, d->pinned_host_bytes};
+    memcpy(out, v, sizeof v);
+}
+
+/* ds41_device_memory_bytes{model,tier}: the CUDA backend's memory by what holds it, for the
+ * ready models that run on it (no samples for the others). */
+static void device_metrics(ds41_engine_service *s, ds41_buf *b, const bool *ready, size_t n) {
+    metric_head(b, "ds41_device_memory_bytes", "gauge",
+                "Device memory the CUDA backend holds by tier (pinned-host: its page-locked host memory).");
+    for (size_t i = 0; i < n; i++) {
+        model *m = s->models[i];
+        ds41_cuda_mem_stats d;
+        pthread_rwlock_rdlock(&m->lock);
+        const bool on = ready[i] && m->state == DS41_MODEL_READY && es_device_mem(m, &d);
+        pthread_rwlock_unlock(&m->lock);
+        if (!on) continue;
+        uint64_t v[ES_DEVICE_TIERS];
+        es_device_tier_bytes(&d, v);
+        for (int k = 0; k < ES_DEVICE_TIERS; k++)
+            ds41_buf_printf(b, "ds41_device_memory_bytes{model=\"%s\",tier=\"%s\"} %llu\n", m->name,
+                            es_device_tier_names[k], (unsigned long long)v[k]);
+    }
+}
+
 static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error *err) {
     ds41_engine_service *s = ctx;
     ds41_buf b = {0};
@@ -332,6 +369,7 @@ static int svc_metrics(void *ctx, char **text, size_t *text_len, ds41_svc_error 
     PER_MODEL("ds41_prefix_cache_bytes", "gauge", "KV page bytes the prefix-cache snapshots reference.",
               st[i].cache_bytes);
     tier_metrics(s, &b, ready, n);
+    device_metrics(s, &b, ready, n);
 #undef PER_MODEL
     pthread_rwlock_unlock(&s->cfg_lock);
     free(st);

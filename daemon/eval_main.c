@@ -4,6 +4,7 @@
  * (tests/reference/ds41_ref.py has the same command line and must produce
  * the same bytes in the reference mode). */
 #include "config/buf.h"
+#include "daemon/backend_flag.h"
 #include "daemon/budget_flags.h"
 #include "ds41_version.h"
 #include "engine/backend/backend.h"
@@ -28,7 +29,7 @@ static void usage(FILE *f) {
             "                 [--threads N] [--pin] [--cpu LEVEL] [--dump STREAMS.safetensors] --out FILE.json\n"
             "                 [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE] [--config ds41d.yaml]\n"
             "                 [--no-predict] [--replay DUMP.safetensors] [--drafts]\n"
-            "                 [--speculative N [--speculative-oracle]]\n"
+            "                 [--speculative N [--speculative-oracle]] [--backend KIND]\n"
             "       ds41-eval --version\n"
             "\n"
             "Feeds the ids as a prompt (in chunks of N tokens if --chunk is given), then\n"
@@ -41,6 +42,9 @@ static void usage(FILE *f) {
             "--cpu scalar|avx2|avx512|amx caps the SIMD level).  --reference selects the\n"
             "canonical arithmetic of the reference mode (engine/backend/refmath.h; bit-exact against\n"
             "tests/reference/ds41_ref.py).\n"
+            "--backend KIND: auto (the GPU when one is usable, else the fast CPU path; the\n"
+            "default), cpu, cuda (an error without a usable GPU) or cuda-emu (test mode: the\n"
+            "CUDA kernels emulated on the host); --reference wins over it.\n"
             "--engram-cache-bytes SIZE (bytes, or with a unit: 64MiB, 1.5GiB, 2GB) streams the\n"
             "Engram table rows from the checkpoint into a row cache of that size (0 or a size\n"
             "covering the tables: resident); each greedy token's rows are prefetched before its\n"
@@ -634,6 +638,7 @@ int main(int argc, char **argv) {
         {"speculative-oracle", no_argument, NULL, 'O'},
         {"drafts", no_argument, NULL, 'D'},
         DS41_BUDGET_LONGOPTS,
+        DS41_BACKEND_LONGOPT,
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *ids_arg = NULL, *dump = NULL, *out = NULL, *replay_path = NULL;
@@ -643,6 +648,7 @@ int main(int argc, char **argv) {
     ds41_budget_flags budgets = {.tool = "ds41-eval"};
     size_t threads = 0, speculative = 0;
     bool spec_oracle = false;
+    const char *backend = NULL; /* --backend (NULL: auto) */
     int c;
     while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         int used = ds41_budget_flags_option(&budgets, c, optarg);
@@ -698,6 +704,10 @@ int main(int argc, char **argv) {
             }
             break;
         case 'O': spec_oracle = true; break;
+        case DS41_BACKEND_OPT:
+            if (ds41_backend_flag_parse("ds41-eval", optarg) != 0) return 2;
+            backend = optarg;
+            break;
         case 'D': want_drafts = 1; break;
         case 'o': out = optarg; break;
         case 'h': usage(stdout); return 0;
@@ -787,6 +797,11 @@ int main(int argc, char **argv) {
         replay_close(&rp);
         return 2;
     }
+    if (ds41_backend_flag_apply("ds41-eval", backend, &eo) != 0) {
+        free(ids);
+        replay_close(&rp);
+        return 2;
+    }
     ds41_engine *e = ds41_engine_load(model, &eo, &err);
     if (!e) {
         fprintf(stderr, "ds41-eval: %s\n", err.msg);
@@ -797,7 +812,7 @@ int main(int argc, char **argv) {
     if (!eo.reference && eo.cpu.level != DS41_CPU_AUTO) {
         /* A cap above the machine is lowered: say so (tests skip such levels). */
         const ds41_cpu_level got = ds41_backend_cpu_level(ds41_engine_backend(e));
-        if (got != eo.cpu.level)
+        if (got != eo.cpu.level && got != DS41_CPU_AUTO) /* AUTO: not a CPU backend (--backend) */
             fprintf(stderr, "ds41-eval: --cpu %s: this machine has no %s; running at %s\n",
                     ds41_cpu_level_name(eo.cpu.level), ds41_cpu_level_name(eo.cpu.level),
                     ds41_cpu_level_name(got));

@@ -2,6 +2,7 @@
  * OpenAI-style messages file, raw text or token ids), runs prefill and decode on the engine and
  * streams the answer to stdout -- the tool a developer uses to debug the engine end to end,
  * without the daemon.  The generation logic is engine/serve/generate.h, the same the daemon runs. */
+#include "daemon/backend_flag.h"
 #include "ds41_version.h"
 #include "engine/forward/forward.h"
 #include "engine/serve/generate.h"
@@ -25,7 +26,8 @@ static void usage(FILE *f) {
             "usage: ds41-generate --model DIR (--prompt TEXT | --messages FILE.json | --ids 1,2,3)\n"
             "                     [--raw] [--thinking] [--effort N] [--temperature T] [--top-p P]\n"
             "                     [--top-k K] [--seed S] [--max-tokens N] [--stop S]... [--ignore-eos]\n"
-            "                     [--chunk N] [--speculative N] [--reference] [--forced TEXT] [--json]\n"
+            "                     [--chunk N] [--speculative N] [--backend KIND] [--reference] [--forced TEXT]\n"
+            "                     [--json]\n"
             "       ds41-generate --version\n"
             "\n"
             "Runs the model on a prompt and streams the answer to stdout.\n"
@@ -47,6 +49,7 @@ static void usage(FILE *f) {
             "                     drafts per step (1..8, at most its dspark_block_size); the output is\n"
             "                     plain decoding's.  Refused for a model without DSpark.  The summary\n"
             "                     adds the drafted and accepted counts\n"
+            DS41_BACKEND_HELP
             "  --reference        the canonical reference arithmetic (engine/backend/refmath.h)\n"
             "  --forced TEXT      test hook: the output is the tokens of TEXT (special tokens matched)\n"
             "                     instead of samples, then sampling goes on\n"
@@ -271,6 +274,7 @@ int main(int argc, char **argv) {
         {"chunk", required_argument, NULL, OPT_CHUNK},
         {"speculative", required_argument, NULL, OPT_SPECULATIVE},
         {"reference", no_argument, NULL, OPT_REFERENCE},
+        DS41_BACKEND_LONGOPT,
         {"forced", required_argument, NULL, OPT_FORCED},
         {"json", no_argument, NULL, OPT_JSON},
         {"help", no_argument, NULL, 'h'},
@@ -278,6 +282,7 @@ int main(int argc, char **argv) {
         {NULL, 0, NULL, 0},
     };
     const char *model = NULL, *prompt = NULL, *messages_path = NULL, *ids_arg = NULL, *forced_text = NULL;
+    const char *backend = NULL; /* --backend (NULL: auto) */
     bool raw = false, thinking = false, reference = false, json_out = false, ignore_eos = false;
     uint64_t effort = 0, max_tokens = 256, chunk = 0, seed = 0, top_k = 0, speculative = 0;
     bool has_seed = false;
@@ -351,6 +356,10 @@ int main(int argc, char **argv) {
             }
             break;
         case OPT_REFERENCE: reference = true; break;
+        case DS41_BACKEND_OPT:
+            if (ds41_backend_flag_parse("ds41-generate", optarg) != 0) return 2;
+            backend = optarg;
+            break;
         case OPT_FORCED: forced_text = optarg; break;
         case OPT_JSON: json_out = true; break;
         case 'h': usage(stdout); return 0;
@@ -389,6 +398,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     ds41_engine_opts eo = {.reference = reference};
+    if (ds41_backend_flag_apply("ds41-generate", backend, &eo) != 0) goto out;
     engine = ds41_engine_load(model, &eo, &err);
     if (!engine) {
         fprintf(stderr, "ds41-generate: %s\n", err.msg);

@@ -169,6 +169,8 @@ static const bad_case bad_cases[] = {
     {"embedded_model.seed", V("-1", "18446744073709551616", "1.5", "seed"), NULL},
     {"engine.threads", V("4097", "-1", "auto", "\"\"", "08"), NULL},
     {"engine.mode", V("slow", "FAST", "\"\"", "null"), NULL},
+    {"engine.backend", V("gpu", "CUDA", "cuda_emu", "reference", "\"\"", "null", "1"), NULL},
+    {"engine.cuda_device", V("-1", "1024", "gpu0", "\"\""), NULL},
     {"engine.max_sequences", V("0", "4097", "many"), NULL},
     {"engine.max_batch_tokens", V("0", "1048577", "8k"), NULL},
     {"engine.prefill_chunk", V("0", "1048577", "512.0"), NULL},
@@ -340,12 +342,14 @@ static void test_modes_and_scalars(void) {
     ds41_error err;
     int rc = parse("listen:\n  tcp: \"[::1]:8080\"\n  socket_group: null\n  backlog: 1\nauth:\n  admin_group: ~\n"
                    "prefix_cache:\n  enabled: false\nembedded_model:\n  seed: 18446744073709551615\n"
-                   "  preset: bench\nengine:\n  mode: reference\n  threads: 4096\nlog:\n  level: debug\n",
+                   "  preset: bench\nengine:\n  mode: reference\n  threads: 4096\n  backend: cuda-emu\n"
+                   "  cuda_device: 1023\nlog:\n  level: debug\n",
                    &cfg, &err);
     TAP_CHECK(rc == 0 && cfg.listen.tcp && strcmp(cfg.listen.tcp, "[::1]:8080") == 0 && !cfg.listen.socket_group &&
                   !cfg.auth.admin_group && cfg.listen.backlog == 1 && !cfg.prefix_cache.enabled &&
                   cfg.embedded_model.seed == UINT64_MAX && strcmp(cfg.embedded_model.preset, "bench") == 0 &&
                   cfg.engine.mode == DS41_ENGINE_MODE_REFERENCE && cfg.engine.threads == 4096 &&
+                  cfg.engine.backend == DS41_CFG_BACKEND_CUDA_EMU && cfg.engine.cuda_device == 1023 &&
                   cfg.log.level == DS41_LOG_DEBUG,
               "nulls (null, ~), booleans, enums, a 64-bit seed and IPv6 loopback parse (%s)", rc ? err.msg : "ok");
     ds41_daemon_config_free(&cfg);

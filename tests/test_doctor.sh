@@ -4,7 +4,8 @@
 # a real download breaks (a shard missing, a shard cut short, inference/config.json not fetched,
 # tokenizer.json missing, weights of another config) each fail with one line naming the file or
 # tensor.  The sizing rows for the guide's machines come from the release's config
-# (tests/data/config/release) and must be the figures docs/GUIDE.md prints.  TAP.
+# (tests/data/config/release) and must be the figures docs/GUIDE.md prints.  The GPU rows: a device
+# with its figures, or "GPU: none (reason)" with auto picking the CPU backend.  TAP.
 . "$(dirname "$0")/daemon_lib.sh"
 # No daemon listens on $sock: its row is a warning, the rest works on the files alone.
 ctl() { "$bin/ds41ctl" --socket "$sock" "$@"; }
@@ -27,6 +28,19 @@ check "a good checkpoint: the shards row counts the index's $ntensors tensors, t
     bash -c "grep -q '\"detail\": \"5 shard files, $ntensors tensors' '$work/good.json' && grep -q 'all $ntensors tensors the config plans' '$work/good.json'"
 check "a good checkpoint: budgets for --memory 1GiB, everything resident" \
     grep -q '"detail": "budgets: auto -> experts [0-9.]* KiB resident, Engram [0-9.]* KiB resident (available 1.0 GiB' "$work/good.json"
+
+# The GPU rows: a device with its figures, or "GPU: none (reason)" and the CPU backend for auto
+# (no GPU here or in CI; on a machine with one the other branch is checked).
+gpu_status=$(pyj "[c['status'] for c in o if c['check'] == 'gpu']" "$work/good.json")
+if [ "$gpu_status" = '["ok"]' ]; then
+    check "a GPU: its name, compute capability, driver/runtime versions, memory, and measured bandwidths" \
+        test "$(pyj "[c['check'] for c in o if c['check'].startswith('gpu') and c['status'] == 'ok' and ('compute capability' in c['detail'] and ', driver ' in c['detail'] and ', runtime ' in c['detail'] and ' free of ' in c['detail'] or 'device memory' in c['detail'] and 'host-to-device' in c['detail'])]" "$work/good.json")" = '["gpu", "gpu bandwidth"]'
+else
+    check "no usable GPU: one 'GPU: none (reason)' row, a warning" \
+        test "$(pyj "[(c['status'], c['detail'].startswith('GPU: none (') and len(c['detail']) > 14) for c in o if c['check'].startswith('gpu')]" "$work/good.json")" = '[["warn", true]]'
+    check "no usable GPU: auto picks the CPU backend, saying why" \
+        test "$(pyj "[c['detail'].startswith('cpu (no usable GPU: ') for c in o if c['check'] == 'backend auto']" "$work/good.json")" = '[true]'
+fi
 
 # broken copies; each: its message, exit 1
 breaks() { rm -rf "$work/$1"; cp -r "$good" "$work/$1"; }
