@@ -8,15 +8,8 @@
 #include <math.h>
 #include <string.h>
 
-#if defined(__has_include)
-#if __has_include("cuda/emu_enter.h")
 #include "cuda/emu_enter.h"
 #define DS41_EMU_ENTER(c) ds41_cuda_emu_enter(c)
-#endif
-#endif
-#ifndef DS41_EMU_ENTER
-#define DS41_EMU_ENTER(c) ((void)(c)) /* no fake device yet: nothing queued */
-#endif
 
 static ds41_cuda_ctx *enter(const ds41_ops *self) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);

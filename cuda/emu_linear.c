@@ -4,15 +4,9 @@
  * the kernels' bit for bit. */
 #include "cuda/op_linear.h"
 
-#if defined(__has_include)
-#if __has_include("cuda/emu_enter.h")
 #include "cuda/emu_enter.h"
+#include "cuda/gpu_fake.h"
 #define DS41_LIN_EMU_ENTER(c) ds41_cuda_emu_enter(c)
-#endif
-#endif
-#ifndef DS41_LIN_EMU_ENTER
-#define DS41_LIN_EMU_ENTER(c) ((void)(c))
-#endif
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,21 +15,11 @@
  * memory (cuda/cuda_ctx.h): a host pointer here is what faults a real GPU.
  * The fake device comes with the backend (cuda/gpu_fake.c); the standalone
  * test ctx (gpu NULL) has none. */
-#if defined(__has_include)
-#if __has_include("cuda/gpu_fake.h")
-#include "cuda/gpu_fake.h"
-#define DS41_LIN_EMU_FAKE 1
-#endif
-#endif
 static void emu_check(const ds41_cuda_ctx *c, const void *p, size_t n, const char *what) {
-#ifdef DS41_LIN_EMU_FAKE
     if (c->gpu && n && ds41_gpu_is_fake(c->gpu) && !ds41_gpu_fake_is_device(c->gpu, p, n)) {
         fprintf(stderr, "cuda-emu linear: %s [%p, +%zu) is not device memory\n", what, p, n);
         abort();
     }
-#else
-    (void)c, (void)p, (void)n, (void)what;
-#endif
 }
 
 int ds41_cuda_lin_descs(ds41_cuda_ctx *c, size_t n, const ds41_linear *const *ws, const float *const *xs,

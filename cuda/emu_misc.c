@@ -12,17 +12,9 @@
 #include <string.h>
 
 /* The fake device runs the compute stream's earlier work before an
- * emulated op (cu-be's cuda/emu_enter.h); until that header is in the tree
- * a test's own context has nothing queued. */
-#if defined(__has_include)
-#if __has_include("cuda/emu_enter.h")
+ * emulated op computes (cuda/emu_enter.h). */
 #include "cuda/emu_enter.h"
 #define EMU_ENTER(c) ds41_cuda_emu_enter(c)
-#endif
-#endif
-#ifndef EMU_ENTER
-#define EMU_ENTER(c) ((void)(c))
-#endif
 
 static ds41_cuda_ctx *enter(const ds41_ops *self) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
