@@ -415,7 +415,8 @@ static void release_arenas(cuda_be *b) {
 static int cuda_place(ds41_backend *be, const ds41_model_config *cfg, ds41_weights *w, ds41_error *err) {
     cuda_be *b = be->impl;
     if (b->placed) release_arenas(b);
-    const ds41_placement_opts po = {.experts = !b->stream_experts, .engram_tables = !b->stream_engram};
+    const ds41_placement_opts po = {.experts = !(b->stream_experts || w->experts_streamed),
+                                    .engram_tables = !(b->stream_engram || w->engram_streamed)};
     if (ds41_placement_plan(&b->pl, cfg, w, &po, err) != 0) return -1;
     for (int a = 0; a < DS41_ARENA_COUNT; a++)
         if (b->pl.arena_bytes[a] && !(b->arena[a] = b->gpu->dev_alloc(b->gpu, b->pl.arena_bytes[a], err))) {
@@ -545,6 +546,8 @@ ds41_backend *ds41_backend_cuda_new_with_ops(const ds41_cuda_opts *opts, const d
     b->be = (ds41_backend){.name = opts->emulated ? "cuda-emu" : "cuda",
                            .ops = *ops,
                            .mem = &b->mem[DS41_CUDA_MEM_OTHER].m,
+                           .scratch_mem = &b->mem[DS41_CUDA_MEM_SCRATCH].m,
+                           .expert_mem = &b->mem[DS41_CUDA_MEM_EXPERTS].m,
                            .place_weights = cuda_place,
                            .release_weights = cuda_release,
                            .new_pool = cuda_new_pool,

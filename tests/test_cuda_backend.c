@@ -583,6 +583,9 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
     TAP_CHECK(ok && same, "%s: a snapshot taken on the CPU reference continues identically on fake CUDA (%s)",
               label, ok ? "" : err.msg);
     check_stats(cu, label); /* with a sequence in the device pool */
+    ds41_cuda_mem_stats fullms = {0};
+    if (cu) ds41_backend_cuda_mem_stats(ds41_engine_backend(cu), &fullms);
+    const uint64_t full_weight_bytes = fullms.weight_bytes; /* every routed expert placed */
     free(snap);
     free(la);
     free(lb);
@@ -619,8 +622,38 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
                   "%s: the expert cache uploaded %llu slots to the device", label,
                   (unsigned long long)xs.uploads);
         check_stats(xe, label);
+        ds41_cuda_mem_stats xm;
+        ds41_backend_cuda_mem_stats(ds41_engine_backend(xe), &xm);
+        TAP_CHECK(xm.expert_bytes == xs.slot_memory_bytes && xm.scratch_bytes > 0,
+                  "%s: device memory by tier: the expert slots (%llu bytes) and the activations counted apart",
+                  label, (unsigned long long)xm.expert_bytes);
     }
     ds41_engine_free(xe);
+
+    /* The engine tells the backend it streams the experts (a budget at
+     * load, ds41_weights.experts_streamed): the placement leaves them out,
+     * and a later budget of 0 (resident) keeps a cache holding all of them
+     * instead of handing the ops host pointers. */
+    if (total) {
+        ds41_engine_opts so = {.backend = fake_backend(13, true, false), .expert_cache_bytes = slot};
+        ds41_engine *se = so.backend ? ds41_engine_load(dir, &so, &err) : NULL;
+        ds41_cuda_mem_stats xm = {0};
+        if (se) ds41_backend_cuda_mem_stats(ds41_engine_backend(se), &xm);
+        violations = 0;
+        int rs = se ? run(se, prompt, n, n, c) : -1;
+        TAP_CHECK(rs == 0 && memcmp(a, c, (n + STEPS) * V * sizeof *a) == 0 && violations == 0 &&
+                      xm.weight_bytes + total / 2 < full_weight_bytes,
+                  "%s: experts streamed from the load: placed %llu bytes of weights without them, logits "
+                  "bit-identical to the reference (%s)",
+                  label, (unsigned long long)xm.weight_bytes, se ? "" : err.msg);
+        rs = se && ds41_engine_set_expert_budget(se, 0, &err) == 0 && ds41_engine_experts_streamed(se)
+                 ? run(se, prompt, n, n, c)
+                 : -1;
+        TAP_CHECK(rs == 0 && memcmp(a, c, (n + STEPS) * V * sizeof *a) == 0 && violations == 0,
+                  "%s: a budget of 0 afterwards keeps the experts in a cache holding all of them, same logits",
+                  label);
+        ds41_engine_free(se);
+    }
     ds41_engine_free(ref);
     free(prompt);
     free(a);

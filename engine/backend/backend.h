@@ -85,6 +85,11 @@ struct ds41_backend {
      * engine's activations and scratch, the KV pool, expert slots.  The
      * engine reaches it only through these calls and the ops. */
     const ds41_memory *mem;
+    /* Optional views of the same memory for the engine's activation stacks
+     * and for the expert cache's slots, so that a backend can count what
+     * each holds (the CUDA backend's device memory per tier); NULL: mem. */
+    const ds41_memory *scratch_mem;
+    const ds41_memory *expert_mem;
 
     /* Placement (see above).  cfg and w outlive the placement.  Errors: out
      * of memory, device errors.  NULL: the identity. */

@@ -142,7 +142,7 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
     if (!e->be) goto fail;
     e->ops = &e->be->ops;
     e->mem = e->be->mem ? e->be->mem : &ds41_memory_host;
-    e->scratch.mem = e->mem;
+    e->scratch.mem = e->be->scratch_mem ? e->be->scratch_mem : e->mem;
     if (ds41_model_config_load(dir, &e->cfg, err) != 0) goto fail;
     const ds41_model_config *c = &e->cfg;
     if (c->rope_head_dim < 2 || c->rope_head_dim > c->head_dim || c->rope_head_dim > c->index_head_dim ||
@@ -159,6 +159,14 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         goto fail;
     }
     if (e->be->place_weights) {
+        /* Tell the backend what the engine will stream, so that it need not
+         * hold those tensors (ds41_weights.experts_streamed). */
+        if (opts && opts->expert_cache_bytes) {
+            if (ds41_expert_cache_geometry(e->ckpt, c, &e->expert_slot_bytes, &e->expert_total_bytes, err) != 0)
+                goto fail;
+            e->w.experts_streamed = opts->expert_cache_bytes < e->expert_total_bytes;
+        }
+        e->w.engram_streamed = c->engram_enabled && opts && opts->engram_cache_bytes;
         report_stage(&rep, DS41_LOAD_PLACING);
         if (e->be->place_weights(e->be, c, &e->w, err) != 0) {
             ds41_error_prefix(err, "%s: backend %s", dir, e->be->name);
@@ -356,7 +364,11 @@ int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *er
         pthread_mutex_unlock(&e->xc_mu);
         if (grc != 0) return -1;
     }
-    if (bytes == 0 || bytes >= e->expert_total_bytes) {
+    if (e->placed && e->w.experts_streamed && (bytes == 0 || bytes >= e->expert_total_bytes)) {
+        /* The backend placed no routed experts (they were streamed at load):
+         * "all of them" is a cache that holds all of them. */
+        bytes = e->expert_total_bytes;
+    } else if (bytes == 0 || bytes >= e->expert_total_bytes) {
         /* Everything fits: the experts are used in place from the mapping. */
         pthread_mutex_lock(&e->xc_mu);
         ds41_expert_cache *old = e->xc;
@@ -374,7 +386,7 @@ int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *er
         return rc;
     }
     ds41_expert_cache_opts o = {
-        .budget_bytes = bytes, .buffered = e->expert_buffered, .slot_memory = e->be->mem};
+        .budget_bytes = bytes, .buffered = e->expert_buffered, .slot_memory = e->be->expert_mem ? e->be->expert_mem : e->be->mem};
     ds41_expert_cache *xc = ds41_expert_cache_new(e->ckpt, c, &o, err);
     if (!xc) return -1;
     pthread_mutex_lock(&e->xc_mu);

@@ -164,7 +164,10 @@ ds41_backend *ds41_engine_backend(const ds41_engine *e);
 bool ds41_engine_experts_streamed(const ds41_engine *e);
 
 /* Change the expert budget (same meaning as opts.expert_cache_bytes),
- * switching between resident and streamed as needed.  Only between
+ * switching between resident and streamed as needed; an engine that loaded
+ * with streamed experts on a backend that then left them out of its memory
+ * (ds41_weights.experts_streamed) keeps streaming, and a budget of 0 or
+ * above their total becomes a cache holding all of them.  Only between
  * ds41_forward calls, from the thread that calls them.  Errors (nothing
  * changes): below one expert slot, out of memory, the reader failing. */
 int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *err);

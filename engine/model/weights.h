@@ -30,6 +30,7 @@
 #include "config/model_config.h"
 #include "storage/safetensors.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -110,6 +111,13 @@ typedef struct ds41_weights {
     /* internal: owned buffers */
     void **owned;
     size_t n_owned, cap_owned;
+    /* Set by the engine before a backend places the weights
+     * (engine/backend/backend.h): the routed experts reach the ops only as
+     * the expert cache's slot views, and the Engram tables only as rows the
+     * Engram cache gathered, so a backend may leave those tensors out of its
+     * own memory. */
+    bool experts_streamed;
+    bool engram_streamed;
 } ds41_weights;
 
 /* Bind every tensor the finalized cfg requires from ckpt into *w.  Errors
