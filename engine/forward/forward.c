@@ -95,7 +95,7 @@ static int setup_engram_stream(ds41_engine *e, uint64_t budget, ds41_error *err)
         total += specs[s].payload->nbytes + specs[s].scale->nbytes;
     }
     if (nsl == 0 || budget >= total) return 0;
-    ds41_engram_cache_opts o = {.budget_bytes = budget};
+    ds41_engram_cache_opts o = {.budget_bytes = budget, .host_alloc = ds41_memory_host_alloc(e->be->mem)};
     e->ecache = ds41_engram_cache_new(e->ckpt, specs, nsl, &o, err);
     if (!e->ecache) return -1;
     const size_t ehd = (size_t)c->engram_head_dim;
