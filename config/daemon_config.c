@@ -102,6 +102,8 @@ static const key_desc keys[] = {
      UINT64_MAX, false, true, NULL},
     {"memory.engram_cache_bytes", "memory", "engram_cache_bytes", V_SIZE, CFG(memory.engram_cache_bytes), 0,
      UINT64_MAX, false, true, NULL},
+    {"memory.host_expert_cache_bytes", "memory", "host_expert_cache_bytes", V_SIZE,
+     CFG(memory.host_expert_cache_bytes), 0, UINT64_MAX, false, false, NULL},
     {"limits.max_body_bytes", "limits", "max_body_bytes", V_SIZE, CFG(limits.max_body_bytes), 1024, 1u << 30, false,
      false, NULL},
     {"limits.max_queue", "limits", "max_queue", V_UINT, CFG(limits.max_queue), 1, 1000000, false, false, NULL},
@@ -794,7 +796,9 @@ static int validate_impl(const ds41_daemon_config *cfg, const rule_ctx *rc, ds41
               k_mtd = key_index_dotted("limits.max_tokens_default"), k_kv = key_index_dotted("memory.kv_cache_bytes"),
               k_pmax = key_index_dotted("prefix_cache.max_bytes"), k_mname = key_index_dotted("models[].name"),
               k_mpath = key_index_dotted("models[].path"), k_mdef = key_index_dotted("models[].default"),
-              k_ename = key_index_dotted("embedded_model.name"), k_een = key_index_dotted("embedded_model.enabled");
+              k_ename = key_index_dotted("embedded_model.name"), k_een = key_index_dotted("embedded_model.enabled"),
+              k_xc = key_index_dotted("memory.expert_cache_bytes"),
+              k_hxc = key_index_dotted("memory.host_expert_cache_bytes");
     if (cfg->engine.max_batch_tokens < cfg->engine.max_sequences)
         return rule_fail(rc, err, k_mbt, -1, k_seq, -1,
                          "engine.max_batch_tokens (%u) must be at least engine.max_sequences (%u): every decoding "
@@ -815,6 +819,16 @@ static int validate_impl(const ds41_daemon_config *cfg, const rule_ctx *rc, ds41
         return rule_fail(rc, err, k_pmax, -1, k_kv, -1,
                          "prefix_cache.max_bytes (%s) exceeds memory.kv_cache_bytes (%s): cached prefixes live in "
                          "the KV cache",
+                         a, b);
+    }
+    if (cfg->memory.host_expert_cache_bytes != 0 && cfg->memory.expert_cache_bytes != 0 &&
+        cfg->memory.host_expert_cache_bytes < cfg->memory.expert_cache_bytes) {
+        char a[32], b[32];
+        ds41_size_format(cfg->memory.host_expert_cache_bytes, a, sizeof a);
+        ds41_size_format(cfg->memory.expert_cache_bytes, b, sizeof b);
+        return rule_fail(rc, err, k_hxc, -1, k_xc, -1,
+                         "memory.host_expert_cache_bytes (%s) is below memory.expert_cache_bytes (%s): the host tier "
+                         "stages every expert the device tier loads",
                          a, b);
     }
     long first_default = -1;
