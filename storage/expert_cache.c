@@ -223,7 +223,8 @@ static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
             return ds41_fail(err,
                              "expert cache: the host tier's budget of %" PRIu64 " bytes holds %" PRIu64
                              " slots, fewer than the device tier's %" PRIu64
-                             " (each device load is staged in a host slot): it needs at least %" PRIu64 " bytes",
+                             " (each device load is staged in a host slot): it needs at least %" PRIu64
+                             " bytes",
                              c->host_budget, nh, n, n * c->slot_bytes);
     }
     const uint64_t nr = n > nh ? n : nh;
@@ -583,8 +584,8 @@ static void hstart_load(ds41_expert_cache *c, slot *h, int L, int ex, bool spec,
  * for a prediction).  When every host slot is busy, with `wait` waits for
  * the host-only predictions in flight.  Returns the slot, -1 when none is
  * free (err filled), -2 when waiting failed (err). */
-static int32_t host_slot_for(ds41_expert_cache *c, int L, int ex, bool spec, bool wait, size_t *nreq, bool *hit,
-                             ds41_error *err) {
+static int32_t host_slot_for(ds41_expert_cache *c, int L, int ex, bool spec, bool wait, size_t *nreq,
+                             bool *hit, ds41_error *err) {
     const int32_t have = *hindex_of(c, L, ex);
     *hit = have >= 0;
     if (have >= 0) {
@@ -610,8 +611,8 @@ static int32_t host_slot_for(ds41_expert_cache *c, int L, int ex, bool spec, boo
  * the host slot holding the expert (no read), else from a host slot read
  * now (*read).  Returns 0, or with a host tier -1 (no host slot free; s
  * untouched) / -2 (waiting failed), err filled. */
-static int start_load(ds41_expert_cache *c, slot *s, int L, int ex, bool spec, bool wait, size_t *nreq, bool *read,
-                      ds41_error *err) {
+static int start_load(ds41_expert_cache *c, slot *s, int L, int ex, bool spec, bool wait, size_t *nreq,
+                      bool *read, ds41_error *err) {
     int32_t hi = -1;
     bool hit = false;
     if (c->tier) {
@@ -859,8 +860,8 @@ static int settled_view(ds41_expert_cache *c, int L, int32_t ex, slot *s, ds41_e
             const uint64_t used = loc_used(l);
             if (c->tier) {
                 if (s->h < 0)
-                    return ds41_fail(err, "expert cache: layer %d expert %d has no host slot to upload from", L,
-                                     (int)ex);
+                    return ds41_fail(err, "expert cache: layer %d expert %d has no host slot to upload from",
+                                     L, (int)ex);
                 base = c->hpool + (size_t)s->h * (size_t)c->slot_bytes;
             }
             c->mem->upload(c->mem, c->twin + at, base, (size_t)used);

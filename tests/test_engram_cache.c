@@ -79,8 +79,8 @@ typedef struct counting_alloc {
 
 static void *ca_alloc(void *ctx, size_t n) {
     counting_alloc *a = ctx;
-    a->block = aligned_alloc(DS41_HOST_ALLOC_ALIGN, (n + DS41_HOST_ALLOC_ALIGN - 1) / DS41_HOST_ALLOC_ALIGN *
-                                                        DS41_HOST_ALLOC_ALIGN);
+    a->block = aligned_alloc(DS41_HOST_ALLOC_ALIGN,
+                             (n + DS41_HOST_ALLOC_ALIGN - 1) / DS41_HOST_ALLOC_ALIGN * DS41_HOST_ALLOC_ALIGN);
     if (!a->block) return NULL;
     a->allocs++;
     a->bytes = n;
@@ -392,7 +392,8 @@ int main(void) {
         int served = ok;
         for (size_t k = 0; k < sizeof p && served; k++) served = p[k] == 0xA5;
         for (size_t k = 0; k < sizeof sc && served; k++) served = sc[k] == 0xA5;
-        TAP_CHECK(served, "gathers read the rows out of the callback's memory%s%s", ok ? "" : ": ", ok ? "" : err.msg);
+        TAP_CHECK(served, "gathers read the rows out of the callback's memory%s%s", ok ? "" : ": ",
+                  ok ? "" : err.msg);
         ds41_engram_cache_free(c3);
         TAP_CHECK(ca.frees == 1, "free gives the entries back through the callback");
         counting_alloc none = {0};

@@ -771,8 +771,8 @@ typedef struct counting_alloc {
 
 static void *ca_alloc(void *ctx, size_t n) {
     counting_alloc *a = ctx;
-    void *p = aligned_alloc(DS41_HOST_ALLOC_ALIGN, (n + DS41_HOST_ALLOC_ALIGN - 1) / DS41_HOST_ALLOC_ALIGN *
-                                                       DS41_HOST_ALLOC_ALIGN);
+    void *p = aligned_alloc(DS41_HOST_ALLOC_ALIGN,
+                            (n + DS41_HOST_ALLOC_ALIGN - 1) / DS41_HOST_ALLOC_ALIGN * DS41_HOST_ALLOC_ALIGN);
     if (!p) return NULL;
     a->allocs++;
     a->bytes_now += n;
@@ -825,8 +825,10 @@ static void test_host_tier(const char *dir) {
         goto out;
     const ds41_host_alloc ha = {.ctx = &ca, .alloc = ca_alloc, .free = ca_free};
     ds41_expert_cache_opts ho = {.budget_bytes = 2 * slot, .slot_memory = &ds41_memory_host};
-    ds41_expert_cache_opts xo = {
-        .budget_bytes = 2 * slot, .slot_memory = &m, .host_tier_bytes = 6 * slot + slot / 2, .host_alloc = ha};
+    ds41_expert_cache_opts xo = {.budget_bytes = 2 * slot,
+                                 .slot_memory = &m,
+                                 .host_tier_bytes = 6 * slot + slot / 2,
+                                 .host_alloc = ha};
     ds41_expert_cache_opts lo = {.budget_bytes = 2 * slot, .slot_memory = &m};
     hx = ds41_expert_cache_new(ck, &cfg, &ho, &err);
     dx = hx ? ds41_expert_cache_new(ck, &cfg, &xo, &err) : NULL;
@@ -848,21 +850,23 @@ static void test_host_tier(const char *dir) {
              tier_round(&m, dx, hx, ck, 0, e23, 2, &r2, &h2, &u2, &err) &&
              tier_round(&m, dx, hx, ck, 0, e01, 2, &r3, &h3, &u3, &err);
     ds41_expert_cache_get_stats(dx, &st, false);
-    TAP_CHECK(ok && r1 == 2 && r2 == 2 && r3 == 0 && h3 == 2 && u3 == 2 && st.misses == 6 && st.hits == 0 &&
-                  st.host_hits == 2 && st.evictions == 4 && tm.uploads == 6,
-              "tier: 0,1 evicted from the device by 2,3 come back from the host tier: 2 uploads, no read, the "
-              "checkpoint's bytes (reads %" PRIu64 "/%" PRIu64 "/%" PRIu64 ", host hits %" PRIu64
-              ", uploads %" PRIu64 ")%s%s",
-              r1, r2, r3, h3, u3, ok ? "" : ": ", ok ? "" : err.msg);
+    TAP_CHECK(
+        ok && r1 == 2 && r2 == 2 && r3 == 0 && h3 == 2 && u3 == 2 && st.misses == 6 && st.hits == 0 &&
+            st.host_hits == 2 && st.evictions == 4 && tm.uploads == 6,
+        "tier: 0,1 evicted from the device by 2,3 come back from the host tier: 2 uploads, no read, the "
+        "checkpoint's bytes (reads %" PRIu64 "/%" PRIu64 "/%" PRIu64 ", host hits %" PRIu64
+        ", uploads %" PRIu64 ")%s%s",
+        r1, r2, r3, h3, u3, ok ? "" : ": ", ok ? "" : err.msg);
     /* The same workload without a host tier of its own reads 0,1 again. */
     ok = tier_round(&m, lx, hx, ck, 0, e01, 2, &r1, &h1, &u1, &err) &&
          tier_round(&m, lx, hx, ck, 0, e23, 2, &r2, &h2, &u2, &err) &&
          tier_round(&m, lx, hx, ck, 0, e01, 2, &r3, &h3, &u3, &err);
     ds41_expert_cache_get_stats(lx, &st, false);
-    TAP_CHECK(ok && r3 == 2 && h3 == 0 && st.host_slots == 2 && st.host_budget_bytes == 0,
-              "tier: without it (host_tier_bytes 0) the staging slots are the 2 device slots and 0,1 are read "
-              "again (%" PRIu64 " reads)",
-              r3);
+    TAP_CHECK(
+        ok && r3 == 2 && h3 == 0 && st.host_slots == 2 && st.host_budget_bytes == 0,
+        "tier: without it (host_tier_bytes 0) the staging slots are the 2 device slots and 0,1 are read "
+        "again (%" PRIu64 " reads)",
+        r3);
 
     /* A failed read is reported naming the tensor; an expert the host tier
      * holds needs no read, so the same fault does not touch it. */
@@ -875,7 +879,8 @@ static void test_host_tier(const char *dir) {
         const long p = ds41_expert_cache_acquire(dx, 2, fresh, 1, got, &err);
         const int wrc = p == 1 ? ds41_expert_cache_wait(dx, 2, fresh, 1, got, v, &err) : 0;
         ds41_expert_cache_release(dx, 2, fresh, 1, got);
-        TAP_CHECK(p == 1 && wrc < 0 && strstr(err.msg, "layers.2.ffn.experts.3.") && strstr(err.msg, "Input/output"),
+        TAP_CHECK(p == 1 && wrc < 0 && strstr(err.msg, "layers.2.ffn.experts.3.") &&
+                      strstr(err.msg, "Input/output"),
                   "tier: a failed read fails wait naming the tensor: %s", wrc < 0 ? err.msg : "(no error)");
         /* Layer 0's 2 and 3 are in the host tier, not on the device. */
         const long p2 = ds41_expert_cache_acquire(dx, 0, held, 2, got, &err);
@@ -888,8 +893,9 @@ static void test_host_tier(const char *dir) {
                   " host hits, %" PRIu64 " read errors)%s%s",
                   st.host_hits, st.read_errors, w2 == 0 ? "" : ": ", w2 == 0 ? "" : err.msg);
         ok = tier_round(&m, dx, hx, ck, 2, fresh, 1, &r1, &h1, &u1, &err);
-        TAP_CHECK(ok && r1 == 1 && u1 == 1, "tier: after the failure the expert is read and uploaded again%s%s",
-                  ok ? "" : ": ", ok ? "" : err.msg);
+        TAP_CHECK(ok && r1 == 1 && u1 == 1,
+                  "tier: after the failure the expert is read and uploaded again%s%s", ok ? "" : ": ",
+                  ok ? "" : err.msg);
     }
 
     /* Eight experts of layer 1 through the tiers: never more than 6 host
@@ -898,12 +904,13 @@ static void test_host_tier(const char *dir) {
     ok = tier_round(&m, dx, hx, ck, 1, e8, 8, &r1, &h1, &u1, &err) &&
          tier_round(&m, dx, hx, ck, 1, e8, 8, &r2, &h2, &u2, &err);
     ds41_expert_cache_get_stats(dx, &st, false);
-    TAP_CHECK(ok && r1 == 8 && u1 == 8 && r2 + h2 == u2 && u2 >= 6 && st.host_slots_used <= 6 && st.host_evictions >= 2 &&
-                  ca.allocs == 1 && ca.bytes_peak == 6 * slot,
-              "tier: 8 experts twice through 2 device and 6 host slots: every upload a read or a host hit (%" PRIu64
-              " uploads, %" PRIu64 " re-read, %" PRIu64 " from the host tier), %" PRIu64
-              " host slots used, %" PRIu64 " host evictions%s%s",
-              u2, r2, h2, st.host_slots_used, st.host_evictions, ok ? "" : ": ", ok ? "" : err.msg);
+    TAP_CHECK(
+        ok && r1 == 8 && u1 == 8 && r2 + h2 == u2 && u2 >= 6 && st.host_slots_used <= 6 &&
+            st.host_evictions >= 2 && ca.allocs == 1 && ca.bytes_peak == 6 * slot,
+        "tier: 8 experts twice through 2 device and 6 host slots: every upload a read or a host hit (%" PRIu64
+        " uploads, %" PRIu64 " re-read, %" PRIu64 " from the host tier), %" PRIu64
+        " host slots used, %" PRIu64 " host evictions%s%s",
+        u2, r2, h2, st.host_slots_used, st.host_evictions, ok ? "" : ": ", ok ? "" : err.msg);
 
     /* A prediction with every device slot pinned reads into the host tier
      * only; the layer's miss then costs an upload and no read. */
@@ -916,7 +923,8 @@ static void test_host_tier(const char *dir) {
         ds41_expert_cache_release(dx, 3, pin2, 2, got);
         ds41_expert_cache_get_stats(dx, &st, false);
         const uint64_t reads0 = st.reads;
-        ok = ok && pd == 1 && st.predict_host == 1 && tier_round(&m, dx, hx, ck, 3, later, 1, &r1, &h1, &u1, &err);
+        ok = ok && pd == 1 && st.predict_host == 1 &&
+             tier_round(&m, dx, hx, ck, 3, later, 1, &r1, &h1, &u1, &err);
         ds41_expert_cache_end_step(dx);
         TAP_CHECK(ok && reads0 == 3 && r1 == 0 && h1 == 1 && u1 == 1,
                   "tier: a prediction with no device slot free is read into the host tier; its use uploads "
