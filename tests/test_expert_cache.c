@@ -845,7 +845,7 @@ static void test_host_tier(const char *dir) {
 
     /* Experts 0,1 then 2,3 (evicting 0,1 from the device) then 0,1 again. */
     const int32_t e01[2] = {0, 1}, e23[2] = {2, 3};
-    uint64_t r1, h1, u1, r2, h2, u2, r3, h3, u3;
+    uint64_t r1 = 0, h1 = 0, u1 = 0, r2 = 0, h2 = 0, u2 = 0, r3 = 0, h3 = 0, u3 = 0;
     int ok = tier_round(&m, dx, hx, ck, 0, e01, 2, &r1, &h1, &u1, &err) &&
              tier_round(&m, dx, hx, ck, 0, e23, 2, &r2, &h2, &u2, &err) &&
              tier_round(&m, dx, hx, ck, 0, e01, 2, &r3, &h3, &u3, &err);
