@@ -405,14 +405,22 @@ static const xloc *loc_of(const ds41_expert_cache *c, int L, int ex) {
     return &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
 }
 
+/* The state of an empty slot of either tier (pins, spec and the index
+ * are the callers'). */
+static void slot_clear(slot *s) {
+    s->layer = s->expert = -1;
+    s->state = SLOT_EMPTY;
+    s->predicted = s->pred_fresh = 0;
+    s->twin_ok = s->unused = 0;
+    s->has_fail = 0;
+    s->freq = 0;
+}
+
 /* Empty host slot h (nothing of it in flight, no device slot staging). */
 static void hslot_drop(ds41_expert_cache *c, slot *h) {
     if (h->layer >= 0) *hindex_of(c, h->layer, h->expert) = -1;
-    h->layer = h->expert = -1;
-    h->state = SLOT_EMPTY;
-    h->unused = h->spec = 0;
-    h->has_fail = 0;
-    h->freq = 0;
+    slot_clear(h);
+    h->spec = 0;
     h->pins = 0;
 }
 
@@ -427,12 +435,7 @@ static void unstage(ds41_expert_cache *c, slot *s) {
 static void slot_drop(ds41_expert_cache *c, slot *s) {
     unstage(c, s);
     if (s->layer >= 0) *index_of(c, s->layer, s->expert) = -1;
-    s->layer = s->expert = -1;
-    s->state = SLOT_EMPTY;
-    s->predicted = s->pred_fresh = 0;
-    s->twin_ok = 0;
-    s->has_fail = 0;
-    s->freq = 0;
+    slot_clear(s);
 }
 
 static void record_latency(ds41_expert_cache *c, uint64_t ns) {
@@ -558,13 +561,16 @@ static void append_reads(ds41_expert_cache *c, const xloc *l, unsigned char *bas
                                              .tag = idx * PARTS + (uint64_t)k};
 }
 
+/* One more eviction in *counter (a field of c->st). */
+static void count_eviction(ds41_expert_cache *c, uint64_t *counter) {
+    pthread_mutex_lock(&c->mu);
+    (*counter)++;
+    pthread_mutex_unlock(&c->mu);
+}
+
 /* Host tier: claim host slot h for (L, ex) and append its reads. */
 static void hstart_load(ds41_expert_cache *c, slot *h, int L, int ex, bool spec, size_t *nreq) {
-    if (h->layer >= 0) {
-        pthread_mutex_lock(&c->mu);
-        c->st.host_evictions++;
-        pthread_mutex_unlock(&c->mu);
-    }
+    if (h->layer >= 0) count_eviction(c, &c->st.host_evictions);
     hslot_drop(c, h);
     const size_t hi = (size_t)(h - c->hs);
     const xloc *l = loc_of(c, L, ex);
@@ -620,11 +626,7 @@ static int start_load(ds41_expert_cache *c, slot *s, int L, int ex, bool spec, b
         if (hi < 0) return hi;
     }
     *read = !hit;
-    if (s->layer >= 0) {
-        pthread_mutex_lock(&c->mu);
-        c->st.evictions++;
-        pthread_mutex_unlock(&c->mu);
-    }
+    if (s->layer >= 0) count_eviction(c, &c->st.evictions);
     slot_drop(c, s);
     const size_t si = (size_t)(s - c->slots);
     const xloc *l = loc_of(c, L, ex);
