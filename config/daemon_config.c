@@ -110,6 +110,8 @@ static const key_desc keys[] = {
      UINT64_MAX, false, true, NULL},
     {"memory.engram_cache_bytes", "memory", "engram_cache_bytes", V_SIZE, CFG(memory.engram_cache_bytes), 0,
      UINT64_MAX, false, true, NULL},
+    {"memory.host_expert_cache_bytes", "memory", "host_expert_cache_bytes", V_SIZE,
+     CFG(memory.host_expert_cache_bytes), 0, UINT64_MAX, false, false, NULL},
     {"limits.max_body_bytes", "limits", "max_body_bytes", V_SIZE, CFG(limits.max_body_bytes), 1024, 1u << 30, false,
      false, NULL},
     {"limits.max_queue", "limits", "max_queue", V_UINT, CFG(limits.max_queue), 1, 1000000, false, false, NULL},
@@ -799,13 +801,25 @@ __attribute__((format(printf, 7, 8))) static int rule_fail(const rule_ctx *rc, d
     return ds41_error_prefix(err, "key '%s'", name);
 }
 
+/* A rule between two size keys: "KEY_A (SIZE) relation KEY_B (SIZE): why". */
+static int sizes_rule_fail(const rule_ctx *rc, ds41_error *err, int key_a, uint64_t a, const char *relation,
+                           int key_b, uint64_t b, const char *why) {
+    char sa[32], sb[32];
+    ds41_size_format(a, sa, sizeof sa);
+    ds41_size_format(b, sb, sizeof sb);
+    return rule_fail(rc, err, key_a, -1, key_b, -1, "%s (%s) %s %s (%s): %s", keys[key_a].dotted, sa, relation,
+                     keys[key_b].dotted, sb, why);
+}
+
 static int validate_impl(const ds41_daemon_config *cfg, const rule_ctx *rc, ds41_error *err) {
     const int k_seq = key_index_dotted("engine.max_sequences"), k_mbt = key_index_dotted("engine.max_batch_tokens"),
               k_chunk = key_index_dotted("engine.prefill_chunk"), k_ctx = key_index_dotted("limits.max_context"),
               k_mtd = key_index_dotted("limits.max_tokens_default"), k_kv = key_index_dotted("memory.kv_cache_bytes"),
               k_pmax = key_index_dotted("prefix_cache.max_bytes"), k_mname = key_index_dotted("models[].name"),
               k_mpath = key_index_dotted("models[].path"), k_mdef = key_index_dotted("models[].default"),
-              k_ename = key_index_dotted("embedded_model.name"), k_een = key_index_dotted("embedded_model.enabled");
+              k_ename = key_index_dotted("embedded_model.name"), k_een = key_index_dotted("embedded_model.enabled"),
+              k_xc = key_index_dotted("memory.expert_cache_bytes"),
+              k_hxc = key_index_dotted("memory.host_expert_cache_bytes");
     if (cfg->engine.max_batch_tokens < cfg->engine.max_sequences)
         return rule_fail(rc, err, k_mbt, -1, k_seq, -1,
                          "engine.max_batch_tokens (%u) must be at least engine.max_sequences (%u): every decoding "
@@ -819,15 +833,14 @@ static int validate_impl(const ds41_daemon_config *cfg, const rule_ctx *rc, ds41
         return rule_fail(rc, err, k_ctx, -1, k_mtd, -1,
                          "limits.max_context (%u) must be 0 or at least limits.max_tokens_default (%u)",
                          cfg->limits.max_context, cfg->limits.max_tokens_default);
-    if (cfg->memory.kv_cache_bytes != 0 && cfg->prefix_cache.max_bytes > cfg->memory.kv_cache_bytes) {
-        char a[32], b[32];
-        ds41_size_format(cfg->prefix_cache.max_bytes, a, sizeof a);
-        ds41_size_format(cfg->memory.kv_cache_bytes, b, sizeof b);
-        return rule_fail(rc, err, k_pmax, -1, k_kv, -1,
-                         "prefix_cache.max_bytes (%s) exceeds memory.kv_cache_bytes (%s): cached prefixes live in "
-                         "the KV cache",
-                         a, b);
-    }
+    if (cfg->memory.kv_cache_bytes != 0 && cfg->prefix_cache.max_bytes > cfg->memory.kv_cache_bytes)
+        return sizes_rule_fail(rc, err, k_pmax, cfg->prefix_cache.max_bytes, "exceeds", k_kv,
+                               cfg->memory.kv_cache_bytes, "cached prefixes live in the KV cache");
+    if (cfg->memory.host_expert_cache_bytes != 0 && cfg->memory.expert_cache_bytes != 0 &&
+        cfg->memory.host_expert_cache_bytes < cfg->memory.expert_cache_bytes)
+        return sizes_rule_fail(rc, err, k_hxc, cfg->memory.host_expert_cache_bytes, "is below", k_xc,
+                               cfg->memory.expert_cache_bytes,
+                               "the host tier stages every expert the device tier loads");
     long first_default = -1;
     for (size_t m = 0; m < cfg->n_models; m++) {
         const ds41_daemon_model *md = &cfg->models[m];

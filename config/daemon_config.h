@@ -80,6 +80,12 @@
  *                            when it fits, else the Engram rows streamed first, then
  *                            the experts; see ds41d.yaml(5)).  A size covering a tier
  *                            keeps it resident (used in place from the mapping).
+ *   memory.host_expert_cache_bytes 0  with a GPU backend: the pinned host tier of routed
+ *                            experts between the device slots (expert_cache_bytes) and
+ *                            the shards (storage/expert_cache.h); a size as above, at
+ *                            least memory.expert_cache_bytes when both are given; 0: no
+ *                            tier of its own (host staging as large as the device tier).
+ *                            Ignored by the CPU backends.
  *   limits.max_body_bytes    8MiB     largest request body (413 beyond), 1KiB..1GiB.
  *   limits.max_queue         256      requests waiting for a decode slot (429 beyond),
  *                            1..1000000.
@@ -228,6 +234,7 @@ typedef struct ds41_daemon_config {
         uint64_t kv_cache_bytes;
         uint64_t expert_cache_bytes;
         uint64_t engram_cache_bytes;
+        uint64_t host_expert_cache_bytes;
     } memory;
     struct {
         uint64_t max_body_bytes;

@@ -122,6 +122,31 @@ static void m_free(const ds41_memory *m, void *p, size_t n) {
     pthread_mutex_unlock(&b->mu);
 }
 
+/* Page-locked host memory for the storage tiers (the expert cache's host
+ * slots, the Engram row cache; engine/backend/memory.h host_alloc): the
+ * device copies from it without a staging bounce. */
+static void *m_host_alloc(const ds41_memory *m, size_t n) {
+    cuda_be *b = mem_be(m);
+    ds41_error err = {0};
+    void *p = n ? b->gpu->host_alloc(b->gpu, n, &err) : NULL;
+    if (p) {
+        pthread_mutex_lock(&b->mu);
+        b->pinned_bytes += n;
+        pthread_mutex_unlock(&b->mu);
+    }
+    return p;
+}
+
+static void m_host_free(const ds41_memory *m, void *p, size_t n) {
+    if (!p) return;
+    cuda_be *b = mem_be(m);
+    sync_compute(b); /* an upload from p may still be queued */
+    b->gpu->host_free(b->gpu, p, n);
+    pthread_mutex_lock(&b->mu);
+    b->pinned_bytes -= n;
+    pthread_mutex_unlock(&b->mu);
+}
+
 static void m_upload(const ds41_memory *m, void *dst, const void *src, size_t n) {
     cuda_be *b = mem_be(m);
     if (!n) return;
@@ -523,7 +548,9 @@ ds41_backend *ds41_backend_cuda_new_with_ops(const ds41_cuda_opts *opts, const d
                                        .upload = m_upload,
                                        .download = m_download,
                                        .copy = m_copy,
-                                       .copy_2d = m_copy_2d},
+                                       .copy_2d = m_copy_2d,
+                                       .host_alloc = m_host_alloc,
+                                       .host_free = m_host_free},
                                  .be = b,
                                  .kind = (ds41_cuda_mem_kind)k};
     int ok = (b->compute = b->gpu->stream_new(b->gpu, err)) && (b->copy = b->gpu->stream_new(b->gpu, err));

@@ -39,6 +39,7 @@ static void usage(FILE *f) {
                "                  [--expert-cache-bytes SIZE] [--engram-cache-bytes SIZE]\n"
                "                  [--config ds41d.yaml] [--no-predict] [--predict early|next|both]\n"
                "                  [--predict-extra N] [--ops] [--backend KIND]\n"
+               "                  [--host-expert-cache-bytes SIZE]\n"
                "       ds41-bench --model DIR --speculative N [--batches 1,4] [--steps T] [--json] ...\n"
                "       ds41-bench --kernels [--threads N] [--pin] [--json] [--cpu LEVEL] [--bandwidth-gib G]\n"
                "       ds41-bench --version\n"

@@ -13,6 +13,15 @@ int ds41_budget_flags_option(ds41_budget_flags *f, int opt, const char *arg) {
     const char *name;
     switch (opt) {
     case DS41_BUDGET_OPT_CONFIG: f->config_path = arg; return 1;
+    case DS41_BUDGET_OPT_HOST_EXPERT: {
+        ds41_error herr = {{0}};
+        if (ds41_size_parse(arg, &f->host_expert_bytes, &herr) != 0) {
+            fprintf(stderr, "%s: --host-expert-cache-bytes: %s\n", f->tool, herr.msg);
+            return -1;
+        }
+        f->host_expert_set = true;
+        return 1;
+    }
     case DS41_BUDGET_OPT_EXPERT:
         bytes = &f->expert_bytes;
         set = &f->expert_set;
@@ -48,7 +57,7 @@ int ds41_budget_flags_apply(const ds41_budget_flags *f, const char *model_dir, c
     if (line && line_size) line[0] = 0;
     ds41_error err = {{0}};
     bool expert_auto = !f->expert_set, engram_auto = !f->engram_set;
-    uint64_t expert = f->expert_bytes, engram = f->engram_bytes;
+    uint64_t expert = f->expert_bytes, engram = f->engram_bytes, host_expert = f->host_expert_bytes;
     /* --config: memory.expert_cache_bytes / engram_cache_bytes ("auto" and 0 read as 0 =
      * auto) under the flags; a flag given as "auto" stays auto. */
     if (f->config_path) {
@@ -65,10 +74,12 @@ int ds41_budget_flags_apply(const ds41_budget_flags *f, const char *model_dir, c
             engram = dc.memory.engram_cache_bytes;
             engram_auto = false;
         }
+        if (!f->host_expert_set) host_expert = dc.memory.host_expert_cache_bytes;
         ds41_daemon_config_free(&dc);
     }
     eo->expert_cache_bytes = expert;
     eo->engram_cache_bytes = engram;
+    eo->host_expert_cache_bytes = host_expert;
     if (!expert_auto && !engram_auto) return 0;
     ds41_auto_budget_opts ao = {.dir = model_dir,
                                 .expert_auto = expert_auto,

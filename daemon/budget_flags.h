@@ -1,6 +1,8 @@
 /* The memory-budget flags shared by ds41-eval and ds41-bench:
  *   --expert-cache-bytes SIZE|auto   routed-expert slot pool (0: every expert resident)
  *   --engram-cache-bytes SIZE|auto   Engram row cache (0: the tables resident)
+ *   --host-expert-cache-bytes SIZE   with a GPU backend, the expert cache's host tier
+ *                                    (memory.host_expert_cache_bytes; 0: none)
  *   --config FILE                    memory.expert_cache_bytes / engram_cache_bytes of a
  *                                    ds41d YAML (the flags win)
  * A flag that is absent (and not set by --config), "auto", or a YAML "auto"/0
@@ -25,11 +27,13 @@
 #define DS41_BUDGET_OPT_EXPERT 0x1001
 #define DS41_BUDGET_OPT_ENGRAM 0x1002
 #define DS41_BUDGET_OPT_CONFIG 0x1003
+#define DS41_BUDGET_OPT_HOST_EXPERT 0x1004
 
 #define DS41_BUDGET_LONGOPTS                                                       \
     {"expert-cache-bytes", required_argument, NULL, DS41_BUDGET_OPT_EXPERT},        \
         {"engram-cache-bytes", required_argument, NULL, DS41_BUDGET_OPT_ENGRAM},    \
-        {"config", required_argument, NULL, DS41_BUDGET_OPT_CONFIG}
+        {"config", required_argument, NULL, DS41_BUDGET_OPT_CONFIG},               \
+        {"host-expert-cache-bytes", required_argument, NULL, DS41_BUDGET_OPT_HOST_EXPERT}
 
 typedef struct ds41_budget_flags {
     const char *tool;        /* program name for messages, e.g. "ds41-eval" */
@@ -37,6 +41,8 @@ typedef struct ds41_budget_flags {
     bool expert_set, engram_set;   /* the flag was given with a size */
     bool expert_auto_flag, engram_auto_flag; /* the flag was given as "auto" (wins over --config) */
     uint64_t expert_bytes, engram_bytes;
+    bool host_expert_set;       /* --host-expert-cache-bytes given (wins over --config) */
+    uint64_t host_expert_bytes;
 } ds41_budget_flags;
 
 /* Handle one getopt_long result.  Returns 1 when opt was a budget option
@@ -50,7 +56,8 @@ typedef struct ds41_budget_run {
     uint32_t batch;     /* sequences decoded together (0 = 1) */
 } ds41_budget_run;
 
-/* Resolve the budgets into eo->expert_cache_bytes / engram_cache_bytes:
+/* Resolve the budgets into eo->expert_cache_bytes / engram_cache_bytes (and
+ * eo->host_expert_cache_bytes: the flag, else --config's, never auto):
  * --config's values under the flags, then auto sizing for what is still
  * auto (engine/serve/auto_budget.h).  When the auto sizing streams a tier, the
  * decision line ("budgets: auto -> ...") is printed to stderr.  line (may be

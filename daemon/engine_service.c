@@ -92,6 +92,7 @@ static int settings_from(const ds41_daemon_config *cfg, settings *st, ds41_error
     st->spec_min_confidence_pct = cfg->engine.speculative_min_confidence_pct;
     st->kv_cache_bytes = cfg->memory.kv_cache_bytes;
     st->expert_cache_bytes = cfg->memory.expert_cache_bytes;
+    st->host_expert_cache_bytes = cfg->memory.host_expert_cache_bytes;
     st->test_fault_expert_read = cfg->engine.test_fault_expert_read;
     st->engram_cache_bytes = cfg->memory.engram_cache_bytes;
     st->max_queue = cfg->limits.max_queue;
@@ -617,6 +618,7 @@ static void *loader_main(void *p) {
     ds41_engine_opts eo = {.reference = a->st.mode == DS41_ENGINE_MODE_REFERENCE,
                            .cpu = {.threads = (int)a->st.threads},
                            .expert_cache_bytes = a->st.expert_cache_bytes,
+                           .host_expert_cache_bytes = a->st.host_expert_cache_bytes,
                            .engram_cache_bytes = a->st.engram_cache_bytes,
                            .progress = on_load_progress,
                            .progress_ctx = m};

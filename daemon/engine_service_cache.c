@@ -77,8 +77,8 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     uint64_t kv_used = 0, kv_cap = 0, pc_bytes = 0, hits = 0, misses = 0;
     uint64_t sn_bytes = 0, sn_cap = 0, sn_hits = 0, sn_misses = 0;
     bool first = true;
-    ds41_svc_cache_tier xt = {.name = "experts"}, gt = {.name = "engram"};
-    bool have_experts = false, have_engram = false, have_device = false;
+    ds41_svc_cache_tier xt = {.name = "experts"}, gt = {.name = "engram"}, ht = {.name = "experts_host"};
+    bool have_experts = false, have_engram = false, have_host = false, have_device = false;
     uint64_t device[ES_DEVICE_TIERS] = {0}; /* summed over the models on the CUDA backend */
     char budgets[sizeof s->models[0]->budgets] = "";
     pthread_rwlock_rdlock(&s->cfg_lock);
@@ -135,6 +135,16 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
                 for (int k = 0; k < ES_DEVICE_TIERS; k++) device[k] += v[k];
                 have_device = true;
             }
+            /* A device backend's host tier of experts (storage/expert_cache.h). */
+            if (xs.host_budget_bytes) {
+                have_host = ht.streamed = true;
+                ht.used_bytes += xs.host_slots_used * xs.slot_bytes;
+                ht.capacity_bytes += xs.host_budget_bytes;
+                ht.total_bytes += xs.total_bytes;
+                ht.hits += xs.host_hits;
+                ht.misses += xs.misses - xs.host_hits;
+                ht.bytes_read += xs.bytes_read;
+            }
             ds41_engram_cache_stats gs;
             if (ds41_engine_engram_stats(m->engine, &gs)) {
                 if (!have_engram || m->is_default) {
@@ -154,7 +164,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     }
     pthread_rwlock_unlock(&s->cfg_lock);
     c.pages_free = c.pages_total > c.pages_used ? c.pages_total - c.pages_used : 0;
-    ds41_svc_cache_tier tiers[5 + ES_DEVICE_TIERS] = {
+    ds41_svc_cache_tier tiers[6 + ES_DEVICE_TIERS] = {
         {.name = "kv", .used_bytes = kv_used, .capacity_bytes = kv_cap},
         {.name = "prefix", .used_bytes = pc_bytes, .capacity_bytes = s->st.prefix_cache_max_bytes, .hits = hits,
          .misses = misses},
@@ -166,6 +176,7 @@ static int svc_cache_info(void *ctx, void (*emit)(void *acc, const ds41_svc_cach
     c.n_tiers = 2;
     if (s->st.snapshots) c.n_tiers++;
     if (have_experts) tiers[c.n_tiers++] = xt;
+    if (have_host) tiers[c.n_tiers++] = ht;
     if (have_engram) tiers[c.n_tiers++] = gt; /* only while its rows are streamed */
     for (int k = 0; have_device && k < ES_DEVICE_TIERS; k++) /* only on the CUDA backend */
         tiers[c.n_tiers++] = (ds41_svc_cache_tier){.name = es_device_tier_names[k], .used_bytes = device[k]};

@@ -43,6 +43,7 @@ typedef struct settings {
     uint64_t test_fault_expert_read;
     uint64_t kv_cache_bytes;
     uint64_t expert_cache_bytes;
+    uint64_t host_expert_cache_bytes; /* the expert cache's host tier with a device backend, 0 = none */
     uint64_t engram_cache_bytes; /* Engram row tier budget, 0 = tables resident */
     uint32_t max_queue, max_tokens_default, max_context, request_timeout_s;
     uint32_t drain_ms; /* limits.drain_timeout_s: what a replaced model's requests get to end */

@@ -52,6 +52,8 @@ enum tier_field {
     TF_EVICTIONS,
     TF_PREDICTED,
     TF_PREDICTED_USED,
+    TF_UPLOAD_BYTES,
+    TF_STALL_NS,
 };
 
 /* A field of the expert tier's statistics; false when it has no such field. */
@@ -67,6 +69,27 @@ static bool expert_field(const ds41_expert_cache_stats *x, bool streamed, int f,
     case TF_ERRORS: *v = x->read_errors; return true;
     case TF_PREDICTED: *v = x->predicted; return true;
     case TF_PREDICTED_USED: *v = x->predicted_used; return true;
+    case TF_UPLOAD_BYTES: *v = x->bytes_uploaded; return true;
+    case TF_STALL_NS: *v = x->stall_ns; return true;
+    default: return false;
+    }
+}
+
+/* The expert cache's host tier (tier="experts_host", only with a host tier
+ * of its own: a device backend's).  Its hits are device misses it served
+ * without a read; its misses, those read from the shards. */
+static bool expert_host_field(const ds41_expert_cache_stats *x, int f, uint64_t *v) {
+    if (x->host_budget_bytes == 0) return false;
+    switch (f) {
+    case TF_STREAMED: *v = 1; return true;
+    case TF_BUDGET: *v = x->host_budget_bytes; return true;
+    case TF_USED: *v = x->host_slots_used * x->slot_bytes; return true;
+    case TF_TOTAL: *v = x->total_bytes; return true;
+    case TF_HITS: *v = x->host_hits; return true;
+    case TF_MISSES: *v = x->misses - x->host_hits; return true;
+    case TF_READ_BYTES: *v = x->bytes_read; return true;
+    case TF_ERRORS: *v = x->read_errors; return true;
+    case TF_EVICTIONS: *v = x->host_evictions; return true;
     default: return false;
     }
 }
@@ -130,9 +153,15 @@ static void tier_metrics(ds41_engine_service *s, ds41_buf *b, const bool *ready,
         {"ds41_tier_device_bytes_total", "counter", "Bytes the device returned for Engram rows (alignment included).",
          TF_DEVICE_BYTES},
         {"ds41_tier_read_errors_total", "counter", "Failed reads.", TF_ERRORS},
-        {"ds41_tier_evictions_total", "counter", "Engram rows evicted.", TF_EVICTIONS},
+        {"ds41_tier_evictions_total", "counter", "Engram rows (or experts of the experts' host tier) evicted.",
+         TF_EVICTIONS},
         {"ds41_tier_predictions_total", "counter", "Experts predicted for the next layer.", TF_PREDICTED},
         {"ds41_tier_predictions_used_total", "counter", "Predicted experts the layer then used.", TF_PREDICTED_USED},
+        {"ds41_tier_uploaded_bytes_total", "counter",
+         "Expert bytes copied from host slots to a device backend's slots (0 on the CPU backends).",
+         TF_UPLOAD_BYTES},
+        {"ds41_tier_stall_nanoseconds_total", "counter", "Time layers waited for expert loads to finish.",
+         TF_STALL_NS},
     };
     for (size_t k = 0; k < sizeof series / sizeof series[0]; k++) {
         metric_head(b, series[k].name, series[k].type, series[k].help);
@@ -142,6 +171,9 @@ static void tier_metrics(ds41_engine_service *s, ds41_buf *b, const bool *ready,
             if (expert_field(&xs[i], x_streamed[i], series[k].field, &v))
                 ds41_buf_printf(b, "%s{model=\"%s\",tier=\"experts\"} %llu\n", series[k].name, s->models[i]->name,
                                 (unsigned long long)v);
+            if (expert_host_field(&xs[i], series[k].field, &v))
+                ds41_buf_printf(b, "%s{model=\"%s\",tier=\"experts_host\"} %llu\n", series[k].name,
+                                s->models[i]->name, (unsigned long long)v);
             if (e_on[i] && engram_field(&es[i], series[k].field, &v))
                 ds41_buf_printf(b, "%s{model=\"%s\",tier=\"engram\"} %llu\n", series[k].name, s->models[i]->name,
                                 (unsigned long long)v);

@@ -65,6 +65,8 @@ static void usage(FILE *f) {
             "through a slot pool of that size (io_uring, O_DIRECT) when they do not all fit;\n"
             "--config FILE takes memory.expert_cache_bytes and engram_cache_bytes from a ds41d\n"
             "YAML file (the flags win); --no-predict turns off expert prediction.\n"
+            "--host-expert-cache-bytes SIZE: with a GPU backend, the pinned host tier of routed\n"
+            "experts between the device slots and the shards (memory.host_expert_cache_bytes).\n"
             "A budget that is absent, \"auto\" (flag or YAML) or 0 in the YAML is sized from the\n"
             "memory the process may use (MemAvailable, cgroup limits): everything resident when\n"
             "it fits, else the Engram rows streamed first, then the experts (see ds41d.yaml(5)).\n"

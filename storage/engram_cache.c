@@ -73,7 +73,8 @@ struct ds41_engram_cache {
 
     size_t cap;
     entry *e;
-    uint8_t *slab; /* [cap][rb + sb] */
+    uint8_t *slab; /* [cap][rb + sb], from halloc */
+    ds41_host_alloc halloc;
     uint32_t *buckets;
     uint64_t bucket_mask;
     list free_list, lru;
@@ -667,6 +668,7 @@ ds41_engram_cache *ds41_engram_cache_new(const ds41_checkpoint *ckpt, const ds41
     pthread_mutex_init(&c->mu, NULL);
     c->ckpt = ckpt;
     c->budget = o.budget_bytes;
+    c->halloc = o.host_alloc;
     c->free_list = c->lru = (list){NONE, NONE};
     for (size_t t = 0; t < n_tables; t++) {
         const ds41_tensor *p = tables[t].payload, *s = tables[t].scale;
@@ -737,7 +739,7 @@ ds41_engram_cache *ds41_engram_cache_new(const ds41_checkpoint *ckpt, const ds41
         while (nb < cap) nb <<= 1;
         c->bucket_mask = nb - 1;
         c->e = calloc(c->cap, sizeof *c->e);
-        c->slab = malloc(c->cap * (c->rb + c->sb));
+        c->slab = ds41_host_alloc_get(&c->halloc, c->cap * (c->rb + c->sb));
         c->buckets = malloc(nb * sizeof *c->buckets);
         if (!c->e || !c->slab || !c->buckets) {
             ds41_fail(err, "engram cache: out of memory for %zu entries (budget %llu bytes)", c->cap,
@@ -765,7 +767,7 @@ void ds41_engram_cache_free(ds41_engram_cache *c) {
     if (!c) return;
     ds41_reader_free(c->reader); /* waits for reads into the slab before it goes */
     free(c->e);
-    free(c->slab);
+    ds41_host_alloc_put(&c->halloc, c->slab, c->cap * (c->rb + c->sb));
     free(c->buckets);
     free(c->pinned);
     free(c->reqs);

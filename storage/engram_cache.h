@@ -65,6 +65,7 @@
 #define DS41_STORAGE_ENGRAM_CACHE_H
 
 #include "config/error.h"
+#include "storage/host_alloc.h"
 #include "storage/reader.h"
 #include "storage/safetensors.h"
 
@@ -93,6 +94,11 @@ typedef struct ds41_engram_cache_opts {
     unsigned queue_depth;   /* reads in flight (more wait in the reader's queue); 0 = 1024.  The
                              * reader's bounce buffers (queue_depth x 12 KiB with O_DIRECT) come
                              * on top of the budget. */
+    /* Where the entries' bytes come from (storage/host_alloc.h; zero:
+     * anonymous memory): a device backend's page-locked memory, so the
+     * rows a gather hands over for upload sit in memory the device copies
+     * from at bus speed. */
+    ds41_host_alloc host_alloc;
 } ds41_engram_cache_opts;
 
 /* Make a cache over n_tables tables of ckpt (borrowed: it must outlive the

@@ -42,7 +42,9 @@ typedef struct slot {
     uint8_t spec;       /* its load was a prediction's, or its last pin went while it was in
                          * flight; not yet read again on demand */
     uint8_t twin_ok;    /* the twin slot holds this slot's current load (device-like memory) */
-    uint32_t pins;
+    uint8_t unused;     /* host tier: read from the shards and not yet used by a layer */
+    int32_t h;          /* host tier: a device slot's host slot until its upload (-1: none) */
+    uint32_t pins;      /* host tier: the device slots staging from it */
     uint32_t pending; /* runs in flight */
     uint32_t freq;
     uint64_t last_use;
@@ -61,16 +63,27 @@ struct ds41_expert_cache {
     uint64_t slot_bytes, total_bytes, budget;
     ds41_reader *r;
 
-    unsigned char *pool;    /* host slots: where reads land (the staging tier with a twin pool) */
+    unsigned char *pool;    /* host slots: where reads land (the staging tier with a twin pool);
+                             * NULL with a host tier of its own (reads land in hpool) */
     const ds41_memory *mem; /* the twin pool's memory; NULL: the backend computes on pool */
     unsigned char *twin;    /* [n_slots * slot_bytes] of mem, NULL without one */
     slot *slots;
     size_t n_slots;
     int32_t *index; /* [n_layers * max_experts] slot or -1 */
     uint64_t tick, uses_since_aging;
+    ds41_host_alloc halloc; /* where pool / hpool come from */
+
+    /* The host tier of its own (opts.host_tier_bytes with a twin pool). */
+    bool tier;
+    uint64_t host_budget;
+    unsigned char *hpool; /* [n_hs * slot_bytes] */
+    slot *hs;
+    size_t n_hs;
+    int32_t *hindex; /* [n_layers * max_experts] host slot or -1 */
+    uint64_t htick, h_uses_since_aging;
     uint64_t dev_seen; /* reader bytes_device already added to st.device_bytes */
 
-    ds41_read_req *reqs; /* scratch: PARTS per slot */
+    ds41_read_req *reqs; /* scratch: PARTS per slot (per host slot when more) */
 
     pthread_mutex_t mu; /* guards st, lat */
     ds41_expert_cache_stats st;
@@ -178,6 +191,19 @@ int ds41_expert_cache_geometry(const ds41_checkpoint *ckpt, const ds41_model_con
 
 /* ---- pool -------------------------------------------------------------------- */
 
+static void free_host_tier(ds41_expert_cache *c) {
+    ds41_host_alloc_put(&c->halloc, c->hpool, c->n_hs * (size_t)c->slot_bytes);
+    free(c->hs);
+    free(c->hindex);
+    c->hpool = NULL;
+    c->hs = NULL;
+    c->hindex = NULL;
+    c->n_hs = 0;
+}
+
+/* The device tier (or, without a twin pool, the only tier) of
+ * floor(budget / slot) slots; with a host tier of its own, that tier too the
+ * first time (it is kept across device resizes: its experts stay valid). */
 static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
     if (c->slot_bytes == 0) return ds41_fail(err, "expert cache: the model has no routed experts");
     if (budget < c->slot_bytes)
@@ -188,26 +214,63 @@ static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
     uint64_t n = budget / c->slot_bytes;
     const uint64_t all = (uint64_t)c->n_layers * (uint64_t)c->max_experts;
     if (n > all) n = all;
-    if (n > SIZE_MAX / c->slot_bytes || n > SIZE_MAX / sizeof(slot) / PARTS)
+    uint64_t nh = 0;
+    if (c->tier) {
+        nh = c->host_budget / c->slot_bytes;
+        if (nh > all) nh = all;
+        /* Every device load is staged in a host slot until its upload. */
+        if (nh < n)
+            return ds41_fail(err,
+                             "expert cache: the host tier's budget of %" PRIu64 " bytes holds %" PRIu64
+                             " slots, fewer than the device tier's %" PRIu64
+                             " (each device load is staged in a host slot): it needs at least %" PRIu64
+                             " bytes",
+                             c->host_budget, nh, n, n * c->slot_bytes);
+    }
+    const uint64_t nr = n > nh ? n : nh;
+    if (nr > SIZE_MAX / c->slot_bytes || nr > SIZE_MAX / sizeof(slot) / PARTS)
         return ds41_fail(err, "expert cache: budget too large for this machine");
     const size_t bytes = (size_t)(n * c->slot_bytes);
-    unsigned char *pool = aligned_alloc(SLOT_ALIGN, bytes);
+    const bool new_host = c->tier && !c->hs;
+    unsigned char *pool = c->tier ? NULL : ds41_host_alloc_get(&c->halloc, bytes);
     slot *slots = calloc((size_t)n, sizeof *slots);
-    ds41_read_req *reqs = malloc((size_t)n * PARTS * sizeof *reqs);
+    ds41_read_req *reqs = malloc((size_t)nr * PARTS * sizeof *reqs);
+    unsigned char *hpool = new_host ? ds41_host_alloc_get(&c->halloc, (size_t)(nh * c->slot_bytes)) : NULL;
+    slot *hs = new_host ? calloc((size_t)nh, sizeof *hs) : NULL;
+    int32_t *hindex = new_host ? malloc((size_t)(all ? all : 1) * sizeof *hindex) : NULL;
+    const bool host_ok = (c->tier || pool) && slots && reqs && (!new_host || (hpool && hs && hindex));
     /* The twin pool: one allocation; the old one is kept until this one
      * exists, so that a failed resize leaves a working cache. */
-    unsigned char *twin = pool && slots && reqs && c->mem ? c->mem->alloc(c->mem, bytes) : NULL;
-    if (!pool || !slots || !reqs || (c->mem && !twin)) {
-        const bool in_mem = pool && slots && reqs; /* only the twin pool failed */
-        const char *where = !in_mem ? "" : c->mem->name ? c->mem->name : "backend";
-        free(pool);
+    unsigned char *twin = host_ok && c->mem ? c->mem->alloc(c->mem, bytes) : NULL;
+    if (!host_ok || (c->mem && !twin)) {
+        const char *where = !host_ok ? "" : c->mem->name ? c->mem->name : "backend";
+        ds41_host_alloc_put(&c->halloc, pool, bytes);
+        ds41_host_alloc_put(&c->halloc, hpool, (size_t)(nh * c->slot_bytes));
         free(slots);
         free(reqs);
+        free(hs);
+        free(hindex);
         return ds41_fail(err, "expert cache: cannot allocate %" PRIu64 " slots of %" PRIu64 " bytes%s%s%s", n,
-                         c->slot_bytes, in_mem ? " in " : "", where, in_mem ? " memory" : "");
+                         c->slot_bytes, host_ok ? " in " : "", where, host_ok ? " memory" : "");
     }
-    for (uint64_t i = 0; i < n; i++) slots[i].layer = slots[i].expert = -1;
-    free(c->pool);
+    for (uint64_t i = 0; i < n; i++) {
+        slots[i].layer = slots[i].expert = -1;
+        slots[i].h = -1;
+    }
+    if (new_host) {
+        for (uint64_t i = 0; i < nh; i++) {
+            hs[i].layer = hs[i].expert = -1;
+            hs[i].h = -1;
+        }
+        for (size_t i = 0; i < (size_t)all; i++) hindex[i] = -1;
+        c->hpool = hpool;
+        c->hs = hs;
+        c->hindex = hindex;
+        c->n_hs = (size_t)nh;
+    }
+    /* The device slots go: no host slot stages for them any more. */
+    for (size_t i = 0; i < c->n_hs; i++) c->hs[i].pins = 0;
+    ds41_host_alloc_put(&c->halloc, c->pool, c->n_slots * (size_t)c->slot_bytes);
     free(c->slots);
     free(c->reqs);
     if (c->twin) c->mem->free(c->mem, c->twin, c->n_slots * (size_t)c->slot_bytes);
@@ -223,6 +286,9 @@ static int alloc_pool(ds41_expert_cache *c, uint64_t budget, ds41_error *err) {
     c->st.slots = n;
     c->st.slots_used = 0;
     c->st.slot_memory_bytes = c->mem ? bytes : 0;
+    c->st.host_budget_bytes = c->tier ? c->host_budget : 0;
+    c->st.host_slots = c->tier ? c->n_hs : n;
+    c->st.host_bytes = c->tier ? c->n_hs * c->slot_bytes : bytes;
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
@@ -239,6 +305,11 @@ ds41_expert_cache *ds41_expert_cache_new(const ds41_checkpoint *ckpt, const ds41
     c->ckpt = ckpt;
     /* Host memory is what the CPU backends compute on: no twin. */
     c->mem = o.slot_memory == &ds41_memory_host ? NULL : o.slot_memory;
+    c->halloc = o.host_alloc;
+    /* A host tier of its own only above a twin pool: on the host the slots
+     * the backend computes on are the host tier. */
+    c->tier = c->mem && o.host_tier_bytes;
+    c->host_budget = o.host_tier_bytes;
     c->n_layers = (int)(cfg->n_layers < (int64_t)cfg->n_roles ? cfg->n_layers : (int64_t)cfg->n_roles);
     c->layer_experts = calloc((size_t)(c->n_layers > 0 ? c->n_layers : 1), sizeof *c->layer_experts);
     if (!c->layer_experts) goto oom;
@@ -292,7 +363,8 @@ fail:
 void ds41_expert_cache_free(ds41_expert_cache *c) {
     if (!c) return;
     ds41_reader_free(c->r); /* waits for reads into the pool before it is freed */
-    free(c->pool);
+    ds41_host_alloc_put(&c->halloc, c->pool, c->n_slots * (size_t)c->slot_bytes);
+    free_host_tier(c);
     if (c->twin) c->mem->free(c->mem, c->twin, c->n_slots * (size_t)c->slot_bytes);
     free(c->slots);
     free(c->reqs);
@@ -325,14 +397,45 @@ static int32_t *index_of(ds41_expert_cache *c, int L, int ex) {
     return &c->index[(size_t)L * (size_t)c->max_experts + (size_t)ex];
 }
 
-static void slot_drop(ds41_expert_cache *c, slot *s) {
-    if (s->layer >= 0) *index_of(c, s->layer, s->expert) = -1;
+static int32_t *hindex_of(ds41_expert_cache *c, int L, int ex) {
+    return &c->hindex[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+}
+
+static const xloc *loc_of(const ds41_expert_cache *c, int L, int ex) {
+    return &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
+}
+
+/* The state of an empty slot of either tier (pins, spec and the index
+ * are the callers'). */
+static void slot_clear(slot *s) {
     s->layer = s->expert = -1;
     s->state = SLOT_EMPTY;
     s->predicted = s->pred_fresh = 0;
-    s->twin_ok = 0;
+    s->twin_ok = s->unused = 0;
     s->has_fail = 0;
     s->freq = 0;
+}
+
+/* Empty host slot h (nothing of it in flight, no device slot staging). */
+static void hslot_drop(ds41_expert_cache *c, slot *h) {
+    if (h->layer >= 0) *hindex_of(c, h->layer, h->expert) = -1;
+    slot_clear(h);
+    h->spec = 0;
+    h->pins = 0;
+}
+
+/* Device slot s no longer stages from its host slot (uploaded, or gone). */
+static void unstage(ds41_expert_cache *c, slot *s) {
+    if (s->h < 0) return;
+    slot *h = &c->hs[s->h];
+    if (h->pins) h->pins--;
+    s->h = -1;
+}
+
+static void slot_drop(ds41_expert_cache *c, slot *s) {
+    unstage(c, s);
+    if (s->layer >= 0) *index_of(c, s->layer, s->expert) = -1;
+    slot_clear(s);
 }
 
 static void record_latency(ds41_expert_cache *c, uint64_t ns) {
@@ -341,7 +444,30 @@ static void record_latency(ds41_expert_cache *c, uint64_t ns) {
     if (c->lat_n < LAT_RING) c->lat_n++;
 }
 
-/* Process completions: wait for at least min of them (0: poll). */
+/* Host tier: host slot hi has settled.  The device slot staging from it
+ * (loading) takes its outcome; a failed host slot is emptied at once, so
+ * that the next use reads again.  Under c->mu. */
+static void host_settled(ds41_expert_cache *c, size_t hi) {
+    slot *h = &c->hs[hi];
+    const int32_t di = *index_of(c, h->layer, h->expert);
+    slot *s = di >= 0 && c->slots[di].h == (int32_t)hi ? &c->slots[di] : NULL;
+    if (s && s->state == SLOT_LOADING) {
+        s->state = h->state;
+        if (h->state == SLOT_FAILED) {
+            s->has_fail = 1;
+            s->fail = h->fail;
+            s->fail_run = h->fail_run;
+        }
+    }
+    if (h->state == SLOT_FAILED) {
+        if (s) unstage(c, s);
+        hslot_drop(c, h);
+    }
+}
+
+/* Process completions: wait for at least min of them (0: poll).  Tags name
+ * the slot a read lands in: a device-tier slot (its pool), or with a host
+ * tier of its own a host slot. */
 static int reap(ds41_expert_cache *c, size_t min, ds41_error *err) {
     ds41_read_completion comp[64];
     for (;;) {
@@ -351,8 +477,8 @@ static int reap(ds41_expert_cache *c, size_t min, ds41_error *err) {
         pthread_mutex_lock(&c->mu);
         for (long i = 0; i < got; i++) {
             const uint64_t si = comp[i].tag / PARTS;
-            if (si >= c->n_slots) continue;
-            slot *s = &c->slots[si];
+            if (si >= (c->tier ? c->n_hs : c->n_slots)) continue;
+            slot *s = c->tier ? &c->hs[si] : &c->slots[si];
             if (comp[i].error) {
                 if (!s->has_fail) {
                     s->has_fail = 1;
@@ -366,6 +492,7 @@ static int reap(ds41_expert_cache *c, size_t min, ds41_error *err) {
                 s->state = s->has_fail ? SLOT_FAILED : SLOT_READY;
                 if (!s->has_fail) record_latency(c, t - s->t_submit);
                 else c->st.read_errors++;
+                if (c->tier) host_settled(c, (size_t)si);
             }
         }
         ds41_reader_stats rs;
@@ -381,21 +508,26 @@ static int reap(ds41_expert_cache *c, size_t min, ds41_error *err) {
     }
 }
 
-static void touch(ds41_expert_cache *c, slot *s) {
+/* One use of s in a tier of n slots (LFU with aging, see the header). */
+static void touch_in(slot *all, size_t n, slot *s, uint64_t *tick, uint64_t *since_aging) {
     s->freq++;
-    s->last_use = ++c->tick;
-    if (++c->uses_since_aging >= 8 * (uint64_t)c->n_slots) {
-        c->uses_since_aging = 0;
-        for (size_t i = 0; i < c->n_slots; i++) c->slots[i].freq /= 2;
+    s->last_use = ++*tick;
+    if (++*since_aging >= 8 * (uint64_t)n) {
+        *since_aging = 0;
+        for (size_t i = 0; i < n; i++) all[i].freq /= 2;
     }
+}
+
+static void touch(ds41_expert_cache *c, slot *s) {
+    touch_in(c->slots, c->n_slots, s, &c->tick, &c->uses_since_aging);
 }
 
 /* The unpinned, settled slot of the lowest frequency, least recently used
  * among those; empty slots first.  NULL when none. */
-static slot *victim(ds41_expert_cache *c) {
+static slot *victim_in(slot *all, size_t n) {
     slot *best = NULL;
-    for (size_t i = 0; i < c->n_slots; i++) {
-        slot *s = &c->slots[i];
+    for (size_t i = 0; i < n; i++) {
+        slot *s = &all[i];
         if (s->pins || s->predicted || s->state == SLOT_LOADING) continue;
         if (s->state == SLOT_EMPTY) return s;
         if (!best || s->freq < best->freq || (s->freq == best->freq && s->last_use < best->last_use)) best = s;
@@ -403,37 +535,141 @@ static slot *victim(ds41_expert_cache *c) {
     return best;
 }
 
-static bool any_unpinned_loading(const ds41_expert_cache *c) {
-    for (size_t i = 0; i < c->n_slots; i++)
-        if (c->slots[i].state == SLOT_LOADING && !c->slots[i].pins && !c->slots[i].predicted) return true;
+static slot *victim(ds41_expert_cache *c) {
+    return victim_in(c->slots, c->n_slots);
+}
+
+/* A slot of the tier loading with nobody holding it: waiting for reads
+ * frees one. */
+static bool any_unpinned_loading_in(const slot *all, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (all[i].state == SLOT_LOADING && !all[i].pins && !all[i].predicted) return true;
     return false;
 }
 
-/* Claim s for (L, ex) and append its read requests at reqs[*nreq]. */
-static void start_load(ds41_expert_cache *c, slot *s, int L, int ex, size_t *nreq) {
-    if (s->layer >= 0) {
-        pthread_mutex_lock(&c->mu);
-        c->st.evictions++;
-        pthread_mutex_unlock(&c->mu);
-    }
-    slot_drop(c, s);
-    const size_t si = (size_t)(s - c->slots);
-    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
-    s->layer = L;
-    s->expert = ex;
-    s->spec = 0;
-    s->state = SLOT_LOADING;
-    s->pending = l->n_runs;
-    s->t_submit = now_ns();
-    *index_of(c, L, ex) = (int32_t)si;
-    unsigned char *base = c->pool + si * c->slot_bytes;
+static bool any_unpinned_loading(const ds41_expert_cache *c) {
+    return any_unpinned_loading_in(c->slots, c->n_slots);
+}
+
+/* Append the reads of l into base (tagged for slot idx) at reqs[*nreq]. */
+static void append_reads(ds41_expert_cache *c, const xloc *l, unsigned char *base, size_t idx, size_t *nreq) {
     for (int k = 0; k < l->n_runs; k++)
         c->reqs[(*nreq)++] = (ds41_read_req){.file = l->shard[k],
                                              .offset = l->run_off[k],
                                              .len = (size_t)l->run_len[k],
                                              .buf = base + l->run_slot[k],
-                                             .tag = si * PARTS + (uint64_t)k};
-    if (l->n_runs == 0) s->state = SLOT_READY;
+                                             .tag = idx * PARTS + (uint64_t)k};
+}
+
+/* One more eviction in *counter (a field of c->st). */
+static void count_eviction(ds41_expert_cache *c, uint64_t *counter) {
+    pthread_mutex_lock(&c->mu);
+    (*counter)++;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Host tier: claim host slot h for (L, ex) and append its reads. */
+static void hstart_load(ds41_expert_cache *c, slot *h, int L, int ex, bool spec, size_t *nreq) {
+    if (h->layer >= 0) count_eviction(c, &c->st.host_evictions);
+    hslot_drop(c, h);
+    const size_t hi = (size_t)(h - c->hs);
+    const xloc *l = loc_of(c, L, ex);
+    h->layer = L;
+    h->expert = ex;
+    h->spec = spec;
+    h->unused = 1;
+    h->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
+    h->pending = l->n_runs;
+    h->t_submit = now_ns();
+    *hindex_of(c, L, ex) = (int32_t)hi;
+    append_reads(c, l, c->hpool + hi * c->slot_bytes, hi, nreq);
+}
+
+/* Host tier: the host slot of (L, ex): the one holding it or loading it
+ * (*hit), else an evicted one whose read is appended at reqs[*nreq] (spec:
+ * for a prediction).  When every host slot is busy, with `wait` waits for
+ * the host-only predictions in flight.  Returns the slot, -1 when none is
+ * free (err filled), -2 when waiting failed (err). */
+static int32_t host_slot_for(ds41_expert_cache *c, int L, int ex, bool spec, bool wait, size_t *nreq,
+                             bool *hit, ds41_error *err) {
+    const int32_t have = *hindex_of(c, L, ex);
+    *hit = have >= 0;
+    if (have >= 0) {
+        touch_in(c->hs, c->n_hs, &c->hs[have], &c->htick, &c->h_uses_since_aging);
+        return have;
+    }
+    slot *h = victim_in(c->hs, c->n_hs);
+    while (!h && wait && any_unpinned_loading_in(c->hs, c->n_hs)) {
+        if (reap(c, 1, err) != 0) return -2;
+        h = victim_in(c->hs, c->n_hs);
+    }
+    if (!h) {
+        ds41_fail(err, "expert cache: every host slot is busy");
+        return -1;
+    }
+    hstart_load(c, h, L, ex, spec, nreq);
+    touch_in(c->hs, c->n_hs, h, &c->htick, &c->h_uses_since_aging);
+    return (int32_t)(h - c->hs);
+}
+
+/* Claim device slot s for (L, ex).  Without a host tier of its own: its
+ * reads are appended at reqs[*nreq] (*read set).  With one: s stages from
+ * the host slot holding the expert (no read), else from a host slot read
+ * now (*read).  Returns 0, or with a host tier -1 (no host slot free; s
+ * untouched) / -2 (waiting failed), err filled. */
+static int start_load(ds41_expert_cache *c, slot *s, int L, int ex, bool spec, bool wait, size_t *nreq,
+                      bool *read, ds41_error *err) {
+    int32_t hi = -1;
+    bool hit = false;
+    if (c->tier) {
+        hi = host_slot_for(c, L, ex, spec, wait, nreq, &hit, err);
+        if (hi < 0) return hi;
+    }
+    *read = !hit;
+    if (s->layer >= 0) count_eviction(c, &c->st.evictions);
+    slot_drop(c, s);
+    const size_t si = (size_t)(s - c->slots);
+    const xloc *l = loc_of(c, L, ex);
+    s->layer = L;
+    s->expert = ex;
+    s->spec = 0;
+    s->t_submit = now_ns();
+    *index_of(c, L, ex) = (int32_t)si;
+    if (c->tier) {
+        slot *h = &c->hs[hi];
+        h->pins++;
+        s->h = hi;
+        s->pending = 0;
+        s->state = h->state == SLOT_READY ? SLOT_READY : SLOT_LOADING;
+        /* A host-only prediction still in flight: as speculative as one. */
+        s->spec = hit && h->state == SLOT_LOADING && h->spec;
+        return 0;
+    }
+    s->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
+    s->pending = l->n_runs;
+    append_reads(c, l, c->pool + si * c->slot_bytes, si, nreq);
+    return 0;
+}
+
+/* A submission of reqs[0..nreq) failed or was never made: nothing of it is
+ * in flight.  Empty the slots it was to fill (and their device slots). */
+static void undo_reads(ds41_expert_cache *c, size_t nreq) {
+    for (size_t i = 0; i < nreq; i++) {
+        const size_t k = (size_t)(c->reqs[i].tag / PARTS);
+        slot *s = c->tier ? &c->hs[k] : &c->slots[k];
+        if (s->state != SLOT_LOADING) continue;
+        if (c->tier) {
+            const int32_t di = *index_of(c, s->layer, s->expert);
+            if (di >= 0 && c->slots[di].h == (int32_t)k) {
+                c->slots[di].pins = 0;
+                slot_drop(c, &c->slots[di]);
+            }
+            hslot_drop(c, s);
+        } else {
+            s->pins = 0;
+            slot_drop(c, s);
+        }
+    }
 }
 
 /* Bytes one load of (L, ex) delivers into its slot. */
@@ -455,17 +691,19 @@ static int check_args(const ds41_expert_cache *c, int L, const int32_t *experts,
 }
 
 static void slots_used_stat(ds41_expert_cache *c) {
-    uint64_t used = 0;
+    uint64_t used = 0, hused = 0;
     for (size_t i = 0; i < c->n_slots; i++) used += c->slots[i].layer >= 0;
+    for (size_t i = 0; i < c->n_hs; i++) hused += c->hs[i].layer >= 0;
     pthread_mutex_lock(&c->mu);
     c->st.slots_used = used;
+    c->st.host_slots_used = c->tier ? hused : used;
     pthread_mutex_unlock(&c->mu);
 }
 
 long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *experts, size_t n, uint8_t *got,
                                ds41_error *err) {
     if (check_args(c, L, experts, n, err) != 0) return -1;
-    uint64_t hits = 0, pf_hits = 0, pf_inflight = 0, pred_used = 0, misses = 0, used_bytes = 0;
+    uint64_t hits = 0, pf_hits = 0, pf_inflight = 0, pred_used = 0, misses = 0, reads = 0, used_bytes = 0;
     size_t pinned = 0;
     for (size_t i = 0; i < n; i++) got[i] = 0;
     /* Settle what has arrived, so that failed prefetches are retried. */
@@ -483,7 +721,7 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
         if (s->pred_fresh) {
             pf_hits++;
             pf_inflight += s->state == SLOT_LOADING;
-            used_bytes += load_bytes(c, L, experts[i]);
+            if (!c->tier) used_bytes += load_bytes(c, L, experts[i]);
         } else
             hits++;
         s->pred_fresh = 0;
@@ -501,28 +739,32 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
         if (got[i]) continue;
         slot *s = victim(c);
         while (!s && any_unpinned_loading(c)) {
-            if (reap(c, 1, err) != 0) goto fail;
+            if (reap(c, 1, err) != 0) goto undo;
             s = victim(c);
         }
         if (!s) break;
-        start_load(c, s, L, experts[i], &nreq);
+        bool read;
+        if (start_load(c, s, L, experts[i], false, true, &nreq, &read, err) != 0) goto undo;
         s->pins = 1;
         touch(c, s);
         got[i] = 1;
         pinned++;
         misses++;
-        used_bytes += load_bytes(c, L, experts[i]);
+        reads += read;
+        if (!c->tier) used_bytes += load_bytes(c, L, experts[i]);
     }
-    if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) {
-        /* Nothing of this submission is in flight: undo it. */
-        for (size_t i = 0; i < nreq; i++) {
-            slot *s = &c->slots[c->reqs[i].tag / PARTS];
-            if (s->state == SLOT_LOADING) {
-                s->pins = 0;
-                slot_drop(c, s);
-            }
+    /* Nothing of this submission is in flight when it fails: undo it. */
+    if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) goto undo;
+    /* Host tier: the bytes a layer uses are those of the host slots' reads
+     * (a prediction's at its first use; none for a host hit of a read that
+     * was used before). */
+    for (size_t i = 0; c->tier && i < n; i++) {
+        if (!got[i]) continue;
+        const slot *s = &c->slots[*index_of(c, L, experts[i])];
+        if (s->h >= 0 && c->hs[s->h].unused) {
+            c->hs[s->h].unused = 0;
+            used_bytes += load_bytes(c, L, experts[i]);
         }
-        goto fail;
     }
     pthread_mutex_lock(&c->mu);
     c->st.requests += pinned;
@@ -530,14 +772,16 @@ long ds41_expert_cache_acquire(ds41_expert_cache *c, int L, const int32_t *exper
     c->st.prefetch_hits += pf_hits;
     c->st.prefetch_inflight += pf_inflight;
     c->st.misses += misses;
-    c->st.reads += misses;
+    c->st.reads += reads;
+    c->st.host_hits += misses - reads;
     c->st.bytes_used += used_bytes;
     c->st.predicted_used += pred_used;
     if (pinned < n) c->st.waves++;
     pthread_mutex_unlock(&c->mu);
     slots_used_stat(c);
     return (long)pinned;
-fail:
+undo:
+    undo_reads(c, nreq);
     for (size_t i = 0; i < n; i++) {
         if (!got[i]) continue;
         const int32_t si = *index_of(c, L, experts[i]);
@@ -556,23 +800,36 @@ static int reread_prediction(ds41_expert_cache *c, int L, int32_t ex, slot *s, d
     if (s->state != SLOT_FAILED || !s->spec) return 0;
     s->spec = 0;
     const size_t si = (size_t)(s - c->slots);
-    const xloc *l = &c->loc[(size_t)L * (size_t)c->max_experts + (size_t)ex];
-    unsigned char *base = c->pool + si * c->slot_bytes;
+    const xloc *l = loc_of(c, L, ex);
     size_t nreq = 0;
-    for (int k = 0; k < l->n_runs; k++)
-        c->reqs[nreq++] = (ds41_read_req){.file = l->shard[k],
-                                          .offset = l->run_off[k],
-                                          .len = (size_t)l->run_len[k],
-                                          .buf = base + l->run_slot[k],
-                                          .tag = si * PARTS + (uint64_t)k};
-    if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) return -1;
+    int32_t hi = -1;
+    bool hit = false;
+    if (c->tier) {
+        /* The failed host slot went at once; another may hold it by now. */
+        hi = host_slot_for(c, L, ex, false, true, &nreq, &hit, err);
+        if (hi < 0) return -1;
+    } else {
+        append_reads(c, l, c->pool + si * c->slot_bytes, si, &nreq);
+    }
+    if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, err) != 0) {
+        if (c->tier) undo_reads(c, nreq);
+        return -1;
+    }
     s->has_fail = 0;
     s->twin_ok = 0;
-    s->pending = l->n_runs;
-    s->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
     s->t_submit = now_ns();
+    if (c->tier) {
+        c->hs[hi].pins++;
+        c->hs[hi].unused = 0; /* a demand read: its bytes count as used now */
+        s->h = hi;
+        s->pending = 0;
+        s->state = c->hs[hi].state == SLOT_READY ? SLOT_READY : SLOT_LOADING;
+    } else {
+        s->pending = l->n_runs;
+        s->state = l->n_runs ? SLOT_LOADING : SLOT_READY;
+    }
     pthread_mutex_lock(&c->mu);
-    c->st.reads++;
+    c->st.reads += !hit;
     pthread_mutex_unlock(&c->mu);
     return 1;
 }
@@ -599,12 +856,20 @@ static int settled_view(ds41_expert_cache *c, int L, int32_t ex, slot *s, ds41_e
                                  L, (int)ex, part_suffix[l->run_first[s->fail_run]]);
     }
     const size_t at = (size_t)(s - c->slots) * (size_t)c->slot_bytes;
-    const unsigned char *base = c->pool + at;
+    const unsigned char *base = c->pool ? c->pool + at : NULL;
     if (c->mem) {
         if (!s->twin_ok) {
             const uint64_t used = loc_used(l);
+            if (c->tier) {
+                if (s->h < 0)
+                    return ds41_fail(err, "expert cache: layer %d expert %d has no host slot to upload from",
+                                     L, (int)ex);
+                base = c->hpool + (size_t)s->h * (size_t)c->slot_bytes;
+            }
             c->mem->upload(c->mem, c->twin + at, base, (size_t)used);
             s->twin_ok = 1;
+            /* The device holds it now; the host slot stays in the host tier. */
+            unstage(c, s);
             pthread_mutex_lock(&c->mu);
             c->st.uploads++;
             c->st.bytes_uploaded += used;
@@ -715,7 +980,7 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
     ds41_error err;
     if (check_args(c, L, experts, n, &err) != 0) return 0;
     size_t nreq = 0, done = 0;
-    uint64_t skipped = 0, loads = 0, again = 0;
+    uint64_t skipped = 0, loads = 0, again = 0, host_only = 0;
     for (size_t i = 0; i < n; i++) {
         const int32_t si = *index_of(c, L, experts[i]);
         if (si >= 0) {
@@ -727,31 +992,43 @@ size_t ds41_expert_cache_predict(ds41_expert_cache *c, int L, const int32_t *exp
             continue;
         }
         slot *s = victim(c);
-        if (!s) {
-            skipped++;
+        bool read = false;
+        if (s && start_load(c, s, L, experts[i], true, false, &nreq, &read, &err) == 0) {
+            s->predicted = 1;
+            s->pred_fresh = 1;
+            s->spec = 1;
+            s->freq = 0;
+            s->last_use = ++c->tick;
+            loads += read;
+            done++;
             continue;
         }
-        start_load(c, s, L, experts[i], &nreq);
-        s->predicted = 1;
-        s->pred_fresh = 1;
-        s->spec = 1;
-        s->freq = 0;
-        s->last_use = ++c->tick;
-        loads++;
-        done++;
+        /* No device slot free: the host tier can still take the read, so
+         * that the layer's miss costs an upload only. */
+        slot *h = c->tier && *hindex_of(c, L, experts[i]) < 0 ? victim_in(c->hs, c->n_hs) : NULL;
+        if (h) {
+            hstart_load(c, h, L, experts[i], true, &nreq);
+            h->freq = 0;
+            h->last_use = ++c->htick;
+            loads++;
+            host_only++;
+            done++;
+        } else if (c->tier && *hindex_of(c, L, experts[i]) >= 0) {
+            done++; /* already in the host tier */
+        } else {
+            skipped++;
+        }
     }
     if (nreq && ds41_reader_submit(c->r, c->reqs, nreq, &err) != 0) {
-        for (size_t i = 0; i < nreq; i++) {
-            slot *s = &c->slots[c->reqs[i].tag / PARTS];
-            if (s->state == SLOT_LOADING) slot_drop(c, s);
-        }
+        undo_reads(c, nreq);
         skipped += loads;
         done -= loads;
-        loads = 0;
+        loads = host_only = 0;
     }
     pthread_mutex_lock(&c->mu);
     c->st.predicted += n - again;
     c->st.predict_skipped += skipped;
+    c->st.predict_host += host_only;
     c->st.reads += loads;
     pthread_mutex_unlock(&c->mu);
     return done;
@@ -804,6 +1081,10 @@ void ds41_expert_cache_get_stats(ds41_expert_cache *c, ds41_expert_cache_stats *
         c->st.slots_used = keep.slots_used;
         c->st.total_bytes = keep.total_bytes;
         c->st.slot_memory_bytes = keep.slot_memory_bytes;
+        c->st.host_budget_bytes = keep.host_budget_bytes;
+        c->st.host_slots = keep.host_slots;
+        c->st.host_slots_used = keep.host_slots_used;
+        c->st.host_bytes = keep.host_bytes;
         c->st.direct = keep.direct;
         memcpy(c->st.backend, keep.backend, sizeof c->st.backend);
         c->lat_n = c->lat_pos = 0;

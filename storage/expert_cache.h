@@ -28,8 +28,25 @@
  *   upload; the views point into the twin, and a hit hands the twin out
  *   again without uploading (a new load into the slot makes the twin stale).
  *   The cache never touches the twin's bytes itself.  The budget counts the
- *   twin pool's bytes (what the device holds); the host staging tier is as
- *   large until issue 15 gives the host tier a budget of its own.
+ *   twin pool's bytes (what the device holds); without a host tier of its
+ *   own (opts.host_tier_bytes 0) the host staging slots are as many.
+ *
+ * Host tier (issue 15: device slots above a host tier above NVMe)
+ *   With a twin pool and opts.host_tier_bytes, the host slots are a tier of
+ *   their own: floor(host_tier_bytes / slot size) of them (at most every
+ *   expert; fewer than the device slots is refused, since every device load
+ *   is staged in a host slot until its upload), kept across device-budget
+ *   changes.  Reads land in host slots only.  A device miss whose expert the
+ *   host tier holds (or is reading) costs one upload and no read (host_hits);
+ *   otherwise a host slot is evicted, read (io_uring, as above) and then
+ *   uploaded.  A device slot holds its host slot (a pin there) from the
+ *   miss until its upload; after that the host slot stays cached.  Each tier
+ *   has its own LFU-with-aging policy below; the host tier counts the
+ *   device misses it serves.  A prediction with no device slot free still
+ *   reads its expert into the host tier (predict_host), so the layer's miss
+ *   costs an upload only.  A failed read empties its host slot at once.
+ *   Host slot memory comes from opts.host_alloc (a device backend's
+ *   page-locked memory, so uploads run at bus speed).
  *
  * Pinning and waves
  *   ds41_expert_cache_acquire pins the experts a layer needs: hits first (so
@@ -86,6 +103,7 @@
 #include "config/error.h"
 #include "config/model_config.h"
 #include "engine/backend/memory.h"
+#include "storage/host_alloc.h"
 #include "storage/reader.h"
 #include "storage/safetensors.h"
 
@@ -104,6 +122,13 @@ typedef struct ds41_expert_cache_opts {
      * NULL or &ds41_memory_host: views point into the host slots; another
      * memory: a twin pool there (see Slots). */
     const ds41_memory *slot_memory;
+    /* With a twin pool: the bytes of a host tier of its own (see Host
+     * tier), at least the device tier's slots; 0 = the host slots are as
+     * many as the twin slots (staging only).  Ignored on host memory. */
+    uint64_t host_tier_bytes;
+    /* Where host slots come from (storage/host_alloc.h; zero: anonymous
+     * memory).  A device backend gives page-locked memory. */
+    ds41_host_alloc host_alloc;
 } ds41_expert_cache_opts;
 
 /* The routed experts of cfg's text layers (layers.L.ffn.experts.E.w{1,2,3}
@@ -193,10 +218,11 @@ void ds41_expert_cache_end_step(ds41_expert_cache *c);
 typedef struct ds41_expert_cache_stats {
     uint64_t budget_bytes, slot_bytes, slots, slots_used, total_bytes;
     uint64_t requests;       /* expert uses: experts pinned by acquire (= hits + prefetch_hits + misses) */
-    uint64_t hits;           /* already loaded */
+    uint64_t hits;           /* already loaded (in the device tier when there is a host tier) */
     uint64_t prefetch_hits;  /* loaded or in flight thanks to a prediction, first use */
     uint64_t prefetch_inflight; /* of which still in flight when the layer asked (late predictions) */
-    uint64_t misses;         /* read on demand */
+    uint64_t misses;         /* loaded on demand: read, or with a host tier uploaded from it */
+    uint64_t host_hits;      /* of the misses, those the host tier held (or was reading): no read */
     uint64_t evictions;
     uint64_t waves;          /* acquires that could not pin the whole request */
     uint64_t read_errors;
@@ -205,10 +231,11 @@ typedef struct ds41_expert_cache_stats {
     uint64_t bytes_used;     /* of bytes_read, those of loads a layer then used (demand loads, and
                               * predicted loads at their first use): bytes_read - bytes_used were
                               * read for predictions nobody used */
-    uint64_t reads;          /* expert loads started (demand + prediction) */
+    uint64_t reads;          /* expert reads from the shards started (demand + prediction) */
     uint64_t predicted;      /* experts predicted for a layer */
     uint64_t predicted_used; /* of which the layer used */
     uint64_t predict_skipped;/* predicted experts not loaded for want of free slots */
+    uint64_t predict_host;   /* predicted experts read into the host tier only (no device slot free) */
     uint64_t latency_p50_ns; /* expert load latency, submit to last byte (last 4096 loads) */
     uint64_t latency_p99_ns;
     uint64_t stall_ns;       /* time spent in wait() for loads to finish */
@@ -216,6 +243,11 @@ typedef struct ds41_expert_cache_stats {
                                  * the host slots) */
     uint64_t uploads;           /* loaded slots uploaded to their twins (once per load) */
     uint64_t bytes_uploaded;    /* bytes of those uploads */
+    uint64_t host_budget_bytes; /* the host tier's budget (0: no host tier of its own) */
+    uint64_t host_slots;        /* host slots: the host tier's, else as many as slots */
+    uint64_t host_slots_used;
+    uint64_t host_bytes;        /* host slot memory (opts.host_alloc) */
+    uint64_t host_evictions;    /* host tier evictions (with a host tier of its own) */
     char backend[24];        /* reader backend */
     bool direct;             /* O_DIRECT in use on the first expert shard */
 } ds41_expert_cache_stats;

@@ -635,7 +635,8 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
      * and a later budget of 0 (resident) keeps a cache holding all of them
      * instead of handing the ops host pointers. */
     if (total) {
-        ds41_engine_opts so = {.backend = fake_backend(13, true, false), .expert_cache_bytes = slot};
+        ds41_engine_opts so = {
+            .backend = fake_backend(13, true, false), .expert_cache_bytes = slot, .host_expert_cache_bytes = total};
         ds41_engine *se = so.backend ? ds41_engine_load(dir, &so, &err) : NULL;
         ds41_cuda_mem_stats xm = {0};
         if (se) ds41_backend_cuda_mem_stats(ds41_engine_backend(se), &xm);
@@ -646,6 +647,12 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
                   "%s: experts streamed from the load: placed %llu bytes of weights without them, logits "
                   "bit-identical to the reference (%s)",
                   label, (unsigned long long)xm.weight_bytes, se ? "" : err.msg);
+        ds41_expert_cache_stats hs = {0};
+        if (se) ds41_engine_expert_stats(se, &hs, false);
+        TAP_CHECK(se && hs.host_slots > 0 && xm.pinned_host_bytes >= hs.host_slots * hs.slot_bytes &&
+                      check_stats(se, label),
+                  "%s: the expert cache's host tier (%llu slots) is the backend's pinned memory (%llu bytes pinned)",
+                  label, (unsigned long long)hs.host_slots, (unsigned long long)xm.pinned_host_bytes);
         rs = se && ds41_engine_set_expert_budget(se, 0, &err) == 0 && ds41_engine_experts_streamed(se)
                  ? run(se, prompt, n, n, c)
                  : -1;

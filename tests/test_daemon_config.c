@@ -183,6 +183,7 @@ static const bad_case bad_cases[] = {
      NULL},
     {"memory.expert_cache_bytes", V("8XB", "0.1B", "08GiB", "[]"), NULL},
     {"memory.engram_cache_bytes", V("lots", "1e9", "{}"), NULL},
+    {"memory.host_expert_cache_bytes", V("auto", "-1", "8XB", "[]"), NULL},
     {"limits.max_body_bytes", V("100", "1023", "2GiB", "auto", "0"), NULL},
     {"limits.max_queue", V("0", "1000001", "x"), NULL},
     {"limits.max_tokens_default", V("0", "16777217"), NULL},
@@ -542,6 +543,17 @@ static void test_cross_rules(void) {
     expect_error("memory:\n  kv_cache_bytes: 1GiB\nprefix_cache:\n  max_bytes: 2GiB\n",
                  "t.yaml:4:14: key 'prefix_cache.max_bytes':", "exceeds memory.kv_cache_bytes",
                  "prefix cache larger than the KV cache");
+    expect_error("memory:\n  expert_cache_bytes: 8GiB\n  host_expert_cache_bytes: 4GiB\n",
+                 "t.yaml:3:28: key 'memory.host_expert_cache_bytes':", "below memory.expert_cache_bytes (8GiB)",
+                 "a host expert tier below the device tier");
+    {
+        ds41_daemon_config hc;
+        ds41_error herr;
+        const int hrc = parse("memory:\n  expert_cache_bytes: 8GiB\n  host_expert_cache_bytes: 64GiB\n", &hc, &herr);
+        TAP_CHECK(hrc == 0 && hc.memory.host_expert_cache_bytes == 64ull << 30,
+                  "memory.host_expert_cache_bytes takes a size (%s)", hrc ? herr.msg : "ok");
+        if (hrc == 0) ds41_daemon_config_free(&hc);
+    }
     ds41_daemon_config cfg;
     ds41_error err;
     int rc = parse("limits:\n  max_context: 0\n  max_tokens_default: 100000\nprefix_cache:\n  max_bytes: 1TiB\n"

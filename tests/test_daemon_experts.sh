@@ -84,7 +84,8 @@ stop_daemon
 
 # ---- streamed under a small budget ---------------------------------------------------------------
 write_config "$work/x.yaml" "$models" "memory:
-  expert_cache_bytes: 100KiB"
+  expert_cache_bytes: 100KiB
+  host_expert_cache_bytes: 1MiB"
 if ! start_daemon "$work/x.yaml"; then
     notok "the daemon starts with a 100KiB expert budget"
     finish
@@ -105,6 +106,12 @@ check "/metrics has ds41_tier_* series for tier=experts" \
              grep -q '^ds41_tier_read_bytes_total{model=\"m\",tier=\"experts\"} [1-9]' '$work/metrics1.txt' &&
              grep -q '^ds41_tier_read_latency_seconds{model=\"m\",tier=\"experts\",quantile=\"0.99\"}' '$work/metrics1.txt' &&
              grep -q '^ds41_tier_streamed{model=\"m\",tier=\"experts\"} 1' '$work/metrics1.txt'"
+# memory.host_expert_cache_bytes is a GPU backend's host tier: the CPU backend computes on host
+# memory and has none (no experts_host tier, nothing uploaded), yet counts its stall time.
+check "CPU backend: memory.host_expert_cache_bytes makes no host tier; uploads 0, stall time counted" \
+    bash -c "! grep -q 'experts_host' '$work/metrics1.txt' '$work/cache1.json' &&
+             grep -q '^ds41_tier_uploaded_bytes_total{model=\"m\",tier=\"experts\"} 0$' '$work/metrics1.txt' &&
+             grep -q '^ds41_tier_stall_nanoseconds_total{model=\"m\",tier=\"experts\"} [0-9]' '$work/metrics1.txt'"
 "$ctl" --socket "$sock" cache --set-expert-bytes 1KiB >"$work/small.txt" 2>&1
 rc=$?
 check "ds41ctl cache --set-expert-bytes below one expert is refused naming the minimum" \

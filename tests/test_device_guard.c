@@ -798,6 +798,7 @@ typedef struct stream_arg {
     batch_arg b;
     bool experts, waves; /* experts streamed; some acquire could not pin a layer's union */
     bool engram, bypass; /* Engram rows streamed; some read bypassed the cache */
+    bool host_tier;      /* on device-like memory: a host tier holding every expert served misses */
 } stream_arg;
 
 static int sc_streamed(ds41_engine *e, const model *m, const void *arg, obs *o, ds41_error *err) {
@@ -816,6 +817,14 @@ static int sc_streamed(ds41_engine *e, const model *m, const void *arg, obs *o, 
     if (rc == 0 && sa->experts && (xs.requests == 0 || (sa->waves && xs.waves == 0)))
         rc = ds41_fail(err, "the expert tier saw %llu requests, %llu waves", (unsigned long long)xs.requests,
                        (unsigned long long)xs.waves);
+    /* The host tier holds every expert: each is read at most once, and
+     * device misses come from it (the CPU engine computes on host memory:
+     * no tier there). */
+    if (rc == 0 && sa->host_tier && ds41_engine_backend(e)->mem != &ds41_memory_host &&
+        (xs.host_hits == 0 || xs.reads > xs.host_slots || xs.host_budget_bytes == 0))
+        rc = ds41_fail(err, "the host tier served %llu misses, %llu reads for %llu host slots",
+                       (unsigned long long)xs.host_hits, (unsigned long long)xs.reads,
+                       (unsigned long long)xs.host_slots);
     if (rc == 0 && sa->engram && (es.rows_read == 0 || (sa->bypass && es.bypass_reads == 0)))
         rc = ds41_fail(err, "the Engram tier read %llu rows, %llu bypassing",
                        (unsigned long long)es.rows_read, (unsigned long long)es.bypass_reads);
@@ -855,6 +864,11 @@ static void streamed(const model *m) {
     a = (stream_arg){.b = {.n_seq = 3, .chunk = 7, .prefetch = true}, .experts = true, .engram = true};
     compare_with(m, &o, "experts in 3 slots and Engram rows in 200 streamed, chunks of 7, prefetch",
                  sc_streamed, &a);
+
+    /* Issue 15: 2 device slots above a host tier of every expert. */
+    o = (ds41_engine_opts){.expert_cache_bytes = 2 * slot, .host_expert_cache_bytes = 2 * total};
+    a = (stream_arg){.b = {.n_seq = 3, .prefetch = true}, .experts = true, .host_tier = true};
+    compare_with(m, &o, "experts in 2 device slots above a host tier holding all of them", sc_streamed, &a);
 
     o = (ds41_engine_opts){.engram_cache_bytes = step_rows / 2 * entry};
     a = (stream_arg){.b = {.n_seq = 1, .chunk = 4, .prefetch = true}, .engram = true, .bypass = true};

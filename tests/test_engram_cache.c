@@ -70,6 +70,29 @@ static ds41_engram_cache *make(ds41_checkpoint *ck, uint64_t budget, ds41_error 
     return ds41_engram_cache_new(ck, specs, 2, &o, err);
 }
 
+/* The host allocator of the allocator test: one block, every call counted. */
+typedef struct counting_alloc {
+    unsigned allocs, frees;
+    size_t bytes;
+    void *block;
+} counting_alloc;
+
+static void *ca_alloc(void *ctx, size_t n) {
+    counting_alloc *a = ctx;
+    a->block = aligned_alloc(DS41_HOST_ALLOC_ALIGN,
+                             (n + DS41_HOST_ALLOC_ALIGN - 1) / DS41_HOST_ALLOC_ALIGN * DS41_HOST_ALLOC_ALIGN);
+    if (!a->block) return NULL;
+    a->allocs++;
+    a->bytes = n;
+    return a->block;
+}
+
+static void ca_free(void *ctx, void *p, size_t n) {
+    counting_alloc *a = ctx;
+    a->frees += p == a->block && n == a->bytes;
+    free(p);
+}
+
 /* Gather n random rows (with repeats) of table t; 1 when every row matches. */
 static int gather_check(ds41_engram_cache *c, uint32_t t, size_t n, int64_t *rows_used, ds41_error *err) {
     int64_t *rows = malloc(n * sizeof *rows);
@@ -351,6 +374,34 @@ int main(void) {
         if (big) ds41_engram_cache_get_stats(big, &st);
         TAP_CHECK(ok && st.hits == (uint64_t)ROWS[0] && st.evictions == 0, "a budget covering the table: every row of it read once, then hits");
         ds41_engram_cache_free(big);
+    }
+    /* ---- entries from the allocator callback (issue 15: pinned memory from a device backend) */
+    {
+        counting_alloc ca = {0};
+        ds41_engram_cache_opts o = {.budget_bytes = 20 * per, .host_alloc = {&ca, ca_alloc, ca_free}};
+        ds41_engram_cache *c3 = ds41_engram_cache_new(ck, specs, 2, &o, &err);
+        TAP_CHECK(c3 && ca.allocs == 1 && ca.bytes == 20 * (RB + SB),
+                  "the entries come from the allocator callback: one call of %zu bytes", ca.bytes);
+        const int64_t rows[4] = {1, 9, 4, 2};
+        int ok = c3 && gather_rows(c3, 0, rows, 4, &err) && gather_rows(c3, 0, rows, 4, &err);
+        /* Hits are served from the callback's block: overwrite it and the next
+         * gather of the same rows returns what is there now. */
+        uint8_t p[4 * RB], sc[4 * SB];
+        if (ok) memset(ca.block, 0xA5, ca.bytes);
+        ok = ok && ds41_engram_cache_gather(c3, 0, rows, 4, p, sc, &err) == 0;
+        int served = ok;
+        for (size_t k = 0; k < sizeof p && served; k++) served = p[k] == 0xA5;
+        for (size_t k = 0; k < sizeof sc && served; k++) served = sc[k] == 0xA5;
+        TAP_CHECK(served, "gathers read the rows out of the callback's memory%s%s", ok ? "" : ": ",
+                  ok ? "" : err.msg);
+        ds41_engram_cache_free(c3);
+        TAP_CHECK(ca.frees == 1, "free gives the entries back through the callback");
+        counting_alloc none = {0};
+        o = (ds41_engram_cache_opts){.budget_bytes = per / 2, .host_alloc = {&none, ca_alloc, ca_free}};
+        c3 = ds41_engram_cache_new(ck, specs, 2, &o, &err);
+        TAP_CHECK(c3 && ds41_engram_cache_capacity(c3) == 0 && none.allocs == 0,
+                  "no entries (bypass only): no allocator call");
+        ds41_engram_cache_free(c3);
     }
     /* ---- the shard is truncated under the cache */
     {

@@ -764,6 +764,205 @@ out:
     protected_memory_fini(&tm);
 }
 
+/* The host allocator of the tier tests: anonymous memory, every call counted. */
+typedef struct counting_alloc {
+    uint64_t allocs, frees, bytes_now, bytes_peak;
+} counting_alloc;
+
+static void *ca_alloc(void *ctx, size_t n) {
+    counting_alloc *a = ctx;
+    void *p = aligned_alloc(DS41_HOST_ALLOC_ALIGN,
+                            (n + DS41_HOST_ALLOC_ALIGN - 1) / DS41_HOST_ALLOC_ALIGN * DS41_HOST_ALLOC_ALIGN);
+    if (!p) return NULL;
+    a->allocs++;
+    a->bytes_now += n;
+    if (a->bytes_now > a->bytes_peak) a->bytes_peak = a->bytes_now;
+    return p;
+}
+
+static void ca_free(void *ctx, void *p, size_t n) {
+    counting_alloc *a = ctx;
+    a->frees++;
+    a->bytes_now -= n;
+    free(p);
+}
+
+/* Experts experts[0..n) of layer L acquired, waited for (twin views checked
+ * against the checkpoint) and released in waves; the cache's reads,
+ * host hits and uploads of the round into *reads / *host_hits / *uploads. */
+static int tier_round(const ds41_memory *m, ds41_expert_cache *dx, ds41_expert_cache *hx,
+                      const ds41_checkpoint *ck, int L, const int32_t *experts, size_t n, uint64_t *reads,
+                      uint64_t *host_hits, uint64_t *uploads, ds41_error *err) {
+    ds41_expert_cache_stats a, b;
+    ds41_expert_cache_get_stats(dx, &a, false);
+    const int ok = twin_round(m, dx, hx, ck, L, experts, n, L % 2, err);
+    ds41_expert_cache_get_stats(dx, &b, false);
+    *reads = b.reads - a.reads;
+    *host_hits = b.host_hits - a.host_hits;
+    *uploads = b.uploads - a.uploads;
+    return ok;
+}
+
+/* A host tier of its own above the twin pool (issue 15): 2 device slots,
+ * 6 host slots.  An expert evicted from the device tier comes back from the
+ * host tier with an upload and no read; without the host tier (0) the same
+ * workload reads it again.  Budgets, allocator calls, a read failure and
+ * host-only predictions. */
+static void test_host_tier(const char *dir) {
+    ds41_error err;
+    ds41_model_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    ds41_checkpoint *ck = NULL;
+    ds41_expert_cache *dx = NULL, *hx = NULL, *lx = NULL;
+    protected_memory tm;
+    protected_memory_init(&tm);
+    const ds41_memory m = tm.mem;
+    counting_alloc ca = {0};
+    uint64_t slot = 0;
+    if (!TAP_CHECK(ds41_model_config_load(dir, &cfg, &err) == 0 && (ck = ds41_checkpoint_open(dir, &err)) &&
+                       ds41_expert_cache_geometry(ck, &cfg, &slot, NULL, &err) == 0,
+                   "tier: config and checkpoint open"))
+        goto out;
+    const ds41_host_alloc ha = {.ctx = &ca, .alloc = ca_alloc, .free = ca_free};
+    ds41_expert_cache_opts ho = {.budget_bytes = 2 * slot, .slot_memory = &ds41_memory_host};
+    ds41_expert_cache_opts xo = {.budget_bytes = 2 * slot,
+                                 .slot_memory = &m,
+                                 .host_tier_bytes = 6 * slot + slot / 2,
+                                 .host_alloc = ha};
+    ds41_expert_cache_opts lo = {.budget_bytes = 2 * slot, .slot_memory = &m};
+    hx = ds41_expert_cache_new(ck, &cfg, &ho, &err);
+    dx = hx ? ds41_expert_cache_new(ck, &cfg, &xo, &err) : NULL;
+    lx = dx ? ds41_expert_cache_new(ck, &cfg, &lo, &err) : NULL;
+    if (!TAP_CHECK(hx && dx && lx, "tier: caches made%s%s", lx ? "" : ": ", lx ? "" : err.msg)) goto out;
+    ds41_expert_cache_stats st;
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(st.slots == 2 && st.host_slots == 6 && st.host_bytes == 6 * slot &&
+                  st.host_budget_bytes == 6 * slot + slot / 2 && st.slot_memory_bytes == 2 * slot &&
+                  ca.allocs == 1 && ca.bytes_now == 6 * slot,
+              "tier: 2 device slots, 6 host slots (6.5 slots of budget) in one allocator call (%" PRIu64
+              " host slots, %" PRIu64 " calls, %" PRIu64 " bytes)",
+              st.host_slots, ca.allocs, ca.bytes_now);
+
+    /* Experts 0,1 then 2,3 (evicting 0,1 from the device) then 0,1 again. */
+    const int32_t e01[2] = {0, 1}, e23[2] = {2, 3};
+    uint64_t r1 = 0, h1 = 0, u1 = 0, r2 = 0, h2 = 0, u2 = 0, r3 = 0, h3 = 0, u3 = 0;
+    int ok = tier_round(&m, dx, hx, ck, 0, e01, 2, &r1, &h1, &u1, &err) &&
+             tier_round(&m, dx, hx, ck, 0, e23, 2, &r2, &h2, &u2, &err) &&
+             tier_round(&m, dx, hx, ck, 0, e01, 2, &r3, &h3, &u3, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(
+        ok && r1 == 2 && r2 == 2 && r3 == 0 && h3 == 2 && u3 == 2 && st.misses == 6 && st.hits == 0 &&
+            st.host_hits == 2 && st.evictions == 4 && tm.uploads == 6,
+        "tier: 0,1 evicted from the device by 2,3 come back from the host tier: 2 uploads, no read, the "
+        "checkpoint's bytes (reads %" PRIu64 "/%" PRIu64 "/%" PRIu64 ", host hits %" PRIu64
+        ", uploads %" PRIu64 ")%s%s",
+        r1, r2, r3, h3, u3, ok ? "" : ": ", ok ? "" : err.msg);
+    /* The same workload without a host tier of its own reads 0,1 again. */
+    ok = tier_round(&m, lx, hx, ck, 0, e01, 2, &r1, &h1, &u1, &err) &&
+         tier_round(&m, lx, hx, ck, 0, e23, 2, &r2, &h2, &u2, &err) &&
+         tier_round(&m, lx, hx, ck, 0, e01, 2, &r3, &h3, &u3, &err);
+    ds41_expert_cache_get_stats(lx, &st, false);
+    TAP_CHECK(
+        ok && r3 == 2 && h3 == 0 && st.host_slots == 2 && st.host_budget_bytes == 0,
+        "tier: without it (host_tier_bytes 0) the staging slots are the 2 device slots and 0,1 are read "
+        "again (%" PRIu64 " reads)",
+        r3);
+
+    /* A failed read is reported naming the tensor; an expert the host tier
+     * holds needs no read, so the same fault does not touch it. */
+    {
+        ds41_expert_cache_get_stats(dx, &st, true);
+        const int32_t held[2] = {2, 3}, fresh[1] = {3};
+        uint8_t got[2];
+        ds41_expert_view v[2];
+        ds41_reader_set_fault(ds41_expert_cache_reader(dx), DS41_READER_ANY_FILE, DS41_FAULT_EIO, 0, 0);
+        const long p = ds41_expert_cache_acquire(dx, 2, fresh, 1, got, &err);
+        const int wrc = p == 1 ? ds41_expert_cache_wait(dx, 2, fresh, 1, got, v, &err) : 0;
+        ds41_expert_cache_release(dx, 2, fresh, 1, got);
+        TAP_CHECK(p == 1 && wrc < 0 && strstr(err.msg, "layers.2.ffn.experts.3.") &&
+                      strstr(err.msg, "Input/output"),
+                  "tier: a failed read fails wait naming the tensor: %s", wrc < 0 ? err.msg : "(no error)");
+        /* Layer 0's 2 and 3 are in the host tier, not on the device. */
+        const long p2 = ds41_expert_cache_acquire(dx, 0, held, 2, got, &err);
+        const int w2 = p2 == 2 ? ds41_expert_cache_wait(dx, 0, held, 2, got, v, &err) : -1;
+        ds41_expert_cache_release(dx, 0, held, 2, got);
+        ds41_reader_set_fault(ds41_expert_cache_reader(dx), DS41_READER_ANY_FILE, DS41_FAULT_NONE, 0, 0);
+        ds41_expert_cache_get_stats(dx, &st, false);
+        TAP_CHECK(p2 == 2 && w2 == 0 && st.host_hits == 2 && st.reads == 1 && st.read_errors == 1,
+                  "tier: under the same fault, experts the host tier holds are served (%" PRIu64
+                  " host hits, %" PRIu64 " read errors)%s%s",
+                  st.host_hits, st.read_errors, w2 == 0 ? "" : ": ", w2 == 0 ? "" : err.msg);
+        ok = tier_round(&m, dx, hx, ck, 2, fresh, 1, &r1, &h1, &u1, &err);
+        TAP_CHECK(ok && r1 == 1 && u1 == 1,
+                  "tier: after the failure the expert is read and uploaded again%s%s", ok ? "" : ": ",
+                  ok ? "" : err.msg);
+    }
+
+    /* Eight experts of layer 1 through the tiers: never more than 6 host
+     * slots, LFU evictions in the host tier, no further allocation. */
+    const int32_t e8[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    ok = tier_round(&m, dx, hx, ck, 1, e8, 8, &r1, &h1, &u1, &err) &&
+         tier_round(&m, dx, hx, ck, 1, e8, 8, &r2, &h2, &u2, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(
+        ok && r1 == 8 && u1 == 8 && r2 + h2 == u2 && u2 >= 6 && st.host_slots_used <= 6 &&
+            st.host_evictions >= 2 && ca.allocs == 1 && ca.bytes_peak == 6 * slot,
+        "tier: 8 experts twice through 2 device and 6 host slots: every upload a read or a host hit (%" PRIu64
+        " uploads, %" PRIu64 " re-read, %" PRIu64 " from the host tier), %" PRIu64
+        " host slots used, %" PRIu64 " host evictions%s%s",
+        u2, r2, h2, st.host_slots_used, st.host_evictions, ok ? "" : ": ", ok ? "" : err.msg);
+
+    /* A prediction with every device slot pinned reads into the host tier
+     * only; the layer's miss then costs an upload and no read. */
+    {
+        const int32_t pin2[2] = {0, 1}, later[1] = {5};
+        uint8_t got[2];
+        ds41_expert_cache_get_stats(dx, &st, true);
+        ok = ds41_expert_cache_acquire(dx, 3, pin2, 2, got, &err) == 2;
+        const size_t pd = ds41_expert_cache_predict(dx, 3, later, 1);
+        ds41_expert_cache_release(dx, 3, pin2, 2, got);
+        ds41_expert_cache_get_stats(dx, &st, false);
+        const uint64_t reads0 = st.reads;
+        ok = ok && pd == 1 && st.predict_host == 1 &&
+             tier_round(&m, dx, hx, ck, 3, later, 1, &r1, &h1, &u1, &err);
+        ds41_expert_cache_end_step(dx);
+        TAP_CHECK(ok && reads0 == 3 && r1 == 0 && h1 == 1 && u1 == 1,
+                  "tier: a prediction with no device slot free is read into the host tier; its use uploads "
+                  "without a read (%" PRIu64 " reads, %" PRIu64 " host hits)%s%s",
+                  r1, h1, ok ? "" : ": ", ok ? "" : err.msg);
+    }
+
+    /* Device resizes keep the host tier (3 slots: 0,1 of layer 0 still
+     * there); a device tier above the host tier is refused. */
+    ok = ds41_expert_cache_set_budget(dx, 3 * slot, &err) == 0 &&
+         tier_round(&m, dx, hx, ck, 3, e01, 2, &r1, &h1, &u1, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(ok && st.slots == 3 && st.host_slots == 6 && r1 == 0 && h1 == 2 && ca.allocs == 1,
+              "tier: set_budget to 3 device slots keeps the host tier's experts (%" PRIu64 " reads)%s%s", r1,
+              ok ? "" : ": ", ok ? "" : err.msg);
+    const int brc = ds41_expert_cache_set_budget(dx, 7 * slot, &err);
+    ds41_expert_cache_get_stats(dx, &st, false);
+    TAP_CHECK(brc != 0 && strstr(err.msg, "host tier") && st.slots == 3,
+              "tier: a device tier above the host tier is refused: %s", brc ? err.msg : "(resized)");
+    xo.host_tier_bytes = slot;
+    ds41_expert_cache *nx = ds41_expert_cache_new(ck, &cfg, &xo, &err);
+    TAP_CHECK(!nx && strstr(err.msg, "host tier"), "tier: a host tier below the device tier is refused: %s",
+              nx ? "(made)" : err.msg);
+    ds41_expert_cache_free(nx);
+    ds41_expert_cache_free(dx);
+    dx = NULL;
+    TAP_CHECK(ca.frees == ca.allocs && ca.bytes_now == 0 && tm.n_regions == 1 && pm_bad(&tm) == 0,
+              "tier: free gives the host slots back through the allocator (%" PRIu64 " of %" PRIu64 ")",
+              ca.frees, ca.allocs);
+out:
+    ds41_expert_cache_free(dx);
+    ds41_expert_cache_free(lx);
+    ds41_expert_cache_free(hx);
+    ds41_checkpoint_close(ck);
+    ds41_model_config_free(&cfg);
+    protected_memory_fini(&tm);
+}
+
 static int make(const char *preset, uint64_t seed, char *dir_out) {
     snprintf(dir_out, 4096, "%s/%s", root, preset);
     ds41_model_gen_opts o = {.preset = preset, .seed = seed};
@@ -789,6 +988,7 @@ int main(void) {
     if (TAP_CHECK(make("tiny", 71, dir_tiny) == 0, "tiny checkpoint generated")) {
         test_api(dir_tiny);
         test_twin(dir_tiny);
+        test_host_tier(dir_tiny);
         test_preset(dir_tiny, "tiny", 1);
     }
     if (TAP_CHECK(make("long", 72, dir_long) == 0, "long checkpoint generated"))

@@ -40,3 +40,18 @@ const ds41_memory ds41_memory_host = {
     .copy = host_move,
     .copy_2d = host_copy_2d,
 };
+
+static void *pinned_alloc(void *ctx, size_t n) {
+    const ds41_memory *m = ctx;
+    return m->host_alloc(m, n);
+}
+
+static void pinned_free(void *ctx, void *p, size_t n) {
+    const ds41_memory *m = ctx;
+    if (m->host_free) m->host_free(m, p, n);
+}
+
+ds41_host_alloc ds41_memory_host_alloc(const ds41_memory *m) {
+    if (!m || !m->host_alloc) return (ds41_host_alloc){0};
+    return (ds41_host_alloc){.ctx = (void *)m, .alloc = pinned_alloc, .free = pinned_free};
+}

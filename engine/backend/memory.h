@@ -28,6 +28,8 @@
 #ifndef DS41_ENGINE_MEMORY_H
 #define DS41_ENGINE_MEMORY_H
 
+#include "storage/host_alloc.h"
+
 #include <stddef.h>
 
 typedef struct ds41_memory ds41_memory;
@@ -51,9 +53,19 @@ struct ds41_memory {
      * grouped output projection, a row into a strided buffer). */
     void (*copy_2d)(const ds41_memory *m, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
                     size_t width, size_t rows);
+    /* Optional (NULL: none): n bytes of HOST memory, 4096-byte aligned,
+     * that upload copies from fastest (a device backend's page-locked
+     * memory); NULL when out of memory.  The storage tiers' host slots and
+     * rows come from it (storage/host_alloc.h).  host_free gets the same n. */
+    void *(*host_alloc)(const ds41_memory *m, size_t n);
+    void (*host_free)(const ds41_memory *m, void *p, size_t n);
 };
 
 /* Host memory: aligned_alloc + memset, memcpy. */
 extern const ds41_memory ds41_memory_host;
+
+/* The storage tiers' host allocator over m's host_alloc / host_free (zero:
+ * m is NULL or has none, so the tiers use anonymous memory). */
+ds41_host_alloc ds41_memory_host_alloc(const ds41_memory *m);
 
 #endif

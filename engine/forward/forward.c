@@ -95,7 +95,7 @@ static int setup_engram_stream(ds41_engine *e, uint64_t budget, ds41_error *err)
         total += specs[s].payload->nbytes + specs[s].scale->nbytes;
     }
     if (nsl == 0 || budget >= total) return 0;
-    ds41_engram_cache_opts o = {.budget_bytes = budget};
+    ds41_engram_cache_opts o = {.budget_bytes = budget, .host_alloc = ds41_memory_host_alloc(e->be->mem)};
     e->ecache = ds41_engram_cache_new(e->ckpt, specs, nsl, &o, err);
     if (!e->ecache) return -1;
     const size_t ehd = (size_t)c->engram_head_dim;
@@ -213,6 +213,7 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         e->expert_predict_extra = opts ? opts->expert_predict_extra : 0;
     }
     e->expert_buffered = opts && opts->expert_buffered;
+    e->expert_host_budget = opts ? opts->host_expert_cache_bytes : 0;
     if (opts && opts->expert_cache_bytes && ds41_engine_set_expert_budget(e, opts->expert_cache_bytes, err) != 0) {
         ds41_error_prefix(err, "%s", dir);
         goto fail;
@@ -385,8 +386,11 @@ int ds41_engine_set_expert_budget(ds41_engine *e, uint64_t bytes, ds41_error *er
         pthread_mutex_unlock(&e->xc_mu);
         return rc;
     }
-    ds41_expert_cache_opts o = {
-        .budget_bytes = bytes, .buffered = e->expert_buffered, .slot_memory = e->be->expert_mem ? e->be->expert_mem : e->be->mem};
+    ds41_expert_cache_opts o = {.budget_bytes = bytes,
+                                .buffered = e->expert_buffered,
+                                .slot_memory = e->be->expert_mem ? e->be->expert_mem : e->be->mem,
+                                .host_tier_bytes = e->expert_host_budget,
+                                .host_alloc = ds41_memory_host_alloc(e->be->mem)};
     ds41_expert_cache *xc = ds41_expert_cache_new(e->ckpt, c, &o, err);
     if (!xc) return -1;
     pthread_mutex_lock(&e->xc_mu);

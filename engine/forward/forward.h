@@ -93,6 +93,13 @@ typedef struct ds41_engine_opts {
      * used in place from the mapping (the default).  A budget below one
      * expert fails the load with the minimum in the message. */
     uint64_t expert_cache_bytes;
+    /* With a backend computing on device memory (be->mem not host memory):
+     * the bytes of the host tier between the device slots above and the
+     * shards (storage/expert_cache.h, "Host tier"), in host memory from
+     * be->mem->host_alloc (page-locked) when it has one; at least the
+     * device budget.  0: the host staging slots are as many as the device
+     * slots.  Ignored while the experts are resident or on host memory. */
+    uint64_t host_expert_cache_bytes;
     bool expert_no_predict; /* no prediction at all (for comparisons) */
     /* Which predictions start expert reads before a layer's router runs
      * (ignored with expert_no_predict); logits do not depend on it. */

@@ -50,6 +50,7 @@ struct ds41_engine {
     bool expert_predict_early;   /* predict layer L before its attention */
     unsigned expert_predict_extra; /* candidates beyond the top-k per token */
     bool expert_buffered;
+    uint64_t expert_host_budget; /* opts.host_expert_cache_bytes */
     uint64_t expert_slot_bytes;  /* one expert's slot (0 until known) */
     bool budget_pending;         /* under xc_mu: a requested budget for the next forward */
     uint64_t budget_requested;
