@@ -161,6 +161,20 @@ static size_t ulp_far(const float *a, const float *b, size_t n, unsigned ulps, i
     return far;
 }
 
+/* The documented bound of the ops whose reductions are double sums of exact products rounded
+ * where the reference rounds (engine/backend/cpu/cpu_backend.h "Numerics"): every output a bf16
+ * value and the reference's except within one bf16 ulp (a double sum, or the device library's
+ * double exp, that rounds the other way at a boundary); *n_diff counts the outputs that differ. */
+static int bf16_close(const float *a, const float *b, size_t n, size_t *n_diff) {
+    int ok = ulp_far(a, b, n, 1, 1, n_diff) == 0;
+    for (size_t i = 0; i < n && ok; i++) {
+        uint32_t u;
+        memcpy(&u, &a[i], 4);
+        ok = (u & 0xffffu) == 0 || isnan(a[i]);
+    }
+    return ok;
+}
+
 /* ---- decisions (REFERENCE §10.1) ---------------------------------------------------------- */
 
 /* Whether the set `pick` (n ids) is a top-n of some score vector within err of `score` (len
@@ -478,11 +492,14 @@ static void check_rmsnorm(const shape *s, const model *md) {
             get(one, d1, n * 4);
             inv &= same_bits(one, y + m * n, n * 4);
         }
-        TAP_CHECK(rel_close(y, r, M * n, 2 * 0x1p-8, &e) && inv,
-                  "%s rmsnorm %s (%zu rows of %zu): within a bf16 ulp of the reference (%.2g), rows alone = "
-                  "batched "
-                  "(%.1f us)",
-                  s->name, cs[c].name, M, n, e, us);
+        size_t nd = 0;
+        rel_close(y, r, M * n, 2 * 0x1p-8, &e);
+        const int ok = bf16_close(y, r, M * n, &nd);
+        TAP_CHECK(
+            ok && inv,
+            "%s rmsnorm %s (%zu rows of %zu): bf16 outputs within one ulp of the reference (%zu differ, "
+            "%.2g), rows alone = batched (%.1f us)",
+            s->name, cs[c].name, M, n, nd, e, us);
         dev_release();
         free(x);
         free(y);
@@ -776,15 +793,19 @@ static void check_indexer(const shape *s, const model *md) {
     int ok = 1;
     size_t exact = 0;
     double err_max = 0;
+    /* The documented error of index scores is 0 (engine/backend/cpu/cpu_backend.h "Decisions":
+     * every product is exact and every sum a double sum of exact terms rounded where the
+     * reference rounds), so any difference is a defect; the largest is reported. */
     for (size_t i = 0; i < M * NE; i++) {
-        ok &= fabsf(sg[i] - sr[i]) <= 2 * 0x1p-8 * fmaxf(fabsf(sr[i]), 1e-3f);
         exact += same_f(sg[i], sr[i]);
         err_max = fmax(err_max, fabs((double)sg[i] - sr[i]));
     }
-    TAP_CHECK(ok,
-              "%s index_scores (%zu rows, %d x %d heads, reaches up to %zu over pages of %zu): within the "
-              "reference's bf16 roundings, %zu of %zu equal, nothing past a row's reach (%.1f us)",
-              s->name, M, IH, ID, NE, per, exact, M * NE, us);
+    ok = exact == M * NE;
+    TAP_CHECK(
+        ok,
+        "%s index_scores (%zu rows, %d x %d heads, reaches up to %zu over pages of %zu): bit for bit the "
+        "reference's (%zu of %zu equal, largest difference %.3g), nothing past a row's reach (%.1f us)",
+        s->name, M, IH, ID, NE, per, exact, M * NE, err_max, us);
 
     /* Candidate blocks and top-k, first on the reference's scores (bit for bit), then on the
      * backend's own (the reference's choice or one within the score error of the boundary). */
@@ -897,15 +918,16 @@ static uint8_t *window_rows(size_t n, size_t hd, size_t rb) {
     return r;
 }
 
-static int attn_close(const float *a, const float *b, size_t H, size_t hd, double *worst) {
-    int ok = 1;
+/* Attention outputs: bf16_close (*n_diff outputs differ by one ulp), and the worst per-head
+ * max |d| / max |ref| for the report. */
+static int attn_close(const float *a, const float *b, size_t H, size_t hd, double *worst, size_t *n_diff) {
     *worst = 0;
     for (size_t h = 0; h < H; h++) {
         double e = 0;
-        ok &= rel_close(a + h * hd, b + h * hd, hd, 1e-2, &e);
+        rel_close(a + h * hd, b + h * hd, hd, 1e-2, &e);
         *worst = fmax(*worst, e);
     }
-    return ok;
+    return bf16_close(a, b, H * hd, n_diff);
 }
 
 static void check_attention(const shape *s, const model *md) {
@@ -950,11 +972,13 @@ static void check_attention(const shape *s, const model *md) {
         double us, worst = 0;
         TIMED(us, (void)0, OPS->sparse_attn(OPS, dq, (int)H, (int)hd, sink, scale, &drw, dout), o, dout,
               QO * 4);
-        TAP_CHECK(attn_close(o, r, H, hd, &worst),
-                  "%s sparse_attn (%zu heads x %zu, %zu window + %zu compressed rows, the layer's sink): per "
-                  "head within "
-                  "1e-2 of the reference (%.2g) (%.1f us)",
-                  s->name, H, hd, W, nc, worst, us);
+        size_t nd = 0;
+        const int ok = attn_close(o, r, H, hd, &worst, &nd);
+        TAP_CHECK(
+            ok,
+            "%s sparse_attn (%zu heads x %zu, %zu window + %zu compressed rows, the layer's sink): bf16 "
+            "outputs within one ulp of the reference (%zu of %zu differ; worst head %.2g) (%.1f us)",
+            s->name, H, hd, W, nc, nd, QO, worst, us);
         free(wr);
         free(hw);
         free(dw);
@@ -1035,9 +1059,11 @@ static void check_attention(const shape *s, const model *md) {
         TIMED(us, (void)0, OPS->attend(OPS, dq, M, (int)H, (int)hd, sink, scale, &ds, dout), o, dout,
               M * QO * 4);
         int ok = 1;
+        size_t nd = 0, nd1;
         for (size_t m = 0; m < M; m++) {
-            ok &= attn_close(o + m * QO, r + m * QO, H, hd, &w1);
+            ok &= attn_close(o + m * QO, r + m * QO, H, hd, &w1, &nd1);
             worst = fmax(worst, w1);
+            nd += nd1;
         }
         /* the first sequence alone: its rows come first, so the same step with M of its rows */
         const size_t M0 = mode == 0 ? rows_c[0] : blk;
@@ -1045,20 +1071,21 @@ static void check_attention(const shape *s, const model *md) {
         get(o0, dout0, M0 * QO * 4);
         const int inv = same_bits(o0, o, M0 * QO * 4);
         if (mode == 0)
-            TAP_CHECK(ok && inv,
-                      "%s attend causal (%zu rows of 3 sequences at positions %llu.., %llu.., 0..: window "
-                      "%zu wrapped, "
-                      "chunk across the window's end, up to %zu compressed rows through pages): per head "
-                      "within 1e-2 "
-                      "of the reference (%.2g), the first sequence alone = batched bit for bit (%.1f us)",
-                      s->name, M, (unsigned long long)pos0_c[0], (unsigned long long)pos0_c[1], W, K, worst,
-                      us);
+            TAP_CHECK(
+                ok && inv,
+                "%s attend causal (%zu rows of 3 sequences at positions %llu.., %llu.., 0..: window %zu "
+                "wrapped, chunk across the window's end, up to %zu compressed rows through pages): bf16 "
+                "outputs within one ulp of the reference (%zu of %zu differ; worst head %.2g), the first "
+                "sequence alone = batched bit for bit (%.1f us)",
+                s->name, M, (unsigned long long)pos0_c[0], (unsigned long long)pos0_c[1], W, K, nd, M * QO,
+                worst, us);
         else
             TAP_CHECK(
                 ok && inv,
-                "%s attend DSpark blocks (2 blocks of %zu at positions %llu and 2, no causal mask): per head "
-                "within 1e-2 of the reference (%.2g), the first block alone = batched bit for bit (%.1f us)",
-                s->name, blk, (unsigned long long)pos0_b[0], worst, us);
+                "%s attend DSpark blocks (2 blocks of %zu at positions %llu and 2, no causal mask): bf16 "
+                "outputs within one ulp of the reference (%zu of %zu differ; worst head %.2g), the first "
+                "block alone = batched bit for bit (%.1f us)",
+                s->name, blk, (unsigned long long)pos0_b[0], nd, M * QO, worst, us);
         dev_release();
         dent = dup_(ent, NE * lay.entry_bytes);
         free(row_item);
@@ -1093,18 +1120,21 @@ static void check_moe(const shape *s, const model *md) {
     for (size_t m = 0; m < M; m++) rt[m] = (float)(0.1 + fabs(urand()));
     float *dg = dup_(g, M * I * 4), *du = dup_(u, M * I * 4), *drt = dup_(rt, M * 4), *dh = dnew(M * I * 4);
     int ok = 1;
+    size_t nd = 0;
     double us = 0;
     for (int routed = 0; routed < 2; routed++) {
         REF->swiglu(REF, g, u, M, I, (float)c->swiglu_limit, routed ? rt : NULL, hr);
         TIMED(us, (void)0, OPS->swiglu(OPS, dg, du, M, I, (float)c->swiglu_limit, routed ? drt : NULL, dh), h,
               dh, M * I * 4);
-        for (size_t i = 0; i < M * I; i++) ok &= fabsf(h[i] - hr[i]) <= 0x1p-8 * fabsf(hr[i]) + 1e-30f;
+        size_t nd1 = 0;
+        ok &= bf16_close(h, hr, M * I, &nd1);
+        nd += nd1;
     }
     TAP_CHECK(
         ok,
-        "%s swiglu (%zu rows of %zu, limit %g, with and without route weights): within a bf16 ulp of the "
-        "reference (%.1f us)",
-        s->name, M, I, c->swiglu_limit, us);
+        "%s swiglu (%zu rows of %zu, limit %g, with and without route weights): bf16 outputs within one "
+        "ulp of the reference (%zu differ: the double exp of silu) (%.1f us)",
+        s->name, M, I, c->swiglu_limit, nd, us);
     /* moe_combine: k expert rows per token through slots, plus the shared expert's row */
     const size_t T = M * (size_t)k;
     float *oe = xmalloc(T * D * 4), *sh = xmalloc(M * D * 4), *out = xmalloc(M * D * 4),
@@ -1135,7 +1165,8 @@ static void check_moe(const shape *s, const model *md) {
           selg, dsel, M * (size_t)k * 4);
     get(wg, dwt, M * (size_t)k * 4);
     get(sg, dsc, M * (size_t)E * 4);
-    size_t nd = 0, differ = 0, bad = 0;
+    size_t differ = 0, bad = 0;
+    nd = 0;
     const size_t far = ulp_far(sg, sr, M * (size_t)E, 2, 0, &nd);
     for (size_t m = 0; m < M; m++) {
         if (same_bits(selg + m * k, selr + m * k, (size_t)k * 4)) {
@@ -1193,10 +1224,13 @@ static void check_engram_and_rows(const shape *s, const model *md) {
     double us, e = 0;
     TIMED(us, put(dh, h0, M * HD * 4), OPS->engram_mix(OPS, dh, dkv, dw, M, hc, D, eps, ds), h, dh,
           M * HD * 4);
-    TAP_CHECK(rel_close(h, hr, M * HD, 2 * 0x1p-8, &e),
-              "%s engram_mix (%zu rows, hc %d x %zu, the layer's q*k): within bf16 of the reference (%.2g) "
-              "(%.1f us)",
-              s->name, M, hc, D, e, us);
+    size_t nd = 0;
+    rel_close(h, hr, M * HD, 2 * 0x1p-8, &e);
+    const int ok = bf16_close(h, hr, M * HD, &nd);
+    TAP_CHECK(ok,
+              "%s engram_mix (%zu rows, hc %d x %zu, the layer's q*k): bf16 outputs within one ulp of the "
+              "reference (%zu differ, %.2g) (%.1f us)",
+              s->name, M, hc, D, nd, e, us);
     /* embed: rows of the placed table, first and last ids included */
     int32_t *ids = xmalloc(M * 4);
     for (size_t m = 0; m < M; m++)
@@ -1260,9 +1294,9 @@ static void run_shape(const shape *s, const char *root) {
     model md;
     ds41_error err = {{0}};
     const double t0 = now();
-    if (!TAP_CHECK(load_model(s, dir, &md, &err) == 0,
-                   "%s: checkpoint generated, bound and placed on %s (%s)", s->name, BE->name,
-                   err.msg[0] ? err.msg : "ok")) {
+    const int loaded = load_model(s, dir, &md, &err) == 0;
+    if (!TAP_CHECK(loaded, "%s: checkpoint generated, bound and placed on %s (%s)", s->name, BE->name,
+                   loaded ? "ok" : err.msg)) {
         free_model(&md);
         return;
     }
