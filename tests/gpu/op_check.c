@@ -1257,19 +1257,44 @@ static void check_engram_and_rows(const shape *s, const model *md) {
               "%s gather_rows (%zu rows of %zu bytes at a stride of %zu): the rows "
               "named, bit for bit (%.1f us)",
               s->name, M, RB, RB + 12, us);
-    /* fp8_rows of the placed Engram table, first and last rows included */
-    const size_t cols = (size_t)c->engram_head_dim;
-    int64_t *rows = xmalloc(M * 8);
-    for (size_t i = 0; i < M; i++)
+    /* fp8_rows as the forward pass runs it when the Engram rows are streamed (engine/forward/
+     * forward.c engram_stream_rows, the CUDA engine's path: the tables are far larger than device
+     * memory at the release's size): the step's rows, first and last of the table included,
+     * gathered on the host into a compact table in backend memory, read by row ids 0..n-1 (in a
+     * shuffled order here).  Backends that compute on host memory (identity placement) also read
+     * the bound table in place, the resident path. */
+    const size_t cols = (size_t)c->engram_head_dim, sb = (cols + 31) / 32;
+    int64_t *rows = xmalloc(M * 8), *ord = xmalloc(M * 8);
+    uint8_t *cq = xmalloc(M * cols), *cs = xmalloc(M * sb);
+    for (size_t i = 0; i < M; i++) {
         rows[i] = i == 0 ? 0 : i == 1 ? le->eng_rows - 1 : (int64_t)((i * 7717) % (size_t)le->eng_rows);
+        ord[i] = (int64_t)((i * 5 + 3) % M);
+    }
+    for (size_t i = 0; i < M; i++) {
+        memcpy(cq + i * cols, le->eng_table + (size_t)rows[ord[i]] * cols, cols);
+        memcpy(cs + i * sb, le->eng_table_scale + (size_t)rows[ord[i]] * sb, sb);
+    }
     float *fr = xmalloc(M * cols * 4), *frr = xmalloc(M * cols * 4), *dfr = dnew(M * cols * 4);
     REF->fp8_rows(REF, le->eng_table, le->eng_table_scale, rows, M, cols, frr);
-    TIMED(us, (void)0, OPS->fp8_rows(OPS, le->eng_table, le->eng_table_scale, rows, M, cols, dfr), fr, dfr,
-          M * cols * 4);
-    TAP_CHECK(same_bits(fr, frr, M * cols * 4),
-              "%s fp8_rows (%zu rows of the Engram table, %zu columns, rows 0 and "
-              "last): bit for bit the reference (%.1f us)",
-              s->name, M, cols, us);
+    uint8_t *dcq = dup_(cq, M * cols), *dcs = dup_(cs, M * sb);
+    int64_t *inv_ord = xmalloc(M * 8);
+    for (size_t i = 0; i < M; i++) inv_ord[ord[i]] = (int64_t)i;
+    TIMED(us, (void)0, OPS->fp8_rows(OPS, dcq, dcs, inv_ord, M, cols, dfr), fr, dfr, M * cols * 4);
+    int ok_rows = same_bits(fr, frr, M * cols * 4);
+    if (!BE->place_weights) {
+        OPS->fp8_rows(OPS, le->eng_table, le->eng_table_scale, rows, M, cols, dfr);
+        get(fr, dfr, M * cols * 4);
+        ok_rows &= same_bits(fr, frr, M * cols * 4);
+    }
+    TAP_CHECK(
+        ok_rows,
+        "%s fp8_rows (%zu rows of the Engram table, %zu columns, rows 0 and last, gathered into backend "
+        "memory%s): bit for bit the reference (%.1f us)",
+        s->name, M, cols, BE->place_weights ? "" : "; and the bound table in place", us);
+    free(ord);
+    free(inv_ord);
+    free(cq);
+    free(cs);
     dev_release();
     free(wqk);
     free(h0);
