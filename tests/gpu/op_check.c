@@ -1358,7 +1358,7 @@ static void usage(FILE *f) {
 int main(int argc, char **argv) {
     const char *backend = "cpu", *shape_list = "tiny";
     int device = 0, threads = 0;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0) {
@@ -1383,7 +1383,6 @@ int main(int argc, char **argv) {
             usage(stderr);
             return 2;
         }
-        i++;
     }
     for (const char *p = shape_list; *p;) {
         const size_t n = strcspn(p, ",");
