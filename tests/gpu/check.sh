@@ -30,6 +30,10 @@ ARCH=
 DRY=0
 QUICK=0
 ALL_STEPS="env build opcheck forward layers bench release"
+# Test only (tests/gpu/test_check_script.sh): DS41_GPU_CHECK_TEST_STEP is a command run as a first
+# step named `test` (limit 60 s), to show the counting and the time limit on something that takes
+# a known time.
+[ -n "${DS41_GPU_CHECK_TEST_STEP:-}" ] && ALL_STEPS="test $ALL_STEPS"
 while [ $# -gt 0 ]; do
     case "$1" in
     --backend) BACKEND=${2:?}; shift 2 ;;
@@ -118,6 +122,8 @@ OPSHAPES=tiny,release
 [ "$QUICK" = 1 ] && OPSHAPES=tiny
 
 say "gpu-check: backend $BACKEND, budget $BUDGET s, build $B, gpu_archs $ARCH, log $LOG"
+
+[ -n "${DS41_GPU_CHECK_TEST_STEP:-}" ] && step test 60 "$DS41_GPU_CHECK_TEST_STEP"
 
 # 1. What the machine is (not a check of the backend: nvidia-smi must answer for cuda).
 step env 30 "

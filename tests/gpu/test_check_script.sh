@@ -58,13 +58,20 @@ else
         "$(cat "$T/nogpu.out")"
 fi
 
-# 4. The time limit.
-OUT=$T/slow tests/gpu/check.sh --backend cpu --no-build --only forward --budget 12 >"$T/slow.out" 2>&1
+# 4. The time limit (a test step of a known length: DS41_GPU_CHECK_TEST_STEP), and its child killed
+#    with it.
+t0=$(date +%s)
+DS41_GPU_CHECK_TEST_STEP="sleep 97.5 & wait" OUT=$T/slow \
+    tests/gpu/check.sh --backend cpu --no-build --only test,opcheck --quick --budget 12 >"$T/slow.out" 2>&1
 rc=$?
+dt=$(($(date +%s) - t0))
 ok=1
-[ $rc = 1 ] && grep -Eq '^FAIL: forward timed out after 1[0-2] s' "$T/slow.out" &&
-    tail -1 "$T/slow.out" | grep -qx "gpu-check: 0 passed, 1 failed" && ok=0
-tap $ok "a step that outlives what is left of the budget (12 s) is killed and counted as failed" "$(cat "$T/slow.out")"
+sleep 1
+[ $rc = 1 ] && [ $dt -lt 60 ] && ! pgrep -fx "sleep 97.5" >/dev/null && grep -Eq '^FAIL: test timed out after 1[0-2] s' "$T/slow.out" &&
+    grep -q '^skip: opcheck (the budget of 12 s is spent)' "$T/slow.out" &&
+    tail -1 "$T/slow.out" | grep -qx "gpu-check: 0 passed, 1 failed, 1 skipped" && ok=0
+tap $ok "a step that outlives what is left of the budget (12 s) is killed with its children and counted as failed, the next step skipped (${dt} s)" \
+    "$(cat "$T/slow.out")"
 
 # 5. The emulated CUDA backend (a skip until this tree has it).
 OUT=$T/emu tests/gpu/check.sh --backend cuda-emu --no-build --quick --only opcheck --budget 400 >"$T/emu.out" 2>&1
