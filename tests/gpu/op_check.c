@@ -1247,7 +1247,7 @@ static void check_engram_and_rows(const shape *s, const model *md) {
     /* gather_rows inside backend memory */
     const size_t NR = M + 5, RB = D * 4 + 4;
     uint8_t *src = xmalloc(NR * (RB + 12)), *dst = xmalloc(M * RB), *dstr = xmalloc(M * RB);
-    for (size_t i = 0; i < NR * (RB + 12); i++) src[i] = (uint8_t)(urand() * 256);
+    for (size_t i = 0; i < NR * (RB + 12); i++) src[i] = (uint8_t)((urand() + 1.0) * 127.99);
     uint32_t *idx = xmalloc(M * 4);
     for (size_t i = 0; i < M; i++) idx[i] = (uint32_t)((i * 3 + 1) % NR);
     for (size_t i = 0; i < M; i++) memcpy(dstr + i * RB, src + idx[i] * (RB + 12), RB);
