@@ -5,10 +5,19 @@
  * prefilled whole, in chunks of 1 (token by token) or 7, or together with
  * other prompts; with one thread or two; at the best SIMD level and at the
  * scalar level.  Also: the default engine is the fast path, --reference is
- * not, and the backend's counters see the weights a step touches. */
+ * not, and the backend's counters see the weights a step touches.
+ *
+ * DS41_TEST_BACKEND=cuda (or cuda-emu, or any name tests/gpu/backend_open.h knows) runs the same
+ * invariance on that backend instead (tests/gpu/check.sh on a GPU; exit 77 where this build cannot
+ * open it), and a session snapshot taken on the fast CPU backend restored on it: the restored state
+ * reads back byte for byte, continues like the CPU run within the layer check's logits tolerance,
+ * and a snapshot taken on the backend continues there exactly like the uninterrupted run. */
 #include "engine/backend/cpu/cpu_backend.h"
 #include "engine/forward/forward.h"
+#include "engine/model/kv_cache.h"
 #include "engine/model/model_gen.h"
+#include "tests/gpu/backend_open.h"
+#include "tests/op_bounds.h"
 #include "tests/tap.h"
 #include "tests/tmpdir.h"
 
@@ -19,6 +28,19 @@
 #include <string.h>
 
 static char root[3000];
+
+/* DS41_TEST_BACKEND: the backend the invariance runs on (NULL: the fast CPU backend). */
+static const char *test_backend;
+
+/* Engine options: the fast CPU backend with `threads`, or a fresh test_backend instance. */
+static int engine_opts(ds41_engine_opts *o, int threads, ds41_error *err) {
+    memset(o, 0, sizeof *o);
+    o->cpu.threads = threads;
+    if (!test_backend) return 0;
+    int unavailable = 0;
+    o->backend = check_backend_open(test_backend, threads, 0, &unavailable, err);
+    return o->backend ? 0 : -1;
+}
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
 static int32_t rnd(int64_t n) {
@@ -118,11 +140,11 @@ static void trace_free(trace *t) {
 }
 
 static void test_invariance(const char *dir, const char *name, size_t n, int all_levels) {
-    ds41_error err;
-    ds41_engine_opts o2 = {.cpu = {.threads = 2}}, o1 = {.cpu = {.threads = 1}};
-    ds41_engine *e = ds41_engine_load(dir, &o2, &err);
-    ds41_engine *e1 = e ? ds41_engine_load(dir, &o1, &err) : NULL;
-    if (!TAP_CHECK(e && e1, "%s: fast engines load (%s)", name, e ? ds41_engine_backend(e)->name : err.msg)) {
+    ds41_error err = {{0}};
+    ds41_engine_opts o2, o1;
+    ds41_engine *e = engine_opts(&o2, 2, &err) == 0 ? ds41_engine_load(dir, &o2, &err) : NULL;
+    ds41_engine *e1 = e && engine_opts(&o1, 1, &err) == 0 ? ds41_engine_load(dir, &o1, &err) : NULL;
+    if (!TAP_CHECK(e && e1, "%s: engines load (%s)", name, e ? ds41_engine_backend(e)->name : err.msg)) {
         ds41_engine_free(e);
         ds41_engine_free(e1);
         return;
@@ -161,15 +183,21 @@ static void test_invariance(const char *dir, const char *name, size_t n, int all
     ok = run(e, p, n, 7, comp + 4, comp_n + 4, 11, &t) == 0 && same(&alone, &t, n, V);
     TAP_CHECK(ok, "%s: chunks of 7 beside 11 other sequences, then a batch of 12 = alone bit for bit", name);
     ok = run(e1, p, n, 5, comp, comp_n, 3, &t) == 0 && same(&alone, &t, n, V);
-    TAP_CHECK(ok, "%s: one thread (chunks of 5, batch of 4) = two threads bit for bit", name);
+    TAP_CHECK(ok, "%s: %s (chunks of 5, batch of 4) = the first bit for bit", name,
+              test_backend ? "a second instance of the backend" : "one thread");
 
     /* The counters: a decode step touches at least the head and the
      * attention weights, more with more sequences (more experts). */
     ds41_backend *be = ds41_engine_backend(e);
-    ds41_backend_stats st;
-    be->stats(be, &st, true);
-    TAP_CHECK(st.weight_bytes > 0 && st.flops > 0, "%s: the backend counted %llu weight bytes and %llu flops",
-              name, (unsigned long long)st.weight_bytes, (unsigned long long)st.flops);
+    ds41_backend_stats st = {0};
+    if (be->stats) {
+        be->stats(be, &st, true);
+        TAP_CHECK(st.weight_bytes > 0 && st.flops > 0,
+                  "%s: the backend counted %llu weight bytes and %llu flops", name,
+                  (unsigned long long)st.weight_bytes, (unsigned long long)st.flops);
+    } else {
+        TAP_SKIP("%s: backend %s keeps no counters", name, be->name);
+    }
 
     if (all_levels) {
         /* Lower levels are invariant too (their own order, fixed). */
@@ -209,6 +237,118 @@ static void test_modes(const char *dir) {
     ds41_engine_free(ref);
 }
 
+/* Feed ids (n) to seq in one call; logits of every position into out (or only the last). */
+static int feed(ds41_engine *e, ds41_kv_seq *seq, const int32_t *ids, size_t n, float *out, bool last_only) {
+    ds41_error err;
+    ds41_fwd_item it = {.seq = seq, .ids = ids, .n_ids = n, .logits = out, .logits_last_only = last_only};
+    const int rc = ds41_forward(e, &it, 1, NULL, &err);
+    if (rc) TAP_NOTE("forward: %s", err.msg);
+    return rc;
+}
+
+/* The sequence's snapshot (malloc'd, *len bytes), or NULL. */
+static uint8_t *snapshot(const ds41_kv_seq *seq, size_t *len) {
+    ds41_error err;
+    const size_t cap = ds41_kv_seq_serialized_size(seq);
+    uint8_t *b = malloc(cap);
+    if (b && ds41_kv_seq_serialize(seq, b, cap, len, &err) == 0) return b;
+    TAP_NOTE("serialize: %s", err.msg);
+    free(b);
+    return NULL;
+}
+
+static ds41_kv_seq *restore(ds41_kv_pool *pool, const uint8_t *b, size_t len) {
+    ds41_error err;
+    ds41_kv_seq *s = NULL;
+    if (ds41_kv_seq_deserialize(pool, b, len, &s, &err) != 0) TAP_NOTE("deserialize: %s", err.msg);
+    return s;
+}
+
+/* Continue seq with the tokens c[0..k) one forward call each; logits of each into out[k][V]. */
+static int continue_each(ds41_engine *e, ds41_kv_seq *seq, const int32_t *c, size_t k, float *out, size_t V) {
+    for (size_t i = 0; i < k; i++)
+        if (feed(e, seq, c + i, 1, out + i * V, true) != 0) return -1;
+    return 0;
+}
+
+/* Session snapshots across backends: taken on the fast CPU backend (ecpu) after an n-token
+ * prompt, restored on the test backend (ebe). */
+static void test_snapshot_across(const char *dir, const char *name, size_t n) {
+    ds41_error err = {{0}};
+    ds41_engine_opts oc = {.cpu = {.threads = 2}}, ob;
+    ds41_engine *ecpu = ds41_engine_load(dir, &oc, &err);
+    ds41_engine *ebe = ecpu && engine_opts(&ob, 2, &err) == 0 ? ds41_engine_load(dir, &ob, &err) : NULL;
+    if (!TAP_CHECK(ecpu && ebe, "%s: CPU and %s engines load%s%s", name, test_backend, err.msg[0] ? ": " : "",
+                   err.msg)) {
+        ds41_engine_free(ecpu);
+        ds41_engine_free(ebe);
+        return;
+    }
+    const size_t V = (size_t)ds41_engine_config(ecpu)->vocab_size, K = STEPS;
+    int32_t *p = make_prompt(n, (int64_t)V), c[STEPS];
+    for (size_t i = 0; i < K; i++) c[i] = rnd((int64_t)V);
+    ds41_kv_pool *pc = ds41_engine_new_pool(ecpu, 0, 0, &err), *pb = ds41_engine_new_pool(ebe, 0, 0, &err);
+    float *last = malloc(V * sizeof *last), *A = malloc(K * V * sizeof *A), *A1 = malloc(K * V * sizeof *A1),
+          *B = malloc(K * V * sizeof *B), *U = malloc(K * V * sizeof *U), *R = malloc(K * V * sizeof *R);
+    ds41_kv_seq *sc = pc ? ds41_kv_seq_new(pc, &err) : NULL, *ub = pb ? ds41_kv_seq_new(pb, &err) : NULL;
+    ds41_kv_seq *r1 = NULL, *r2 = NULL, *r3 = NULL, *rc = NULL;
+    uint8_t *S = NULL, *S2 = NULL, *T = NULL;
+    size_t ls = 0, ls2 = 0, lt = 0;
+    int ok = sc && ub && last && A && A1 && B && U && R && feed(ecpu, sc, p, n, last, true) == 0 &&
+             (S = snapshot(sc, &ls)) != NULL;
+    /* 1. restored on the backend, the state reads back byte for byte */
+    ok = ok && (r1 = restore(pb, S, ls)) != NULL && (S2 = snapshot(r1, &ls2)) != NULL;
+    TAP_CHECK(ok && ls2 == ls && memcmp(S, S2, ls) == 0,
+              "%s: a snapshot taken on the CPU after %zu tokens, restored on %s, reads back byte for byte "
+              "(%zu bytes)",
+              name, n, test_backend, ls);
+    /* 2. continued there: token by token = in one call, and close to the CPU's own continuation */
+    int ok2 = ok && continue_each(ebe, r1, c, K, A, V) == 0 && (r2 = restore(pb, S, ls)) != NULL &&
+              feed(ebe, r2, c, K, A1, false) == 0 && continue_each(ecpu, sc, c, K, B, V) == 0;
+    const int same_chunk = ok2 && memcmp(A, A1, K * V * sizeof *A) == 0;
+    double worst = 0, e = 0;
+    int close = ok2, argmax_same = 0;
+    for (size_t i = 0; ok2 && i < K; i++) {
+        close &= rel_close(A + i * V, B + i * V, V, 2e-2, &e);
+        worst = fmax(worst, e);
+        argmax_same += ds41_argmax(A + i * V, V) == ds41_argmax(B + i * V, V);
+    }
+    TAP_CHECK(same_chunk && close,
+              "%s: continued on %s for %zu tokens: one call = token by token bit for bit, logits within 2e-2 "
+              "of the "
+              "CPU's own continuation (worst %.2e; greedy choice the same at %d of %zu)",
+              name, test_backend, K, worst, argmax_same, K);
+    /* 3. a snapshot taken on the backend continues there exactly like the uninterrupted run, and
+     *    the CPU reads it */
+    int ok3 = feed(ebe, ub, p, n, last, true) == 0 && (T = snapshot(ub, &lt)) != NULL &&
+              continue_each(ebe, ub, c, K, U, V) == 0 && (r3 = restore(pb, T, lt)) != NULL &&
+              continue_each(ebe, r3, c, K, R, V) == 0 && (rc = restore(pc, T, lt)) != NULL;
+    TAP_CHECK(ok3 && memcmp(U, R, K * V * sizeof *U) == 0,
+              "%s: a snapshot taken on %s continues there bit for bit like the uninterrupted run; the CPU "
+              "backend restores it",
+              name, test_backend);
+    ds41_kv_seq_free(sc);
+    ds41_kv_seq_free(ub);
+    ds41_kv_seq_free(r1);
+    ds41_kv_seq_free(r2);
+    ds41_kv_seq_free(r3);
+    ds41_kv_seq_free(rc);
+    ds41_kv_pool_free(pc);
+    ds41_kv_pool_free(pb);
+    free(S);
+    free(S2);
+    free(T);
+    free(p);
+    free(last);
+    free(A);
+    free(A1);
+    free(B);
+    free(U);
+    free(R);
+    ds41_engine_free(ebe);
+    ds41_engine_free(ecpu);
+}
+
 static int make(const char *preset, uint64_t seed, char *dir_out) {
     snprintf(dir_out, 4096, "%s/%s", root, preset);
     ds41_model_gen_opts o = {.preset = preset, .seed = seed};
@@ -221,6 +361,18 @@ static int make(const char *preset, uint64_t seed, char *dir_out) {
 }
 
 int main(void) {
+    test_backend = getenv("DS41_TEST_BACKEND");
+    if (test_backend && (!*test_backend || strcmp(test_backend, "cpu") == 0)) test_backend = NULL;
+    if (test_backend) {
+        ds41_error err = {{0}};
+        int unavailable = 0;
+        ds41_backend *probe = check_backend_open(test_backend, 1, 0, &unavailable, &err);
+        if (!probe) {
+            printf("1..0 # SKIP backend %s: %s\n", test_backend, err.msg);
+            return unavailable ? 77 : 1;
+        }
+        ds41_backend_free(probe);
+    }
     if (!tmpdir_make(root, sizeof root, "TMPDIR", "ds41-test-fast-forward-XXXXXX")) {
         TAP_CHECK(0, "mkdtemp");
         return tap_done();
@@ -231,11 +383,14 @@ int main(void) {
      * in the plain build. */
     const int slow = getenv("DS41_SANITIZED") != NULL;
     if (TAP_CHECK(make("tiny", 21, dir_tiny) == 0, "tiny checkpoint generated")) {
-        test_modes(dir_tiny);
-        test_invariance(dir_tiny, "tiny", slow ? 24 : 40, 1);
+        if (!test_backend) test_modes(dir_tiny);
+        test_invariance(dir_tiny, "tiny", slow ? 24 : 40, !test_backend);
+        if (test_backend) test_snapshot_across(dir_tiny, "tiny", 37);
     }
-    if (TAP_CHECK(make("long", 22, dir_long) == 0, "long checkpoint generated"))
+    if (TAP_CHECK(make("long", 22, dir_long) == 0, "long checkpoint generated")) {
         test_invariance(dir_long, "long", slow ? 70 : 130, 0);
+        if (test_backend) test_snapshot_across(dir_long, "long", 101);
+    }
     tmpdir_remove(root);
     return tap_done();
 }

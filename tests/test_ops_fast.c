@@ -21,25 +21,12 @@
 #include "tests/attn_step.h"
 #include "tests/index_pages.h"
 #include "tests/linear_data.h"
+#include "tests/op_bounds.h"
 #include "tests/tap.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static double urand(void) { /* [-1, 1) */
-    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (double)(rng >> 11) / 4503599627370496.0 - 1.0;
-}
-
-static float bfr(double x) {
-    return ds41_bf16_round((float)x);
-}
-
-static void fill_bf16(float *x, size_t n, double scale) {
-    for (size_t i = 0; i < n; i++) x[i] = bfr(urand() * scale * (i % 7 == 3 ? 8.0 : 1.0));
-}
 
 /* Levels this machine runs, highest first, and a backend for each. */
 static int n_levels;
@@ -67,15 +54,6 @@ static void free_linear(lin_data *d) {
     lin_data_free(d);
 }
 
-/* |a - b| within the fp32 accumulation bound of K exact products (sum of
- * magnitudes s) and, for bf16 outputs, one bf16 ulp. */
-static int within(float a, float b, double s, size_t K, int bf16_out) {
-    if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
-    double tol = 2.0 * (double)(K + 2) * 0x1p-24 * s;
-    if (bf16_out) tol += fmax(fabs((double)a), fabs((double)b)) * 0x1p-7;
-    return fabs((double)a - (double)b) <= tol + 1e-30;
-}
-
 static void test_linear_case(const lin_case *c) {
     lin_data d;
     make_linear(c, &d);
@@ -84,12 +62,7 @@ static void test_linear_case(const lin_case *c) {
     float *ref = malloc(M * N * sizeof *ref), *scalar = malloc(M * N * sizeof *scalar);
     float *y = malloc(M * N * sizeof *y), *row = malloc(N * sizeof *row);
     double *mag = malloc(M * N * sizeof *mag);
-    for (size_t m = 0; m < M; m++)
-        for (size_t n = 0; n < N; n++) {
-            double s = 0;
-            for (size_t k = 0; k < K; k++) s += fabs((double)d.xq[m * K + k] * d.wd[n * K + k]);
-            mag[m * N + n] = s;
-        }
+    linear_magnitudes(d.xq, d.wd, M, N, K, mag);
     ds41_ops_reference.linear(&ds41_ops_reference, &d.w, d.x, M, ref, c->out);
     const char *kn = c->kind == DS41_LINEAR_FP8 ? "FP8" : c->kind == DS41_LINEAR_FP4 ? "FP4" : "BF16";
     for (int li = n_levels - 1; li >= 0; li--) {
@@ -268,21 +241,6 @@ static void test_linears(void) {
 }
 
 /* ---- the other ops ------------------------------------------------------------------- */
-
-/* max |a - b| / max |b| over n values <= tol (the layer check's measure). */
-static int rel_close(const float *a, const float *b, size_t n, double tol, double *got) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (isnan(a[i]) != isnan(b[i])) {
-            *got = INFINITY;
-            return 0;
-        }
-        num = fmax(num, fabs((double)a[i] - b[i]));
-        den = fmax(den, fabs((double)b[i]));
-    }
-    *got = den > 0 ? num / den : num;
-    return *got <= tol;
-}
 
 static void test_norms_and_hc(void) {
     enum { M = 5, D = 200, hc = 4 };

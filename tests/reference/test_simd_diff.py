@@ -28,6 +28,9 @@ the documented margin, violations.  Environment: DS41_BUILD_DIR; DS41_LONG_TESTS
 sweep (more checkpoints, longer prompts); DS41_SANITIZED=1 scales the short one down;
 DS41_SIMD_DIFF_N overrides the checkpoint count; DS41_SIMD_DIFF_ONLY=i,j reruns only checkpoints
 #i, #j of the same sequence (the others are generated, not run).
+DS41_CHECK_BACKEND=NAME (e.g. cuda; tests/gpu/check.sh) compares that backend (ds41-eval --backend NAME
+--replay) with the scalar level instead of the SIMD levels, under the same rules; the teeth and the
+--replay argument checks (the CPU backend's and the tool's) are left out.
 """
 
 import json
@@ -55,6 +58,12 @@ PY = sys.executable
 LONG = os.environ.get('DS41_LONG_TESTS') == '1'
 SANITIZED = os.environ.get('DS41_SANITIZED') == '1'
 LEVELS = ('avx2', 'avx512', 'amx')
+BACKEND = os.environ.get('DS41_CHECK_BACKEND') or None
+
+
+def level_args(lv):
+    """ds41-eval's flags for one compared run: a CPU level, or DS41_CHECK_BACKEND."""
+    return ['--backend', BACKEND] if BACKEND else ['--cpu', lv]
 
 
 
@@ -335,8 +344,8 @@ def main():
         # Which levels the host runs (ds41-eval says when it lowers a --cpu cap).
         probe = os.path.join(tmp, 'probe')
         run([MKMODEL, probe, '--preset', 'tiny', '--quiet'])
-        levels = []
-        for lv in LEVELS:
+        levels = [BACKEND] if BACKEND else []
+        for lv in LEVELS if not BACKEND else ():
             p = run([EVAL, '--model', probe, '--ids', '1,2,3', '--out', os.path.join(tmp, 'p.json'), '--cpu', lv])
             if 'running at' in p.stderr:
                 tap(True, f"level {lv} # SKIP this host has no {lv} ({p.stderr.strip()})")
@@ -365,12 +374,12 @@ def main():
             problems = []
             for lv in levels:
                 xd = os.path.join(tmp, f'{lv}.dump')
-                run([EVAL, '--model', ck.path, '--replay', sd, '--dump', xd, '--out', os.path.join(tmp, 'x.json'),
-                     '--cpu', lv])
+                run([EVAL, '--model', ck.path, '--replay', sd, '--dump', xd, '--out', os.path.join(tmp, 'x.json')] +
+                    level_args(lv))
                 compare(ck, S, load(xd), lv, fig, problems)
                 fig.runs += 1
                 levels_seen.add(lv)
-            if i == 0 and not only:
+            if i == 0 and not only and not BACKEND:
                 teeth(ck, sd, S, levels[0], tmp)
                 replay_errors(ck, sd, tmp)
             fig.checkpoints += 1
