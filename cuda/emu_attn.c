@@ -35,7 +35,7 @@ void ds41_cuda_emu_index_query(const ds41_ops *self, float *q, size_t qn, float 
     enter(self);
     const size_t nb = (qn + 31) / 32;
     for (size_t t = 0; t < M * nb; t++) ds41_na_fp4_qdq_block(q + (t / nb) * qn, qn, t % nb);
-    for (size_t i = 0; i < M * wn; i++) w[i] = ds41_na_bf16_round(ds41_na_fmul(w[i], scale));
+    for (size_t i = 0; i < M * wn; i++) w[i] = ds41_hd_bf16_round(ds41_na_fmul(w[i], scale));
 }
 
 void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const float *latent,
@@ -91,7 +91,7 @@ void ds41_cuda_emu_index_scores(const ds41_ops *self, const float *q, const floa
                     ds41_na_index_term(ds41_na_xor_tree(part), w[m * (size_t)n_heads + (size_t)h]);
                 hsum = ds41_na_dadd(hsum, (double)term);
             }
-            score[m * score_stride + t] = ds41_na_bf16_round((float)hsum);
+            score[m * score_stride + t] = ds41_hd_bf16_round((float)hsum);
         }
     }
 }

@@ -45,7 +45,7 @@ __global__ void k_index_query(float *q, size_t qn, float *w, size_t wn, size_t M
     if (t < M * nb)
         ds41_na_fp4_qdq_block(q + (t / nb) * qn, qn, t % nb);
     else if (t - M * nb < M * wn)
-        w[t - M * nb] = ds41_na_bf16_round(ds41_na_fmul(w[t - M * nb], scale));
+        w[t - M * nb] = ds41_hd_bf16_round(ds41_na_fmul(w[t - M * nb], scale));
 }
 
 __global__ void k_kv_pack(size_t ld, size_t kd, size_t latent_bytes, size_t entry_bytes, const float *latent,
@@ -95,7 +95,7 @@ __global__ void k_index_scores(const float *q, const float *w, int n_heads, int 
         hsum =
             ds41_na_dadd(hsum, (double)ds41_na_index_term(warp_tree(s), w[m * (size_t)n_heads + (size_t)h]));
     }
-    if (lane == 0) score[m * score_stride + t] = ds41_na_bf16_round((float)hsum);
+    if (lane == 0) score[m * score_stride + t] = ds41_hd_bf16_round((float)hsum);
 }
 
 // ---- decisions ----------------------------------------------------------------------------

@@ -57,6 +57,7 @@
 #define DS41_CUDA_NUM_ATTN_H
 
 #include "cuda/hd.h"
+#include "cuda/num_codec.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -111,92 +112,7 @@ DS41_HD int ds41_na_isnan(float x) {
     return (ds41_hd_f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u;
 }
 
-/* ---- codecs (engine/model/quant.h, bit for bit) ------------------------------- */
-
-/* ds41_bf16_round. */
-DS41_HD float ds41_na_bf16_round(float x) {
-    uint32_t u = ds41_hd_f32_bits(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return ds41_hd_f32_from_bits((u | 0x00400000u) & 0xFFFF0000u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return ds41_hd_f32_from_bits(u & 0xFFFF0000u);
-}
-
-/* ds41_ue8m0_to_f32: 2^(b-127), 0 -> 2^-127, 255 -> NaN. */
-DS41_HD float ds41_na_ue8m0(uint8_t b) {
-    if (b == 255) return ds41_hd_f32_from_bits(0x7FC00000u);
-    if (b == 0) return ds41_hd_f32_from_bits(0x00400000u);
-    return ds41_hd_f32_from_bits((uint32_t)b << 23);
-}
-
-/* ds41_e4m3_table[b], computed: subnormals m 2^-9, normals (8+m) 2^(e-10),
- * 0x7F / 0xFF NaN (with the sign), 0x80 -0. */
-DS41_HD float ds41_na_e4m3(uint8_t b) {
-    const uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 3) & 15u, m = b & 7u;
-    if ((b & 0x7Fu) == 0x7Fu) return ds41_hd_f32_from_bits(sign | 0x7FC00000u);
-    if (e == 0) {
-        if (m == 0) return ds41_hd_f32_from_bits(sign);
-        /* m 2^-9: normalize the 3-bit mantissa into an fp32 normal. */
-        int sh = m >= 4 ? 0 : (m >= 2 ? 1 : 2);
-        const uint32_t mm = (m << sh) & 3u; /* bits below the leading one */
-        return ds41_hd_f32_from_bits(sign | ((uint32_t)(127 - 7 - sh) << 23) | (mm << 21));
-    }
-    return ds41_hd_f32_from_bits(sign | ((e + 120u) << 23) | (m << 20));
-}
-
-/* ds41_e2m1_table[c & 15]: 0 .5 1 1.5 2 3 4 6, bit 3 the sign (8: -0). */
-DS41_HD float ds41_na_e2m1(uint8_t c) {
-    const uint32_t sign = (uint32_t)(c & 8u) << 28, e = (c >> 1) & 3u, m = c & 1u;
-    if (e == 0) return ds41_hd_f32_from_bits(sign | (m ? 0x3F000000u : 0u));
-    return ds41_hd_f32_from_bits(sign | ((e + 126u) << 23) | (m << 22));
-}
-
-/* ds41_e4m3_from_f32. */
-DS41_HD uint8_t ds41_na_e4m3_from_f32(float v) {
-    const uint32_t u = ds41_hd_f32_bits(v);
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    const uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (uint8_t)(sign | 0x7F);
-    if (a >= 0x43E00000u) return (uint8_t)(sign | 0x7E);
-    const uint32_t ex = a >> 23;
-    if (ex >= 121) {
-        uint32_t code = ((ex - 120u) << 3) | ((a >> 20) & 7u);
-        const uint32_t rem = a & 0xFFFFFu;
-        if (rem > 0x80000u || (rem == 0x80000u && (code & 1u))) code++;
-        return (uint8_t)(sign | code);
-    }
-    if (ex == 0) return sign;
-    const unsigned shift = 141u - ex;
-    if (shift >= 25) return sign;
-    const uint32_t sig = (a & 0x7FFFFFu) | 0x800000u;
-    uint32_t kept = sig >> shift;
-    const uint32_t rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (kept & 1u))) kept++;
-    return (uint8_t)(sign | kept);
-}
-
-/* ds41_e2m1_from_f32: the magnitude code counts the thresholds |v| passes
- * (0.25 0.75 1.25 1.75 2.5 3.5 5); exactly at one, the odd ones (0.75, 1.75,
- * 3.5) go up (ties to the even code); NaN saturates to 7; the sign bit is
- * v's. */
-DS41_HD uint8_t ds41_na_e2m1_from_f32(float v) {
-    const float th[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-    const uint32_t u = ds41_hd_f32_bits(v);
-    const float a = ds41_hd_f32_from_bits(u & 0x7FFFFFFFu);
-    uint8_t mag = ds41_na_isnan(a) ? 7 : 0;
-    for (int i = 0; i < 7; i++)
-        if (a > th[i] || (a == th[i] && (i & 1))) mag = (uint8_t)(i + 1);
-    return (uint8_t)((u >> 31 ? 8 : 0) | mag);
-}
-
-/* ds41_ue8m0_scale_byte. */
-DS41_HD uint8_t ds41_na_ue8m0_scale_byte(float amax, float recip) {
-    const uint32_t bits = ds41_hd_f32_bits(ds41_na_fmul(amax, recip));
-    const uint32_t e = (bits >> 23) & 0xFFu, m = bits & 0x7FFFFFu;
-    if (e == 0xFFu) return 255;
-    const int k = (int)e - 127 + (m != 0);
-    if (k > 127) return 255;
-    return (uint8_t)(k + 127);
-}
+/* ---- codecs: cuda/num_codec.h ---- */
 
 /* One step of a block's amax: |x| replaces it when larger or NaN, and a NaN
  * stays (quant.c abs_max). */
@@ -217,7 +133,7 @@ DS41_HD uint8_t ds41_na_fp4_code(float x, float s) {
         v = 6.0f;
     else if (v < -6.0f)
         v = -6.0f;
-    return ds41_na_e2m1_from_f32(v);
+    return ds41_hd_e2m1_from_f32(v);
 }
 
 /* ---- the step quantizers: one block of a row each ------------------------------- */
@@ -234,10 +150,10 @@ DS41_HD void ds41_na_act_quant_block(const float *x, size_t n, size_t b, uint8_t
     const size_t b0 = b * 32, len = n - b0 < 32 ? n - b0 : 32;
     float amax = 0.0f;
     for (size_t i = 0; i < len; i++) amax = ds41_na_amax_step(amax, x[b0 + i]);
-    const uint8_t sb = ds41_na_ue8m0_scale_byte(ds41_na_floor(amax, DS41_NA_FP8_FLOOR), DS41_NA_FP8_RECIP);
-    const float s = ds41_na_ue8m0(sb);
+    const uint8_t sb = ds41_hd_ue8m0_scale_byte(ds41_na_floor(amax, DS41_NA_FP8_FLOOR), DS41_NA_FP8_RECIP);
+    const float s = ds41_hd_ue8m0_to_f32(sb);
     scale[b] = sb;
-    for (size_t i = 0; i < len; i++) q[b0 + i] = ds41_na_e4m3_from_f32(ds41_na_fdiv(x[b0 + i], s));
+    for (size_t i = 0; i < len; i++) q[b0 + i] = ds41_hd_e4m3_from_f32(ds41_na_fdiv(x[b0 + i], s));
 }
 
 /* FP4 1x32 ue8m0 QDQ of block b of x[n], in place (ds41_fp4_act_quant_ue8m0_qdq). */
@@ -246,9 +162,9 @@ DS41_HD void ds41_na_fp4_qdq_block(float *x, size_t n, size_t b) {
     float amax = 0.0f;
     for (size_t i = 0; i < len; i++) amax = ds41_na_amax_step(amax, x[b0 + i]);
     const float s =
-        ds41_na_ue8m0(ds41_na_ue8m0_scale_byte(ds41_na_floor(amax, DS41_NA_FP4_FLOOR), DS41_NA_FP4_RECIP));
+        ds41_hd_ue8m0_to_f32(ds41_hd_ue8m0_scale_byte(ds41_na_floor(amax, DS41_NA_FP4_FLOOR), DS41_NA_FP4_RECIP));
     for (size_t i = 0; i < len; i++)
-        x[b0 + i] = ds41_na_bf16_round(ds41_na_fmul(ds41_na_e2m1(ds41_na_fp4_code(x[b0 + i], s)), s));
+        x[b0 + i] = ds41_hd_bf16_round(ds41_na_fmul(ds41_hd_e2m1_to_f32(ds41_na_fp4_code(x[b0 + i], s)), s));
 }
 
 /* FP4 codes of block b (bsz values) of x[n] with the scale s into packed
@@ -266,9 +182,9 @@ DS41_HD void ds41_na_latent_block(const float *x, size_t n, size_t b, uint8_t *p
     const size_t b0 = b * 16, len = n - b0 < 16 ? n - b0 : 16;
     float amax = 0.0f;
     for (size_t i = 0; i < len; i++) amax = ds41_na_amax_step(amax, x[b0 + i]);
-    const uint8_t sb = ds41_na_e4m3_from_f32(ds41_na_fdiv(ds41_na_floor(amax, DS41_NA_FP4_E4M3_FLOOR), 6.0f));
+    const uint8_t sb = ds41_hd_e4m3_from_f32(ds41_na_fdiv(ds41_na_floor(amax, DS41_NA_FP4_E4M3_FLOOR), 6.0f));
     scale[b] = sb;
-    ds41_na_fp4_pack(x, n, b0, len, ds41_na_e4m3(sb), packed);
+    ds41_na_fp4_pack(x, n, b0, len, ds41_hd_e4m3_to_f32(sb), packed);
 }
 
 /* Index key block b (32 values, ue8m0 scale) of ds41_fp4_act_quant_ue8m0. */
@@ -276,9 +192,9 @@ DS41_HD void ds41_na_key_block(const float *x, size_t n, size_t b, uint8_t *pack
     const size_t b0 = b * 32, len = n - b0 < 32 ? n - b0 : 32;
     float amax = 0.0f;
     for (size_t i = 0; i < len; i++) amax = ds41_na_amax_step(amax, x[b0 + i]);
-    const uint8_t sb = ds41_na_ue8m0_scale_byte(ds41_na_floor(amax, DS41_NA_FP4_FLOOR), DS41_NA_FP4_RECIP);
+    const uint8_t sb = ds41_hd_ue8m0_scale_byte(ds41_na_floor(amax, DS41_NA_FP4_FLOOR), DS41_NA_FP4_RECIP);
     scale[b] = sb;
-    ds41_na_fp4_pack(x, n, b0, len, ds41_na_ue8m0(sb), packed);
+    ds41_na_fp4_pack(x, n, b0, len, ds41_hd_ue8m0_to_f32(sb), packed);
 }
 
 /* ---- compressor pooling: one (group, channel) ----------------------------------- */
@@ -298,25 +214,25 @@ DS41_HD float ds41_na_pool_channel(const float *ckv, const float *csc, int ratio
         const float term = ds41_na_fmul(ckv[(size_t)t * hd + ch], ds41_na_fdiv(ex, sum));
         acc = t ? ds41_na_fadd(acc, term) : term;
     }
-    return ds41_na_bf16_round(acc);
+    return ds41_hd_bf16_round(acc);
 }
 
 /* ---- packed rows: value i ------------------------------------------------------- */
 
 /* A window-ring row (dim e4m3 codes, then ue8m0 per 32). */
 DS41_HD float ds41_na_ring_value(const uint8_t *row, size_t dim, size_t i) {
-    return ds41_na_fmul(ds41_na_e4m3(row[i]), ds41_na_ue8m0(row[dim + i / 32]));
+    return ds41_na_fmul(ds41_hd_e4m3_to_f32(row[i]), ds41_hd_ue8m0_to_f32(row[dim + i / 32]));
 }
 /* A compressed entry's latent (dim/2 bytes of e2m1, then e4m3 per 16). */
 DS41_HD float ds41_na_latent_value(const uint8_t *e, size_t dim, size_t i) {
-    return ds41_na_fmul(ds41_na_e2m1((uint8_t)(e[i / 2] >> ((i & 1) * 4))),
-                        ds41_na_e4m3(e[dim / 2 + i / 16]));
+    return ds41_na_fmul(ds41_hd_e2m1_to_f32((uint8_t)(e[i / 2] >> ((i & 1) * 4))),
+                        ds41_hd_e4m3_to_f32(e[dim / 2 + i / 16]));
 }
 /* An index key (dim/2 bytes of e2m1, then ue8m0 per 32); k points at the
  * key part of the entry (entry + latent_bytes). */
 DS41_HD float ds41_na_key_value(const uint8_t *k, size_t dim, size_t i) {
-    return ds41_na_fmul(ds41_na_e2m1((uint8_t)(k[i / 2] >> ((i & 1) * 4))),
-                        ds41_na_ue8m0(k[dim / 2 + i / 32]));
+    return ds41_na_fmul(ds41_hd_e2m1_to_f32((uint8_t)(k[i / 2] >> ((i & 1) * 4))),
+                        ds41_hd_ue8m0_to_f32(k[dim / 2 + i / 32]));
 }
 DS41_HD float ds41_na_row_value(const uint8_t *row, int is_window, size_t dim, size_t i) {
     return is_window ? ds41_na_ring_value(row, dim, i) : ds41_na_latent_value(row, dim, i);
@@ -348,9 +264,9 @@ DS41_HD double ds41_na_xor_tree(double *v) {
 
 /* bf16(relu(bf16(fp32(dot))) * w) of one head (relu keeps NaN). */
 DS41_HD float ds41_na_index_term(double dot, float w) {
-    const float s = ds41_na_bf16_round((float)dot);
+    const float s = ds41_hd_bf16_round((float)dot);
     const float r = ds41_na_isnan(s) ? s : (s > 0.0f ? s : 0.0f);
-    return ds41_na_bf16_round(ds41_na_fmul(r, w));
+    return ds41_hd_bf16_round(ds41_na_fmul(r, w));
 }
 
 /* ---- decisions -------------------------------------------------------------------- */
@@ -472,7 +388,7 @@ DS41_HD float ds41_na_chunk_max(float mx, const float *z, size_t nc) {
  * rounding (the PV product's weight, §10.7). */
 DS41_HD float ds41_na_prob(float z, float m_new, float *pb) {
     const float p = ds41_na_exp(ds41_na_fsub(z, m_new));
-    *pb = ds41_na_bf16_round(p);
+    *pb = ds41_hd_bf16_round(p);
     return p;
 }
 /* den = fp32(den * corr) + fp32(double sum of p in row order). */
@@ -488,7 +404,7 @@ DS41_HD float ds41_na_acc_update(float acc, float corr, double pv) {
 /* out = bf16(acc / (den + fp32(exp(sink - mx)))). */
 DS41_HD float ds41_na_attn_out(float acc, float den, float sink, float mx) {
     const float d = ds41_na_fadd(den, ds41_na_exp(ds41_na_fsub(sink, mx)));
-    return ds41_na_bf16_round(ds41_na_fdiv(acc, d));
+    return ds41_hd_bf16_round(ds41_na_fdiv(acc, d));
 }
 
 #endif

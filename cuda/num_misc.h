@@ -82,6 +82,7 @@
 #define DS41_CUDA_NUM_MISC_H
 
 #include "cuda/hd.h"
+#include "cuda/num_codec.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -99,36 +100,6 @@
 #define DS41_FMUL(a, b) ((a) * (b))
 #define DS41_DMUL(a, b) ((a) * (b))
 #endif
-
-/* ---- codecs (engine/model/quant.c, bit for bit) ----------------------------------------------- */
-
-DS41_HD uint16_t ds41_hd_bf16_bits(float x) {
-    uint32_t u = ds41_hd_f32_bits(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u); /* nearest, ties to even; a carry is the next binade */
-    return (uint16_t)(u >> 16);
-}
-DS41_HD float ds41_hd_bf16_to_f32(uint16_t b) {
-    return ds41_hd_f32_from_bits((uint32_t)b << 16);
-}
-DS41_HD float ds41_hd_bf16_round(float x) {
-    return ds41_hd_bf16_to_f32(ds41_hd_bf16_bits(x));
-}
-
-/* e4m3fn: 0x7F is NaN, 0xFF -NaN (quant.c's table); no infinities. */
-DS41_HD float ds41_hd_e4m3_to_f32(uint8_t b) {
-    const uint32_t s = (uint32_t)(b >> 7) << 31, e = (b >> 3) & 15u, m = b & 7u;
-    if ((b & 0x7Fu) == 0x7Fu) return ds41_hd_f32_from_bits(s | 0x7FC00000u);
-    if (e == 0) return ds41_hd_f32_from_bits(s | ds41_hd_f32_bits((float)m * 0x1p-9f)); /* exact */
-    return ds41_hd_f32_from_bits(s | ((e + 120u) << 23) | (m << 20));
-}
-
-/* ue8m0: 2^(b - 127); 0 is the fp32 subnormal 2^-127, 255 NaN. */
-DS41_HD float ds41_hd_ue8m0_to_f32(uint8_t b) {
-    if (b == 255) return ds41_hd_f32_from_bits(0x7FC00000u);
-    if (b == 0) return ds41_hd_f32_from_bits(0x00400000u);
-    return ds41_hd_f32_from_bits((uint32_t)b << 23);
-}
 
 /* ---- elementwise functions (refmath.h: double evaluation, one rounding) ---------------------- */
 
