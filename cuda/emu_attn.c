@@ -11,6 +11,10 @@
 #include "cuda/emu_enter.h"
 #define DS41_EMU_ENTER(c) ds41_cuda_emu_enter(c)
 
+/* Every data pointer an emulated op touches must be device memory on the
+ * fake device (cuda/emu_enter.h); c is the op's context. */
+#define EMU_DEV(p) ds41_cuda_emu_check(c, (p), 1, #p)
+
 static ds41_cuda_ctx *enter(const ds41_ops *self) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     DS41_EMU_ENTER(c);
@@ -22,7 +26,9 @@ static ds41_cuda_ctx *enter(const ds41_ops *self) {
 
 void ds41_cuda_emu_act_quant_fp8(const ds41_ops *self, const float *x, size_t M, size_t n, uint8_t *out,
                                  size_t out_stride) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(x);
+    EMU_DEV(out);
     const size_t nb = (n + 31) / 32;
     for (size_t t = 0; t < M * nb; t++) {
         const size_t m = t / nb;
@@ -32,7 +38,9 @@ void ds41_cuda_emu_act_quant_fp8(const ds41_ops *self, const float *x, size_t M,
 
 void ds41_cuda_emu_index_query(const ds41_ops *self, float *q, size_t qn, float *w, size_t wn, size_t M,
                                float scale) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(q);
+    EMU_DEV(w);
     const size_t nb = (qn + 31) / 32;
     for (size_t t = 0; t < M * nb; t++) ds41_na_fp4_qdq_block(q + (t / nb) * qn, qn, t % nb);
     for (size_t i = 0; i < M * wn; i++) w[i] = ds41_hd_bf16_round(ds41_na_fmul(w[i], scale));
@@ -40,7 +48,10 @@ void ds41_cuda_emu_index_query(const ds41_ops *self, float *q, size_t qn, float 
 
 void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const float *latent,
                            const float *key, size_t n, uint8_t *out) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(latent);
+    EMU_DEV(key);
+    EMU_DEV(out);
     const size_t ld = l->latent_dim, kd = l->index_dim, nl = (ld + 15) / 16, nk = (kd + 31) / 32;
     for (size_t t = 0; t < n * (nl + nk); t++) {
         const size_t i = t / (nl + nk), b = t % (nl + nk);
@@ -54,7 +65,10 @@ void ds41_cuda_emu_kv_pack(const ds41_ops *self, const ds41_kv_layout *l, const 
 
 void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const float *score, size_t n,
                                  int ratio, size_t hd, float *pooled) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(kv);
+    EMU_DEV(score);
+    EMU_DEV(pooled);
     const size_t group = (size_t)ratio * hd;
     for (size_t t = 0; t < n * hd; t++) {
         const size_t g = t / hd;
@@ -67,6 +81,9 @@ void ds41_cuda_emu_compress_pool(const ds41_ops *self, const float *kv, const fl
 void ds41_cuda_emu_index_scores(const ds41_ops *self, const float *q, const float *w, size_t M, int n_heads,
                                 int dim, const ds41_kv_pages *keys, float *score, size_t score_stride) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(q);
+    EMU_DEV(w);
+    EMU_DEV(score);
     const ds41_kv_layout *lay = keys->layout;
     const uint8_t *const *pages;
     const size_t *row_table;
@@ -119,6 +136,9 @@ void ds41_cuda_emu_index_blocks(const ds41_ops *self, const float *score, size_t
                                 const uint32_t *reach_host, size_t M, size_t block, size_t n_take,
                                 float *bscore, size_t bscore_stride, uint8_t *allow, size_t allow_stride) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(score);
+    EMU_DEV(bscore);
+    EMU_DEV(allow);
     const uint32_t *reach = (const uint32_t *)ds41_cuda_meta(c, reach_host, M * sizeof *reach_host);
     for (size_t m = 0; m < M; m++) {
         uint8_t *al = allow + m * allow_stride;
@@ -146,6 +166,10 @@ void ds41_cuda_emu_index_topk(const ds41_ops *self, float *score, size_t score_s
                               const uint32_t *reach_host, size_t M, const uint8_t *allow, size_t allow_stride,
                               size_t block, size_t k, int32_t *sel, uint32_t *count) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(score);
+    EMU_DEV(allow);
+    EMU_DEV(sel);
+    EMU_DEV(count);
     const uint32_t *reach = (const uint32_t *)ds41_cuda_meta(c, reach_host, M * sizeof *reach_host);
     for (size_t m = 0; m < M; m++) {
         const size_t r = reach[m];
@@ -222,6 +246,7 @@ static void attn_rows(ds41_cuda_ctx *c, const ds41_na_attn_src *src, const float
     const size_t H = (size_t)n_heads, hd = (size_t)head_dim, qo = H * hd;
     float *acc = (float *)ds41_cuda_scratch(c, DS41_CUDA_ATTN_HEADS * hd * sizeof *acc);
     sink = (const float *)ds41_cuda_weight(c, sink, H * sizeof *sink); /* the layer's weight */
+    EMU_DEV(sink);
     for (size_t m = 0; m < M; m++)
         for (size_t h0 = 0; h0 < H; h0 += DS41_CUDA_ATTN_HEADS) {
             const size_t h1 = h0 + DS41_CUDA_ATTN_HEADS < H ? h0 + DS41_CUDA_ATTN_HEADS : H;
@@ -232,6 +257,8 @@ static void attn_rows(ds41_cuda_ctx *c, const ds41_na_attn_src *src, const float
 void ds41_cuda_emu_sparse_attn(const ds41_ops *self, const float *q, int n_heads, int head_dim,
                                const float *sink, float scale, const ds41_attn_rows *rows, float *out) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(q);
+    EMU_DEV(out);
     ds41_na_attn_src src;
     ds41_cuda_attn_src_rows(c, rows, &src);
     ds41_cuda_attn_count(c, (size_t)n_heads, (size_t)head_dim, rows->n_window + rows->n_comp);
@@ -241,6 +268,9 @@ void ds41_cuda_emu_sparse_attn(const ds41_ops *self, const float *q, int n_heads
 void ds41_cuda_emu_attend(const ds41_ops *self, const float *q, size_t M, int n_heads, int head_dim,
                           const float *sink, float scale, const ds41_attn_step *step, float *out) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(q);
+    EMU_DEV(out);
+    EMU_DEV(step->chunk);
     ds41_cuda_attend_count(c, step, M, (size_t)n_heads, (size_t)head_dim); /* reads the host metadata */
     ds41_na_attn_src src;
     ds41_cuda_attn_src_step(c, step, M, &src);

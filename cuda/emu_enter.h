@@ -19,4 +19,10 @@
 
 void ds41_cuda_emu_enter(ds41_cuda_ctx *c);
 
+/* On the fake device, abort naming the op's argument `what` unless
+ * [p, p+n) is device memory: a host pointer an emulated op would read or
+ * write is one a real GPU faults on (cuda/cuda_ctx.h).  NULL p, other
+ * devices and the standalone test ctx (gpu NULL): nothing to check. */
+void ds41_cuda_emu_check(const ds41_cuda_ctx *c, const void *p, size_t n, const char *what);
+
 #endif

@@ -5,22 +5,13 @@
 #include "cuda/op_linear.h"
 
 #include "cuda/emu_enter.h"
-#include "cuda/gpu_fake.h"
 #define DS41_LIN_EMU_ENTER(c) ds41_cuda_emu_enter(c)
 
 #include <stdio.h>
 #include <stdlib.h>
 
 /* On the fake device every byte an emulated kernel touches must be device
- * memory (cuda/cuda_ctx.h): a host pointer here is what faults a real GPU.
- * The fake device comes with the backend (cuda/gpu_fake.c); the standalone
- * test ctx (gpu NULL) has none. */
-static void emu_check(const ds41_cuda_ctx *c, const void *p, size_t n, const char *what) {
-    if (c->gpu && n && ds41_gpu_is_fake(c->gpu) && !ds41_gpu_fake_is_device(c->gpu, p, n)) {
-        fprintf(stderr, "cuda-emu linear: %s [%p, +%zu) is not device memory\n", what, p, n);
-        abort();
-    }
-}
+ * memory (cuda/emu_enter.h). */
 
 int ds41_cuda_lin_descs(ds41_cuda_ctx *c, size_t n, const ds41_linear *const *ws, const float *const *xs,
                         const size_t *Ms, float *const *ys, ds41_linear_out out, ds41_lin_desc *d,
@@ -152,22 +143,23 @@ static float emu_bf16(const ds41_lin_desc *d, int64_t m, int64_t n) {
 /* The two kernels of a call, in stream order: act_quant items, then every
  * output of every linear. */
 static void emu_run(const ds41_cuda_ctx *c, const ds41_lin_desc *dd, size_t n) {
-    emu_check(c, dd, n * sizeof *dd, "descriptors");
+    ds41_cuda_emu_check(c, dd, n * sizeof *dd, "descriptors");
     for (size_t i = 0; i < n; i++) {
         const ds41_lin_desc *d = &dd[i];
         if (d->M == 0) continue;
         const size_t M = (size_t)d->M, N = (size_t)d->n, K = (size_t)d->k;
-        emu_check(c, d->x, M * K * sizeof(float), "x");
-        emu_check(c, d->y, M * N * sizeof(float), "y");
+        ds41_cuda_emu_check(c, d->x, M * K * sizeof(float), "x");
+        ds41_cuda_emu_check(c, d->y, M * N * sizeof(float), "y");
         if (K == 0) continue;
         if (d->kind == DS41_LIN_KIND_BF16) {
-            emu_check(c, d->bf16, N * K * 2, "bf16 weight");
+            ds41_cuda_emu_check(c, d->bf16, N * K * 2, "bf16 weight");
             continue;
         }
         const int fp4 = d->kind == DS41_LIN_KIND_FP4;
-        emu_check(c, d->q, N * (size_t)ds41_lin_row_bytes(d->kind, d->k), "weight codes");
-        emu_check(c, d->scale, (fp4 ? N : (N + 31) / 32) * (size_t)d->scale_cols, "weight scales");
-        emu_check(c, d->act, M * (size_t)(ds41_lin_kp(d->k) + ds41_lin_nkb(d->k)), "activation scratch");
+        ds41_cuda_emu_check(c, d->q, N * (size_t)ds41_lin_row_bytes(d->kind, d->k), "weight codes");
+        ds41_cuda_emu_check(c, d->scale, (fp4 ? N : (N + 31) / 32) * (size_t)d->scale_cols, "weight scales");
+        ds41_cuda_emu_check(c, d->act, M * (size_t)(ds41_lin_kp(d->k) + ds41_lin_nkb(d->k)),
+                            "activation scratch");
     }
     for (size_t i = 0; i < n; i++) {
         const ds41_lin_desc *d = &dd[i];

@@ -16,6 +16,10 @@
 #include "cuda/emu_enter.h"
 #define EMU_ENTER(c) ds41_cuda_emu_enter(c)
 
+/* Every data pointer an emulated op touches must be device memory on the
+ * fake device (cuda/emu_enter.h); c is the op's context. */
+#define EMU_DEV(p) ds41_cuda_emu_check(c, (p), 1, #p)
+
 static ds41_cuda_ctx *enter(const ds41_ops *self) {
     ds41_cuda_ctx *c = ds41_cuda_ctx_of(self);
     EMU_ENTER(c);
@@ -40,6 +44,9 @@ void ds41_cuda_emu_rmsnorm(const ds41_ops *self, const uint16_t *w, const float 
                            float eps, float *y) {
     ds41_cuda_ctx *c = enter(self);
     const uint16_t *wd = ds41_cuda_weight(c, w, n * sizeof *w);
+    EMU_DEV(x);
+    EMU_DEV(y);
+    EMU_DEV(wd);
     c->stats.weight_bytes += n * 2;
     for (size_t m = 0; m < M; m++) {
         const float *xr = x + m * n;
@@ -58,6 +65,12 @@ void ds41_cuda_emu_hc_mix(const ds41_ops *self, const float *fn, const float *sc
     const float *fnd = ds41_cuda_weight(c, fn, n_mix * n * sizeof *fn);
     const float *scd = ds41_cuda_weight(c, scale, 3 * sizeof *scale);
     const float *based = ds41_cuda_weight(c, base, n_mix * sizeof *base);
+    EMU_DEV(h);
+    EMU_DEV(pre);
+    EMU_DEV(post);
+    EMU_DEV(comb);
+    EMU_DEV(fnd);
+    EMU_DEV(based);
     c->stats.weight_bytes += ((uint64_t)n_mix * n + (uint64_t)n_mix + 3) * sizeof(float);
     c->stats.flops += 2 * (uint64_t)M * (uint64_t)(n_mix + 1) * n;
     /* The kernel's shared array of mixes, one row at a time. */
@@ -79,7 +92,10 @@ void ds41_cuda_emu_hc_mix(const ds41_ops *self, const float *fn, const float *sc
 
 void ds41_cuda_emu_hc_pre(const ds41_ops *self, const float *h, const float *pre, size_t M, int hc,
                           size_t dim, float *out) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(h);
+    EMU_DEV(pre);
+    EMU_DEV(out);
     for (size_t m = 0; m < M; m++)
         for (size_t d = 0; d < dim; d++)
             out[m * dim + d] =
@@ -88,7 +104,12 @@ void ds41_cuda_emu_hc_pre(const ds41_ops *self, const float *h, const float *pre
 
 void ds41_cuda_emu_hc_post(const ds41_ops *self, const float *o, const float *h, const float *post,
                            const float *comb, size_t M, int hc, size_t dim, float *out) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(o);
+    EMU_DEV(h);
+    EMU_DEV(post);
+    EMU_DEV(comb);
+    EMU_DEV(out);
     const size_t H = (size_t)hc;
     for (size_t m = 0; m < M; m++)
         for (size_t j = 0; j < H; j++)
@@ -101,6 +122,8 @@ void ds41_cuda_emu_rope_table(const ds41_ops *self, const float *freqs, int n_pa
                               size_t M, float *cs) {
     ds41_cuda_ctx *c = enter(self);
     const float *f = ds41_cuda_weight(c, freqs, (size_t)n_pairs * sizeof *freqs);
+    EMU_DEV(f);
+    EMU_DEV(cs);
     const uint64_t *p = ds41_cuda_meta(c, pos, M * sizeof *pos);
     for (size_t m = 0; m < M; m++)
         for (size_t i = 0; i < (size_t)n_pairs; i++)
@@ -109,7 +132,9 @@ void ds41_cuda_emu_rope_table(const ds41_ops *self, const float *freqs, int n_pa
 
 void ds41_cuda_emu_rope(const ds41_ops *self, float *x, size_t M, int n_heads, size_t row_stride,
                         size_t head_stride, int n_pairs, const float *cs, int inverse) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(x);
+    EMU_DEV(cs);
     for (size_t m = 0; m < M; m++)
         for (size_t hh = 0; hh < (size_t)n_heads; hh++)
             for (size_t i = 0; i < (size_t)n_pairs; i++) {
@@ -120,7 +145,11 @@ void ds41_cuda_emu_rope(const ds41_ops *self, float *x, size_t M, int n_heads, s
 
 void ds41_cuda_emu_swiglu(const ds41_ops *self, const float *g, const float *u, size_t M, size_t n,
                           float limit, const float *route, float *out) {
-    enter(self);
+    ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(g);
+    EMU_DEV(u);
+    EMU_DEV(route);
+    EMU_DEV(out);
     for (size_t m = 0; m < M; m++)
         for (size_t i = 0; i < n; i++)
             out[m * n + i] =
@@ -130,6 +159,9 @@ void ds41_cuda_emu_swiglu(const ds41_ops *self, const float *g, const float *u, 
 void ds41_cuda_emu_moe_combine(const ds41_ops *self, const float *oe, const uint32_t *slot, size_t k,
                                const float *shared, size_t M, size_t D, float *out) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(oe);
+    EMU_DEV(shared);
+    EMU_DEV(out);
     const uint32_t *sl = ds41_cuda_meta(c, slot, M * k * sizeof *slot);
     for (size_t m = 0; m < M; m++)
         for (size_t d = 0; d < D; d++)
@@ -142,6 +174,11 @@ void ds41_cuda_emu_router(const ds41_ops *self, const float *logits, const float
     ds41_cuda_ctx *c = enter(self);
     const size_t ne = (size_t)E;
     const float *b = ds41_cuda_weight(c, bias, ne * sizeof *bias);
+    EMU_DEV(logits);
+    EMU_DEV(b);
+    EMU_DEV(sel);
+    EMU_DEV(weight);
+    EMU_DEV(selection);
     c->stats.weight_bytes += ne * sizeof(float);
     /* The kernel's shared arrays of one token. */
     float *score = ds41_cuda_scratch(c, ne * (2 * sizeof(float) + 1));
@@ -163,6 +200,9 @@ void ds41_cuda_emu_engram_mix(const ds41_ops *self, float *h, const float *kv, c
     ds41_cuda_ctx *c = enter(self);
     const size_t H = (size_t)hc;
     const float *wd = ds41_cuda_weight(c, wqk, H * dim * sizeof *wqk);
+    EMU_DEV(h);
+    EMU_DEV(kv);
+    EMU_DEV(wd);
     c->stats.weight_bytes += (uint64_t)H * dim * sizeof(float);
     for (size_t m = 0; m < M; m++)
         for (size_t cp = 0; cp < H; cp++) {
@@ -183,6 +223,8 @@ void ds41_cuda_emu_embed(const ds41_ops *self, const uint16_t *table, const int3
                          size_t dim, float *out) {
     ds41_cuda_ctx *c = enter(self);
     const uint16_t *t = ds41_cuda_weight(c, table, ds41_misc_rows_i32(ids, M) * dim * sizeof *table);
+    EMU_DEV(t);
+    EMU_DEV(out);
     const int32_t *id = ds41_cuda_meta(c, ids, M * sizeof *ids);
     c->stats.weight_bytes += (uint64_t)M * dim * 2;
     for (size_t m = 0; m < M; m++)
@@ -194,6 +236,8 @@ void ds41_cuda_emu_embed(const ds41_ops *self, const uint16_t *table, const int3
 void ds41_cuda_emu_gather_rows(const ds41_ops *self, void *dst, const void *src, size_t src_stride,
                                const uint32_t *idx, size_t n, size_t row_bytes) {
     ds41_cuda_ctx *c = enter(self);
+    EMU_DEV(dst);
+    EMU_DEV(src);
     if (!n || !row_bytes) return;
     const uint32_t *ix = ds41_cuda_meta(c, idx, n * sizeof *idx);
     for (size_t i = 0; i < n; i++)
@@ -208,6 +252,9 @@ void ds41_cuda_emu_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_
     const size_t sc = (cols + 31) / 32, nr = ds41_misc_rows_i64(rows, n);
     const uint8_t *qd = ds41_cuda_weight(c, q, nr * cols);
     const uint8_t *sd = ds41_cuda_weight(c, scale, nr * sc);
+    EMU_DEV(qd);
+    EMU_DEV(sd);
+    EMU_DEV(out);
     const int64_t *rw = ds41_cuda_meta(c, rows, n * sizeof *rows);
     c->stats.weight_bytes += (uint64_t)n * (cols + sc);
     for (size_t i = 0; i < n; i++)

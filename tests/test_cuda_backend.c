@@ -26,9 +26,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 /* ---------------------------------------------------- the wrapped table */
@@ -624,9 +626,10 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
         check_stats(xe, label);
         ds41_cuda_mem_stats xm;
         ds41_backend_cuda_mem_stats(ds41_engine_backend(xe), &xm);
-        TAP_CHECK(xm.expert_bytes == xs.slot_memory_bytes && xm.scratch_bytes > 0,
-                  "%s: device memory by tier: the expert slots (%llu bytes) and the activations counted apart",
-                  label, (unsigned long long)xm.expert_bytes);
+        TAP_CHECK(
+            xm.expert_bytes == xs.slot_memory_bytes && xm.scratch_bytes > 0,
+            "%s: device memory by tier: the expert slots (%llu bytes) and the activations counted apart",
+            label, (unsigned long long)xm.expert_bytes);
     }
     ds41_engine_free(xe);
 
@@ -635,8 +638,9 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
      * and a later budget of 0 (resident) keeps a cache holding all of them
      * instead of handing the ops host pointers. */
     if (total) {
-        ds41_engine_opts so = {
-            .backend = fake_backend(13, true, false), .expert_cache_bytes = slot, .host_expert_cache_bytes = total};
+        ds41_engine_opts so = {.backend = fake_backend(13, true, false),
+                               .expert_cache_bytes = slot,
+                               .host_expert_cache_bytes = total};
         ds41_engine *se = so.backend ? ds41_engine_load(dir, &so, &err) : NULL;
         ds41_cuda_mem_stats xm = {0};
         if (se) ds41_backend_cuda_mem_stats(ds41_engine_backend(se), &xm);
@@ -651,14 +655,16 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
         if (se) ds41_engine_expert_stats(se, &hs, false);
         TAP_CHECK(se && hs.host_slots > 0 && xm.pinned_host_bytes >= hs.host_slots * hs.slot_bytes &&
                       check_stats(se, label),
-                  "%s: the expert cache's host tier (%llu slots) is the backend's pinned memory (%llu bytes pinned)",
+                  "%s: the expert cache's host tier (%llu slots) is the backend's pinned memory (%llu bytes "
+                  "pinned)",
                   label, (unsigned long long)hs.host_slots, (unsigned long long)xm.pinned_host_bytes);
         rs = se && ds41_engine_set_expert_budget(se, 0, &err) == 0 && ds41_engine_experts_streamed(se)
                  ? run(se, prompt, n, n, c)
                  : -1;
-        TAP_CHECK(rs == 0 && memcmp(a, c, (n + STEPS) * V * sizeof *a) == 0 && violations == 0,
-                  "%s: a budget of 0 afterwards keeps the experts in a cache holding all of them, same logits",
-                  label);
+        TAP_CHECK(
+            rs == 0 && memcmp(a, c, (n + STEPS) * V * sizeof *a) == 0 && violations == 0,
+            "%s: a budget of 0 afterwards keeps the experts in a cache holding all of them, same logits",
+            label);
         ds41_engine_free(se);
     }
     ds41_engine_free(ref);
@@ -792,8 +798,44 @@ static int make(const char *root, const char *preset, uint64_t seed, char *dir, 
     return 0;
 }
 
+/* ------------------------------------- the emulated ops' pointer check */
+
+/* swiglu of the emulated table (cuda/emu_misc.c) on 4 values, in a child:
+ * the exit status, or 128 + the signal that ended it. */
+static int swiglu_child(ds41_backend *be, const float *g, const float *u, float *out) {
+    fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        be->ops.swiglu(&be->ops, g, u, 1, 4, 0.0f, NULL, out);
+        ds41_cuda_emu_enter(ds41_backend_cuda_ctx(be));
+        _exit(0);
+    }
+    int st = 0;
+    if (pid < 0 || waitpid(pid, &st, 0) != pid) return -1;
+    return WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
+}
+
+/* The host emulation of the kernels (not the wrapped reference table of the
+ * tests above) refuses a host pointer: on a GPU it would fault. */
+static void emulated_pointer_check(void) {
+    ds41_error err = {0};
+    const ds41_cuda_opts o = {.emulated = true};
+    ds41_backend *be = ds41_backend_cuda_new(&o, &err);
+    if (!TAP_CHECK(be != NULL, "the emulated CUDA backend opens (%s)", be ? "" : err.msg)) return;
+    float *g = be->mem->alloc(be->mem, 3 * 4 * sizeof(float)), host[4] = {0};
+    const int ok = g ? swiglu_child(be, g, g + 4, g + 8) : -1;
+    const int bad = g ? swiglu_child(be, g, g + 4, host) : -1;
+    TAP_CHECK(ok == 0 && bad == 128 + SIGABRT,
+              "emulated ops: device pointers run (status %d), a host output pointer aborts (status %d)", ok,
+              bad);
+    be->mem->free(be->mem, g, 3 * 4 * sizeof(float));
+    ds41_backend_free(be);
+}
+
 int main(void) {
     static char root[3000], dir[3100];
+
+    emulated_pointer_check();
 
     meta_ring();
     memory_order();
