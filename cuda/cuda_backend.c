@@ -65,7 +65,7 @@ struct cuda_be {
     ds41_backend be;
     ds41_gpu *gpu;
     ds41_gpu_stream *compute, *copy;
-    bool emulated, stream_experts, stream_engram, buffered;
+    bool emulated, buffered;
     tagged_mem mem[DS41_CUDA_MEM_KINDS];
     pthread_mutex_t mu; /* counters, rings */
     uint64_t kind_bytes[DS41_CUDA_MEM_KINDS];
@@ -440,8 +440,10 @@ static void release_arenas(cuda_be *b) {
 static int cuda_place(ds41_backend *be, const ds41_model_config *cfg, ds41_weights *w, ds41_error *err) {
     cuda_be *b = be->impl;
     if (b->placed) release_arenas(b);
-    const ds41_placement_opts po = {.experts = !(b->stream_experts || w->experts_streamed),
-                                    .engram_tables = !(b->stream_engram || w->engram_streamed)};
+    /* What the engine streams (ds41_weights.experts_streamed / engram_streamed)
+     * stays out of device memory; an op handed one of those tensors from the
+     * mapping is a bug weight() reports. */
+    const ds41_placement_opts po = {.experts = !w->experts_streamed, .engram_tables = !w->engram_streamed};
     if (ds41_placement_plan(&b->pl, cfg, w, &po, err) != 0) return -1;
     for (int a = 0; a < DS41_ARENA_COUNT; a++)
         if (b->pl.arena_bytes[a] && !(b->arena[a] = b->gpu->dev_alloc(b->gpu, b->pl.arena_bytes[a], err))) {
@@ -538,8 +540,6 @@ ds41_backend *ds41_backend_cuda_new_with_ops(const ds41_cuda_opts *opts, const d
     pthread_mutex_init(&b->mu, NULL);
     b->gpu = opts->gpu;
     b->emulated = opts->emulated;
-    b->stream_experts = opts->stream_experts;
-    b->stream_engram = opts->stream_engram;
     for (int k = 0; k < DS41_CUDA_MEM_KINDS; k++)
         b->mem[k] = (tagged_mem){.m = {.name = mem_names[k],
                                        .ctx = &b->mem[k],

@@ -32,13 +32,7 @@ typedef struct ds41_cuda_opts {
     int device;     /* CUDA device ordinal (real device only) */
     ds41_gpu *gpu;  /* NULL: open the real device `device`; else this one (the backend owns it) */
     bool emulated;  /* the host emulation of the kernels (gpu must be a fake device, or NULL to make one) */
-    /* What the engine streams instead of holding (its expert_cache_bytes /
-     * engram_cache_bytes are set): place_weights leaves the text layers'
-     * routed experts / the Engram tables out of device memory, and an op
-     * handed one of them from the mapping is reported as a bug. */
-    bool stream_experts;
-    bool stream_engram;
-} ds41_cuda_opts;   /* zero-initialised: device 0, real kernels, everything placed */
+} ds41_cuda_opts;   /* zero-initialised: device 0, real kernels */
 
 /* Errors: no usable device (the message says why: no driver, no device,
  * built without CUDA), out of device memory. */

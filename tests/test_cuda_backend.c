@@ -343,10 +343,10 @@ static const ds41_ops wrapped = {
     .fp8_rows = w_fp8_rows,
 };
 
-static ds41_backend *fake_backend(uint64_t seed, bool emulated, bool stream_experts) {
+static ds41_backend *fake_backend(uint64_t seed, bool emulated) {
     ds41_error err = {0};
     const ds41_gpu_fake_opts fo = {.seed = seed};
-    ds41_cuda_opts o = {.emulated = emulated, .stream_experts = stream_experts};
+    ds41_cuda_opts o = {.emulated = emulated};
     o.gpu = ds41_gpu_fake_new(&fo, &err);
     ds41_backend *be = o.gpu ? ds41_backend_cuda_new_with_ops(&o, &wrapped, &err) : NULL;
     if (!be) TAP_NOTE("cuda backend: %s", err.msg);
@@ -519,7 +519,7 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
     ds41_error err = {0};
     ds41_engine_opts ro = {.reference = true};
     ds41_engine *ref = ds41_engine_load(dir, &ro, &err);
-    ds41_engine_opts co = {.backend = fake_backend(11, true, false)};
+    ds41_engine_opts co = {.backend = fake_backend(11, true)};
     ds41_engine *cu = co.backend ? ds41_engine_load(dir, &co, &err) : NULL;
     if (!TAP_CHECK(ref && cu, "%s: reference and fake-CUDA engines load (%s)", label, err.msg)) {
         ds41_engine_free(ref);
@@ -597,9 +597,10 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
     ds41_kv_pool_free(pc);
     ds41_engine_free(cu);
 
-    /* Routed experts streamed by the expert cache into device slots
-     * (slot memory = be->mem), the dense weights placed without them. */
-    ds41_engine_opts xo = {.backend = fake_backend(12, true, true)};
+    /* Routed experts streamed by the expert cache into device slots (slot
+     * memory = be->mem) after a load that placed them all: a budget set at
+     * run time. */
+    ds41_engine_opts xo = {.backend = fake_backend(12, true)};
     ds41_engine *xe = xo.backend ? ds41_engine_load(dir, &xo, &err) : NULL;
     uint64_t slot = 0, total = 0;
     if (xe) {
@@ -638,7 +639,7 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
      * and a later budget of 0 (resident) keeps a cache holding all of them
      * instead of handing the ops host pointers. */
     if (total) {
-        ds41_engine_opts so = {.backend = fake_backend(13, true, false),
+        ds41_engine_opts so = {.backend = fake_backend(13, true),
                                .expert_cache_bytes = slot,
                                .host_expert_cache_bytes = total};
         ds41_engine *se = so.backend ? ds41_engine_load(dir, &so, &err) : NULL;
@@ -680,7 +681,7 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
  * the compute stream runs anything) each reach the op that reads them: a
  * segment is refilled only after the stream has passed its last copies. */
 static void meta_ring(void) {
-    ds41_backend *be = fake_backend(5, false, false);
+    ds41_backend *be = fake_backend(5, false);
     if (!be) return;
     ds41_cuda_ctx *c = ds41_backend_cuda_ctx(be);
     enum { N = 96, BYTES = 8192 };
@@ -728,7 +729,7 @@ static void meta_ring(void) {
 static void mapped_fallback(const char *dir) {
     ds41_error err = {0};
     ds41_engine_opts ro = {.reference = true};
-    ds41_engine_opts co = {.backend = fake_backend(13, true, false)};
+    ds41_engine_opts co = {.backend = fake_backend(13, true)};
     if (co.backend) ds41_backend_cuda_set_buffered(co.backend, true);
     ds41_engine *ref = ds41_engine_load(dir, &ro, &err);
     ds41_engine *cu = co.backend ? ds41_engine_load(dir, &co, &err) : NULL;
@@ -756,7 +757,7 @@ static void mapped_fallback(const char *dir) {
  * source may be reused, download when the bytes are there, copies are
  * ordered with both; each allocation counted under its memory's kind. */
 static void memory_order(void) {
-    ds41_backend *be = fake_backend(9, true, false);
+    ds41_backend *be = fake_backend(9, true);
     if (!be) return;
     const ds41_memory *m = be->mem, *pm = ds41_backend_cuda_memory(be, DS41_CUDA_MEM_POOL);
     enum { N = 3000 };
