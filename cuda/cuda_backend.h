@@ -29,10 +29,10 @@
 #include <stdint.h>
 
 typedef struct ds41_cuda_opts {
-    int device;     /* CUDA device ordinal (real device only) */
-    ds41_gpu *gpu;  /* NULL: open the real device `device`; else this one (the backend owns it) */
-    bool emulated;  /* the host emulation of the kernels (gpu must be a fake device, or NULL to make one) */
-} ds41_cuda_opts;   /* zero-initialised: device 0, real kernels */
+    int device;    /* CUDA device ordinal (real device only) */
+    ds41_gpu *gpu; /* NULL: open the real device `device`; else this one (the backend owns it) */
+    bool emulated; /* the host emulation of the kernels (gpu must be a fake device, or NULL to make one) */
+} ds41_cuda_opts;  /* zero-initialised: device 0, real kernels */
 
 /* Errors: no usable device (the message says why: no driver, no device,
  * built without CUDA), out of device memory. */
@@ -44,11 +44,11 @@ ds41_gpu *ds41_backend_cuda_gpu(const ds41_backend *be);
 
 /* Device memory held, by what holds it (/metrics, ds41ctl cache). */
 typedef struct ds41_cuda_mem_stats {
-    uint64_t weight_bytes;  /* placed dense weights */
-    uint64_t pool_bytes;    /* KV page pools, window rings, carries */
-    uint64_t expert_bytes;  /* routed-expert slots (the expert cache's twin pool) */
-    uint64_t scratch_bytes; /* activations, op scratch, metadata arena */
-    uint64_t other_bytes;   /* anything else allocated through be->mem */
+    uint64_t weight_bytes;      /* placed dense weights */
+    uint64_t pool_bytes;        /* KV page pools, window rings, carries */
+    uint64_t expert_bytes;      /* routed-expert slots (the expert cache's twin pool) */
+    uint64_t scratch_bytes;     /* activations, op scratch, metadata arena */
+    uint64_t other_bytes;       /* anything else allocated through be->mem */
     uint64_t pinned_host_bytes; /* page-locked host memory: staging, metadata, the host expert tier */
     /* How place_weights read the weights: bytes read with O_DIRECT into
      * pinned staging, and bytes copied from the checkpoint's mapping (a file

@@ -639,9 +639,8 @@ static void forward_checks(const char *dir, const char *label, size_t n) {
      * and a later budget of 0 (resident) keeps a cache holding all of them
      * instead of handing the ops host pointers. */
     if (total) {
-        ds41_engine_opts so = {.backend = fake_backend(13, true),
-                               .expert_cache_bytes = slot,
-                               .host_expert_cache_bytes = total};
+        ds41_engine_opts so = {
+            .backend = fake_backend(13, true), .expert_cache_bytes = slot, .host_expert_cache_bytes = total};
         ds41_engine *se = so.backend ? ds41_engine_load(dir, &so, &err) : NULL;
         ds41_cuda_mem_stats xm = {0};
         if (se) ds41_backend_cuda_mem_stats(ds41_engine_backend(se), &xm);
