@@ -10,6 +10,7 @@
  *    blocks with NaN and infinity, partial blocks);
  *  - batch invariance: M rows at once = each row alone, bit for bit, and one
  *    thread = two threads, bit for bit;
+ *  - the exact linears (DS41_OUT_*_EXACT) = the reference bit for bit;
  *  - the other ops (norms, hc mixes, attention, index scores, SwiGLU, Engram,
  *    gathers) against the reference within their rounding. */
 #include "engine/backend/backend.h"
@@ -567,6 +568,151 @@ static void test_fp8_scale_extremes(void) {
     free_linear(&d);
 }
 
+/* The exact linears (DS41_OUT_BF16_EXACT / F32_EXACT, the indexer's
+ * inputs): the reference's value bit for bit at every level, whatever the
+ * rows, columns (tiles of XLIN_COLS and partial ones), K (partial 32-blocks)
+ * and threads; inputs spread over the whole e4m3 range (subnormal codes,
+ * cancelling block sums) and, in the second half of the cases, NaN codes,
+ * a NaN (255) scale byte, a NaN and an infinite input and scale bytes 0 and
+ * 254 (the element route's rows and columns next to vector ones). */
+static int same_bits_or_nan(const float *a, const float *b, size_t n, size_t *where) {
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) && isnan(b[i])) continue;
+        if (memcmp(&a[i], &b[i], sizeof a[i]) != 0) {
+            *where = i;
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static void test_exact_linears(void) {
+    static const struct {
+        ds41_linear_kind kind;
+        size_t M, N, K;
+        int nasty;
+    } cases[] = {
+        {DS41_LINEAR_FP8, 1, 1, 32, 0},    {DS41_LINEAR_FP8, 1, 17, 100, 0},  {DS41_LINEAR_FP8, 2, 33, 300, 0},
+        {DS41_LINEAR_FP8, 5, 64, 1100, 0}, {DS41_LINEAR_FP8, 17, 70, 160, 0}, {DS41_LINEAR_FP8, 40, 16, 64, 0},
+        {DS41_LINEAR_FP4, 1, 15, 64, 0},   {DS41_LINEAR_FP4, 3, 33, 100, 0},  {DS41_LINEAR_FP4, 9, 48, 1100, 0},
+        {DS41_LINEAR_FP4, 33, 17, 50, 0},  {DS41_LINEAR_BF16, 1, 7, 33, 0},   {DS41_LINEAR_BF16, 4, 40, 1056, 0},
+        {DS41_LINEAR_BF16, 19, 33, 100, 0}, {DS41_LINEAR_FP8, 6, 70, 300, 1}, {DS41_LINEAR_FP8, 1, 40, 96, 1},
+        {DS41_LINEAR_FP4, 6, 50, 300, 1},  {DS41_LINEAR_BF16, 6, 20, 64, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const size_t M = cases[ci].M, N = cases[ci].N, K = cases[ci].K, kb = (K + 31) / 32;
+        const ds41_linear_kind kind = cases[ci].kind;
+        const int nasty = cases[ci].nasty;
+        lin_data d;
+        lin_data_make(kind, M, N, K, urand, &d);
+        /* every value times 2^e, e in [-14, 6]: e4m3 codes down to the subnormals */
+        for (size_t i = 0; i < M * K; i++)
+            d.x[i] = ds41_bf16_round(ldexpf(d.x[i], -14 + (int)((i * 7 + i / 5) % 21)));
+        if (nasty) {
+            if (kind == DS41_LINEAR_FP8) {
+                d.q[3 * K + K / 2] = 0x7F; /* column 3: a NaN code */
+                d.q[(N - 1) * K] = 0xFF;   /* the last column: -NaN */
+                d.sc[kb - 1] = 255;        /* columns 0-31, the last block: a NaN scale */
+                if (N > 32) d.sc[kb] = 0;  /* columns 32-63, block 0: 2^-127 */
+                if (N > 32 && kb > 1) d.sc[kb + 1] = 254;
+            } else if (kind == DS41_LINEAR_FP4) {
+                d.sc[5 * kb] = 255; /* column 5, block 0 */
+                d.sc[6 * kb] = 0;
+                d.sc[7 * kb] = 254;
+            } else {
+                d.bf[2 * K + 1] = 0x7FC0; /* column 2: NaN */
+                d.bf[4 * K] = 0x7F80;     /* column 4: +inf */
+            }
+            if (M > 2) {
+                d.x[1 * K + 3] = NAN;          /* row 1 */
+                d.x[2 * K + K - 1] = INFINITY; /* row 2 */
+            } else {
+                d.x[K / 3] = NAN; /* the only row */
+            }
+        }
+        float *ref = malloc(M * N * sizeof *ref), *y = malloc(M * N * sizeof *y), *row = malloc(N * sizeof *row);
+        const char *kn = kind == DS41_LINEAR_FP8 ? "FP8" : kind == DS41_LINEAR_FP4 ? "FP4" : "BF16";
+        for (int o = 0; o < 2; o++) {
+            const ds41_linear_out out = o ? DS41_OUT_F32_EXACT : DS41_OUT_BF16_EXACT;
+            ds41_ops_reference.linear(&ds41_ops_reference, &d.w, d.x, M, ref, out);
+            for (int li = 0; li < n_levels; li++) {
+                const ds41_ops *ops = ops_of(li), *one = &single_thread[li]->ops;
+                size_t at = 0;
+                ops->linear(ops, &d.w, d.x, M, y, out);
+                const int eq = same_bits_or_nan(y, ref, M * N, &at);
+                int alone = 1, threads;
+                for (size_t m = 0; m < M; m++) {
+                    ops->linear(ops, &d.w, d.x + m * K, 1, row, out);
+                    alone &= same_bits_or_nan(row, y + m * N, N, &(size_t){0});
+                }
+                float *y1 = malloc(M * N * sizeof *y1);
+                one->linear(one, &d.w, d.x, M, y1, out);
+                threads = same_bits_or_nan(y1, y, M * N, &(size_t){0});
+                free(y1);
+                TAP_CHECK(eq && alone && threads,
+                          "%s linear %s %s M=%zu N=%zu K=%zu%s: = reference bit for bit, rows alone = batched, "
+                          "1 thread = 2 threads",
+                          ds41_cpu_level_name(levels[li]), kn, o ? "F32_EXACT" : "BF16_EXACT", M, N, K,
+                          nasty ? " (NaN codes/scales/inputs, scales 2^-127 and 2^127)" : "");
+                if (!eq)
+                    TAP_NOTE("element %zu (row %zu, column %zu): got %.9g, reference %.9g", at, at / N, at % N,
+                             (double)y[at], (double)ref[at]);
+            }
+        }
+        free(ref);
+        free(y);
+        free(row);
+        lin_data_free(&d);
+    }
+}
+
+/* FP8 EXACT block sums that need their own rounding: products 2^16, 2^9,
+ * 2^8 and -2^-9 in one block sum to 66304 - 2^-9, which rounds (RNE) to
+ * the fp32 66304, a bf16 tie that goes to the even 66560; a truncated or
+ * otherwise misrounded block sum lands below the tie (66048), and random
+ * data almost never shows it (the bf16 output hides an fp32 ulp).  And
+ * 2^16 + 2^-18 - 2^16 in one block is 2^-18 only if the block is summed
+ * exactly.  In 16 columns (one whole tile) and 40 (tiles and a partial). */
+static void test_exact_block_rounding(void) {
+    static const struct {
+        float x[4], w[4], want;
+    } cs[] = {
+        {{256.0f, 32.0f, 16.0f, 0x1p-9f}, {256.0f, 16.0f, 16.0f, -1.0f}, 66560.0f},
+        {{256.0f, 0x1p-9f, -256.0f, 0.0f}, {256.0f, 0x1p-9f, 256.0f, 0.0f}, 0x1p-18f},
+    };
+    static const size_t widths[] = {16, 40};
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++)
+        for (size_t wi = 0; wi < 2; wi++) {
+            const size_t N = widths[wi], K = 40, nkb = 2;
+            float x[40] = {0}, *wf = calloc(N * K, sizeof *wf), y[40], ref[40];
+            for (int i = 0; i < 4; i++) x[i] = cs[c].x[i];
+            for (size_t n = 0; n < N; n++)
+                for (int i = 0; i < 4; i++) wf[n * K + (size_t)i] = cs[c].w[i];
+            uint8_t *q = malloc(N * K), sc[2 * 2];
+            ds41_quant_fp8_weight(wf, N, K, q, sc);
+            const ds41_linear w = {.kind = DS41_LINEAR_FP8,
+                                   .n = (int64_t)N,
+                                   .k = (int64_t)K,
+                                   .q = q,
+                                   .scale = sc,
+                                   .scale_cols = (int64_t)nkb};
+            ds41_ops_reference.linear(&ds41_ops_reference, &w, x, 1, ref, DS41_OUT_BF16_EXACT);
+            for (int li = 0; li < n_levels; li++) {
+                const ds41_ops *ops = ops_of(li);
+                ops->linear(ops, &w, x, 1, y, DS41_OUT_BF16_EXACT);
+                int ok = 1;
+                for (size_t n = 0; n < N; n++)
+                    ok &= memcmp(&y[n], &ref[n], sizeof y[n]) == 0 && y[n] == cs[c].want;
+                TAP_CHECK(ok, "%s FP8 EXACT, %zu columns: one block summing to %s = %a, as the reference",
+                          ds41_cpu_level_name(levels[li]), N,
+                          c == 0 ? "66304 - 2^-9 (fp32 RNE, then a bf16 tie)" : "2^16 + 2^-18 - 2^16",
+                          (double)y[0]);
+            }
+            free(q);
+            free(wf);
+        }
+}
+
 /* linear_batch = one linear call per member, bit for bit, including
  * members with no rows and members of different kinds and sizes. */
 static void test_linear_batch(void) {
@@ -701,6 +847,8 @@ int main(void) {
     test_act_quant();
     test_linears();
     test_fp8_scale_extremes();
+    test_exact_linears();
+    test_exact_block_rounding();
     test_linear_batch();
     test_norms_and_hc();
     test_rope_and_pool();

@@ -246,6 +246,10 @@ static int fast_round(double s, double abs_sum, size_t n, uint64_t div, float *o
     return 1;
 }
 
+int ds41_xsum_try_round(double s, double abs_sum, size_t n, float *out) {
+    return fast_round(s, abs_sum, n, 1, out);
+}
+
 /* Second chance before the exact accumulator: when every term is a multiple
  * of 2^g and n * max|t| < 2^(g+52), every partial sum in any order is an
  * integer multiple of 2^g below 2^53 units, i.e. exactly representable: the

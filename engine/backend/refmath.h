@@ -83,6 +83,14 @@ float ds41_xdot_f32(const float *a, const float *b, size_t n);
  * checkpoint; the bf16 -> fp32 conversion is exact). */
 float ds41_xdot_f32_bf16(const float *a, const uint16_t *b, size_t n);
 
+/* The fast path those reductions share, for callers that form the double sum
+ * themselves (vectorized kernels): s is a double sum of n exact terms in any
+ * order and abs_sum the double sum of their magnitudes.  Returns 1 and the
+ * exact sum rounded once in *out when the error bound (n + 2) 2^-52 abs_sum
+ * leaves a single non-zero fp32 candidate, or every term is zero (+0); 0
+ * when the caller must take the exact route (e.g. ds41_xdot_f32_bf16). */
+int ds41_xsum_try_round(double s, double abs_sum, size_t n, float *out);
+
 /* Mean of squares as §10.5: each square rounded to fp32 first, then
  * fp32(exact sum / n).  n >= 1. */
 float ds41_mean_sq_f32(const float *x, size_t n);

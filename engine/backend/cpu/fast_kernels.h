@@ -21,6 +21,8 @@
  * from the packed activations of every row. */
 #define FAST_COLS 32
 #define FAST_ROWS 128
+/* Output columns per exact-linear tile (xlin_cols). */
+#define XLIN_COLS 16
 
 /* The weight bytes the calling thread's next task will read, in memory
  * order (up to two ranges: codes and scales).  A kernel may advance through
@@ -54,6 +56,26 @@ typedef struct fast_kernels {
      * activation with weight row n, rounded to bf16 when out_bf16. */
     void (*linear_cols)(const ds41_linear *w, const uint8_t *act, size_t M, size_t m0, size_t m1, size_t n0,
                         size_t n1, float *y, int out_bf16, void *scratch, fast_prefetch *next);
+
+    /* Exact linears (DS41_OUT_BF16_EXACT / DS41_OUT_F32_EXACT: the indexer's
+     * inputs, cpu_backend.h), the reference's value bit for bit; NULL where
+     * the level has none (ops_fast.c then runs the reference's arithmetic
+     * element by element).
+     *   xlin_cols: FP8 / FP4 weights, output columns [n0, n1) (n0 a multiple
+     *     of XLIN_COLS) of all M rows: per 32-wide K block the exact sum of
+     *     the code products rounded to fp32, times fp32(a_scale * w_scale),
+     *     added to an fp32 accumulator in block order; y = that accumulator
+     *     rounded to bf16.  ad: [M][nkb * 32] the activations' code values
+     *     (unscaled, exact in double, zero past K), as: [M][nkb] their
+     *     scales.  A column whose codes include NaN or whose scale bytes
+     *     include 255 gets bad[n - n0] = 1 and an undefined value (the
+     *     caller recomputes it; so it does rows with NaN activations).
+     *   xlin_scratch: the per-thread scratch bytes xlin_cols needs for M rows.
+     *   xdot_bf16: ds41_xdot_f32_bf16 (the exact sum rounded once). */
+    void (*xlin_cols)(const ds41_linear *w, const double *ad, const float *as, size_t M, size_t n0, size_t n1,
+                      float *y, void *scratch, uint8_t *bad);
+    size_t (*xlin_scratch)(size_t M);
+    float (*xdot_bf16)(const float *x, const uint16_t *w, size_t n);
 
     /* Reductions outside the linear layers, in double: products of fp32
      * values are exact in double, and their double sum, rounded once to

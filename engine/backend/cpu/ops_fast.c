@@ -385,19 +385,26 @@ static void run_linears(fast_ctx *c, size_t n, const ds41_linear *const *ws, con
 /* The reference's arithmetic (§10.2-10.3, engine/backend/ops_ref.c), split over
  * output columns.  FP8 / FP4: per 32-wide K block the sum of the code
  * products (multiples of 2^-18 below 2^18, so 32 of them are exact in
- * double in any order: the level's dot gives the one exact value), rounded
- * to fp32, times fp32(a_scale * b_scale), added to an fp32 accumulator in
- * block order.  BF16: ds41_xdot_f32_bf16, the exact sum rounded once.  So
- * the result is the reference's bit for bit at every level. */
+ * double in any order: every summation order gives the one exact value),
+ * rounded to fp32, times fp32(a_scale * b_scale), added to an fp32
+ * accumulator in block order.  BF16: the exact sum rounded once
+ * (ds41_xdot_f32_bf16).  So the result is the reference's bit for bit at
+ * every level.  A level with exact kernels (fast_kernels.h xlin_cols,
+ * xdot_bf16) runs them vectorized over K and across columns; the element
+ * by element route below stays for levels without them and for the columns
+ * and rows that hold NaN codes or scales (whose NaN payloads the vector
+ * route does not promise to reproduce). */
 typedef struct xlin_job {
     fast_ctx *c;
     const ds41_linear *w;
     const float *x;  /* BF16: the input rows */
     const float *av; /* FP8 / FP4: [M][K] activation code values (unscaled) */
     const float *as; /* [M][nkb] activation block scales */
+    const double *ad; /* [M][nkb * 32] the same code values in double, zero padded (xlin_cols) */
     size_t M, K, nkb;
     float *y;
     int out_bf16;
+    uint8_t *bad; /* [N] columns xlin_cols left to the element route */
 } xlin_job;
 
 static void xlin_task(void *p, size_t b, size_t e, int th) {
@@ -406,8 +413,10 @@ static void xlin_task(void *p, size_t b, size_t e, int th) {
     const size_t K = j->K, N = (size_t)w->n, nkb = j->nkb;
     for (size_t n = b; n < e; n++) {
         if (w->kind == DS41_LINEAR_BF16) {
+            float (*const xdot)(const float *, const uint16_t *, size_t) =
+                j->c->k->xdot_bf16 ? j->c->k->xdot_bf16 : ds41_xdot_f32_bf16;
             for (size_t m = 0; m < j->M; m++) {
-                const float v = ds41_xdot_f32_bf16(j->x + m * K, w->bf16 + n * K, K);
+                const float v = xdot(j->x + m * K, w->bf16 + n * K, K);
                 j->y[m * N + n] = j->out_bf16 ? fast_bf16_round(v) : v;
             }
             continue;
@@ -434,10 +443,55 @@ static void xlin_task(void *p, size_t b, size_t e, int th) {
     }
 }
 
+/* Tiles of XLIN_COLS columns on the level's exact kernel. */
+static void xlin_tile_task(void *p, size_t b, size_t e, int th) {
+    xlin_job *j = p;
+    const size_t N = (size_t)j->w->n, n0 = b * XLIN_COLS, n1 = e * XLIN_COLS < N ? e * XLIN_COLS : N;
+    j->c->k->xlin_cols(j->w, j->ad, j->as, j->M, n0, n1, j->y, j->c->scratch[th].p, j->bad + n0);
+}
+
+/* The activations' act_quant (as ds41_act_quant), rows [b, e): code values
+ * in fp32 and in double (zero padded to whole blocks), the block scales, and
+ * whether the row holds a NaN value or scale (its outputs then come from the
+ * element route). */
+typedef struct xact_job {
+    const float *x;
+    size_t K, nkb;
+    float *av, *as;
+    double *ad; /* NULL when the level has no xlin_cols */
+    uint8_t *row_bad;
+    fast_ctx *c;
+} xact_job;
+
+static void xact_task(void *p, size_t b, size_t e, int th) {
+    xact_job *j = p;
+    const size_t K = j->K, nkb = j->nkb, Kp = nkb * 32;
+    uint8_t *codes = j->c->scratch[th].p, *sb = codes + K;
+    for (size_t m = b; m < e; m++) {
+        ds41_act_quant(j->x + m * K, K, codes, sb);
+        float *av = j->av + m * K, *as = j->as + m * nkb;
+        int bad = 0;
+        for (size_t k = 0; k < K; k++) {
+            av[k] = ds41_e4m3_table[codes[k]];
+            bad |= (codes[k] & 0x7F) == 0x7F;
+        }
+        for (size_t kb = 0; kb < nkb; kb++) {
+            as[kb] = fast_ue8m0(sb[kb]);
+            bad |= sb[kb] == 255;
+        }
+        if (j->ad) {
+            double *ad = j->ad + m * Kp;
+            for (size_t k = 0; k < K; k++) ad[k] = (double)av[k];
+            for (size_t k = K; k < Kp; k++) ad[k] = 0.0;
+        }
+        j->row_bad[m] = (uint8_t)bad;
+    }
+}
+
 static void fast_linear_exact(fast_ctx *c, const ds41_linear *w, const float *x, size_t M, float *y,
                               int out_bf16) {
     PROF_BEGIN(c);
-    const size_t N = (size_t)w->n, K = (size_t)w->k, nkb = (K + 31) / 32;
+    const size_t N = (size_t)w->n, K = (size_t)w->k, nkb = (K + 31) / 32, Kp = nkb * 32;
     if (M == 0 || N == 0) return;
     if (K == 0 || w->kind == DS41_LINEAR_NONE) {
         memset(y, 0, M * N * sizeof *y);
@@ -446,22 +500,47 @@ static void fast_linear_exact(fast_ctx *c, const ds41_linear *w, const float *x,
     c->st.flops += 2 * (uint64_t)M * N * K;
     c->st.weight_bytes += linear_weight_bytes(w);
     xlin_job j = {.c = c, .w = w, .x = x, .M = M, .K = K, .nkb = nkb, .y = y, .out_bf16 = out_bf16};
-    float *av = NULL, *as = NULL;
-    if (w->kind != DS41_LINEAR_BF16) {
-        /* The activations' act_quant, once per row (as ds41_act_quant). */
-        av = ensure(&c->work2, (M * K + M * nkb) * sizeof *av + M * (K + nkb));
-        as = av + M * K;
-        uint8_t *codes = (uint8_t *)(as + M * nkb), *sb = codes + K;
-        for (size_t m = 0; m < M; m++) {
-            ds41_act_quant(x + m * K, K, codes, sb);
-            for (size_t k = 0; k < K; k++) av[m * K + k] = ds41_e4m3_table[codes[k]];
-            for (size_t kb = 0; kb < nkb; kb++) as[m * nkb + kb] = fast_ue8m0(sb[kb]);
+    if (w->kind == DS41_LINEAR_BF16) {
+        ds41_threadpool_run(c->pool, N, 1 + 32768 / (M * K + 1), xlin_task, &j);
+    } else {
+        const int vec = c->k->xlin_cols != NULL;
+        /* work2: av [M][K] | as [M][nkb] | ad [M][Kp] (vec) | row_bad [M] | bad [N] */
+        const size_t av_b = (M * K + M * nkb) * sizeof(float), ad_b = vec ? M * Kp * sizeof(double) : 0;
+        uint8_t *base = ensure(&c->work2, ((av_b + 63) & ~(size_t)63) + ad_b + M + N);
+        float *av = (float *)base, *as = av + M * K;
+        double *ad = vec ? (double *)(base + ((av_b + 63) & ~(size_t)63)) : NULL;
+        uint8_t *row_bad = base + ((av_b + 63) & ~(size_t)63) + ad_b, *bad = row_bad + M;
+        size_t scratch = (K + nkb) * sizeof(float);
+        if (vec && c->k->xlin_scratch(M) > scratch) scratch = c->k->xlin_scratch(M);
+        ensure_scratch(c, scratch);
+        xact_job aj = {.x = x, .K = K, .nkb = nkb, .av = av, .as = as, .ad = ad, .row_bad = row_bad, .c = c};
+        ds41_threadpool_run(c->pool, M, 1 + 16384 / K, xact_task, &aj);
+        j.av = av;
+        j.as = as;
+        j.ad = ad;
+        j.bad = bad;
+        if (!vec) {
+            ds41_threadpool_run(c->pool, N, 1 + 32768 / (M * K + 1), xlin_task, &j);
+        } else {
+            memset(bad, 0, N);
+            const size_t tiles = (N + XLIN_COLS - 1) / XLIN_COLS;
+            ds41_threadpool_run(c->pool, tiles, 1 + 8192 / (M * K / 32 + 1), xlin_tile_task, &j);
+            /* Columns with NaN codes or scales, then rows with NaN
+             * activations, again on the element route (rare: NaN weights
+             * or inputs). */
+            for (size_t n = 0; n < N; n++)
+                if (bad[n]) xlin_task(&j, n, n + 1, 0);
+            for (size_t m = 0; m < M; m++) {
+                if (!row_bad[m]) continue;
+                xlin_job r = j;
+                r.M = 1;
+                r.av = av + m * K;
+                r.as = as + m * nkb;
+                r.y = y + m * N;
+                xlin_task(&r, 0, N, 0);
+            }
         }
-        ensure_scratch(c, (K + nkb) * sizeof(float));
     }
-    j.av = av;
-    j.as = as;
-    ds41_threadpool_run(c->pool, N, 1 + 32768 / (M * K + 1), xlin_task, &j);
     PROF_END(c,
              w->kind == DS41_LINEAR_FP8   ? P_LINEAR_FP8
              : w->kind == DS41_LINEAR_FP4 ? P_LINEAR_FP4

@@ -52,6 +52,7 @@
  * chunk order are the same, and an element's sequence of operations does
  * not depend on the tile it shares (the invariance rule of cpu_backend.h). */
 #include "engine/backend/cpu/fast_kernels.h"
+#include "engine/backend/refmath.h"
 
 #if defined(__x86_64__)
 
@@ -80,6 +81,7 @@ static uint16_t e2m1_bf16[32] __attribute__((aligned(64)));
 static float e2m1_f32[16] __attribute__((aligned(64)));
 
 static void init_offsets(void);
+static inline double hsum8d(__m512d v);
 
 static void init(void) {
     for (int i = 0; i < 128; i++) {
@@ -1322,6 +1324,191 @@ static void amx_linear_cols(const ds41_linear *w, const uint8_t *act, size_t M, 
     }
 }
 
+/* ---- exact linears (fast_kernels.h xlin_cols, xdot_bf16) ------------------------------------ */
+
+/* K blocks per weight panel: XLIN_COLS columns x 4 blocks x 32 doubles = 16 KiB (L1). */
+#define XLIN_KC 4
+/* Chunks of XLIN_KC blocks the weight prefetch runs ahead. */
+#define XLIN_PF 4
+
+static size_t xlin_scratch(size_t M) {
+    return (size_t)XLIN_COLS * XLIN_KC * 32 * sizeof(double) + M * XLIN_COLS * sizeof(float) + 64;
+}
+
+/* Eight vectors' lane sums, v_i's in lane i: pairs of lanes, then halves of
+ * 256 bits, then of 512 (every partial sum of a block is exact, so the order
+ * is free). */
+static inline __attribute__((always_inline)) __m512d xl_reduce8(__m512d v0, __m512d v1, __m512d v2, __m512d v3,
+                                                                __m512d v4, __m512d v5, __m512d v6, __m512d v7) {
+    const __m512d s0 = _mm512_add_pd(_mm512_unpacklo_pd(v0, v1), _mm512_unpackhi_pd(v0, v1));
+    const __m512d s1 = _mm512_add_pd(_mm512_unpacklo_pd(v2, v3), _mm512_unpackhi_pd(v2, v3));
+    const __m512d s2 = _mm512_add_pd(_mm512_unpacklo_pd(v4, v5), _mm512_unpackhi_pd(v4, v5));
+    const __m512d s3 = _mm512_add_pd(_mm512_unpacklo_pd(v6, v7), _mm512_unpackhi_pd(v6, v7));
+    const __m512d u0 = _mm512_add_pd(_mm512_shuffle_f64x2(s0, s1, 0x88), _mm512_shuffle_f64x2(s0, s1, 0xDD));
+    const __m512d u1 = _mm512_add_pd(_mm512_shuffle_f64x2(s2, s3, 0x88), _mm512_shuffle_f64x2(s2, s3, 0xDD));
+    return _mm512_add_pd(_mm512_shuffle_f64x2(u0, u1, 0x88), _mm512_shuffle_f64x2(u0, u1, 0xDD));
+}
+
+/* 32 weight codes of block kb of row q (K values, kb * 32 < K) -> their
+ * values as 32 doubles at w (64-byte aligned), in k order.  FP8: the e4m3 magnitude's
+ * bits shifted into an fp16 (exponent bias 15 instead of 7, so a normal and
+ * a subnormal e4m3 alike land on value * 2^-8, an fp16 subnormal for the
+ * latter, which the conversion widens exactly to a normal fp32) and the sign
+ * moved to bit 15: the caller scales the block sum by 2^8, exactly.
+ * Returns 1 if a code is NaN.  FP4: the e2m1 value (low nibble first). */
+static inline __attribute__((always_inline)) int xl_dec_fp8(const uint8_t *q, size_t K, size_t kb, double *w) {
+    const size_t k0 = kb * 32, len = K - k0 < 32 ? K - k0 : 32;
+    const __mmask32 lm = len == 32 ? 0xFFFFFFFFu : (__mmask32)((1u << len) - 1);
+    const __m512i d = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(lm, q + k0));
+    const __m512i mag = _mm512_and_si512(_mm512_slli_epi16(d, 7), _mm512_set1_epi16(0x3F80));
+    const int nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x3F80)) != 0;
+    const __m512i h =
+        _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(d, 8), _mm512_set1_epi16((short)0x8000)));
+    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    _mm512_store_pd(w, _mm512_cvtps_pd(_mm512_castps512_ps256(f0)));
+    _mm512_store_pd(w + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)));
+    _mm512_store_pd(w + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(f1)));
+    _mm512_store_pd(w + 24, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)));
+    return nan;
+}
+
+static inline __attribute__((always_inline)) void xl_dec_fp4(const uint8_t *q, size_t K, size_t kb,
+                                                             const __m512 tab, double *w) {
+    const size_t b0 = kb * 16, nb = (K + 1) / 2 - b0 < 16 ? (K + 1) / 2 - b0 : 16;
+    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << nb) - 1), q + b0);
+    const __m256i x = _mm256_cvtepu8_epi16(b), nib = _mm256_set1_epi16(15);
+    /* byte 2i = low nibble of byte i (k = 2i), byte 2i + 1 = its high nibble */
+    const __m256i nat = _mm256_or_si256(_mm256_and_si256(x, nib),
+                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(x, 4), nib), 8));
+    const __m512 f0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(nat)), tab);
+    const __m512 f1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(nat, 1)), tab);
+    _mm512_store_pd(w, _mm512_cvtps_pd(_mm512_castps512_ps256(f0)));
+    _mm512_store_pd(w + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)));
+    _mm512_store_pd(w + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(f1)));
+    _mm512_store_pd(w + 24, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)));
+}
+
+/* The exact block sums of one row against 8 of the panel's columns, 32 K
+ * at a time (a: the row's 32 values in 4 vectors; p: the first column's
+ * block in the panel, columns XLIN_KC * 32 doubles apart). */
+#define XL_COL(c)                                                                                            \
+    __m512d s##c = _mm512_mul_pd(a0, _mm512_load_pd(p + (c) * XLIN_KC * 32));                                \
+    s##c = _mm512_fmadd_pd(a1, _mm512_load_pd(p + (c) * XLIN_KC * 32 + 8), s##c);                            \
+    s##c = _mm512_fmadd_pd(a2, _mm512_load_pd(p + (c) * XLIN_KC * 32 + 16), s##c);                           \
+    s##c = _mm512_fmadd_pd(a3, _mm512_load_pd(p + (c) * XLIN_KC * 32 + 24), s##c)
+static inline __attribute__((always_inline)) __m512d xl_block8(__m512d a0, __m512d a1, __m512d a2, __m512d a3,
+                                                               const double *p) {
+    XL_COL(0);
+    XL_COL(1);
+    XL_COL(2);
+    XL_COL(3);
+    XL_COL(4);
+    XL_COL(5);
+    XL_COL(6);
+    XL_COL(7);
+    return xl_reduce8(s0, s1, s2, s3, s4, s5, s6, s7);
+}
+#undef XL_COL
+
+static void xlin_cols(const ds41_linear *w, const double *ad, const float *as, size_t M, size_t n0, size_t n1,
+                      float *y, void *scratch, uint8_t *bad) {
+    const size_t K = (size_t)w->k, N = (size_t)w->n, nkb = (K + 31) / 32, Kp = nkb * 32;
+    const int fp4 = w->kind == DS41_LINEAR_FP4;
+    const size_t rb = fast_row_bytes(w), sstride = (size_t)w->scale_cols;
+    double *panel = scratch; /* [XLIN_COLS][XLIN_KC][32] */
+    float *acc = (float *)(panel + (size_t)XLIN_COLS * XLIN_KC * 32); /* [M][XLIN_COLS] */
+    const __m512 tab = _mm512_load_ps(e2m1_f32);
+    const __m512d unscale = _mm512_set1_pd(fp4 ? 1.0 : 256.0); /* xl_dec_fp8's 2^-8 */
+    for (size_t t0 = n0; t0 < n1; t0 += XLIN_COLS) {
+        const size_t nc = n1 - t0 < XLIN_COLS ? n1 - t0 : XLIN_COLS;
+        memset(acc, 0, M * XLIN_COLS * sizeof *acc);
+        for (size_t kb0 = 0; kb0 < nkb; kb0 += XLIN_KC) {
+            const size_t kc = nkb - kb0 < XLIN_KC ? nkb - kb0 : XLIN_KC;
+            /* the weight scales of the chunk: FP8 one per 32 columns, FP4 one per column */
+            float ws[XLIN_KC][XLIN_COLS] __attribute__((aligned(64)));
+            for (size_t c = 0; c < XLIN_COLS; c++) {
+                double *pc = panel + c * XLIN_KC * 32;
+                if (c >= nc) { /* past the last column: zeros, results not stored */
+                    memset(pc, 0, kc * 32 * sizeof *pc);
+                    for (size_t l = 0; l < kc; l++) ws[l][c] = 0.0f;
+                    continue;
+                }
+                const size_t n = t0 + c;
+                /* 16 short streams (a column's row advances 128 or 64 bytes
+                 * per chunk): prefetch XLIN_PF chunks ahead, into the next
+                 * tile's rows near the end of these (decode steps read the
+                 * weights once, from memory). */
+                {
+                    const size_t ahead = kb0 + XLIN_PF * XLIN_KC, bpb = fp4 ? 16 : 32;
+                    const uint8_t *pf = ahead < nkb ? w->q + n * rb + ahead * bpb
+                                        : n + XLIN_COLS < N ? w->q + (n + XLIN_COLS) * rb + (ahead - nkb) * bpb
+                                                            : NULL;
+                    if (pf) {
+                        _mm_prefetch((const char *)pf, _MM_HINT_T0);
+                        _mm_prefetch((const char *)pf + 64, _MM_HINT_T0);
+                    }
+                }
+                const uint8_t *srow = w->scale + (fp4 ? n : n / 32) * sstride;
+                for (size_t l = 0; l < kc; l++) {
+                    const uint8_t sb = srow[kb0 + l];
+                    ws[l][c] = fast_ue8m0(sb);
+                    if (sb == 255) bad[n - n0] = 1;
+                    if (fp4)
+                        xl_dec_fp4(w->q + n * rb, K, kb0 + l, tab, pc + l * 32);
+                    else if (xl_dec_fp8(w->q + n * rb, K, kb0 + l, pc + l * 32))
+                        bad[n - n0] = 1;
+                }
+            }
+            for (size_t m = 0; m < M; m++) {
+                const double *a = ad + m * Kp + kb0 * 32;
+                const float *sa = as + m * nkb + kb0;
+                __m512 accv = _mm512_load_ps(acc + m * XLIN_COLS);
+                for (size_t l = 0; l < kc; l++) {
+                    const double *al = a + l * 32;
+                    const __m512d a0 = _mm512_load_pd(al), a1 = _mm512_load_pd(al + 8),
+                                  a2 = _mm512_load_pd(al + 16), a3 = _mm512_load_pd(al + 24);
+                    const __m512d lo = xl_block8(a0, a1, a2, a3, panel + l * 32);
+                    const __m512d hi = xl_block8(a0, a1, a2, a3, panel + 8 * XLIN_KC * 32 + l * 32);
+                    /* pf = fp32(exact block sum); sc = fp32(sa * ws); acc = acc + pf * sc */
+                    const __m512 pf = _mm512_insertf32x8(
+                        _mm512_castps256_ps512(_mm512_cvtpd_ps(_mm512_mul_pd(lo, unscale))),
+                        _mm512_cvtpd_ps(_mm512_mul_pd(hi, unscale)), 1);
+                    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(sa[l]), _mm512_load_ps(ws[l]));
+                    accv = _mm512_add_ps(accv, _mm512_mul_ps(pf, sc));
+                }
+                _mm512_store_ps(acc + m * XLIN_COLS, accv);
+            }
+        }
+        for (size_t m = 0; m < M; m++)
+            for (size_t c = 0; c < nc; c++) y[m * N + t0 + c] = fast_bf16_round(acc[m * XLIN_COLS + c]);
+    }
+}
+
+/* ds41_xdot_f32_bf16: products exact in double, summed in two 8-lane
+ * accumulators with their magnitudes; the shared error-bound test decides,
+ * and the exact accumulator takes the rest. */
+static float xdot_bf16(const float *x, const uint16_t *w, size_t n) {
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd(), a0 = _mm512_setzero_pd(),
+            a1 = _mm512_setzero_pd();
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : tail16(n - i);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+        const __m512 wv = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
+        const __m512d p0 = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xv)),
+                                         _mm512_cvtps_pd(_mm512_castps512_ps256(wv)));
+        const __m512d p1 = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(xv, 1)),
+                                         _mm512_cvtps_pd(_mm512_extractf32x8_ps(wv, 1)));
+        s0 = _mm512_add_pd(s0, p0);
+        s1 = _mm512_add_pd(s1, p1);
+        a0 = _mm512_add_pd(a0, _mm512_abs_pd(p0));
+        a1 = _mm512_add_pd(a1, _mm512_abs_pd(p1));
+    }
+    float r;
+    if (ds41_xsum_try_round(hsum8d(_mm512_add_pd(s0, s1)), hsum8d(_mm512_add_pd(a0, a1)), n, &r)) return r;
+    return ds41_xdot_f32_bf16(x, w, n);
+}
+
 /* ---- vector primitives (both levels) ----------------------------------------------------- */
 
 static inline double hsum8d(__m512d v) {
@@ -1545,6 +1732,9 @@ const fast_kernels ds41__fast_avx512 = {
     .pack_rows = 1,
     .scratch_bytes = dp_scratch_bytes,
     .linear_cols = dp_linear_cols,
+    .xlin_cols = xlin_cols,
+    .xlin_scratch = xlin_scratch,
+    .xdot_bf16 = xdot_bf16,
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
@@ -1566,6 +1756,9 @@ const fast_kernels ds41__fast_amx = {
     .pack_rows = 16,
     .scratch_bytes = amx_scratch_bytes,
     .linear_cols = amx_linear_cols,
+    .xlin_cols = xlin_cols,
+    .xlin_scratch = xlin_scratch,
+    .xdot_bf16 = xdot_bf16,
     .dot = dot64,
     .sumsq = sumsq64,
     .axpy = axpy64,
