@@ -1037,6 +1037,20 @@ const void *ds41_checkpoint_shard_base(const ds41_checkpoint *c, uint32_t i) {
     return i < c->shard_count ? c->shards[i].map : NULL;
 }
 
+uint64_t ds41_checkpoint_prefault(const ds41_checkpoint *c, const ds41_tensor *t) {
+#ifdef MADV_POPULATE_READ
+    if (!t || t->nbytes == 0 || t->shard >= c->shard_count || !c->shards[t->shard].map) return 0;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t b = (uintptr_t)t->data & ~(page - 1), e = (uintptr_t)t->data + t->nbytes;
+    if (madvise((void *)b, e - b, MADV_POPULATE_READ) != 0) return 0;
+    return t->nbytes;
+#else
+    (void)c;
+    (void)t;
+    return 0;
+#endif
+}
+
 int ds41_checkpoint_check_mappings(const ds41_checkpoint *c, ds41_error *err) {
     if (ds41_map_guard_losses() == 0) return 0; /* nothing was ever lost in this process */
     for (size_t i = 0; i < c->shard_count; i++) {

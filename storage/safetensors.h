@@ -250,6 +250,15 @@ uint64_t ds41_checkpoint_shard_size(const ds41_checkpoint *ckpt, uint32_t i);
  * tensor->data == base + tensor->file_offset); NULL when out of range. */
 const void *ds41_checkpoint_shard_base(const ds41_checkpoint *ckpt, uint32_t i);
 
+/* Fill in the page tables of a tensor's payload now (madvise
+ * MADV_POPULATE_READ: one call, reading from disk what the page cache
+ * lacks), so that the first forward steps do not take a page fault per page
+ * they touch (each one expensive in a virtual machine, and a random read of
+ * an Engram row or an expert is one fault per row).  Returns the bytes
+ * populated; 0 where the kernel cannot (before Linux 5.14, or a shard
+ * truncated under us): those pages fault in on use, as without the call. */
+uint64_t ds41_checkpoint_prefault(const ds41_checkpoint *ckpt, const ds41_tensor *t);
+
 /* Whether every shard mapping is still intact: 0, or -1 with err
  * "PATH was truncated or became unreadable while mapped (SIGBUS at offset
  * N): the model must be reloaded" for the first shard (by index) that lost

@@ -592,12 +592,15 @@ static void test_exact_linears(void) {
         size_t M, N, K;
         int nasty;
     } cases[] = {
-        {DS41_LINEAR_FP8, 1, 1, 32, 0},    {DS41_LINEAR_FP8, 1, 17, 100, 0},  {DS41_LINEAR_FP8, 2, 33, 300, 0},
-        {DS41_LINEAR_FP8, 5, 64, 1100, 0}, {DS41_LINEAR_FP8, 17, 70, 160, 0}, {DS41_LINEAR_FP8, 40, 16, 64, 0},
-        {DS41_LINEAR_FP4, 1, 15, 64, 0},   {DS41_LINEAR_FP4, 3, 33, 100, 0},  {DS41_LINEAR_FP4, 9, 48, 1100, 0},
-        {DS41_LINEAR_FP4, 33, 17, 50, 0},  {DS41_LINEAR_BF16, 1, 7, 33, 0},   {DS41_LINEAR_BF16, 4, 40, 1056, 0},
-        {DS41_LINEAR_BF16, 19, 33, 100, 0}, {DS41_LINEAR_FP8, 6, 70, 300, 1}, {DS41_LINEAR_FP8, 1, 40, 96, 1},
-        {DS41_LINEAR_FP4, 6, 50, 300, 1},  {DS41_LINEAR_BF16, 6, 20, 64, 1},
+        {DS41_LINEAR_FP8, 1, 1, 32, 0},     {DS41_LINEAR_FP8, 1, 17, 100, 0},
+        {DS41_LINEAR_FP8, 2, 33, 300, 0},   {DS41_LINEAR_FP8, 5, 64, 1100, 0},
+        {DS41_LINEAR_FP8, 17, 70, 160, 0},  {DS41_LINEAR_FP8, 40, 16, 64, 0},
+        {DS41_LINEAR_FP4, 1, 15, 64, 0},    {DS41_LINEAR_FP4, 3, 33, 100, 0},
+        {DS41_LINEAR_FP4, 9, 48, 1100, 0},  {DS41_LINEAR_FP4, 33, 17, 50, 0},
+        {DS41_LINEAR_BF16, 1, 7, 33, 0},    {DS41_LINEAR_BF16, 4, 40, 1056, 0},
+        {DS41_LINEAR_BF16, 19, 33, 100, 0}, {DS41_LINEAR_FP8, 6, 70, 300, 1},
+        {DS41_LINEAR_FP8, 1, 40, 96, 1},    {DS41_LINEAR_FP4, 6, 50, 300, 1},
+        {DS41_LINEAR_BF16, 6, 20, 64, 1},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const size_t M = cases[ci].M, N = cases[ci].N, K = cases[ci].K, kb = (K + 31) / 32;
@@ -630,7 +633,8 @@ static void test_exact_linears(void) {
                 d.x[K / 3] = NAN; /* the only row */
             }
         }
-        float *ref = malloc(M * N * sizeof *ref), *y = malloc(M * N * sizeof *y), *row = malloc(N * sizeof *row);
+        float *ref = malloc(M * N * sizeof *ref), *y = malloc(M * N * sizeof *y),
+              *row = malloc(N * sizeof *row);
         const char *kn = kind == DS41_LINEAR_FP8 ? "FP8" : kind == DS41_LINEAR_FP4 ? "FP4" : "BF16";
         for (int o = 0; o < 2; o++) {
             const ds41_linear_out out = o ? DS41_OUT_F32_EXACT : DS41_OUT_BF16_EXACT;
@@ -649,14 +653,15 @@ static void test_exact_linears(void) {
                 one->linear(one, &d.w, d.x, M, y1, out);
                 threads = same_bits_or_nan(y1, y, M * N, &(size_t){0});
                 free(y1);
-                TAP_CHECK(eq && alone && threads,
-                          "%s linear %s %s M=%zu N=%zu K=%zu%s: = reference bit for bit, rows alone = batched, "
-                          "1 thread = 2 threads",
-                          ds41_cpu_level_name(levels[li]), kn, o ? "F32_EXACT" : "BF16_EXACT", M, N, K,
-                          nasty ? " (NaN codes/scales/inputs, scales 2^-127 and 2^127)" : "");
+                TAP_CHECK(
+                    eq && alone && threads,
+                    "%s linear %s %s M=%zu N=%zu K=%zu%s: = reference bit for bit, rows alone = batched, "
+                    "1 thread = 2 threads",
+                    ds41_cpu_level_name(levels[li]), kn, o ? "F32_EXACT" : "BF16_EXACT", M, N, K,
+                    nasty ? " (NaN codes/scales/inputs, scales 2^-127 and 2^127)" : "");
                 if (!eq)
-                    TAP_NOTE("element %zu (row %zu, column %zu): got %.9g, reference %.9g", at, at / N, at % N,
-                             (double)y[at], (double)ref[at]);
+                    TAP_NOTE("element %zu (row %zu, column %zu): got %.9g, reference %.9g", at, at / N,
+                             at % N, (double)y[at], (double)ref[at]);
             }
         }
         free(ref);

@@ -123,6 +123,25 @@ static void on_bind_progress(void *ctx, uint64_t tensors_done, uint64_t tensors_
     report_stage(r, DS41_LOAD_BINDING);
 }
 
+/* Host backends read the weights straight from the checkpoint's mapping:
+ * map the pages of what stays resident at load, in one call per tensor,
+ * instead of a page fault per page in the first steps (llama.cpp maps its
+ * file with MAP_POPULATE for the same reason).  What the engine streams
+ * (routed experts under an expert budget, the Engram tables under a row
+ * cache) is left alone: its budget is the point. */
+static void prefault_resident(ds41_engine *e, const ds41_engine_opts *opts) {
+    const bool experts_streamed =
+        opts && opts->expert_cache_bytes && opts->expert_cache_bytes < e->expert_total_bytes;
+    const bool engram_streamed = e->cfg.engram_enabled && opts && opts->engram_cache_bytes;
+    const size_t n = ds41_checkpoint_tensor_count(e->ckpt);
+    for (size_t i = 0; i < n; i++) {
+        const ds41_tensor *t = ds41_checkpoint_tensor_at(e->ckpt, i);
+        if (experts_streamed && strstr(t->name, ".ffn.experts.")) continue;
+        if (engram_streamed && strstr(t->name, ".engram.embed.")) continue;
+        ds41_checkpoint_prefault(e->ckpt, t);
+    }
+}
+
 ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds41_error *err) {
     load_report rep = {.opts = opts};
     ds41_engine *e = calloc(1, sizeof *e);
@@ -205,6 +224,7 @@ ds41_engine *ds41_engine_load(const char *dir, const ds41_engine_opts *opts, ds4
         ds41_error_prefix(err, "%s", dir);
         goto fail;
     }
+    if (!e->be->place_weights) prefault_resident(e, opts);
     {
         const ds41_expert_predict p = opts ? opts->expert_predict : DS41_XPREDICT_DEFAULT;
         const bool on = !(opts && opts->expert_no_predict);

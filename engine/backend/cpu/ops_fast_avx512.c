@@ -1338,8 +1338,8 @@ static size_t xlin_scratch(size_t M) {
 /* Eight vectors' lane sums, v_i's in lane i: pairs of lanes, then halves of
  * 256 bits, then of 512 (every partial sum of a block is exact, so the order
  * is free). */
-static inline __attribute__((always_inline)) __m512d xl_reduce8(__m512d v0, __m512d v1, __m512d v2, __m512d v3,
-                                                                __m512d v4, __m512d v5, __m512d v6, __m512d v7) {
+static inline __attribute__((always_inline)) __m512d
+xl_reduce8(__m512d v0, __m512d v1, __m512d v2, __m512d v3, __m512d v4, __m512d v5, __m512d v6, __m512d v7) {
     const __m512d s0 = _mm512_add_pd(_mm512_unpacklo_pd(v0, v1), _mm512_unpackhi_pd(v0, v1));
     const __m512d s1 = _mm512_add_pd(_mm512_unpacklo_pd(v2, v3), _mm512_unpackhi_pd(v2, v3));
     const __m512d s2 = _mm512_add_pd(_mm512_unpacklo_pd(v4, v5), _mm512_unpackhi_pd(v4, v5));
@@ -1356,7 +1356,8 @@ static inline __attribute__((always_inline)) __m512d xl_reduce8(__m512d v0, __m5
  * latter, which the conversion widens exactly to a normal fp32) and the sign
  * moved to bit 15: the caller scales the block sum by 2^8, exactly.
  * Returns 1 if a code is NaN.  FP4: the e2m1 value (low nibble first). */
-static inline __attribute__((always_inline)) int xl_dec_fp8(const uint8_t *q, size_t K, size_t kb, double *w) {
+static inline __attribute__((always_inline)) int xl_dec_fp8(const uint8_t *q, size_t K, size_t kb,
+                                                            double *w) {
     const size_t k0 = kb * 32, len = K - k0 < 32 ? K - k0 : 32;
     const __mmask32 lm = len == 32 ? 0xFFFFFFFFu : (__mmask32)((1u << len) - 1);
     const __m512i d = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(lm, q + k0));
@@ -1364,7 +1365,8 @@ static inline __attribute__((always_inline)) int xl_dec_fp8(const uint8_t *q, si
     const int nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x3F80)) != 0;
     const __m512i h =
         _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(d, 8), _mm512_set1_epi16((short)0x8000)));
-    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)),
+                 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     _mm512_store_pd(w, _mm512_cvtps_pd(_mm512_castps512_ps256(f0)));
     _mm512_store_pd(w + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)));
     _mm512_store_pd(w + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(f1)));
@@ -1392,10 +1394,10 @@ static inline __attribute__((always_inline)) void xl_dec_fp4(const uint8_t *q, s
  * at a time (a: the row's 32 values in 4 vectors; p: the first column's
  * block in the panel, columns XLIN_KC * 32 doubles apart). */
 #define XL_COL(c)                                                                                            \
-    __m512d s##c = _mm512_mul_pd(a0, _mm512_load_pd(p + (c) * XLIN_KC * 32));                                \
-    s##c = _mm512_fmadd_pd(a1, _mm512_load_pd(p + (c) * XLIN_KC * 32 + 8), s##c);                            \
-    s##c = _mm512_fmadd_pd(a2, _mm512_load_pd(p + (c) * XLIN_KC * 32 + 16), s##c);                           \
-    s##c = _mm512_fmadd_pd(a3, _mm512_load_pd(p + (c) * XLIN_KC * 32 + 24), s##c)
+    __m512d s##c = _mm512_mul_pd(a0, _mm512_load_pd(p + (c)*XLIN_KC * 32));                                  \
+    s##c = _mm512_fmadd_pd(a1, _mm512_load_pd(p + (c)*XLIN_KC * 32 + 8), s##c);                              \
+    s##c = _mm512_fmadd_pd(a2, _mm512_load_pd(p + (c)*XLIN_KC * 32 + 16), s##c);                             \
+    s##c = _mm512_fmadd_pd(a3, _mm512_load_pd(p + (c)*XLIN_KC * 32 + 24), s##c)
 static inline __attribute__((always_inline)) __m512d xl_block8(__m512d a0, __m512d a1, __m512d a2, __m512d a3,
                                                                const double *p) {
     XL_COL(0);
@@ -1415,7 +1417,7 @@ static void xlin_cols(const ds41_linear *w, const double *ad, const float *as, s
     const size_t K = (size_t)w->k, N = (size_t)w->n, nkb = (K + 31) / 32, Kp = nkb * 32;
     const int fp4 = w->kind == DS41_LINEAR_FP4;
     const size_t rb = fast_row_bytes(w), sstride = (size_t)w->scale_cols;
-    double *panel = scratch; /* [XLIN_COLS][XLIN_KC][32] */
+    double *panel = scratch;                                          /* [XLIN_COLS][XLIN_KC][32] */
     float *acc = (float *)(panel + (size_t)XLIN_COLS * XLIN_KC * 32); /* [M][XLIN_COLS] */
     const __m512 tab = _mm512_load_ps(e2m1_f32);
     const __m512d unscale = _mm512_set1_pd(fp4 ? 1.0 : 256.0); /* xl_dec_fp8's 2^-8 */
@@ -1441,8 +1443,9 @@ static void xlin_cols(const ds41_linear *w, const double *ad, const float *as, s
                 {
                     const size_t ahead = kb0 + XLIN_PF * XLIN_KC, bpb = fp4 ? 16 : 32;
                     const uint8_t *pf = ahead < nkb ? w->q + n * rb + ahead * bpb
-                                        : n + XLIN_COLS < N ? w->q + (n + XLIN_COLS) * rb + (ahead - nkb) * bpb
-                                                            : NULL;
+                                        : n + XLIN_COLS < N
+                                            ? w->q + (n + XLIN_COLS) * rb + (ahead - nkb) * bpb
+                                            : NULL;
                     if (pf) {
                         _mm_prefetch((const char *)pf, _MM_HINT_T0);
                         _mm_prefetch((const char *)pf + 64, _MM_HINT_T0);
