@@ -59,9 +59,13 @@
  *    same block inputs (the one exception: a double sum of n exact terms is
  *    off by at most n * 2^-53 of its terms' magnitude, which changes the
  *    fp32 result only within that distance of a rounding boundary).
- *    Cost: those linears run at double-precision dot speed; they are
- *    about 1% of a token's multiply-adds at the release shape (114M of
- *    15.7G, plus layer 14's Engram wkv).
+ *    Cost: those linears run at double-precision speed (AVX-512: the
+ *    32-value block sums as double FMAs over tiles of 16 columns, weights
+ *    decoded once per tile into an L1 panel, fast_kernels.h xlin_cols;
+ *    about 4x the bf16 kernels' time per multiply-add, 3-4x at one row);
+ *    they are about 1% of a token's multiply-adds at the release shape
+ *    (114M of 15.7G), plus layer 14's Engram wkv (the bench preset's
+ *    layer 4: 63M, a third of its multiply-adds).
  *  - Routed experts: error e_route = 2^-8 * (1 + |s|) of each selection
  *    score s = sqrt(softplus(z / gate_temp)) + bias, given the same block
  *    input (tests/reference/ds41_ref.py route_error_bound).  Two sources:
