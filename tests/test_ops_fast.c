@@ -718,6 +718,29 @@ static void test_exact_block_rounding(void) {
         }
 }
 
+/* Engram table rows over many rows (the threads' split and the prefetch
+ * ahead): = the reference bit for bit, with every e4m3 code (NaN included)
+ * and scale bytes 0, 1, 254 and 255 among the blocks. */
+static void test_fp8_rows_many(void) {
+    enum { V = 700, ED = 96, N = 300 };
+    static uint8_t ft[V * ED], fs[V * ED / 32];
+    for (int i = 0; i < V * ED; i++) ft[i] = (uint8_t)(i * 7 + i / 96);
+    static const uint8_t sc[] = {120, 127, 0, 1, 254, 255, 131, 100};
+    for (int i = 0; i < V * ED / 32; i++) fs[i] = sc[(i * 5 + i / 3) % 8];
+    static int64_t rows[N];
+    for (int i = 0; i < N; i++) rows[i] = (int64_t)((i * 389 + 11) % V);
+    static float ref[N * ED], got[N * ED];
+    ds41_ops_reference.fp8_rows(&ds41_ops_reference, ft, fs, rows, N, ED, ref);
+    for (int li = 0; li < n_levels; li++) {
+        const ds41_ops *ops = ops_of(li);
+        ops->fp8_rows(ops, ft, fs, rows, N, ED, got);
+        size_t at = 0;
+        TAP_CHECK(same_bits_or_nan(got, ref, (size_t)N * ED, &at),
+                  "%s FP8 table rows: %d random rows of %d (every code, scales 2^-127 .. NaN) = reference",
+                  ds41_cpu_level_name(levels[li]), N, V);
+    }
+}
+
 /* linear_batch = one linear call per member, bit for bit, including
  * members with no rows and members of different kinds and sizes. */
 static void test_linear_batch(void) {
@@ -854,6 +877,7 @@ int main(void) {
     test_fp8_scale_extremes();
     test_exact_linears();
     test_exact_block_rounding();
+    test_fp8_rows_many();
     test_linear_batch();
     test_norms_and_hc();
     test_rope_and_pool();

@@ -817,10 +817,48 @@ static void fast_embed(const ds41_ops *self, const uint16_t *table, const int32_
     ds41_ops_reference.embed(self, table, ids, M, hc, dim, out);
 }
 
+/* Engram table rows: the reference's values (each e4m3 value times its
+ * block's ue8m0 scale, rounded to bf16), rows split over the threads and
+ * each row's lines prefetched a few rows ahead.  The rows are random in a
+ * table of hundreds of MB, so every one is a TLB and a cache miss (costly
+ * under a hypervisor's nested page tables), which a single thread walking
+ * the rows one by one waits out in turn. */
+typedef struct fp8rows_job {
+    const uint8_t *q, *scale;
+    const int64_t *rows;
+    size_t cols;
+    float *out;
+} fp8rows_job;
+
+#define FP8ROWS_AHEAD 8
+
+static void fp8rows_prefetch(const fp8rows_job *j, size_t i) {
+    const size_t cols = j->cols, sc = (cols + 31) / 32;
+    const uint8_t *q = j->q + (size_t)j->rows[i] * cols;
+    for (size_t off = 0; off < cols; off += 64) __builtin_prefetch(q + off);
+    __builtin_prefetch(j->scale + (size_t)j->rows[i] * sc);
+}
+
+static void fp8rows_task(void *p, size_t b, size_t e, int th) {
+    (void)th;
+    const fp8rows_job *j = p;
+    const size_t cols = j->cols, sc = (cols + 31) / 32;
+    for (size_t i = b; i < b + FP8ROWS_AHEAD && i < e; i++) fp8rows_prefetch(j, i);
+    for (size_t i = b; i < e; i++) {
+        if (i + FP8ROWS_AHEAD < e) fp8rows_prefetch(j, i + FP8ROWS_AHEAD);
+        const uint8_t *q = j->q + (size_t)j->rows[i] * cols, *s = j->scale + (size_t)j->rows[i] * sc;
+        float *dst = j->out + i * cols;
+        for (size_t c = 0; c < cols; c++) dst[c] = fast_bf16_round(ds41_e4m3_table[q[c]] * fast_ue8m0(s[c / 32]));
+    }
+}
+
 static void fast_fp8_rows(const ds41_ops *self, const uint8_t *q, const uint8_t *scale, const int64_t *rows,
                           size_t n, size_t cols, float *out) {
-    ctx_of(self)->st.weight_bytes += (uint64_t)n * (cols + (cols + 31) / 32);
-    ds41_ops_reference.fp8_rows(self, q, scale, rows, n, cols, out);
+    fast_ctx *c = ctx_of(self);
+    c->st.weight_bytes += (uint64_t)n * (cols + (cols + 31) / 32);
+    if (n == 0 || cols == 0) return;
+    fp8rows_job j = {.q = q, .scale = scale, .rows = rows, .cols = cols, .out = out};
+    ds41_threadpool_run(c->pool, n, 1 + 8192 / cols, fp8rows_task, &j);
 }
 
 /* Data movement: a copy per row; nothing to gain from threads at the
