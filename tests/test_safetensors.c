@@ -855,6 +855,27 @@ static size_t count_resident(const void *base, size_t len, unsigned char *vec) {
     return n;
 }
 
+/* A checkpoint of the n tensors ds in dir, each filled with its pattern
+ * (a new shard before each marked break_before). */
+static int write_decls(const char *dir, const decl *ds, size_t n, ds41_error *e) {
+    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, e);
+    int rc = w ? 0 : -1;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        if (ds[i].break_before) ds41_checkpoint_writer_break_shard(w);
+        rc = ds41_checkpoint_writer_declare(w, ds[i].name, ds[i].dtype, ds[i].ndim, ds[i].shape, e);
+    }
+    if (rc == 0) rc = ds41_checkpoint_writer_begin(w, e);
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        size_t nb = (size_t)decl_bytes(&ds[i]);
+        uint8_t *b = pattern(ds[i].name, nb);
+        rc = ds41_checkpoint_writer_write(w, ds[i].name, b, nb, e);
+        free(b);
+    }
+    if (rc == 0) rc = ds41_checkpoint_writer_finish(w, e);
+    ds41_checkpoint_writer_free(w);
+    return rc;
+}
+
 static void test_no_payload_read(void) {
     const char *dir = new_dir("resident");
     ds41_error e;
@@ -864,21 +885,7 @@ static void test_no_payload_read(void) {
         {"r.big1", DS41_F32, 2, {512, 1024}, false},   /* 2 MiB */
         {"r.big2", DS41_U8, 1, {3 << 20}, true},       /* 3 MiB, own shard */
     };
-    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, &e);
-    int rc = w ? 0 : -1;
-    for (size_t i = 0; rc == 0 && i < 4; i++) {
-        if (big[i].break_before) ds41_checkpoint_writer_break_shard(w);
-        rc = ds41_checkpoint_writer_declare(w, big[i].name, big[i].dtype, big[i].ndim, big[i].shape, &e);
-    }
-    if (rc == 0) rc = ds41_checkpoint_writer_begin(w, &e);
-    for (size_t i = 0; rc == 0 && i < 4; i++) {
-        size_t n = (size_t)decl_bytes(&big[i]);
-        uint8_t *b = pattern(big[i].name, n);
-        rc = ds41_checkpoint_writer_write(w, big[i].name, b, n, &e);
-        free(b);
-    }
-    if (rc == 0) rc = ds41_checkpoint_writer_finish(w, &e);
-    ds41_checkpoint_writer_free(w);
+    int rc = write_decls(dir, big, 4, &e);
     TAP_CHECK(rc == 0, "writer writes a 7 MiB two-shard checkpoint (%s)", rc ? e.msg : "ok");
     if (rc) return;
 
@@ -988,19 +995,7 @@ static void test_prefault(void) {
         {"p.big", DS41_U8, 1, {4 << 20}, false}, /* 4 MiB */
         {"p.none", DS41_U8, 1, {0}, false},
     };
-    ds41_st_writer *w = ds41_checkpoint_writer_new(dir, 0, &e);
-    int rc = w ? 0 : -1;
-    for (size_t i = 0; rc == 0 && i < 2; i++)
-        rc = ds41_checkpoint_writer_declare(w, ds[i].name, ds[i].dtype, ds[i].ndim, ds[i].shape, &e);
-    if (rc == 0) rc = ds41_checkpoint_writer_begin(w, &e);
-    for (size_t i = 0; rc == 0 && i < 2; i++) {
-        size_t n = (size_t)decl_bytes(&ds[i]);
-        uint8_t *b = pattern(ds[i].name, n);
-        rc = ds41_checkpoint_writer_write(w, ds[i].name, b, n, &e);
-        free(b);
-    }
-    if (rc == 0) rc = ds41_checkpoint_writer_finish(w, &e);
-    ds41_checkpoint_writer_free(w);
+    const int rc = write_decls(dir, ds, 2, &e);
     ds41_checkpoint *c = rc == 0 ? ds41_checkpoint_open(dir, &e) : NULL;
     TAP_CHECK(c != NULL, "prefault: a checkpoint with a 4 MiB tensor opens (%s)", c ? "ok" : e.msg);
     if (!c) return;
